@@ -1,0 +1,111 @@
+"""Pure-jnp reference kernels: the ground truth every Pallas kernel is tested against.
+
+KV pool layout (one layer): ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``.
+The engine's pool is a tuple of per-layer ``(k_cache, v_cache)`` pairs, so each layer's attention
+kernel receives a whole array (no slice of a bigger pool, which XLA would have to copy before a
+custom call) and each layer's K/V write is one in-place scatter into a donated buffer.
+
+A ragged batch of ``S`` sequences carries ``T`` query tokens (padding included):
+  * ``cu_q_lens i32[S+1]``: token ``t`` in ``[cu_q_lens[i], cu_q_lens[i+1])`` belongs to sequence ``i``;
+    tokens at or past ``cu_q_lens[S]`` are padding and produce zeros.
+  * ``kv_lens i32[S]``: tokens of context of sequence ``i`` *including* its new tokens, so the new
+    tokens sit at positions ``kv_lens[i] - q_len .. kv_lens[i] - 1`` (decode: ``q_len == 1``; a prefix
+    hit or a later chunk: ``q_len < kv_len``). Padding sequences have ``q_len == 0``.
+  * ``block_tables i32[S, W]``: logical block ``j`` of sequence ``i`` lives in physical block
+    ``block_tables[i, j]``. Entries past the sequence's last block may hold anything in range.
+Attention is causal: new token at position ``p`` sees keys ``0..p``. Keys at or past ``kv_lens[i]`` are
+never used, even if they hold NaN (blocks are reused without zeroing).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def write_kv_reference(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Writes new K/V rows into their pool slots.
+
+    Args:
+      k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``.
+      k, v: ``[T, Hkv, D]`` new keys / values.
+      slot_mapping: ``i32[T]``, ``block_id * block_size + offset``; ``-1`` (padding) writes nothing.
+    Returns the updated ``(k_cache, v_cache)``; under ``jit`` with the caches donated this is in place.
+    """
+    num_blocks, block_size, hkv, d = k_cache.shape
+    num_slots = num_blocks * block_size
+    # Padding slots point past the end and are dropped by the scatter.
+    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
+    k_flat = k_cache.reshape(num_slots, hkv, d).at[slots].set(k.astype(k_cache.dtype), mode="drop")
+    v_flat = v_cache.reshape(num_slots, hkv, d).at[slots].set(v.astype(v_cache.dtype), mode="drop")
+    return k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape)
+
+
+def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, ...]:
+    """For each of ``num_tokens`` query tokens: its sequence index, its absolute position, validity.
+
+    Returns ``(seq_ids i32[T], positions i32[T], valid bool[T])``.
+    """
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    num_seqs = kv_lens.shape[0]
+    seq_ids = jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1
+    seq_ids = jnp.clip(seq_ids, 0, num_seqs - 1)
+    valid = t < cu_q_lens[num_seqs]
+    q_start = cu_q_lens[seq_ids]
+    q_len = cu_q_lens[seq_ids + 1] - q_start
+    positions = kv_lens[seq_ids] - q_len + (t - q_start)
+    return seq_ids, positions, valid
+
+
+def paged_attention_reference(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    cu_q_lens: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    *,
+    scale: float | None = None,
+) -> jax.Array:
+    """Ragged paged attention, computed token by token with a gather of each token's blocks.
+
+    Args:
+      q: ``[T, Hq, D]`` queries of the new tokens (``Hq`` a multiple of ``Hkv``; query head ``h``
+        reads KV head ``h // (Hq // Hkv)``, Hugging Face's ``repeat_kv`` order).
+      k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, already holding the new tokens' K/V.
+      cu_q_lens, kv_lens, block_tables: see the module docstring.
+      scale: softmax scale, default ``1/sqrt(D)``.
+    Returns ``[T, Hq, D]`` in ``q.dtype``; scores, max and sum in fp32; padding tokens give zeros.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    if scale is None:
+        scale = head_dim**-0.5
+    seq_ids, positions, valid = token_layout(cu_q_lens, kv_lens, num_tokens)
+    tables = block_tables[seq_ids]  # [T, W]
+    width = tables.shape[1]
+    keys = k_cache[tables].reshape(num_tokens, width * block_size, num_kv_heads, head_dim)
+    values = v_cache[tables].reshape(num_tokens, width * block_size, num_kv_heads, head_dim)
+    key_pos = jnp.arange(width * block_size, dtype=jnp.int32)
+    mask = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] < kv_lens[seq_ids][:, None])
+    mask = mask & valid[:, None]  # [T, K]
+    # Stale slots may hold NaN: zero them so that 0 * NaN never reaches the output.
+    keys = jnp.where(mask[:, :, None, None], keys, 0).astype(jnp.float32)
+    values = jnp.where(mask[:, :, None, None], values, 0).astype(jnp.float32)
+    qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("tkgd,tskd->tkgs", qf, keys) * scale
+    scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(scores - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("tkgs,tskd->tkgd", p, values) / jnp.where(denom == 0, 1.0, denom)
+    out = jnp.where(valid[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
