@@ -1,0 +1,137 @@
+"""QwenConfig: the architecture numbers of a Qwen2 / Qwen2.5 / Qwen3 checkpoint, read from config.json.
+
+Qwen2 and Qwen2.5 share ``model_type == "qwen2"`` (q/k/v projections with bias, ``head_dim`` derived
+from the hidden size); Qwen3 is ``"qwen3"`` (no q/k/v bias by default, per-head RMSNorm on q and k,
+an explicit ``head_dim``). Anything else is refused with an error that says what was found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+          "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder or its contents cannot be used; the message says what and where."""
+
+
+def canonical_dtype(dtype: Any) -> str:
+    """Maps user spellings (``"bf16"``, ``jnp.bfloat16``, ...) to ``bfloat16`` / ``float16`` / ``float32``."""
+    name = getattr(dtype, "name", None) or getattr(dtype, "__name__", None) or str(dtype)
+    name = name.replace("torch.", "").replace("jnp.", "").lower()
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}: use one of bfloat16, float16, float32")
+    return DTYPES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenConfig:
+    """Architecture of one Qwen decoder (names follow Hugging Face's config.json)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = True  # q/k/v bias (Qwen2 always; Qwen3 only if attention_bias is set)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    eos_token_id: tuple[int, ...] = ()
+    dtype: str = "bfloat16"  # the checkpoint's storage dtype
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise CheckpointError(
+                f"model_type {self.model_type!r} is not supported: jaxpaged runs Qwen2, Qwen2.5 "
+                f"(model_type 'qwen2') and Qwen3 ('qwen3')")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise CheckpointError(f"config field {name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        return 2 * self.num_hidden_layers * self.kv_size * dtype_bytes
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "QwenConfig":
+        """Builds the config from a parsed config.json, refusing what jaxpaged cannot run."""
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise CheckpointError(
+                f"model_type {model_type!r} is not supported: jaxpaged runs Qwen2, Qwen2.5 "
+                f"(model_type 'qwen2') and Qwen3 ('qwen3')")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise CheckpointError(
+                f"rope scaling {rope_type!r} is not supported (only plain RoPE); config has {rope}")
+        rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+        if raw.get("use_sliding_window", False):
+            raise CheckpointError("use_sliding_window=true is not supported (sliding-window attention)")
+        heads = raw["num_attention_heads"]
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        dtype = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+        if model_type == "qwen2":
+            attention_bias, qk_norm = True, False
+        else:
+            attention_bias, qk_norm = bool(raw.get("attention_bias", False)), True
+        return cls(
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads", heads),
+            head_dim=head_dim,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=raw.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            qk_norm=qk_norm,
+            eos_token_id=eos_ids,
+            dtype=canonical_dtype(dtype),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "QwenConfig":
+        """Reads ``config.json`` from a Hugging Face checkpoint folder."""
+        path = Path(path)
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint folder {str(path)!r} does not exist or is not a folder")
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise CheckpointError(f"{str(path)!r} has no config.json: not a Hugging Face checkpoint folder")
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as err:
+            raise CheckpointError(f"{cfg_file} is not valid JSON: {err}") from err
+        return cls.from_dict(raw)

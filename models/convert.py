@@ -1,0 +1,159 @@
+"""Hugging Face Qwen checkpoint folder -> Flax NNX state, through an explicit name table with shape checks.
+
+Hugging Face stores linear weights ``[out, in]``; jaxpaged stores ``[in, out]`` and fuses q/k/v and
+gate/up into one matrix each, so every entry of the table names the Hugging Face tensors it reads,
+their expected shapes, and how they combine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from .config import CheckpointError, QwenConfig, canonical_dtype
+from .qwen import Qwen
+from .safetensors_io import read_safetensors
+
+_NP_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRule:
+    """One of our parameters: the HF tensors it is built from, their shapes, and the combination."""
+
+    path: tuple[str | int, ...]
+    sources: tuple[tuple[str, tuple[int, ...]], ...]
+    combine: Callable[[list[np.ndarray]], np.ndarray]
+
+
+def _transpose(ts: list[np.ndarray]) -> np.ndarray:
+    return ts[0].T
+
+
+def _concat_rows_then_transpose(ts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(ts, axis=0).T
+
+
+def _concat(ts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(ts, axis=0)
+
+
+def _same(ts: list[np.ndarray]) -> np.ndarray:
+    return ts[0]
+
+
+def name_table(cfg: QwenConfig) -> list[WeightRule]:
+    """Every parameter of ``Qwen(cfg)`` with the Hugging Face tensors (and shapes) it comes from."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.q_size, cfg.kv_size
+    rules = [WeightRule(("embed_tokens",), (("model.embed_tokens.weight", (cfg.vocab_size, h)),), _same),
+             WeightRule(("norm", "weight"), (("model.norm.weight", (h,)),), _same)]
+    if not cfg.tie_word_embeddings:
+        rules.append(WeightRule(("lm_head",), (("lm_head.weight", (cfg.vocab_size, h)),), _transpose))
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        a = p + "self_attn."
+        rules += [
+            WeightRule(("layers", n, "input_layernorm", "weight"), ((p + "input_layernorm.weight", (h,)),), _same),
+            WeightRule(("layers", n, "post_attention_layernorm", "weight"),
+                       ((p + "post_attention_layernorm.weight", (h,)),), _same),
+            WeightRule(("layers", n, "attn", "qkv_proj"),
+                       ((a + "q_proj.weight", (q, h)), (a + "k_proj.weight", (kv, h)), (a + "v_proj.weight", (kv, h))),
+                       _concat_rows_then_transpose),
+            WeightRule(("layers", n, "attn", "o_proj"), ((a + "o_proj.weight", (h, q)),), _transpose),
+            WeightRule(("layers", n, "mlp", "gate_up_proj"),
+                       ((p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h))),
+                       _concat_rows_then_transpose),
+            WeightRule(("layers", n, "mlp", "down_proj"), ((p + "mlp.down_proj.weight", (h, i)),), _transpose),
+        ]
+        if cfg.attention_bias:
+            rules.append(WeightRule(("layers", n, "attn", "qkv_bias"),
+                                    ((a + "q_proj.bias", (q,)), (a + "k_proj.bias", (kv,)), (a + "v_proj.bias", (kv,))),
+                                    _concat))
+        if cfg.qk_norm:
+            rules += [WeightRule(("layers", n, "attn", "q_norm", "weight"), ((a + "q_norm.weight", (d,)),), _same),
+                      WeightRule(("layers", n, "attn", "k_norm", "weight"), ((a + "k_norm.weight", (d,)),), _same)]
+    return rules
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The weight files of a checkpoint: those named by the index file, or every ``*.safetensors``."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names weight files that are missing: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{str(path)!r} has no *.safetensors weight files")
+    return files
+
+
+def read_hf_tensors(path: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint folder, memory-mapped, keyed by Hugging Face name."""
+    tensors: dict[str, np.ndarray] = {}
+    for f in safetensors_files(Path(path)):
+        tensors.update(read_safetensors(f))
+    return tensors
+
+
+def abstract_model(cfg: QwenConfig, dtype: str) -> tuple[nnx.GraphDef, nnx.State]:
+    """Graph definition and shape-only state of ``Qwen(cfg)``, without allocating weights."""
+    model = nnx.eval_shape(lambda: Qwen(cfg, dtype, rngs=nnx.Rngs(0)))
+    return nnx.split(model)
+
+
+def convert_tensors(cfg: QwenConfig, tensors: dict[str, np.ndarray], dtype: str) -> nnx.State:
+    """Builds our state from HF tensors, checking every name and shape; arrays land on the default device."""
+    dtype = canonical_dtype(dtype)
+    _, state = abstract_model(cfg, dtype)
+    pure = state.to_pure_dict()
+    for rule in name_table(cfg):
+        parts = []
+        for name, shape in rule.sources:
+            if name not in tensors:
+                raise CheckpointError(f"tensor {name!r} is missing from the checkpoint")
+            if tuple(tensors[name].shape) != shape:
+                raise CheckpointError(
+                    f"tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {shape} from config.json")
+            parts.append(np.asarray(tensors[name]).astype(_NP_DTYPES[dtype]))
+        node = pure
+        for key in rule.path[:-1]:
+            node = node[key]
+        expected = node[rule.path[-1]].shape
+        value = rule.combine(parts)
+        assert value.shape == expected, (rule.path, value.shape, expected)
+        node[rule.path[-1]] = jnp.asarray(value)
+    state.replace_by_pure_dict(pure)
+    return state
+
+
+def load_hf_checkpoint(path: str | Path, dtype: str | None = None) -> tuple[QwenConfig, nnx.GraphDef, nnx.State]:
+    """Reads a Hugging Face Qwen folder: ``(config, graphdef, state)`` in ``dtype`` (default: the checkpoint's)."""
+    cfg = QwenConfig.from_pretrained(path)
+    dtype = canonical_dtype(dtype or cfg.dtype)
+    state = convert_tensors(cfg, read_hf_tensors(path), dtype)
+    graphdef, _ = abstract_model(cfg, dtype)
+    return cfg, graphdef, state
+
+
+def random_state(cfg: QwenConfig, dtype: str, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
+    """A randomly initialised model (benchmarks at full size without any download)."""
+    model = Qwen(cfg, canonical_dtype(dtype), rngs=nnx.Rngs(seed))
+    return nnx.split(model)
+
+
+def state_dtype(state: nnx.State) -> str:
+    leaves = jax.tree.leaves(state)
+    return str(leaves[0].dtype)

@@ -1,0 +1,151 @@
+"""Flax NNX Qwen2 / Qwen2.5 / Qwen3 decoder whose attention reads and writes the paged KV pool.
+
+One forward call processes a ragged batch of new tokens (prefill chunks and decodes mixed), given as
+flat ``token_ids i32[T]`` and ``positions i32[T]``. Each layer writes its new K/V into the pool at
+``slot_mapping`` and attends through ``attention_fn`` (the Pallas kernel or the jnp reference, same
+signature), so the same model code runs every backend.
+
+Weights are stored ``[in, out]``; q/k/v and gate/up are fused into one matmul each (the converter
+concatenates Hugging Face's separate tensors). Differences between the families:
+  * Qwen2 / Qwen2.5: bias on q/k/v, ``head_dim = hidden / heads``.
+  * Qwen3: per-head RMSNorm on q and k before RoPE, explicit ``head_dim``, no q/k/v bias.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..kernels.metadata import AttentionMetadata
+from .config import QwenConfig
+
+KVPool = tuple[tuple[jax.Array, jax.Array], ...]  # per layer (k_cache, v_cache) [B, bs, Hkv, D]
+AttentionFn = Callable[..., jax.Array]
+WriteKVFn = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, std: float = 0.02) -> nnx.Param:
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Hugging Face's Qwen RMSNorm: normalise in fp32, cast back, then scale by the weight."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """RoPE, rotate-half convention. ``x [T, H, D]``, ``positions i32[T]``; cos/sin built in fp32."""
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos = jnp.cos(emb).astype(x.dtype)[:, None, :]
+    sin = jnp.sin(emb).astype(x.dtype)[:, None, :]
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, size: int, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((size,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+class Attention(nnx.Module):
+    """GQA self-attention over the paged pool: fused qkv, optional q/k norm, RoPE, o-proj."""
+
+    def __init__(self, cfg: QwenConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.qkv_proj = _init(rngs, (cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), dtype)
+        self.qkv_bias = (nnx.Param(jnp.zeros((cfg.q_size + 2 * cfg.kv_size,), dtype))
+                         if cfg.attention_bias else None)
+        self.o_proj = _init(rngs, (cfg.q_size, cfg.hidden_size), dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+
+    def __call__(self, x: jax.Array, positions: jax.Array, kv: tuple[jax.Array, jax.Array],
+                 meta: AttentionMetadata, attention_fn: AttentionFn, write_kv_fn: WriteKVFn):
+        cfg = self.cfg
+        t = x.shape[0]
+        qkv = x @ self.qkv_proj[...]
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias[...]
+        q = qkv[:, : cfg.q_size].reshape(t, cfg.num_attention_heads, cfg.head_dim)
+        k = qkv[:, cfg.q_size: cfg.q_size + cfg.kv_size].reshape(t, cfg.num_key_value_heads, cfg.head_dim)
+        v = qkv[:, cfg.q_size + cfg.kv_size:].reshape(t, cfg.num_key_value_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotary(q, positions, cfg.rope_theta)
+        k = rotary(k, positions, cfg.rope_theta)
+        k_cache, v_cache = write_kv_fn(kv[0], kv[1], k, v, meta.slot_mapping)
+        out = attention_fn(q, k_cache, v_cache, meta.cu_q_lens, meta.kv_lens, meta.block_tables)
+        return out.reshape(t, cfg.q_size).astype(x.dtype) @ self.o_proj[...], (k_cache, v_cache)
+
+
+class MLP(nnx.Module):
+    """SiLU-gated MLP with gate and up fused: ``[H, 2I]`` then ``[I, H]``."""
+
+    def __init__(self, cfg: QwenConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.gate_up_proj = _init(rngs, (cfg.hidden_size, 2 * cfg.intermediate_size), dtype)
+        self.down_proj = _init(rngs, (cfg.intermediate_size, cfg.hidden_size), dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate, up = jnp.split(x @ self.gate_up_proj[...], 2, axis=-1)
+        return (jax.nn.silu(gate) * up) @ self.down_proj[...]
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: QwenConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(self, x, positions, kv, meta, attention_fn, write_kv_fn):
+        h, kv = self.attn(self.input_layernorm(x), positions, kv, meta, attention_fn, write_kv_fn)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv
+
+
+class Qwen(nnx.Module):
+    """The decoder: embed -> layers -> final norm; ``compute_logits`` applies the (tied) LM head."""
+
+    def __init__(self, cfg: QwenConfig, dtype: str | jnp.dtype = "float32", *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(dtype)
+        self.cfg = cfg
+        self.embed_tokens = _init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _init(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+
+    def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_pool: KVPool,
+                 meta: AttentionMetadata, *, attention_fn: AttentionFn,
+                 write_kv_fn: WriteKVFn) -> tuple[jax.Array, KVPool]:
+        """``token_ids, positions i32[T]`` -> final hidden states ``[T, H]`` and the updated pool."""
+        x = self.embed_tokens[...][token_ids]
+        new_pool = []
+        for layer, kv in zip(self.layers, kv_pool):
+            x, kv = layer(x, positions, kv, meta, attention_fn, write_kv_fn)
+            new_pool.append(kv)
+        return self.norm(x), tuple(new_pool)
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """``hidden [N, H]`` -> fp32 logits ``[N, vocab]`` (fp32 accumulation)."""
+        w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        return jnp.matmul(hidden, w, preferred_element_type=jnp.float32)
+
+
+def init_kv_pool(cfg: QwenConfig, num_blocks: int, block_size: int, dtype: str | jnp.dtype) -> KVPool:
+    """A fresh pool: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, Hkv, D]``."""
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_hidden_layers))
