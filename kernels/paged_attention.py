@@ -1,0 +1,303 @@
+"""Ragged paged attention on GPU: one Pallas (Triton lowering) kernel, two launch configurations.
+
+Same contract as :func:`jaxpaged.kernels.reference.paged_attention_reference` (read its module
+docstring): ``q[T, Hq, D]`` new tokens of ``S`` sequences (``cu_q_lens``), ``kv_lens`` including the new
+tokens, pool ``[num_blocks, block_size, Hkv, D]`` read through ``block_tables[S, W]``; causal; padding
+tokens give zeros; keys at or past ``kv_lens`` are never used (stale NaN cannot leak).
+
+How the work is cut (the scheme of vLLM's Triton "unified attention", written for Pallas):
+  * A *query tile* is ``block_q`` consecutive new tokens of one sequence times the ``G = Hq // Hkv``
+    query heads that share one KV head, i.e. ``block_m = block_q * G`` rows (padded up to a power of two,
+    at least 16 for Triton's ``dot``). Every K/V tile loaded from the pool serves all those rows.
+  * Sequence ``i`` owns tiles ``cu_q_lens[i] // block_q + i + j`` for ``j < cdiv(q_len_i, block_q)``;
+    a program finds its sequence by a binary search over ``cu_q_lens`` (no host-side metadata). A
+    virtual sequence ``S`` covers the padding tokens ``[cu_q_lens[S], T)`` and writes their zeros, so
+    every output element is written by exactly one program. Unowned tiles exit at once.
+  * Grid ``(Hkv, num_tiles, num_splits)``: the KV head is the fastest launch axis, so the programs of one
+    sequence read neighbouring bytes of each pool block at the same time.
+  * KV tiles of ``block_k`` tokens (``block_k / block_size`` pool blocks, physical ids gathered from the
+    block table inside the kernel). Tiles entirely at or before the tile's first query position need no
+    mask; only the causal diagonal / the ``kv_len`` tail is masked, and there K and V are zeroed with
+    ``jnp.where`` before any arithmetic. Tiles past the last query position are never loaded.
+  * Decode configuration (``T <= 2 S``): ``block_m = 16``, the context split over ``num_splits``
+    programs (split-K) when the batch is too small to fill the GPU; each split writes a normalised
+    partial output and its log-sum-exp, merged by a few XLA ops. Prefill configuration: ``block_m``
+    64-128, no split, query tiles processed last-first (longest causal rows start first).
+Softmax in base 2 with fp32 scores, running max and sum; ``P`` is cast to the pool dtype for ``P @ V``
+(fp32 pools use full-precision fp32 dots).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+LOG2E = math.log2(math.e)
+_MASKED = -1e30  # initial running max: finite, so fully masked rows give exp2(-inf) = 0, never NaN
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Static launch configuration of :func:`_ragged_attention_call`.
+
+    block_m: query rows per program (power of two >= 16, >= G); ``block_q = block_m // G`` tokens.
+    block_k: KV tokens per inner step (power of two, multiple of the pool's block size, >= 16).
+    num_splits: programs sharing one query tile's context (split-K); 1 writes the final output.
+    reverse_tiles: launch query tiles last-first (prefill load balance).
+    """
+
+    block_m: int
+    block_k: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+    reverse_tiles: bool = False
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _dot(a, b, b_contract: int, precision):
+    """``a [M, K] @ b`` with ``b`` as ``[K, N]`` (``b_contract=0``) or ``[N, K]`` (1); fp32 result."""
+    return lax.dot_general(a, b, (((1,), (b_contract,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _ragged_attention_kernel(
+    cu_ref, kv_lens_ref, tables_ref, q_ref, k_ref, v_ref, *out_refs,
+    scale_log2: float, block_m: int, group: int, block_k: int, num_splits: int,
+    reverse_tiles: bool, precision,
+):
+    """One program: KV head ``program_id(0)``, query tile ``program_id(1)``, split ``program_id(2)``.
+
+    Refs: ``cu_ref i32[S+1]``, ``kv_lens_ref i32[S]``, ``tables_ref i32[S, W]``, ``q_ref [T, Hq, D]``,
+    ``k_ref, v_ref [N, bs, Hkv, D]``; outputs ``o_ref [T, Hq, D]`` (one split) or
+    ``o_ref f32[splits, T, Hq, D]`` and ``lse_ref f32[splits, T, Hq]`` (base-2 log-sum-exp).
+    """
+    num_tokens, _, head_dim = q_ref.shape
+    block_size = k_ref.shape[1]
+    num_seqs = kv_lens_ref.shape[0]
+    width = tables_ref.shape[1]
+    block_q = block_m // group
+    h = pl.program_id(0)
+    tile = pl.program_id(1)
+    if reverse_tiles:
+        tile = pl.num_programs(1) - 1 - tile
+    split = pl.program_id(2)
+
+    # Sequence of this tile: the largest i in [0, S] with cu[i] // block_q + i <= tile (that start is
+    # increasing in i). One vector load of cu_q_lens instead of a chain of dependent scalar loads.
+    idx = lax.broadcasted_iota(jnp.int32, (_next_pow2(num_seqs + 1),), 0)
+    cu = plgpu.load(cu_ref.at[idx], mask=idx <= num_seqs, other=0)
+    owns = (idx <= num_seqs) & (cu // block_q + idx <= tile)
+    seq = jnp.sum(owns.astype(jnp.int32)) - 1
+    is_pad = seq == num_seqs  # the virtual sequence of padding tokens
+    seq_c = jnp.minimum(seq, num_seqs - 1)
+    seq_start = jnp.sum(jnp.where(idx == seq, cu, 0))
+    seq_end = jnp.where(is_pad, num_tokens, jnp.sum(jnp.where(idx == seq + 1, cu, 0)))
+    kv_len = jnp.where(is_pad, 0, kv_lens_ref[seq_c])
+    q_start = seq_start + (tile - (seq_start // block_q + seq)) * block_q
+    first_pos = kv_len - (seq_end - seq_start) + (q_start - seq_start)  # position of token q_start
+
+    rows = lax.broadcasted_iota(jnp.int32, (block_m,), 0)
+    row_tok = q_start + rows // group
+    row_ok = (rows < block_q * group) & (row_tok < seq_end)
+    row_pos = jnp.where(row_ok & ~is_pad, first_pos + rows // group, -1)
+    # Full integer indexers (rows x dims) work both in the Triton lowering and in interpret mode.
+    # Masked-off rows may point past T: they are never accessed on GPU and dropped by the interpreter.
+    dims = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
+    tok_ix = row_tok[:, None]
+    head_ix = (h * group + rows % group)[:, None]
+    q = plgpu.load(q_ref.at[tok_ix, head_ix, dims], mask=row_ok[:, None], other=0)  # [block_m, D]
+
+    last_tok = jnp.minimum(q_start + block_q, seq_end) - 1
+    kv_end = jnp.where(last_tok >= q_start, jnp.minimum(kv_len, first_pos + last_tok - q_start + 1), 0)
+    kv_end = jnp.maximum(kv_end, 0)
+    num_kv_tiles = pl.cdiv(kv_end, block_k)
+    per_split = pl.cdiv(num_kv_tiles, num_splits)
+    t0 = split * per_split
+    t1 = jnp.minimum(t0 + per_split, num_kv_tiles)
+    n_full = jnp.maximum(first_pos + 1, 0) // block_k  # tiles every row sees entirely
+    cols = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+
+    def step(t, carry, masked):
+        acc, m_i, l_i = carry
+        pos = t * block_k + cols
+        blk = jnp.minimum(pos // block_size, width - 1)
+        phys = tables_ref[seq_c, blk]  # [block_k] physical block ids
+        off = pos % block_size
+        k = k_ref[phys[:, None], off[:, None], h, dims]  # [block_k, D]
+        v = v_ref[phys[:, None], off[:, None], h, dims]
+        if masked:
+            kv_ok = (pos < kv_end)[:, None]
+            k = jnp.where(kv_ok, k, jnp.zeros_like(k))
+            v = jnp.where(kv_ok, v, jnp.zeros_like(v))
+        s = _dot(q, k, 1, precision) * scale_log2  # [block_m, block_k] f32
+        if masked:
+            s = jnp.where(pos[None, :] <= row_pos[:, None], s, -jnp.inf)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        pv = _dot(p.astype(v.dtype), v, 0, precision)
+        return acc * alpha[:, None] + pv, m_new, l_new
+
+    carry = (
+        jnp.zeros((block_m, head_dim), jnp.float32),
+        jnp.full((block_m,), _MASKED, jnp.float32),
+        jnp.zeros((block_m,), jnp.float32),
+    )
+    mid = jnp.clip(n_full, t0, t1)
+    carry = lax.fori_loop(t0, mid, functools.partial(step, masked=False), carry)
+    acc, m_i, l_i = lax.fori_loop(mid, t1, functools.partial(step, masked=True), carry)
+
+    has = l_i > 0
+    out = acc / jnp.where(has, l_i, 1.0)[:, None]
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        plgpu.store(o_ref.at[tok_ix, head_ix, dims], out.astype(o_ref.dtype), mask=row_ok[:, None])
+    else:
+        o_ref, lse_ref = out_refs
+        plgpu.store(o_ref.at[split, tok_ix, head_ix, dims], out, mask=row_ok[:, None])
+        lse = jnp.where(has, m_i + jnp.log2(jnp.where(has, l_i, 1.0)), -jnp.inf)
+        plgpu.store(lse_ref.at[split, row_tok, head_ix[:, 0]], lse, mask=row_ok)
+
+
+def _ragged_attention_call(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, *, scale: float,
+                           config: AttentionConfig, interpret: bool):
+    """pallas_call wrapper. Returns ``[T, Hq, D]`` (one split) or ``(o f32[P,T,Hq,D], lse f32[P,T,Hq])``."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    num_seqs = kv_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    block_q = config.block_m // group
+    num_tiles = pl.cdiv(num_tokens, block_q) + num_seqs + 1
+    splits = config.num_splits
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((splits, *q.shape), jnp.float32),
+            jax.ShapeDtypeStruct((splits, num_tokens, num_q_heads), jnp.float32),
+        )
+    precision = lax.Precision.HIGHEST if k_cache.dtype == jnp.float32 else None
+    kernel = functools.partial(
+        _ragged_attention_kernel, scale_log2=scale * LOG2E, block_m=config.block_m, group=group,
+        block_k=config.block_k, num_splits=splits, reverse_tiles=config.reverse_tiles,
+        precision=precision,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(num_kv_heads, num_tiles, splits),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name=f"ragged_paged_attention_m{config.block_m}_k{config.block_k}_p{splits}",
+    )(cu_q_lens, kv_lens, block_tables, q, k_cache, v_cache)
+
+
+def merge_splits(o: jax.Array, lse: jax.Array, dtype) -> jax.Array:
+    """Merges split-K partials ``o f32[P, T, Hq, D]``, ``lse f32[P, T, Hq]`` (base 2) -> ``[T, Hq, D]``."""
+    lse_max = jnp.max(lse, axis=0)
+    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+    w = jnp.exp2(lse - lse_max[None])  # 0 for empty splits
+    denom = jnp.sum(w, axis=0)
+    out = jnp.sum(o * w[..., None], axis=0) / jnp.where(denom == 0, 1.0, denom)[..., None]
+    return out.astype(dtype)
+
+
+def choose_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int,
+                  block_size: int, max_context: int, num_cores: int = 132) -> AttentionConfig:
+    """Static heuristic: decode configuration when ``T <= 2 S``, prefill configuration otherwise."""
+    group = num_q_heads // num_kv_heads
+    if num_tokens <= 2 * num_seqs:
+        block_m = max(16, _next_pow2(group))
+        block_k = max(64, block_size)
+        ctx_tiles = pl.cdiv(max_context, block_k)
+        programs = num_seqs * num_kv_heads
+        splits = min(32, ctx_tiles, max(1, pl.cdiv(2 * num_cores, programs)))
+        splits = _next_pow2(splits) if splits > 1 else 1
+        return AttentionConfig(block_m, block_k, min(splits, 32), num_warps=4, num_stages=3)
+    block_m = max(128 if num_tokens >= 1024 else 64, _next_pow2(group))
+    return AttentionConfig(block_m, max(64, block_size), 1, num_warps=8 if block_m >= 128 else 4,
+                           num_stages=2, reverse_tiles=True)
+
+
+def _validate(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables):
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, Hkv, D]; got "
+                         f"{k_cache.shape} and {v_cache.shape}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache and v_cache dtypes differ: {k_cache.dtype} vs {v_cache.dtype}")
+    num_q_heads, head_dim = q.shape[1:]
+    _, block_size, num_kv_heads, d = k_cache.shape
+    if d != head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) != head_dim of the pool ({d})")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    for name, n in (("head_dim", head_dim), ("block_size", block_size)):
+        if n & (n - 1) or n < 8:
+            raise ValueError(f"{name} must be a power of two >= 8 (Triton tiles), got {n}")
+    num_seqs = kv_lens.shape[0] if kv_lens.ndim == 1 else -1
+    if num_seqs < 1 or cu_q_lens.shape != (num_seqs + 1,) or block_tables.ndim != 2 \
+            or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"need cu_q_lens i32[S+1], kv_lens i32[S], block_tables i32[S, W]; got "
+                         f"{cu_q_lens.shape}, {kv_lens.shape}, {block_tables.shape}")
+    for name, a in (("cu_q_lens", cu_q_lens), ("kv_lens", kv_lens), ("block_tables", block_tables)):
+        if a.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {a.dtype}")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config"))
+def paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    cu_q_lens: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    *,
+    scale: float | None = None,
+    interpret: bool = False,
+    config: AttentionConfig | None = None,
+) -> jax.Array:
+    """Ragged paged attention (decode and prefill with cached prefix) with Pallas on GPU.
+
+    Args:
+      q: ``[T, Hq, D]``; k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` (bf16 or fp32);
+      cu_q_lens ``i32[S+1]``, kv_lens ``i32[S]``, block_tables ``i32[S, W]``: as in the reference.
+      scale: softmax scale, default ``1/sqrt(D)``.
+      interpret: run the kernel in Pallas interpret mode (CPU tests).
+      config: launch configuration; default :func:`choose_config` from the static shapes.
+    Returns ``[T, Hq, D]`` in ``q.dtype``; zeros for padding tokens.
+    """
+    _validate(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables)
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if scale is None:
+        scale = head_dim**-0.5
+    if config is None:
+        config = choose_config(num_tokens, kv_lens.shape[0], num_q_heads, num_kv_heads, block_size,
+                               block_tables.shape[1] * block_size)
+    group = num_q_heads // num_kv_heads
+    if config.block_m < max(16, group) or config.block_m & (config.block_m - 1):
+        raise ValueError(f"block_m={config.block_m} must be a power of two >= max(16, G={group})")
+    if config.block_k < max(16, block_size) or config.block_k % block_size or \
+            config.block_k & (config.block_k - 1):
+        raise ValueError(f"block_k={config.block_k} must be a power of two multiple of "
+                         f"block_size={block_size} and >= 16")
+    res = _ragged_attention_call(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables,
+                                 scale=float(scale), config=config, interpret=interpret)
+    if config.num_splits == 1:
+        return res
+    return merge_splits(*res, q.dtype)
