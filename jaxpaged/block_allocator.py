@@ -1,0 +1,199 @@
+"""Physical KV block allocator: free list, ref counts, and an LRU pool of cached blocks.
+
+Every physical block of the KV pool is in exactly one of three states:
+
+* ``FREE``: on the free list, holds nothing anyone can find; handed out first.
+* ``REFERENCED``: ``ref_count >= 1``, held by that many block tables.
+* ``CACHED``: ``ref_count == 0`` but its (full) contents are still registered in the prefix trie, so a
+  later request with the same prefix can take it back (``incref``) without recomputing. These blocks
+  sit in an LRU pool and are evicted, least recently released first, only once the free list is empty.
+
+A block becomes "cached" when the prefix trie registers it (``mark_cached``) while it is referenced;
+when its last holder releases it, it moves to the LRU pool instead of the free list. Evicting it
+notifies the trie through ``on_evict`` so no stale trie node can hand the reused block out again.
+
+Every operation is O(1) per block: a deque for the free list, an ``OrderedDict`` for the LRU pool.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict, deque
+from typing import Callable, Iterable
+
+
+class OutOfBlocksError(RuntimeError):
+    """Raised when an allocation asks for more blocks than are free plus evictable."""
+
+
+class BlockStateError(RuntimeError):
+    """Raised when an operation does not fit a block's state (a bug in the caller)."""
+
+
+class DoubleFreeError(BlockStateError):
+    """Raised when a block (or a request's blocks) is released more often than it was taken."""
+
+
+class BlockState(enum.Enum):
+    FREE = "free"
+    REFERENCED = "referenced"
+    CACHED = "cached"  # unreferenced, in the LRU pool, still findable through the prefix trie
+
+
+def check_block_size(block_size: int) -> int:
+    """Returns ``block_size`` if it is a positive power of two, else raises ``ValueError``.
+
+    Powers of two keep ``slot // block_size`` a shift and match the kernels' tile shapes.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 or (
+        block_size & (block_size - 1)
+    ):
+        raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
+    return block_size
+
+
+class BlockAllocator:
+    """Hands out physical block ids of a pool of ``num_blocks`` blocks of ``block_size`` token slots.
+
+    ``on_evict(block_id)`` is called when an unreferenced cached block is reclaimed, before it is handed
+    out again; it returns the ids of any other blocks that stopped being findable as a consequence
+    (descendants detached from the trie; normally none), which this allocator then uncaches.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        on_evict: Callable[[int], Iterable[int] | None] | None = None,
+    ) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.block_size = check_block_size(block_size)
+        self.on_evict = on_evict
+        self._ref_counts: list[int] = [0] * num_blocks
+        self._cached: list[bool] = [False] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._lru: OrderedDict[int, None] = OrderedDict()  # oldest release first
+        self.num_evictions = 0
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks on the free list (hold nothing findable)."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Unreferenced blocks that still hold a cached prefix (the LRU pool)."""
+        return len(self._lru)
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks ``allocate`` can hand out now: free plus evictable."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one block table."""
+        return self.num_blocks - len(self._free) - len(self._lru)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def is_cached(self, block_id: int) -> bool:
+        """True if the prefix trie holds this block (referenced or in the LRU pool)."""
+        return self._cached[block_id]
+
+    def is_evictable(self, block_id: int) -> bool:
+        """True if the block sits unreferenced in the LRU pool."""
+        return block_id in self._lru
+
+    def state(self, block_id: int) -> BlockState:
+        if self._ref_counts[block_id] > 0:
+            return BlockState.REFERENCED
+        return BlockState.CACHED if self._cached[block_id] else BlockState.FREE
+
+    def free_block_ids(self) -> list[int]:
+        return list(self._free)
+
+    def evictable_block_ids(self) -> list[int]:
+        """The LRU pool, least recently released first (the eviction order)."""
+        return list(self._lru)
+
+    # ---- allocation ----------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """Returns ``n`` block ids with ``ref_count == 1``; free list first, then LRU eviction.
+
+        All or nothing: raises ``OutOfBlocksError`` without touching any state if fewer than ``n``
+        blocks are free plus evictable.
+        """
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        if n > len(self._free) + len(self._lru):
+            raise OutOfBlocksError(
+                f"need {n} blocks, only {len(self._free)} free + {len(self._lru)} evictable "
+                f"of {self.num_blocks}"
+            )
+        out: list[int] = []
+        free, refs = self._free, self._ref_counts
+        while len(out) < n:
+            if not free:
+                self._evict_lru()
+                continue
+            block_id = free.popleft()
+            refs[block_id] = 1
+            out.append(block_id)
+        return out
+
+    def _evict_lru(self) -> None:
+        block_id, _ = self._lru.popitem(last=False)
+        self._cached[block_id] = False
+        self.num_evictions += 1
+        detached = self.on_evict(block_id) if self.on_evict is not None else None
+        self._free.append(block_id)
+        for other in detached or ():
+            self.uncache(other)
+
+    def incref(self, block_id: int) -> None:
+        """Adds a holder. A cached block in the LRU pool is taken back out of it (a prefix hit)."""
+        refs = self._ref_counts
+        if refs[block_id] == 0:
+            if not self._cached[block_id]:
+                raise BlockStateError(f"incref of free block {block_id}: allocate it first")
+            del self._lru[block_id]
+        refs[block_id] += 1
+
+    def decref(self, block_id: int) -> None:
+        """Drops a holder; at zero a cached block joins the LRU pool, any other the free list."""
+        refs = self._ref_counts
+        count = refs[block_id]
+        if count <= 0:
+            raise DoubleFreeError(f"block {block_id} released more often than it was taken")
+        refs[block_id] = count - 1
+        if count == 1:
+            if self._cached[block_id]:
+                self._lru[block_id] = None  # most recently released: evicted last
+            else:
+                self._free.append(block_id)
+
+    def free(self, block_ids: list[int]) -> None:
+        """Releases a block table's blocks, tail first, so a sequence's deepest blocks evict first."""
+        for block_id in reversed(block_ids):
+            self.decref(block_id)
+
+    # ---- cache registration --------------------------------------------------------------------
+    def mark_cached(self, block_id: int) -> None:
+        """Registers a referenced block as holding a cached prefix (called on trie insert)."""
+        if self._ref_counts[block_id] == 0:
+            raise BlockStateError(f"only a referenced block can be cached, block {block_id} is not")
+        self._cached[block_id] = True
+
+    def uncache(self, block_id: int) -> None:
+        """The trie dropped this block: an unreferenced one goes to the free list at once."""
+        if not self._cached[block_id]:
+            return
+        self._cached[block_id] = False
+        if self._ref_counts[block_id] == 0:
+            del self._lru[block_id]
+            self._free.append(block_id)
