@@ -1,0 +1,89 @@
+"""StepInputs: one scheduled step as device arrays, padded to shape buckets so XLA compiles few shapes.
+
+A step is a list of ``(sequence, num_new_tokens)``: decodes (1 new token) and prefill chunks mixed, in
+the scheduler's order. Token ``t`` of the step belongs to one sequence; its K/V go to
+``slot_mapping[t]``; each sequence's last new token is where its logits are taken
+(``logits_indices``). Padding tokens write nowhere (slot -1) and padding sequences have no tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from .kernels.metadata import AttentionMetadata
+from .sequence import Sequence, block_tables, slot_mapping_batch
+
+MIN_TOKENS, MIN_SEQS, MIN_WIDTH = 16, 8, 4
+
+
+def bucket(n: int, minimum: int) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """Device inputs of one step (``T`` padded tokens, ``S`` padded sequences).
+
+    token_ids, positions: ``i32[T]``. meta: ``AttentionMetadata`` (slot mapping, lengths, tables).
+    logits_indices: ``i32[S]`` token index whose logits sample sequence ``i``.
+    temperature, top_p: ``f32[S]``; top_k: ``i32[S]``; seeds: ``u32[S]``; counters: ``i32[S]`` tokens
+    generated so far (the per-request PRNG stream position).
+    """
+
+    token_ids: jax.Array
+    positions: jax.Array
+    meta: AttentionMetadata
+    logits_indices: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seeds: jax.Array
+    counters: jax.Array
+
+
+def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int) -> StepInputs:
+    """Numpy arrays for ``scheduled`` (host side, no per-token Python loops), padded to buckets."""
+    seqs = [s for s, _ in scheduled]
+    num_new = np.fromiter((n for _, n in scheduled), np.int32, len(scheduled))
+    start = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, len(seqs))
+    num_tokens, num_seqs = int(num_new.sum()), len(seqs)
+    t_pad, s_pad = bucket(num_tokens, MIN_TOKENS), bucket(num_seqs, MIN_SEQS)
+    width = bucket(max((len(s.block_table) for s in seqs), default=1), MIN_WIDTH)
+
+    cu = np.zeros(s_pad + 1, np.int32)
+    cu[1: num_seqs + 1] = np.cumsum(num_new)
+    cu[num_seqs + 1:] = num_tokens
+    seq_idx = np.repeat(np.arange(num_seqs, dtype=np.int32), num_new)
+    positions = np.zeros(t_pad, np.int32)
+    positions[:num_tokens] = np.arange(num_tokens, dtype=np.int32) - cu[seq_idx] + start[seq_idx]
+    token_ids = np.zeros(t_pad, np.int32)
+    token_ids[:num_tokens] = np.concatenate(
+        [np.asarray(s.token_ids[c: c + n], np.int32) for s, c, n in zip(seqs, start, num_new)]) \
+        if num_seqs else np.zeros(0, np.int32)
+    tables = np.zeros((s_pad, width), np.int32)
+    tables[:num_seqs] = block_tables(seqs, width)
+    slots = np.full(t_pad, -1, np.int32)
+    slots[:num_tokens] = slot_mapping_batch(tables, seq_idx, positions[:num_tokens], block_size)
+    kv_lens = np.zeros(s_pad, np.int32)
+    kv_lens[:num_seqs] = start + num_new
+    logits_indices = np.zeros(s_pad, np.int32)
+    logits_indices[:num_seqs] = cu[1: num_seqs + 1] - 1
+
+    temperature = np.zeros(s_pad, np.float32)
+    top_k = np.full(s_pad, -1, np.int32)
+    top_p = np.ones(s_pad, np.float32)
+    seeds = np.zeros(s_pad, np.uint32)
+    counters = np.zeros(s_pad, np.int32)
+    for i, s in enumerate(seqs):
+        sp = s.sampling_params
+        temperature[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
+        seeds[i] = (sp.seed or 0) & 0xFFFFFFFF
+        counters[i] = s.num_output_tokens
+    meta = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv_lens, block_tables=tables)
+    return StepInputs(token_ids=token_ids, positions=positions, meta=meta, logits_indices=logits_indices,
+                      temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, counters=counters)

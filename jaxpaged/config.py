@@ -1,0 +1,69 @@
+"""EngineConfig: every engine knob in one frozen dataclass, validated when it is made."""
+
+from __future__ import annotations
+
+import dataclasses
+
+ATTENTION_BACKENDS = ("auto", "pallas", "reference")
+RESERVATIONS = ("paged", "max_len")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine configuration (vLLM names).
+
+    block_size: tokens per KV block (a power of two).
+    num_blocks: KV pool size in blocks; ``None`` sizes it from ``memory_fraction`` of the device
+      memory left after the weights.
+    max_num_seqs: sequences in one step (decode batch size).
+    max_num_batched_tokens: new tokens in one step (the prefill budget; long prompts are chunked).
+    max_model_len: prompt + generated tokens per request; ``None`` = the model's
+      ``max_position_embeddings`` capped at 8192.
+    enable_prefix_caching: reuse full blocks of earlier prompts (token-exact prefix trie).
+    reservation: ``paged`` (blocks on demand) or ``max_len`` (reserve ``max_model_len`` at admission).
+    dtype: weights and KV pool dtype. attention_backend: ``auto`` (Pallas on GPU), ``pallas``, ``reference``.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_fraction: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    reservation: str = "paged"
+    dtype: str = "bfloat16"
+    attention_backend: str = "auto"
+    seed: int = 0
+    event_log: bool = False
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        if not isinstance(bs, int) or bs <= 0 or bs & (bs - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {bs!r}")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
+            raise ValueError(f"num_blocks must be a positive integer or None, got {self.num_blocks!r}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
+        if self.reservation not in RESERVATIONS:
+            raise ValueError(f"reservation must be one of {RESERVATIONS}, got {self.reservation!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if not self.enable_chunked_prefill and self.max_model_len is not None \
+                and self.max_model_len > self.max_num_batched_tokens:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+
+    def resolved_max_model_len(self, max_position_embeddings: int) -> int:
+        if self.max_model_len is None:
+            return min(max_position_embeddings, 8192)
+        if self.max_model_len > max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {max_position_embeddings}")
+        return self.max_model_len

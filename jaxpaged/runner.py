@@ -1,0 +1,66 @@
+"""The jitted step: ``(state, kv_pool, inputs) -> (tokens, kv_pool)``, with the KV pool donated.
+
+Everything the device does in one engine iteration is one XLA program: embed, every layer (K/V
+written in place into the donated pool, paged attention), the final norm, logits only at the
+sampled positions, and sampling. The graph definition and the attention functions are fixed per
+``ModelRunner``, so they are closed over; weights and pool are arguments (never constants).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .batch import StepInputs
+from .kernels.backend import get_attention_fn, get_kv_write_fn
+from .models.qwen import KVPool
+from .sampling import sample
+
+
+def make_step_fn(graphdef: nnx.GraphDef, attention_fn: Callable, write_kv_fn: Callable) -> Callable:
+    """The pure step function (not jitted): used by ``ModelRunner`` and by HLO inspection tests."""
+
+    def step(state: nnx.State, kv_pool: KVPool, inputs: StepInputs) -> tuple[jax.Array, KVPool]:
+        model = nnx.merge(graphdef, state)
+        hidden, kv_pool = model(inputs.token_ids, inputs.positions, kv_pool, inputs.meta,
+                                attention_fn=attention_fn, write_kv_fn=write_kv_fn)
+        logits = model.compute_logits(hidden[inputs.logits_indices])  # [S, V] fp32
+        tokens = sample(logits, inputs.temperature, inputs.top_k, inputs.top_p, inputs.seeds, inputs.counters)
+        return tokens, kv_pool
+
+    return step
+
+
+class ModelRunner:
+    """Owns the jitted step for one model and attention backend; counts compilations."""
+
+    def __init__(self, graphdef: nnx.GraphDef, attention_backend: str = "auto"):
+        self.attention_backend = attention_backend
+        step = make_step_fn(graphdef, get_attention_fn(attention_backend), get_kv_write_fn(attention_backend))
+        self._step = jax.jit(step, donate_argnums=(1,))
+        self._shapes_seen: set[tuple] = set()
+        self.compile_seconds = 0.0
+
+    def step(self, state: nnx.State, kv_pool: KVPool, inputs: StepInputs) -> tuple[jax.Array, KVPool]:
+        """Runs one step; the first call for a new shape bucket compiles (its time is recorded)."""
+        shape_key = (inputs.token_ids.shape, inputs.meta.block_tables.shape)
+        if shape_key not in self._shapes_seen:
+            t0 = time.perf_counter()
+            tokens, kv_pool = self._step(state, kv_pool, inputs)
+            tokens.block_until_ready()
+            self.compile_seconds += time.perf_counter() - t0
+            self._shapes_seen.add(shape_key)
+            return tokens, kv_pool
+        return self._step(state, kv_pool, inputs)
+
+    @property
+    def num_compiled_shapes(self) -> int:
+        return len(self._shapes_seen)
+
+    def lower_text(self, state: nnx.State, kv_pool: KVPool, inputs: StepInputs) -> str:
+        """Compiled HLO of the step for ``inputs``' shapes (to check that the pool is never copied)."""
+        return self._step.lower(state, kv_pool, inputs).compile().as_text()

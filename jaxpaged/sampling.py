@@ -1,0 +1,82 @@
+"""SamplingParams (vLLM's names and defaults) and the device sampler used inside the jitted step.
+
+Randomness is per request: the key of request ``r`` at its ``n``-th generated token is
+``fold_in(PRNGKey(seed_r), n)``, so a request with a seed yields the same tokens whatever else is
+batched with it. Requests without a seed get one drawn from the engine's generator at submission.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop. ``temperature == 0`` is greedy."""
+
+    temperature: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k filter
+    top_p: float = 1.0
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ``ValueError`` naming the field for any value the sampler cannot honour."""
+        t = self.temperature
+        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {t!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {p!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"SamplingParams.seed must be a non-negative integer or None, got {self.seed!r}")
+        if self.stop_token_ids is not None and not all(isinstance(x, int) for x in self.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+
+
+def _filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Masks logits outside each row's top-k and top-p nucleus to -inf. ``logits f32[S, V]``."""
+    vocab = logits.shape[-1]
+    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # descending
+    k = jnp.where(top_k <= 0, vocab, jnp.minimum(top_k, vocab))
+    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    cum = jnp.cumsum(probs, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    keep_sorted = (cum - probs) < top_p[:, None]
+    num_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
+    pth = jnp.take_along_axis(sorted_logits, (num_keep - 1)[:, None], axis=-1)
+    threshold = jnp.maximum(kth, pth)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+           seeds: jax.Array, counters: jax.Array) -> jax.Array:
+    """Picks one token per row. ``logits f32[S, V]``; per-row ``temperature f32``, ``top_k i32``,
+    ``top_p f32``, ``seeds u32``, ``counters i32`` (tokens generated so far). Returns ``i32[S]``.
+
+    Gumbel-max sampling from ``softmax(logits / T)``; rows with ``T == 0`` take the argmax. The
+    sort for top-k / top-p runs only when some row asks for it.
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
+    scaled = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda l, k, p: l, scaled, top_k, top_p)
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
+    sampled = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)

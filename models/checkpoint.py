@@ -1,0 +1,102 @@
+"""load_params: a Hugging Face Qwen folder -> converted params, cached with Orbax so the second load is fast.
+
+The cache key covers the folder's absolute path, config.json's contents, each weight file's size and
+modification time, the dtype and the converter's version, so a changed checkpoint is never served
+stale. The cache lives in ``$JAXPAGED_CACHE`` (default ``~/.cache/jaxpaged``)/params/<key>.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from .config import QwenConfig, canonical_dtype
+from .convert import abstract_model, convert_tensors, read_hf_tensors, safetensors_files
+
+CONVERTER_VERSION = "1"
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ModelParams:
+    """Everything needed to run a model: architecture, NNX graph definition and weights (``state``)."""
+
+    config: QwenConfig
+    graphdef: nnx.GraphDef
+    state: nnx.State
+    dtype: str
+    path: Path | None = None
+    from_cache: bool = False
+
+    @property
+    def num_params(self) -> int:
+        return sum(x.size for x in jax.tree.leaves(self.state))
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("JAXPAGED_CACHE", Path.home() / ".cache" / "jaxpaged"))
+
+
+def cache_key(path: Path, dtype: str) -> str:
+    """Hash of what determines the converted params (see the module docstring)."""
+    h = hashlib.sha256()
+    h.update(str(path.resolve()).encode())
+    h.update((path / "config.json").read_bytes())
+    for f in safetensors_files(path):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    h.update(f"{dtype}:{CONVERTER_VERSION}".encode())
+    return h.hexdigest()[:24]
+
+
+def save_state(directory: Path, state: nnx.State) -> None:
+    """Writes the state with Orbax (atomically: into a temporary folder, then renamed)."""
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp.resolve(), nnx.to_pure_dict(state))
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.rename(directory)
+
+
+def restore_state(directory: Path, abstract_state: nnx.State) -> nnx.State:
+    """Reads a state saved by ``save_state`` into the shapes/dtypes of ``abstract_state``."""
+    target = nnx.to_pure_dict(abstract_state)
+    with ocp.StandardCheckpointer() as ckptr:
+        pure = ckptr.restore(directory.resolve(), target)
+    nnx.replace_by_pure_dict(abstract_state, pure)
+    return abstract_state
+
+
+def load_params(path: str | Path, dtype: str | None = None, *, cache_dir: str | Path | None = None,
+                use_cache: bool = True) -> ModelParams:
+    """Loads a Qwen2 / Qwen2.5 / Qwen3 Hugging Face folder as params in ``dtype`` (default: checkpoint's).
+
+    The first load converts the safetensors and saves an Orbax copy; later loads restore that copy.
+    """
+    path = Path(path)
+    cfg = QwenConfig.from_pretrained(path)
+    dtype = canonical_dtype(dtype or cfg.dtype)
+    graphdef, abstract_state = abstract_model(cfg, dtype)
+    cached = None
+    if use_cache:
+        cached = Path(cache_dir or default_cache_dir()) / "params" / cache_key(path, dtype)
+        if cached.is_dir():
+            try:
+                state = restore_state(cached, abstract_state)
+                return ModelParams(cfg, graphdef, state, dtype, path, from_cache=True)
+            except Exception as err:  # a damaged cache is rebuilt, never fatal
+                log.warning("param cache %s unreadable (%s); converting again", cached, err)
+    state = convert_tensors(cfg, read_hf_tensors(path), dtype)
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        save_state(cached, state)
+    return ModelParams(cfg, graphdef, state, dtype, path, from_cache=False)

@@ -1,0 +1,128 @@
+"""Checkpoint loading: conversion, sharded files, the Orbax cache, and errors a user can act on."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpaged.models.checkpoint import load_params
+from jaxpaged.models.config import CheckpointError, QwenConfig, canonical_dtype
+from jaxpaged.models.convert import load_hf_checkpoint, read_hf_tensors
+from jaxpaged.models.safetensors_io import read_safetensors, write_safetensors
+from jaxpaged.models.tiny import tiny_checkpoint_path, write_tiny_checkpoint
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    dest = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint_path("qwen2"), dest)
+    return dest
+
+
+def edit_config(path, **changes):
+    raw = json.loads((path / "config.json").read_text())
+    raw.update(changes)
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+def test_written_checkpoint_loads_and_tokenizes(tmp_path):
+    import tokenizers
+
+    path = write_tiny_checkpoint(tmp_path / "q3", "qwen3", seed=5)
+    cfg, _, state = load_hf_checkpoint(path)
+    assert cfg.model_type == "qwen3" and cfg.qk_norm and cfg.tie_word_embeddings
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))
+    tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    text = "Prefix caching, 2026! ünïcode"
+    assert tok.decode(tok.encode(text).ids) == text
+
+
+def test_sharded_checkpoint_with_index(ckpt):
+    tensors = {k: np.array(v) for k, v in read_safetensors(ckpt / "model.safetensors").items()}
+    names = sorted(tensors)
+    (ckpt / "model.safetensors").unlink()
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for fname, keys in shards.items():
+        write_safetensors(ckpt / fname, {k: tensors[k] for k in keys})
+    index = {"weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    loaded = read_hf_tensors(ckpt)
+    assert set(loaded) == set(tensors)
+    _, _, a = load_hf_checkpoint(ckpt)
+    _, _, b = load_hf_checkpoint(tiny_checkpoint_path("qwen2"))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_orbax_cache_round_trip(ckpt, tmp_path):
+    first = load_params(ckpt, cache_dir=tmp_path / "cache")
+    second = load_params(ckpt, cache_dir=tmp_path / "cache")
+    assert not first.from_cache and second.from_cache
+    for x, y in zip(jax.tree.leaves(first.state), jax.tree.leaves(second.state)):
+        np.testing.assert_array_equal(x, y)
+    bf16 = load_params(ckpt, "bf16", cache_dir=tmp_path / "cache")
+    assert not bf16.from_cache and jax.tree.leaves(bf16.state)[0].dtype == "bfloat16"
+    # A changed checkpoint is converted again, never served stale.
+    edit_config(ckpt, rms_norm_eps=1e-5)
+    assert not load_params(ckpt, cache_dir=tmp_path / "cache").from_cache
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_params(tmp_path, use_cache=False)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_params(tmp_path / "nope", use_cache=False)
+
+
+def test_not_qwen(ckpt):
+    edit_config(ckpt, model_type="llama")
+    with pytest.raises(CheckpointError, match="'llama' is not supported"):
+        load_params(ckpt, use_cache=False)
+
+
+def test_unsupported_rope_scaling(ckpt):
+    edit_config(ckpt, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(CheckpointError, match="rope scaling 'yarn'"):
+        load_params(ckpt, use_cache=False)
+
+
+def test_rope_parameters_theta_is_read():
+    raw = json.loads((tiny_checkpoint_path("qwen3") / "config.json").read_text())
+    raw.pop("rope_theta")
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e5}
+    assert QwenConfig.from_dict(raw).rope_theta == 5e5
+
+
+def test_missing_tensor(ckpt):
+    tensors = {k: np.array(v) for k, v in read_safetensors(ckpt / "model.safetensors").items()}
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    write_safetensors(ckpt / "model.safetensors", tensors)
+    with pytest.raises(CheckpointError, match="'model.layers.1.mlp.up_proj.weight' is missing"):
+        load_params(ckpt, use_cache=False)
+
+
+def test_misshapen_tensor_names_both_shapes(ckpt):
+    tensors = {k: np.array(v) for k, v in read_safetensors(ckpt / "model.safetensors").items()}
+    tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((63, 128), np.float32)
+    write_safetensors(ckpt / "model.safetensors", tensors)
+    with pytest.raises(CheckpointError, match=r"k_proj.weight' has shape \(63, 128\), expected \(64, 128\)"):
+        load_params(ckpt, use_cache=False)
+
+
+def test_bad_dtype(ckpt):
+    with pytest.raises(ValueError, match="unsupported dtype 'int8'"):
+        load_params(ckpt, "int8", use_cache=False)
+    assert canonical_dtype("bf16") == "bfloat16" and canonical_dtype(np.float32) == "float32"
+
+
+def test_safetensors_bf16_round_trip(tmp_path):
+    import ml_dtypes
+
+    x = np.random.default_rng(0).standard_normal((3, 5)).astype(ml_dtypes.bfloat16)
+    write_safetensors(tmp_path / "a.safetensors", {"x": x})
+    np.testing.assert_array_equal(read_safetensors(tmp_path / "a.safetensors")["x"], x)
