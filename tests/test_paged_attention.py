@@ -1,0 +1,143 @@
+"""Pallas ragged paged attention (interpret mode on CPU) against the reference; KV write; backend switch.
+
+Every case draws fresh random inputs, places blocks in random physical order and fills every unused
+pool slot (spare blocks and the tails of partial blocks) with NaN, so a read past ``kv_lens`` shows up.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged.kernels import backend
+from jaxpaged.kernels.kv_write import write_kv, write_kv_donated
+from jaxpaged.kernels.paged_attention import AttentionConfig, choose_config, paged_attention
+from jaxpaged.kernels.reference import paged_attention_reference, write_kv_reference
+from test_reference import random_batch
+
+TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def run_case(seed, q_lens, kv_lens, bs, hq, hkv, d, dtype, config=None):
+    rng = np.random.default_rng(seed)
+    q, k, v, cu, kl, tables = random_batch(rng, q_lens, kv_lens, bs, hq, hkv, d)
+    args = (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(cu),
+            jnp.asarray(kl), jnp.asarray(tables))
+    out = np.asarray(paged_attention(*args, interpret=True, config=config), np.float32)
+    ref = np.asarray(paged_attention_reference(*args), np.float32)
+    assert np.all(np.isfinite(out)), "NaN or inf in the output (stale slot read?)"
+    np.testing.assert_allclose(out, ref, **TOL[dtype])
+    rel = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+    assert rel < (1e-6 if dtype == jnp.float32 else 5e-3), rel
+    assert np.all(out[cu[-1]:] == 0), "padding tokens must give zeros"
+    return out
+
+
+# Mixed ragged batches (decode + prefill + prefix hits + empty sequences) over block sizes, head dims,
+# GQA ratios and dtypes; lengths 1, bs-1, bs, bs+1 and long in each.
+MIXED = [
+    # (q_lens, kv_lens, bs, hq, hkv, d, dtype)
+    ([1, 1, 1, 1, 9, 0, 1], [1, 7, 8, 9, 40, 6, 150], 8, 4, 4, 64, jnp.float32),  # G=1
+    ([1, 1, 1, 20, 1, 3], [1, 15, 16, 17, 300, 3], 16, 16, 8, 128, jnp.float32),  # G=2
+    ([1, 31, 2, 1, 1, 70], [31, 32, 33, 1, 500, 100], 32, 16, 2, 64, jnp.float32),  # G=8
+    ([1, 1, 12, 1, 0, 1], [1, 15, 28, 17, 4, 400], 16, 16, 8, 128, jnp.bfloat16),
+    ([5, 1, 1, 33], [12, 7, 9, 33], 8, 8, 1, 128, jnp.bfloat16),  # G=8, MQA
+    ([1, 1, 1, 40], [1, 31, 33, 1000], 32, 4, 2, 64, jnp.bfloat16),
+    ([2, 1, 17], [2, 100, 30], 16, 6, 2, 64, jnp.float32),  # G=3, not a power of two
+]
+
+
+@pytest.mark.parametrize("case", range(len(MIXED)))
+def test_mixed_batch_default_config(case):
+    run_case(100 + case, *MIXED[case])
+
+
+@pytest.mark.parametrize("bs,hq,hkv,d,dtype", [
+    (8, 8, 8, 64, jnp.float32), (16, 16, 8, 128, jnp.bfloat16), (32, 16, 2, 64, jnp.float32),
+])
+def test_decode_batch_uses_split_k(bs, hq, hkv, d, dtype):
+    kv_lens = [1, bs - 1, bs, bs + 1, 7 * bs + 3, 20 * bs]
+    config = choose_config(len(kv_lens), len(kv_lens), hq, hkv, bs, 20 * bs)
+    assert config.num_splits > 1 and config.block_m == 16
+    run_case(7 * bs + hkv, [1] * len(kv_lens), kv_lens, bs, hq, hkv, d, dtype)
+
+
+@pytest.mark.parametrize("bs,hq,hkv,prefix", [(8, 4, 4, 0), (16, 16, 8, 37), (32, 16, 2, 64)])
+def test_prefill_with_and_without_prefix(bs, hq, hkv, prefix):
+    q_lens = [70, 33]
+    kv_lens = [70 + prefix, 33 + 2 * prefix]
+    config = choose_config(sum(q_lens) + 3, 2, hq, hkv, bs, max(kv_lens) + bs)
+    assert config.num_splits == 1 and config.reverse_tiles
+    run_case(bs + prefix, q_lens, kv_lens, bs, hq, hkv, 64, jnp.float32)
+
+
+@pytest.mark.parametrize("config", [
+    AttentionConfig(block_m=16, block_k=16, num_splits=1, num_warps=4, num_stages=2),
+    AttentionConfig(block_m=16, block_k=32, num_splits=8, num_warps=4, num_stages=2),  # many empty splits
+    AttentionConfig(block_m=32, block_k=16, num_splits=3, num_warps=4, num_stages=2),
+    AttentionConfig(block_m=64, block_k=64, num_splits=1, num_warps=4, num_stages=2, reverse_tiles=True),
+])
+def test_explicit_configs(config):
+    q_lens, kv_lens = [1, 19, 1, 0, 6, 1], [1, 40, 16, 5, 17, 130]
+    run_case(config.block_m + config.num_splits, q_lens, kv_lens, 16, 8, 4, 64, jnp.float32, config)
+
+
+def test_only_padding_and_empty_sequences():
+    run_case(1, [0, 0], [5, 0], 8, 4, 2, 64, jnp.float32)
+
+
+def test_invalid_inputs_raise():
+    q = jnp.ones((4, 8, 64), jnp.float32)
+    kc = jnp.ones((10, 16, 4, 64), jnp.float32)
+    cu, kl, bt = jnp.array([0, 4], jnp.int32), jnp.array([4], jnp.int32), jnp.zeros((1, 2), jnp.int32)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_attention(jnp.ones((4, 6, 64)), kc, kc, cu, kl, bt, interpret=True)
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_attention(jnp.ones((4, 8, 32)), kc, kc, cu, kl, bt, interpret=True)
+    with pytest.raises(ValueError, match="int32"):
+        paged_attention(q, kc, kc, cu.astype(jnp.float32), kl, bt, interpret=True)
+    with pytest.raises(ValueError, match="S\\+1"):
+        paged_attention(q, kc, kc, jnp.array([0, 2, 4], jnp.int32), kl, bt, interpret=True)
+    with pytest.raises(ValueError, match="block_k"):
+        paged_attention(q, kc, kc, cu, kl, bt, interpret=True,
+                        config=AttentionConfig(16, 8, 1, 4, 2))
+    with pytest.raises(ValueError, match="block_m"):
+        paged_attention(q, kc, kc, cu, kl, bt, interpret=True,
+                        config=AttentionConfig(24, 16, 1, 4, 2))
+
+
+def test_write_kv_matches_reference_and_drops_padding():
+    rng = np.random.default_rng(11)
+    nb, bs, hkv, d, t = 7, 16, 2, 64, 12
+    kc, vc = (jnp.asarray(x) for x in rng.standard_normal((2, nb, bs, hkv, d)).astype(np.float32))
+    k, v = (jnp.asarray(x, jnp.bfloat16) for x in rng.standard_normal((2, t, hkv, d)))
+    slots = rng.permutation(nb * bs)[:t].astype(np.int32)
+    slots[[0, 5]] = -1
+    slots = jnp.asarray(slots)
+    expected = write_kv_reference(kc, vc, k, v, slots)
+    got = jax.jit(write_kv)(kc, vc, k, v, slots)
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    donated = write_kv_donated(kc + 0, vc + 0, k, v, slots)
+    for a, b in zip(donated, expected):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        write_kv(kc, vc, k, v, slots[:-1])
+
+
+def test_backend_switch():
+    ref_fn = backend.get_attention_fn("reference")
+    assert ref_fn is paged_attention_reference
+    assert backend.resolve_backend("auto") == ("pallas" if jax.default_backend() == "gpu" else "reference")
+    assert backend.get_kv_write_fn("pallas") is write_kv
+    assert backend.get_kv_write_fn("reference") is write_kv_reference
+    with pytest.raises(ValueError, match="backend"):
+        backend.get_attention_fn("triton")
+    rng = np.random.default_rng(5)
+    q, k, v, cu, kl, tables = (jnp.asarray(x) for x in random_batch(rng, [1, 3], [9, 3], 8, 4, 2, 64))
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    out = backend.get_attention_fn("pallas")(q, k, v, cu, kl, tables)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_fn(q, k, v, cu, kl, tables)), rtol=1e-5,
+                               atol=1e-5)
