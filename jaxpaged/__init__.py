@@ -1,3 +1,14 @@
 """jaxpaged: a JAX LLM inference engine built around PagedAttention and block-level prefix caching."""
 
+from .config import EngineConfig
+from .engine import LLM, LLMEngine, generate
+from .kv_stats import explain_prefix
+from .models.checkpoint import ModelParams, load_params
+from .models.config import CheckpointError, QwenConfig
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampling import SamplingParams
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "RequestMetrics", "ModelParams", "QwenConfig", "CheckpointError", "generate", "load_params",
+           "explain_prefix"]

@@ -1,0 +1,270 @@
+"""LLMEngine (the loop), LLM (vLLM-style class) and generate (the functional entry point).
+
+One engine owns one KV pool (a tuple of per-layer ``(k_cache, v_cache)`` arrays on the device), the
+host-side ``KVCacheManager`` that hands out its blocks, the ``Scheduler`` and the jitted step. Each
+``step()``: schedule -> build padded inputs -> run the donated step -> append tokens, cache full
+blocks, free finished requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Sequence as SequenceT
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .batch import build_step_inputs
+from .config import EngineConfig
+from .kv_manager import KVCacheManager
+from .kv_stats import PrefixDivergence, explain_prefix
+from .metrics import EngineMetrics, StepRecord
+from .models.checkpoint import ModelParams, load_params
+from .models.qwen import init_kv_pool
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .runner import ModelRunner
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+_RUNNERS: dict[tuple, ModelRunner] = {}
+
+
+def get_runner(params: ModelParams, backend: str) -> ModelRunner:
+    """One runner (one jitted step, its compiled shapes) per model graph and backend, reused."""
+    key = (params.graphdef, backend)
+    if key not in _RUNNERS:
+        _RUNNERS[key] = ModelRunner(params.graphdef, backend)
+    return _RUNNERS[key]
+
+
+def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int) -> int:
+    """Blocks in the pool: ``num_blocks`` if given, else ``memory_fraction`` of free device memory."""
+    cfg = params.config
+    bs = config.block_size
+    block_bytes = cfg.kv_bytes_per_token(jnp.dtype(config.dtype).itemsize) * bs
+    if config.num_blocks is not None:
+        num_blocks = config.num_blocks
+    else:
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            num_blocks = int(free * config.memory_fraction // block_bytes)
+        else:  # CPU: no allocator statistics; enough for a modest batch of full-length requests
+            num_blocks = math.ceil(max_model_len / bs) * min(config.max_num_seqs, 16)
+    if num_blocks * bs < max_model_len:
+        raise ValueError(
+            f"the KV pool ({num_blocks} blocks x {bs} tokens = {num_blocks * bs} tokens) cannot hold one "
+            f"sequence of max_model_len={max_model_len} tokens: raise num_blocks / memory_fraction or "
+            f"lower max_model_len")
+    return num_blocks
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model and one paged KV pool."""
+
+    def __init__(self, params: ModelParams, config: EngineConfig | None = None, tokenizer=None):
+        config = config or EngineConfig(dtype=params.dtype)
+        self.params, self.config, self.tokenizer = params, config, tokenizer
+        cfg = params.config
+        self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)
+        self.num_blocks = size_pool(params, config, self.max_model_len)
+        self.bytes_per_token = cfg.kv_bytes_per_token(jnp.dtype(config.dtype).itemsize)
+        prefix_caching = config.enable_prefix_caching and config.reservation == "paged"
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, enable_prefix_caching=prefix_caching,
+                                 reservation=config.reservation, max_model_len=self.max_model_len,
+                                 event_log=config.event_log, bytes_per_token_slot=self.bytes_per_token)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=self.max_model_len, eos_token_ids=cfg.eos_token_id,
+                                   enable_chunked_prefill=config.enable_chunked_prefill)
+        self.kv_pool = init_kv_pool(cfg, self.num_blocks, config.block_size, config.dtype)
+        self.runner = get_runner(params, config.attention_backend)
+        self.metrics = EngineMetrics()
+        self._rng = np.random.default_rng(config.seed)
+        self._next_id = 0
+        self._requests: dict[str, tuple[Sequence, str | None]] = {}
+        self._first_cached: dict[str, int] = {}
+        self._first_scheduled: dict[str, float] = {}
+
+    # ---- requests ------------------------------------------------------------------------------
+    def _tokenize(self, prompt: str | SequenceT[int], rid: str) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"request {rid!r}: a text prompt needs a tokenizer; pass token ids instead")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, [int(t) for t in prompt]
+
+    def add_request(self, prompt: str | SequenceT[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+        """Validates and queues one request; raises ``ValueError`` naming the request and the field.
+
+        A rejected request leaves the engine untouched: everything already queued keeps running.
+        """
+        rid = request_id if request_id is not None else str(self._next_id)
+        self._next_id += 1
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        sp = sampling_params if sampling_params is not None else SamplingParams()
+        try:
+            sp.validate()
+        except ValueError as err:
+            raise ValueError(f"request {rid!r}: {err}") from None
+        text, ids = self._tokenize(prompt, rid)
+        if not ids:
+            raise ValueError(f"request {rid!r}: prompt is empty")
+        vocab = self.params.config.vocab_size
+        bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {rid!r}: prompt token id {bad[0][1]} at position {bad[0][0]} is outside "
+                             f"the vocabulary [0, {vocab})")
+        if len(ids) + sp.max_tokens > self.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) = "
+                             f"{len(ids) + sp.max_tokens} exceeds max_model_len ({self.max_model_len})")
+        if sp.seed is None:  # a private stream, so batching never changes this request's samples
+            sp = dataclasses.replace(sp, seed=int(self._rng.integers(0, 2**31 - 1)))
+        seq = Sequence(rid, ids, sampling_params=sp, cache_salt=cache_salt)
+        self._requests[rid] = (seq, text)
+        self.scheduler.add(seq)
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        """Withdraws a queued or running request, releasing its blocks."""
+        seq, _ = self._requests.pop(request_id)
+        self.scheduler.abort(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine iteration; returns the requests that finished in it."""
+        t0 = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("no request could be scheduled although some are waiting (pool exhausted)")
+            return []
+        now = time.monotonic()
+        for seq, _ in scheduled:
+            if seq.request_id not in self._first_scheduled:
+                self._first_scheduled[seq.request_id] = now
+                self._first_cached[seq.request_id] = seq.num_cached_tokens
+        inputs = build_step_inputs(scheduled, self.config.block_size)
+        tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs)
+        tokens = np.asarray(tokens)[: len(scheduled)]
+        num_decode = sum(1 for seq, n in scheduled if n == 1 and seq.num_output_tokens > 0)
+        num_tokens = sum(n for _, n in scheduled)
+        finished = self.scheduler.postprocess(scheduled, tokens)
+        kv = self.kv
+        used = kv.num_used_blocks
+        self.metrics.record(StepRecord(
+            step=self.metrics.total_steps, num_seqs=len(scheduled), num_prefill_tokens=num_tokens - num_decode,
+            num_decode_tokens=num_decode, num_padded_tokens=int(inputs.token_ids.shape[0]),
+            blocks_used=used, blocks_cached=kv.num_cached_blocks,
+            kv_bytes_in_use=used * self.config.block_size * self.bytes_per_token,
+            block_utilisation=self._utilisation(), seconds=time.perf_counter() - t0))
+        return [self._output(seq) for seq in finished]
+
+    def _utilisation(self) -> float:
+        bs = self.config.block_size
+        allocated = self.kv.num_used_blocks * bs
+        if not allocated:
+            return 1.0
+        filled = sum(min(s.num_tokens, len(s.block_table) * bs) for s in self.scheduler.running)
+        return min(1.0, filled / allocated)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        rid = seq.request_id
+        _, text = self._requests.pop(rid)
+        out_ids = seq.output_token_ids
+        out_text = self.tokenizer.decode(out_ids) if self.tokenizer is not None else ""
+        return RequestOutput(
+            request_id=rid, prompt=text, prompt_token_ids=seq.prompt_token_ids,
+            outputs=[CompletionOutput(0, out_text, out_ids, seq.finish_reason)], finished=True,
+            num_cached_tokens=self._first_cached.pop(rid, 0),
+            metrics=RequestMetrics(seq.arrival_time, self._first_scheduled.pop(rid, None),
+                                   seq.first_token_time, seq.finish_time))
+
+    # ---- observability -------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Memory manager counters, scheduler counters, compile time and pool geometry."""
+        s = self.kv.stats().as_dict()
+        s.update(dataclasses.asdict(self.scheduler.counters))
+        s.update(num_blocks=self.num_blocks, block_size=self.config.block_size,
+                 kv_pool_bytes=self.num_blocks * self.config.block_size * self.bytes_per_token,
+                 kv_bytes_per_token=self.bytes_per_token, max_model_len=self.max_model_len,
+                 compile_seconds=self.runner.compile_seconds, compiled_shapes=self.runner.num_compiled_shapes,
+                 attention_backend=self.runner.attention_backend, step_seconds=self.metrics.total_seconds)
+        return s
+
+    def explain_prefix(self, a: str | SequenceT[int], b: str | SequenceT[int]) -> PrefixDivergence:
+        """The first block (and token) where two prompts diverge: why they share no more cached blocks."""
+        _, ids_a = self._tokenize(a, "a")
+        _, ids_b = self._tokenize(b, "b")
+        return explain_prefix(ids_a, ids_b, self.config.block_size)
+
+
+def run_to_completion(engine: LLMEngine, prompts, sampling_params, use_tqdm: bool = False) -> list[RequestOutput]:
+    """Queues all prompts (validating every one first), steps until done, returns outputs in order."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+    if len(sps) != len(prompts):
+        raise ValueError(f"got {len(sps)} sampling params for {len(prompts)} prompts")
+    rids: list[str] = []
+    try:
+        for p, sp in zip(prompts, sps):
+            rids.append(engine.add_request(p, sp))
+    except ValueError:
+        for rid in rids:  # all or nothing: withdraw the requests queued before the bad one
+            engine.abort_request(rid)
+        raise
+    results: dict[str, RequestOutput] = {}
+    bar = None
+    if use_tqdm:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(rids), desc="generate", unit="req")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            results[out.request_id] = out
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    return [results[r] for r in rids]
+
+
+class LLM:
+    """vLLM-style entry point: ``LLM(path, **engine_config).generate(prompts, SamplingParams(...))``."""
+
+    def __init__(self, model: str | Path, *, dtype: str = "bfloat16", cache_dir: str | None = None, **config):
+        self.params = load_params(model, dtype, cache_dir=cache_dir)
+        self.tokenizer = load_tokenizer(model)
+        self.engine = LLMEngine(self.params, EngineConfig(dtype=self.params.dtype, **config), self.tokenizer)
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        return run_to_completion(self.engine, prompts, sampling_params, use_tqdm)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def explain_prefix(self, a, b) -> PrefixDivergence:
+        return self.engine.explain_prefix(a, b)
+
+
+def generate(params: ModelParams, prompts, config: EngineConfig | None = None,
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, tokenizer=None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+    """Functional form: a fresh engine (pool) over ``params``; compiled steps are reused across calls."""
+    engine = LLMEngine(params, config, tokenizer)
+    return run_to_completion(engine, prompts, sampling_params, use_tqdm)

@@ -1,0 +1,151 @@
+"""Scheduler: FCFS continuous batching with a token budget, chunked prefill and preemption by recompute.
+
+Each step gives every scheduled sequence ``n`` new tokens to compute: running sequences first (a
+decode is ``n == 1``; a prompt still being prefilled in chunks gets what is left of the budget), then
+waiting sequences in arrival order, admitted while the budget, ``max_num_seqs`` and the KV pool
+allow. A prefix-cache hit is decided at admission (``KVCacheManager.admit``): cached tokens count as
+computed, so only the rest costs budget. When a running sequence needs a block and none is free, the
+newest running sequence is preempted: its blocks are freed (full ones stay in the prefix cache) and it
+goes back to the front of the queue, to be recomputed, usually mostly from cache, when re-admitted.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import numpy as np
+
+from .kv_manager import KVCacheManager
+from .sequence import Sequence, SequenceStatus
+
+ScheduledBatch = list[tuple[Sequence, int]]
+
+
+@dataclasses.dataclass
+class SchedulerCounters:
+    steps: int = 0
+    preemptions: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    generated_tokens: int = 0
+
+
+class Scheduler:
+    """Owns the waiting queue and running list; decides each step's ``(sequence, num_new_tokens)``."""
+
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = (), enable_chunked_prefill: bool = True):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.counters = SchedulerCounters()
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+        self.counters.preemptions += 1
+
+    def schedule(self) -> ScheduledBatch:
+        """Picks this step's work; allocates the blocks it needs (preempting if it must)."""
+        budget = self.max_num_batched_tokens
+        scheduled: ScheduledBatch = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n < seq.num_uncomputed_tokens and not self.enable_chunked_prefill:
+                break
+            while not self.kv.can_append(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.PREEMPTED:
+                break
+            self.kv.append(seq, n)
+            scheduled.append((seq, n))
+            budget -= n
+            i += 1
+        # Admit new work only when nobody had to be preempted: a preemption means the pool is full.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.kv.can_admit(seq):
+                break
+            if not self.enable_chunked_prefill and seq.num_tokens > budget:
+                break
+            self.kv.admit(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            self.kv.append(seq, n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+        return scheduled
+
+    def postprocess(self, scheduled: ScheduledBatch, tokens: np.ndarray) -> list[Sequence]:
+        """Advances progress, appends sampled tokens, caches full blocks, frees finished sequences.
+
+        ``tokens[i]`` is the token sampled for ``scheduled[i]``; it is used only if that sequence's
+        chunk reached its last known token (a mid-prompt chunk samples nothing). Returns the
+        sequences that finished in this step.
+        """
+        now = time.monotonic()
+        finished = []
+        c = self.counters
+        c.steps += 1
+        for (seq, n), token in zip(scheduled, tokens):
+            if seq.num_uncomputed_tokens == 1 and n == 1 and seq.num_output_tokens > 0:
+                c.decode_tokens += 1
+            else:
+                c.prefill_tokens += n
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.append_token(int(token), now)
+                c.generated_tokens += 1
+                reason = self._finish_reason(seq, int(token))
+                if reason is not None:
+                    seq.finish(reason, now)
+            self.kv.cache_full_blocks(seq)
+            if seq.is_finished:
+                self.kv.free(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        sp = seq.sampling_params
+        if not sp.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if sp.stop_token_ids and token in sp.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def abort(self, seq: Sequence) -> None:
+        """Removes a request wherever it is, releasing its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.kv.free(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.finish("abort")
