@@ -15,6 +15,10 @@ It ties together the block allocator, the prefix trie and the reservation policy
 
 Under ``reservation="max_len"`` admission reserves a contiguous run of ``ceil(max_model_len / bs)``
 blocks instead (a contiguous KV cache); such blocks are never shared, so prefix caching must be off.
+With equal runs and first fit, free space always splits into whole runs, so refusals are plain
+capacity refusals; ``reserve_request_max_len=True`` reserves each request's own maximum length
+(prompt + ``sampling_params.max_tokens``, capped at ``max_model_len``), as Orca-era servers did, and
+the varying run lengths then show external fragmentation (``max_len_fragmentation_failures``).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class KVCacheManager:
         max_model_len: int | None = None,
         event_log: bool | int = False,
         bytes_per_token_slot: int | None = None,
+        reserve_request_max_len: bool = False,
     ) -> None:
         self.block_size = check_block_size(block_size)
         if reservation not in ("paged", "max_len"):
@@ -60,6 +65,7 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
         self.bytes_per_token_slot = bytes_per_token_slot
+        self.reserve_request_max_len = reserve_request_max_len
         self.counters = KVCounters()
         self.events: EventLog | None = None
         if event_log:
@@ -152,16 +158,25 @@ class KVCacheManager:
             raise ValueError(f"request {seq.request_id!r} has no tokens")
         self._check_fits(seq, seq.num_tokens)
         if self.reserver is not None:
-            ok = self.reserver.find_run(self.run_length) is not None
+            run = self._run_length(seq)
+            ok = self.reserver.find_run(run) is not None
             if not ok:
-                self._count_max_len_refusal()
+                self._count_max_len_refusal(run)
             return ok
         _, _, need, available = self._blocks_short(seq)
         return need <= available
 
-    def _count_max_len_refusal(self) -> None:
+    def _run_length(self, seq: Sequence) -> int:
+        """Blocks ``seq`` reserves under ``max_len``."""
+        max_tokens = getattr(seq.sampling_params, "max_tokens", None)
+        if not self.reserve_request_max_len or max_tokens is None:
+            return self.run_length
+        longest = min(self.max_model_len, max(seq.num_tokens, seq.num_prompt_tokens + max_tokens))
+        return self.num_blocks_for(longest)
+
+    def _count_max_len_refusal(self, run: int) -> None:
         self.counters.max_len_admission_failures += 1
-        if self.run_length <= self.reserver.num_free_blocks:
+        if run <= self.reserver.num_free_blocks:
             self.counters.max_len_fragmentation_failures += 1
 
     def admit(self, seq: Sequence) -> None:
@@ -176,11 +191,12 @@ class KVCacheManager:
             raise ValueError(f"request {rid!r} has no tokens")
         self._check_fits(seq, seq.num_tokens)
         if self.reserver is not None:
-            blocks = self.reserver.reserve(self.run_length)
+            run = self._run_length(seq)
+            blocks = self.reserver.reserve(run)
             if blocks is None:
-                self._count_max_len_refusal()
+                self._count_max_len_refusal(run)
                 raise OutOfBlocksError(
-                    f"request {rid!r}: no contiguous run of {self.run_length} free blocks "
+                    f"request {rid!r}: no contiguous run of {run} free blocks "
                     f"({self.reserver.num_free_blocks} free, largest run "
                     f"{self.reserver.largest_free_run()})"
                 )
@@ -219,10 +235,15 @@ class KVCacheManager:
         if self.max_model_len is not None and required > self.max_model_len:
             self._check_fits(seq, required)
         missing = self.num_blocks_for(required) - len(seq.block_table)
-        if missing > 0 and self.reserver is None:
-            self._check_fits(seq, required)
-            return missing
-        return 0
+        if missing <= 0:
+            return 0
+        if self.reserver is not None:
+            raise RequestTooLargeError(
+                f"request {seq.request_id!r} needs {required} tokens, more than its max_len "
+                f"reservation of {len(seq.block_table) * self.block_size}"
+            )
+        self._check_fits(seq, required)
+        return missing
 
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         """True if ``num_new_tokens`` more tokens of ``seq`` can get slots now."""
