@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .batch import StepInputs
-from .kernels.backend import get_attention_fn, get_kv_write_fn
+from .kernels.backend import get_attention_fn, get_kv_write_fn, resolve_backend
 from .models.qwen import KVPool
 from .sampling import sample
 
@@ -39,7 +39,7 @@ class ModelRunner:
     """Owns the jitted step for one model and attention backend; counts compilations."""
 
     def __init__(self, graphdef: nnx.GraphDef, attention_backend: str = "auto"):
-        self.attention_backend = attention_backend
+        self.attention_backend = resolve_backend(attention_backend)
         step = make_step_fn(graphdef, get_attention_fn(attention_backend), get_kv_write_fn(attention_backend))
         self._step = jax.jit(step, donate_argnums=(1,))
         self._shapes_seen: set[tuple] = set()

@@ -1,0 +1,96 @@
+"""Command line: ``python -m jaxpaged demo | generate --model PATH --prompt ...``.
+
+``demo`` needs nothing: it runs the packaged tiny random Qwen3 checkpoint (so the text is gibberish,
+but every mechanism is real), sends requests that share a system prompt, and prints the generated
+tokens and text, the prefix-cache hits and the KV pool statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .config import EngineConfig
+from .engine import LLM
+from .models.tiny import tiny_checkpoint_path
+from .sampling import SamplingParams
+
+DEMO_SYSTEM = "PagedAttention stores the key and value cache in fixed-size blocks, like pages of virtual memory. "
+DEMO_QUESTIONS = ["Hello, world!", "How are you today?", "Once upon a time", "The quick brown fox"]
+
+
+def _print_outputs(outputs) -> None:
+    for out in outputs:
+        c = out.outputs[0]
+        ttft = out.metrics.time_to_first_token
+        print(f"[{out.request_id}] prompt {len(out.prompt_token_ids)} tokens ({out.num_cached_tokens} from the "
+              f"prefix cache), TTFT {ttft * 1e3:.1f} ms, finish={c.finish_reason}")
+        print(f"    prompt: {out.prompt!r}")
+        print(f"    tokens: {c.token_ids}")
+        print(f"    text:   {c.text!r}")
+
+
+def _print_stats(llm: LLM) -> None:
+    s = llm.stats()
+    print("\nKV cache statistics")
+    print(f"  pool: {s['num_blocks']} blocks x {s['block_size']} tokens = {s['kv_pool_bytes'] / 2**20:.2f} MiB "
+          f"({s['kv_bytes_per_token']} bytes per token)")
+    print(f"  blocks: used {s['blocks_used']}, free {s['blocks_free']}, cached {s['blocks_cached']}, "
+          f"peak used {s['peak_blocks_used']} ({(s['peak_kv_bytes_in_use'] or 0) / 2**10:.1f} KiB of KV)")
+    print(f"  prefix cache: {s['prefix_hit_tokens']}/{s['prefix_query_tokens']} prompt tokens hit "
+          f"({s['prefix_hit_rate']:.1%}), {s['blocks_inserted']} blocks inserted, {s['evictions']} evictions")
+    print(f"  scheduler: {s['steps']} steps, {s['prefill_tokens']} prefill + {s['decode_tokens']} decode tokens, "
+          f"{s['preemptions']} preemptions")
+    print(f"  compile: {s['compile_seconds']:.1f} s for {s['compiled_shapes']} step shapes "
+          f"({s['attention_backend']} attention)")
+
+
+def demo(args: argparse.Namespace) -> None:
+    path = tiny_checkpoint_path("qwen3")
+    print(f"jaxpaged demo: tiny random Qwen3 checkpoint at {path}\n")
+    llm = LLM(path, dtype="float32", block_size=8, num_blocks=128, max_model_len=256,
+              attention_backend=args.attention_backend)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    first = llm.generate([DEMO_SYSTEM + DEMO_QUESTIONS[0]], sp, use_tqdm=False)
+    rest = llm.generate([DEMO_SYSTEM + q for q in DEMO_QUESTIONS[1:]], sp, use_tqdm=False)
+    _print_outputs(first + rest)
+    print(f"\n{len(DEMO_QUESTIONS)} requests in {time.perf_counter() - t0:.2f} s (compilation included)")
+    print(f"first divergence of two prompts: {llm.explain_prefix(DEMO_SYSTEM + DEMO_QUESTIONS[0], DEMO_SYSTEM + DEMO_QUESTIONS[1])}")
+    _print_stats(llm)
+
+
+def generate_cmd(args: argparse.Namespace) -> None:
+    llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
+              attention_backend=args.attention_backend)
+    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                        max_tokens=args.max_tokens, seed=args.seed)
+    _print_outputs(llm.generate(args.prompt, sp, use_tqdm=False))
+    _print_stats(llm)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m jaxpaged", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="generate with the packaged tiny model and print KV statistics")
+    d.add_argument("--max-tokens", type=int, default=16)
+    d.add_argument("--attention-backend", default="auto")
+    g = sub.add_parser("generate", help="generate from a Hugging Face Qwen checkpoint folder")
+    g.add_argument("--model", required=True, help="checkpoint folder (config.json, *.safetensors, tokenizer.json)")
+    g.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--dtype", default="bfloat16")
+    g.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--attention-backend", default="auto")
+    args = ap.parse_args(argv)
+    {"demo": demo, "generate": generate_cmd}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
