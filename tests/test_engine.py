@@ -1,0 +1,188 @@
+"""The engine end to end on the tiny checkpoints: equal to transformers, invariant to paging choices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxpaged import EngineConfig, LLMEngine, SamplingParams, generate, load_params
+from jaxpaged.engine import run_to_completion
+from jaxpaged.models.tiny import tiny_checkpoint_path
+from jaxpaged.tokenizer import load_tokenizer
+
+FIXTURES = Path(__file__).parent / "fixtures"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def tiny(request):
+    params = load_params(tiny_checkpoint_path(request.param), "float32", use_cache=False)
+    return params, np.load(FIXTURES / f"hf_reference_{request.param}.npz")
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+    return params, np.load(FIXTURES / "hf_reference_qwen3.npz")
+
+
+def fixture_prompts(ref):
+    return [list(map(int, ref[f"prompt_{i}"])) for i in range(4)]
+
+
+def shared_prefix_prompts(ref):
+    """Prompts that share 1-3 full blocks with the fixture prompts (so prefix caching has work)."""
+    long = list(map(int, ref["prompt_2"]))
+    return [long[:24] + [7, 8, 9, 10, 11], long[:17] + [100, 101], long + [5, 6, 7]]
+
+
+def token_ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_matches_hf_generate_batched(tiny):
+    params, ref = tiny
+    outs = generate(params, fixture_prompts(ref), EngineConfig(dtype="float32", block_size=8, num_blocks=64,
+                                                               max_model_len=128), GREEDY)
+    for i, out in enumerate(outs):
+        assert out.outputs[0].token_ids == list(map(int, ref[f"greedy_{i}"])), f"prompt {i}"
+        assert out.outputs[0].finish_reason == "length"
+
+
+BASE = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=256)
+CONFIGS = {
+    "no_prefix_cache": dict(block_size=16, num_blocks=64, enable_prefix_caching=False),
+    "bs8": dict(block_size=8, num_blocks=64),
+    "bs16": dict(block_size=16, num_blocks=32),
+    "bs32": dict(block_size=32, num_blocks=16),
+    "max_len": dict(block_size=8, num_blocks=64, reservation="max_len", enable_prefix_caching=False),
+    "chunked_prefill": dict(block_size=8, num_blocks=64, max_num_batched_tokens=16),
+    "tiny_pool_preempts": dict(block_size=8, num_blocks=12, max_num_seqs=8),
+    "few_seqs": dict(block_size=8, num_blocks=64, max_num_seqs=2),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_outputs_invariant_to_paging_choices(qwen3, name):
+    params, ref = qwen3
+    prompts = fixture_prompts(ref) + shared_prefix_prompts(ref)
+    config = EngineConfig(**{**BASE, **CONFIGS[name]})
+    engine = LLMEngine(params, config)
+    # Two waves, so the second finds the first's blocks in the prefix cache.
+    outs = run_to_completion(engine, prompts[:4], GREEDY) + run_to_completion(engine, prompts[4:], GREEDY)
+    for i in range(4):
+        assert outs[i].outputs[0].token_ids == list(map(int, ref[f"greedy_{i}"])), f"{name}: prompt {i}"
+    baseline = generate(params, prompts[4:], EngineConfig(**BASE, block_size=16, num_blocks=64,
+                                                          enable_prefix_caching=False), GREEDY)
+    assert token_ids(outs[4:]) == token_ids(baseline)
+    stats = engine.stats()
+    if name == "tiny_pool_preempts":
+        assert stats["preemptions"] > 0
+    if name in ("bs8", "chunked_prefill"):
+        assert stats["prefix_hit_tokens"] > 0
+    engine.kv.check_invariants()
+    assert stats["blocks_used"] == 0  # everything released
+
+
+def test_prefix_hit_skips_cached_blocks(qwen3):
+    params, ref = qwen3
+    bs = 8
+    engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=bs, num_blocks=64, max_model_len=128))
+    shared = list(map(int, ref["prompt_2"]))[: 3 * bs]
+    first = run_to_completion(engine, [shared + [1, 2, 3, 4, 5]], GREEDY)[0]
+    before = engine.stats()["prefill_tokens"]
+    second = run_to_completion(engine, [shared + [9, 8, 7]], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 3 * bs
+    assert engine.stats()["prefill_tokens"] - before == 3  # only the uncached tail was computed
+    alone = generate(params, [shared + [9, 8, 7]], EngineConfig(dtype="float32", block_size=bs, num_blocks=64,
+                                                                max_model_len=128, enable_prefix_caching=False), GREEDY)
+    assert second.outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
+def test_seeded_request_is_independent_of_the_batch(qwen3):
+    params, ref = qwen3
+    cfg = EngineConfig(dtype="float32", block_size=8, num_blocks=64, max_model_len=128)
+    sp = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=12, seed=1234, ignore_eos=True)
+    prompts = fixture_prompts(ref)
+    alone = generate(params, [prompts[1]], cfg, sp)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    batched = generate(params, [prompts[0], prompts[1], prompts[2]], cfg, [others, sp, others])
+    assert batched[1].outputs[0].token_ids == alone
+    assert batched[0].outputs[0].token_ids != batched[2].outputs[0].token_ids
+
+
+def test_bad_requests_are_rejected_and_others_complete(qwen3):
+    params, ref = qwen3
+    engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=64, max_model_len=64))
+    good = engine.add_request(fixture_prompts(ref)[0], GREEDY)
+    engine.step()  # the good request is running when the bad ones arrive
+    with pytest.raises(ValueError, match="request 'empty': prompt is empty"):
+        engine.add_request([], GREEDY, request_id="empty")
+    with pytest.raises(ValueError, match=r"request 'long'.*exceeds max_model_len \(64\)"):
+        engine.add_request([1] * 50, GREEDY, request_id="long")
+    with pytest.raises(ValueError, match=r"request 'oov': prompt token id 512 at position 1 is outside"):
+        engine.add_request([1, 512], GREEDY, request_id="oov")
+    bad_sp = SamplingParams()
+    bad_sp.temperature = float("nan")
+    with pytest.raises(ValueError, match="request 'nan'.*temperature"):
+        engine.add_request([1, 2], bad_sp, request_id="nan")
+    with pytest.raises(ValueError, match="a text prompt needs a tokenizer"):
+        engine.add_request("hello", GREEDY, request_id="text")
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [o.request_id for o in outs] == [good]
+    assert outs[0].outputs[0].token_ids == list(map(int, ref["greedy_0"]))
+
+
+def test_generate_is_all_or_nothing(qwen3):
+    params, ref = qwen3
+    engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=64, max_model_len=64))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        run_to_completion(engine, [fixture_prompts(ref)[0], []], GREEDY)
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("temperature", -0.5, "temperature must be >= 0"), ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+    ("top_k", -3, "top_k must be -1"), ("max_tokens", 0, "max_tokens must be a positive"),
+    ("seed", -1, "seed must be")])
+def test_sampling_params_validation(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**{field: value})
+
+
+def test_pool_too_small_for_one_sequence(qwen3):
+    params, _ = qwen3
+    with pytest.raises(ValueError, match="cannot hold one sequence of max_model_len=64"):
+        LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=4, max_model_len=64))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(block_size=12), "power of two"), (dict(reservation="contiguous"), "reservation must be"),
+    (dict(attention_backend="cuda"), "attention_backend must be"), (dict(memory_fraction=1.5), "memory_fraction")])
+def test_engine_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_text_prompts_and_eos(tiny):
+    params, ref = tiny
+    tok = load_tokenizer(params.path)
+    texts = [str(t) for t in ref["texts"]]
+    cfg = EngineConfig(dtype="float32", block_size=8, num_blocks=64, max_model_len=128)
+    outs = generate(params, texts, cfg, GREEDY, tokenizer=tok)
+    for i, out in enumerate(outs):
+        assert out.prompt == texts[i]
+        assert out.prompt_token_ids == list(map(int, ref[f"prompt_{i}"]))
+        assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
+        assert out.metrics.time_to_first_token is not None and out.metrics.time_to_first_token >= 0
+    # A stop token ends the request at its first occurrence.
+    stop = outs[0].outputs[0].token_ids[5]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop])
+    out = generate(params, [texts[0]], cfg, sp, tokenizer=tok)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == stop
+    assert stop not in out.token_ids[:-1]
