@@ -1,0 +1,47 @@
+"""The jitted step updates the donated KV pool in place: no copy of the pool in the compiled HLO."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
+from jaxpaged.batch import bucket, build_step_inputs
+from jaxpaged.models.tiny import tiny_checkpoint_path
+
+
+def test_step_hlo_aliases_pool_and_never_copies_it():
+    params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+    engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=64, max_model_len=64))
+    engine.add_request([1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=4))
+    engine.add_request([9, 8, 7], SamplingParams(max_tokens=4))
+    inputs = build_step_inputs(engine.scheduler.schedule(), 8)
+    hlo = engine.runner.lower_text(params.state, engine.kv_pool, inputs)
+    header = hlo.splitlines()[0]
+    num_pool_arrays = 2 * params.config.num_hidden_layers
+    assert len(re.findall(r"\{\d+\}: \(\d+, \{\}, (?:may|must)-alias\)", header)) == num_pool_arrays
+    pool_shape = "f32[64,8,2,32]"
+    copies = [line for line in hlo.splitlines() if pool_shape in line and re.search(r"\bcopy(-start)?\(", line)]
+    assert copies == []
+
+
+def test_step_inputs_layout():
+    """Ragged prefill + decode in one step: slots, lengths and logits indices line up."""
+    from jaxpaged.sequence import Sequence
+
+    a = Sequence("a", list(range(10)), SamplingParams())
+    a.block_table, a.num_computed_tokens = [5, 2], 0
+    b = Sequence("b", list(range(20)), SamplingParams(temperature=0.5, top_k=3, seed=7))
+    b.block_table, b.num_computed_tokens = [1, 4, 6], 19
+    inp = build_step_inputs([(a, 10), (b, 1)], block_size=8)
+    assert inp.token_ids.shape == (16,) and inp.meta.cu_q_lens.shape == (9,)
+    np.testing.assert_array_equal(inp.meta.cu_q_lens[:3], [0, 10, 11])
+    np.testing.assert_array_equal(inp.meta.kv_lens[:2], [10, 20])
+    np.testing.assert_array_equal(inp.positions[:11], list(range(10)) + [19])
+    expected_slots = [5 * 8 + i for i in range(8)] + [2 * 8, 2 * 8 + 1] + [6 * 8 + 3]
+    np.testing.assert_array_equal(inp.meta.slot_mapping[:11], expected_slots)
+    assert (inp.meta.slot_mapping[11:] == -1).all()
+    np.testing.assert_array_equal(inp.logits_indices[:2], [9, 10])
+    assert inp.top_k[1] == 3 and inp.seeds[1] == 7 and inp.temperature[1] == np.float32(0.5)
+    assert bucket(1, 16) == 16 and bucket(17, 16) == 32 and bucket(256, 8) == 256
