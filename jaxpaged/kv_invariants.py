@@ -4,12 +4,15 @@
 * a block's ref count equals the number of admitted block tables that hold it;
 * no block table holds a block twice;
 * a block is flagged cached exactly when the prefix trie holds it, and every LRU block is in the trie;
-* under ``max_len``: a block is reserved exactly when one block table holds it.
+* under ``max_len``: a block is reserved exactly when one block table holds it;
+* the numpy block-table mirror holds each admitted table in its own row, zeros elsewhere.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from jaxpaged.block_allocator import BlockStateError
 
@@ -20,11 +23,22 @@ if TYPE_CHECKING:
 def check_invariants(manager: KVCacheManager) -> None:
     """Raises ``BlockStateError`` naming the first block (or request) that breaks an invariant."""
     holders = [0] * manager.num_blocks
+    mirror = manager.block_table_rows
+    rows = []
     for seq in manager.sequences:
         if len(set(seq.block_table)) != len(seq.block_table):
             raise BlockStateError(f"request {seq.request_id!r} holds a block twice")
+        n = len(seq.block_table)
+        if seq._bt_rows is not mirror or mirror.table[seq._bt_row, :n].tolist() != seq.block_table:
+            raise BlockStateError(f"request {seq.request_id!r}: block-table mirror out of sync")
+        rows.append(seq._bt_row)
         for block_id in seq.block_table:
             holders[block_id] += 1
+    held = np.zeros(mirror.table.shape, dtype=bool)
+    for seq in manager.sequences:
+        held[seq._bt_row, : len(seq.block_table)] = True
+    if len(set(rows)) != len(rows) or mirror.table[~held].any():
+        raise BlockStateError("block-table mirror: a row is shared or an unused entry is not 0")
     if manager.reserver is not None:
         used = manager.reserver.is_used
         bad = [b for b in range(manager.num_blocks) if used(b) != (holders[b] == 1) or holders[b] > 1]

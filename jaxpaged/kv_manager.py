@@ -26,6 +26,7 @@ from __future__ import annotations
 from jaxpaged.block_allocator import (
     BlockAllocator, BlockStateError, DoubleFreeError, OutOfBlocksError, check_block_size,
 )
+from jaxpaged.block_table import BlockTableRows
 from jaxpaged.kv_invariants import check_invariants
 from jaxpaged.kv_stats import EventLog, KVCounters, KVStats, make_stats
 from jaxpaged.prefix_trie import PrefixTrie, TrieNode
@@ -63,6 +64,7 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.reservation = reservation
         self.max_model_len = max_model_len
+        self._token_cap = max_model_len if max_model_len is not None else 1 << 62
         self.enable_prefix_caching = enable_prefix_caching
         self.bytes_per_token_slot = bytes_per_token_slot
         self.reserve_request_max_len = reserve_request_max_len
@@ -85,6 +87,7 @@ class KVCacheManager:
                     f"tokens per request, more than the pool's {num_blocks}"
                 )
         self._seqs: dict[str, Sequence] = {}  # admitted, holding blocks
+        self.block_table_rows = BlockTableRows()  # numpy mirror of the admitted block tables
         self._cursors: dict[str, tuple[int, TrieNode | None]] = {}  # blocks in trie, deepest node
         self._last_match: tuple | None = None  # (seq, num_tokens, num_evictions, hits, node)
 
@@ -222,6 +225,7 @@ class KVCacheManager:
         seq.block_table = hits + new
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         self._seqs[rid] = seq
+        self.block_table_rows.attach(seq)
         self.counters.blocks_allocated += len(new)
         self._update_peak()
         if self.events is not None:
@@ -247,6 +251,9 @@ class KVCacheManager:
 
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         """True if ``num_new_tokens`` more tokens of ``seq`` can get slots now."""
+        required = seq.num_computed_tokens + num_new_tokens  # fast path: room in the last block
+        if required <= len(seq.block_table) * self.block_size and required <= self._token_cap:
+            return True
         missing = self._blocks_to_grow(seq, num_new_tokens)
         return missing == 0 or missing <= self.allocator.num_available_blocks
 
@@ -256,6 +263,9 @@ class KVCacheManager:
         Returns the new block ids (usually none). Raises ``OutOfBlocksError`` (nothing changed) if
         the pool is exhausted: the scheduler should preempt someone and retry.
         """
+        required = seq.num_computed_tokens + num_new_tokens  # fast path: room in the last block
+        if required <= len(seq.block_table) * self.block_size and required <= self._token_cap:
+            return []
         missing = self._blocks_to_grow(seq, num_new_tokens)
         if missing == 0:
             return []
@@ -269,6 +279,7 @@ class KVCacheManager:
             )
         new = self.allocator.allocate(missing)
         seq.block_table.extend(new)
+        self.block_table_rows.sync(seq)
         self.counters.blocks_allocated += missing
         self._update_peak()
         if self.events is not None:
@@ -308,6 +319,7 @@ class KVCacheManager:
             raise DoubleFreeError(f"request {rid!r} holds no blocks (already freed or never admitted)")
         del self._seqs[rid]
         self._cursors.pop(rid, None)
+        self.block_table_rows.detach(seq)
         blocks = seq.block_table
         if self.reserver is not None:
             self.reserver.release(blocks)

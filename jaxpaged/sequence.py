@@ -19,6 +19,8 @@ from typing import Any, Hashable, Sequence as SequenceT
 
 import numpy as np
 
+from jaxpaged.block_table import BlockTableRows
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no blocks
@@ -40,6 +42,7 @@ class Sequence:
         "request_id", "token_ids", "num_prompt_tokens", "block_table", "num_cached_tokens",
         "num_computed_tokens", "status", "finish_reason", "sampling_params", "cache_salt",
         "arrival_time", "first_token_time", "finish_time", "_bt_src", "_bt_len", "_bt_array",
+        "_bt_rows", "_bt_row", "_bt_synced",
     )
 
     def __init__(
@@ -66,6 +69,9 @@ class Sequence:
         self._bt_src: list[int] | None = None
         self._bt_len = -1
         self._bt_array = np.zeros(0, np.int32)
+        self._bt_rows: BlockTableRows | None = None  # the manager's matrix mirror, while admitted
+        self._bt_row = -1
+        self._bt_synced = 0
 
     # ---- tokens --------------------------------------------------------------------------------
     @property
@@ -127,17 +133,31 @@ class Sequence:
 
 def block_tables(seqs: SequenceT[Sequence], width: int) -> np.ndarray:
     """``i32[S, width]``: row ``i`` is ``seqs[i].block_table``, padded with 0 (a valid block id;
-    kernels never read past ``kv_lens``). One concatenate and one masked store for the whole batch."""
-    out = np.zeros((len(seqs), width), dtype=np.int32)
-    if not seqs:
+    kernels never read past ``kv_lens``).
+
+    Sequences admitted by one ``KVCacheManager`` are mirrored in its ``BlockTableRows`` matrix: one
+    gather. Otherwise (tables set by hand) one concatenate and one masked store.
+    """
+    num = len(seqs)
+    out = np.zeros((num, width), dtype=np.int32)
+    if not num:
         return out
-    arrays = [seq.block_table_array() for seq in seqs]
-    lens = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+    lens = np.fromiter([len(s.block_table) for s in seqs], dtype=np.int64, count=num)
     if lens.max() > width:
         i = int(lens.argmax())
         raise ValueError(
             f"request {seqs[i].request_id!r} has {int(lens[i])} blocks, more than width={width}"
         )
+    mirror = seqs[0]._bt_rows
+    if mirror is not None and all([s._bt_rows is mirror for s in seqs]):
+        synced = np.fromiter([s._bt_synced for s in seqs], dtype=np.int64, count=num)
+        if (synced == lens).all():
+            rows = np.fromiter([s._bt_row for s in seqs], dtype=np.int64, count=num)
+            if width <= mirror.width:
+                return mirror.table[rows, :width]  # a fresh array (fancy indexing copies)
+            out[:, : mirror.width] = mirror.table[rows]
+            return out
+    arrays = [seq.block_table_array() for seq in seqs]
     out[np.arange(width) < lens[:, None]] = np.concatenate(arrays)
     return out
 

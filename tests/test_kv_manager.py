@@ -408,6 +408,39 @@ def test_block_tables_and_slot_mapping():
     assert got.dtype == np.int32 and got.tolist() == [7 * 4 + 1, 9 * 4 + 1, 5 * 4 + 2]
 
 
+def test_block_table_mirror_grows_and_matches_lists():
+    """The manager's numpy mirror (rows and width double as needed) gives the same arrays as the
+    lists, also after frees, growth, and mixed with a table set by hand (fallback path)."""
+    mgr = KVCacheManager(400, 1, enable_prefix_caching=False)
+    seqs = [seq(f"r{i}", range(1 + i % 5)) for i in range(70)]
+    for s in seqs:
+        mgr.admit(s)
+    big = seq("big", range(100))
+    mgr.admit(big)
+    for s in seqs[::3]:
+        mgr.free(s)
+    live = [s for s in seqs if s.block_table] + [big]
+    for s in live[:10]:
+        s.num_computed_tokens = s.num_tokens
+        mgr.append(s, 3)
+    mgr.check_invariants()
+    width = 128
+    expect = np.zeros((len(live), width), np.int32)
+    for i, s in enumerate(live):
+        expect[i, : len(s.block_table)] = s.block_table
+    assert mgr.block_table_rows.table.shape[0] >= 71 and mgr.block_table_rows.width >= 100
+    assert np.array_equal(block_tables(live, width), expect)
+    assert np.array_equal(block_tables(live, 256)[:, :width], expect)
+    manual = Sequence("manual", [0])
+    manual.block_table = [1, 2, 3]
+    mixed = block_tables([live[0], manual], width)
+    assert mixed[1, :4].tolist() == [1, 2, 3, 0] and np.array_equal(mixed[0], expect[0])
+    for s in live:
+        mgr.free(s)
+    assert not mgr.block_table_rows.table.any()
+    mgr.check_invariants()
+
+
 # ---- property test: random interleavings ------------------------------------------------------------
 
 FAMILIES = [
