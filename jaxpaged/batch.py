@@ -46,14 +46,25 @@ class StepInputs:
     counters: jax.Array
 
 
-def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int) -> StepInputs:
-    """Numpy arrays for ``scheduled`` (host side, no per-token Python loops), padded to buckets."""
+def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int, *,
+                      width: int | None = None, max_seqs: int | None = None) -> StepInputs:
+    """Numpy arrays for ``scheduled`` (host side, no per-token Python loops), padded to buckets.
+
+    ``T`` pads to a power of two. ``S`` pads to ``min(T, bucket(max_seqs))`` when ``max_seqs`` is
+    given (a step never has more sequences than tokens), so the compiled shapes are one per ``T``
+    bucket rather than one per ``(T, S)`` pair. ``width`` fixes the block-table width (the Pallas
+    kernels loop only to each ``kv_len``, so a fixed width costs nothing and saves compilations);
+    ``None`` pads it to a power of two (the reference gathers whole rows, so narrower is cheaper).
+    """
     seqs = [s for s, _ in scheduled]
     num_new = np.fromiter((n for _, n in scheduled), np.int32, len(scheduled))
     start = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, len(seqs))
     num_tokens, num_seqs = int(num_new.sum()), len(seqs)
-    t_pad, s_pad = bucket(num_tokens, MIN_TOKENS), bucket(num_seqs, MIN_SEQS)
-    width = bucket(max((len(s.block_table) for s in seqs), default=1), MIN_WIDTH)
+    t_pad = bucket(num_tokens, MIN_TOKENS)
+    s_pad = bucket(num_seqs, MIN_SEQS) if max_seqs is None else min(t_pad, bucket(max_seqs, MIN_SEQS))
+    longest = max((len(s.block_table) for s in seqs), default=1)
+    if width is None or width < longest:
+        width = bucket(longest, MIN_WIDTH)
 
     cu = np.zeros(s_pad + 1, np.int32)
     cu[1: num_seqs + 1] = np.cumsum(num_new)
@@ -87,3 +98,13 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int) ->
     meta = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv_lens, block_tables=tables)
     return StepInputs(token_ids=token_ids, positions=positions, meta=meta, logits_indices=logits_indices,
                       temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, counters=counters)
+
+
+def padding_step_inputs(num_tokens: int, num_seqs: int, width: int) -> StepInputs:
+    """A step of the given padded shape with no real token (for ahead-of-time compilation)."""
+    z = lambda n, dt=np.int32: np.zeros(n, dt)  # noqa: E731
+    meta = AttentionMetadata(slot_mapping=np.full(num_tokens, -1, np.int32), cu_q_lens=z(num_seqs + 1),
+                             kv_lens=z(num_seqs), block_tables=np.zeros((num_seqs, width), np.int32))
+    return StepInputs(token_ids=z(num_tokens), positions=z(num_tokens), meta=meta, logits_indices=z(num_seqs),
+                      temperature=z(num_seqs, np.float32), top_k=np.full(num_seqs, -1, np.int32),
+                      top_p=np.ones(num_seqs, np.float32), seeds=z(num_seqs, np.uint32), counters=z(num_seqs))

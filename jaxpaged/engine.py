@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .batch import build_step_inputs
+from .batch import MIN_SEQS, MIN_TOKENS, bucket, build_step_inputs, padding_step_inputs
 from .config import EngineConfig
 from .kv_manager import KVCacheManager
 from .kv_stats import PrefixDivergence, explain_prefix
@@ -87,6 +87,9 @@ class LLMEngine:
                                    enable_chunked_prefill=config.enable_chunked_prefill)
         self.kv_pool = init_kv_pool(cfg, self.num_blocks, config.block_size, config.dtype)
         self.runner = get_runner(params, config.attention_backend)
+        # Pallas reads block tables only up to each kv_len: one fixed width, fewer compilations.
+        max_blocks = -(-self.max_model_len // config.block_size)
+        self._table_width = bucket(max_blocks, 1) if self.runner.attention_backend == "pallas" else None
         self.metrics = EngineMetrics()
         self._rng = np.random.default_rng(config.seed)
         self._next_id = 0
@@ -157,7 +160,8 @@ class LLMEngine:
             if seq.request_id not in self._first_scheduled:
                 self._first_scheduled[seq.request_id] = now
                 self._first_cached[seq.request_id] = seq.num_cached_tokens
-        inputs = build_step_inputs(scheduled, self.config.block_size)
+        inputs = build_step_inputs(scheduled, self.config.block_size, width=self._table_width,
+                                   max_seqs=self.config.max_num_seqs)
         tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs)
         tokens = np.asarray(tokens)[: len(scheduled)]
         num_decode = sum(1 for seq, n in scheduled if n == 1 and seq.num_output_tokens > 0)
@@ -192,6 +196,31 @@ class LLMEngine:
             num_cached_tokens=self._first_cached.pop(rid, 0),
             metrics=RequestMetrics(seq.arrival_time, self._first_scheduled.pop(rid, None),
                                    seq.first_token_time, seq.finish_time))
+
+    def warmup(self, use_tqdm: bool = True) -> float:
+        """Compiles the step for every token bucket up to ``max_num_batched_tokens`` ahead of time.
+
+        Runs each shape once on an all-padding batch (no sequence, every slot -1: nothing is written
+        or read). Returns the seconds spent; later steps of any batch then never stop to compile.
+        """
+        max_blocks = -(-self.max_model_len // self.config.block_size)
+        width = self._table_width or bucket(max_blocks, 1)
+        sizes = []
+        t = MIN_TOKENS
+        while t < bucket(self.config.max_num_batched_tokens, MIN_TOKENS) * 2:
+            sizes.append(t)
+            t *= 2
+        t0 = time.perf_counter()
+        it = sizes
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            it = tqdm(sizes, desc="compile step buckets", unit="shape")
+        for t_pad in it:
+            inputs = padding_step_inputs(t_pad, min(t_pad, bucket(self.config.max_num_seqs, MIN_SEQS)), width)
+            tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs)
+            tokens.block_until_ready()
+        return time.perf_counter() - t0
 
     # ---- observability -------------------------------------------------------------------------
     def stats(self) -> dict:

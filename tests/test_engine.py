@@ -186,3 +186,17 @@ def test_text_prompts_and_eos(tiny):
     out = generate(params, [texts[0]], cfg, sp, tokenizer=tok)[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == stop
     assert stop not in out.token_ids[:-1]
+
+
+def test_pallas_backend_engine_matches_hf_and_warmup_covers_all_shapes(qwen3):
+    """The engine on the Pallas kernels (interpret mode on CPU): same greedy tokens as transformers;
+    after ``warmup()`` no step compiles again."""
+    params, ref = qwen3
+    engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=64, max_model_len=64,
+                                            max_num_batched_tokens=32, attention_backend="pallas"))
+    engine.warmup(use_tqdm=False)
+    compiled = engine.runner.num_compiled_shapes
+    outs = run_to_completion(engine, fixture_prompts(ref)[:2], GREEDY)
+    for i, out in enumerate(outs):
+        assert out.outputs[0].token_ids == list(map(int, ref[f"greedy_{i}"]))
+    assert engine.runner.num_compiled_shapes == compiled
