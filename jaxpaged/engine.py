@@ -162,8 +162,12 @@ class LLMEngine:
                 self._first_cached[seq.request_id] = seq.num_cached_tokens
         inputs = build_step_inputs(scheduled, self.config.block_size, width=self._table_width,
                                    max_seqs=self.config.max_num_seqs)
+        t1 = time.perf_counter()
         tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs)
         tokens = np.asarray(tokens)[: len(scheduled)]
+        t2 = time.perf_counter()
+        self.metrics.host_seconds += t1 - t0
+        self.metrics.device_seconds += t2 - t1
         num_decode = sum(1 for seq, n in scheduled if n == 1 and seq.num_output_tokens > 0)
         num_tokens = sum(n for _, n in scheduled)
         finished = self.scheduler.postprocess(scheduled, tokens)
@@ -175,6 +179,7 @@ class LLMEngine:
             blocks_used=used, blocks_cached=kv.num_cached_blocks,
             kv_bytes_in_use=used * self.config.block_size * self.bytes_per_token,
             block_utilisation=self._utilisation(), seconds=time.perf_counter() - t0))
+        self.metrics.host_seconds += time.perf_counter() - t2
         return [self._output(seq) for seq in finished]
 
     def _utilisation(self) -> float:
@@ -231,7 +236,8 @@ class LLMEngine:
                  kv_pool_bytes=self.num_blocks * self.config.block_size * self.bytes_per_token,
                  kv_bytes_per_token=self.bytes_per_token, max_model_len=self.max_model_len,
                  compile_seconds=self.runner.compile_seconds, compiled_shapes=self.runner.num_compiled_shapes,
-                 attention_backend=self.runner.attention_backend, step_seconds=self.metrics.total_seconds)
+                 attention_backend=self.runner.attention_backend, step_seconds=self.metrics.total_seconds,
+                 host_seconds=self.metrics.host_seconds, device_wait_seconds=self.metrics.device_seconds)
         return s
 
     def explain_prefix(self, a: str | SequenceT[int], b: str | SequenceT[int]) -> PrefixDivergence:

@@ -1,0 +1,140 @@
+"""Offline throughput on nano-vllm's workload, Qwen3-0.6B shapes with random bf16 weights (GPU).
+
+Workload (nano-vllm's bench.py): ``random.seed(0)``; 256 requests; each prompt is ``randint(100, 1024)``
+token ids drawn from ``randint(0, 10000)``; then per request ``max_tokens = randint(100, 1024)``,
+``temperature=0.6``, ``ignore_eos=True``. Throughput = output tokens / wall seconds of ``generate``,
+after the step buckets are compiled ahead of time (compile time reported separately).
+
+Baseline in the same run: Hugging Face ``generate`` (static batch, left padding, same sampling) on the
+first ``--hf-requests`` requests, and jaxpaged on the same subset.
+
+    python benchmarks/bench_throughput.py --out $OUT [--hf-requests 32] [--backend auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxpaged import EngineConfig, LLMEngine, SamplingParams
+from jaxpaged.engine import run_to_completion
+from jaxpaged.models.checkpoint import ModelParams
+from jaxpaged.models.config import QwenConfig
+from jaxpaged.models.qwen import Qwen
+
+QWEN3_0_6B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                  max_position_embeddings=40960, attention_bias=False, eos_token_id=151645,
+                  architectures=["Qwen3ForCausalLM"])
+
+
+def workload(num_seqs: int = 256, max_input: int = 1024, max_output: int = 1024):
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input))] for _ in range(num_seqs)]
+    sps = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, max_output))
+           for _ in range(num_seqs)]
+    return prompts, sps
+
+
+def random_params(cfg: QwenConfig) -> ModelParams:
+    graphdef, state = nnx.split(Qwen(cfg, "bfloat16", rngs=nnx.Rngs(0)))
+    return ModelParams(cfg, graphdef, state, "bfloat16")
+
+
+def run_ours(params, prompts, sps, args):
+    config = EngineConfig(block_size=args.block_size, max_model_len=2048, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.backend,
+                          memory_fraction=0.9)
+    engine = LLMEngine(params, config)
+    compile_s = engine.warmup(use_tqdm=False)
+    run_to_completion(engine, [prompts[0][:16]], SamplingParams(max_tokens=4))  # one tiny real request
+    engine.metrics.host_seconds = engine.metrics.device_seconds = 0.0
+    t0 = time.perf_counter()
+    outs = run_to_completion(engine, prompts, sps)
+    seconds = time.perf_counter() - t0
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    st = engine.stats()
+    ttft = sorted(o.metrics.time_to_first_token for o in outs)
+    return dict(seconds=seconds, output_tokens=out_tokens, tok_per_s=out_tokens / seconds, warmup_compile_s=compile_s,
+                steps=st["steps"], preemptions=st["preemptions"], num_blocks=st["num_blocks"],
+                peak_kv_gib=st["peak_kv_bytes_in_use"] / 2**30, compiled_shapes=st["compiled_shapes"],
+                total_compile_s=st["compile_seconds"], ttft_p50=ttft[len(ttft) // 2], ttft_max=ttft[-1],
+                backend=st["attention_backend"], host_s=st["host_seconds"], device_wait_s=st["device_wait_seconds"])
+
+
+def run_hf(cfg_raw, prompts, sps):
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**cfg_raw)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+    width = max(map(len, prompts))
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    max_new = max(sp.max_tokens for sp in sps)
+    kw = dict(attention_mask=mask.cuda(), do_sample=True, temperature=0.6, top_k=0, top_p=1.0,
+              max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0)
+    model.generate(ids[:2, -32:].cuda(), attention_mask=mask[:2, -32:].cuda(), max_new_tokens=4, pad_token_id=0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model.generate(ids.cuda(), **kw)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    useful = sum(sp.max_tokens for sp in sps)
+    del model
+    torch.cuda.empty_cache()
+    return dict(seconds=seconds, output_tokens=useful, tok_per_s=useful / seconds, max_new_tokens=max_new)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--hf-requests", type=int, default=32)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    args = ap.parse_args()
+    cfg = QwenConfig.from_dict(QWEN3_0_6B)
+    prompts, sps = workload(args.num_seqs)
+    print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
+          f"{sum(sp.max_tokens for sp in sps)} output tokens", flush=True)
+    result = {"device": str(jax.devices()[0]), "jax": jax.__version__, "args": vars(args)}
+    params = random_params(cfg)
+    result["ours_full"] = run_ours(params, prompts, sps, args)
+    print("ours full:", json.dumps(result["ours_full"]), flush=True)
+    n = args.hf_requests
+    if n:
+        result["ours_subset"] = run_ours(params, prompts[:n], sps[:n], args)
+        print("ours subset:", json.dumps(result["ours_subset"]), flush=True)
+        del params
+        result["hf_subset"] = run_hf(QWEN3_0_6B, prompts[:n], sps[:n])
+        print("hf subset:", json.dumps(result["hf_subset"]), flush=True)
+    with open(os.path.join(args.out, "throughput.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"\n{'run':28s} {'requests':>8s} {'out tokens':>10s} {'seconds':>8s} {'tok/s':>9s}")
+    for key, label, count in (("ours_full", "jaxpaged", args.num_seqs), ("ours_subset", "jaxpaged (subset)", n),
+                              ("hf_subset", "HF generate (subset)", n)):
+        if key in result:
+            r = result[key]
+            print(f"{label:28s} {count:8d} {r['output_tokens']:10d} {r['seconds']:8.2f} {r['tok_per_s']:9.0f}")
+    r = result["ours_full"]
+    print(f"compile (warm-up, {r['compiled_shapes']} shapes): {r['warmup_compile_s']:.1f} s; steps {r['steps']}; "
+          f"preemptions {r['preemptions']}; peak KV {r['peak_kv_gib']:.1f} GiB; TTFT p50 {r['ttft_p50']:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
