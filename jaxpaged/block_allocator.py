@@ -114,6 +114,10 @@ class BlockAllocator:
             return BlockState.REFERENCED
         return BlockState.CACHED if self._cached[block_id] else BlockState.FREE
 
+    def num_shared_references(self) -> int:
+        """References beyond the first, summed over blocks: ``sum(max(0, ref_count - 1))``. O(B)."""
+        return sum(r - 1 for r in self._ref_counts if r > 1)
+
     def free_block_ids(self) -> list[int]:
         return list(self._free)
 

@@ -14,11 +14,8 @@ It ties together the block allocator, the prefix trie and the reservation policy
 4. ``free(seq)`` when the request finishes or is preempted: its full blocks stay cached (LRU pool).
 
 Under ``reservation="max_len"`` admission reserves a contiguous run of ``ceil(max_model_len / bs)``
-blocks instead (a contiguous KV cache); such blocks are never shared, so prefix caching must be off.
-With equal runs and first fit, free space always splits into whole runs, so refusals are plain
-capacity refusals; ``reserve_request_max_len=True`` reserves each request's own maximum length
-(prompt + ``sampling_params.max_tokens``, capped at ``max_model_len``), as Orca-era servers did, and
-the varying run lengths then show external fragmentation (``max_len_fragmentation_failures``).
+blocks instead (a contiguous KV cache; see ``reservation.MaxLenReservation``, which also offers
+per-request maximum lengths); such blocks are never shared, so prefix caching must be off.
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ from jaxpaged.block_table import BlockTableRows
 from jaxpaged.kv_invariants import check_invariants
 from jaxpaged.kv_stats import EventLog, KVCounters, KVStats, make_stats
 from jaxpaged.prefix_trie import PrefixTrie, TrieNode
-from jaxpaged.reservation import ContiguousReserver, max_len_run_length
+from jaxpaged.reservation import ContiguousReserver, MaxLenReservation
 from jaxpaged.sequence import Sequence
 
 
@@ -67,25 +64,22 @@ class KVCacheManager:
         self._token_cap = max_model_len if max_model_len is not None else 1 << 62
         self.enable_prefix_caching = enable_prefix_caching
         self.bytes_per_token_slot = bytes_per_token_slot
-        self.reserve_request_max_len = reserve_request_max_len
         self.counters = KVCounters()
         self.events: EventLog | None = None
         if event_log:
             self.events = EventLog(None if event_log is True else int(event_log))
         self.allocator: BlockAllocator | None = None
         self.trie: PrefixTrie | None = None
+        self.max_len: MaxLenReservation | None = None
         self.reserver: ContiguousReserver | None = None
         if reservation == "paged":
             self.allocator = BlockAllocator(num_blocks, block_size, on_evict=self._on_evict)
             self.trie = PrefixTrie(block_size) if enable_prefix_caching else None
         else:
-            self.run_length = max_len_run_length(max_model_len, block_size)
-            self.reserver = ContiguousReserver(num_blocks)
-            if self.run_length > num_blocks:
-                raise ValueError(
-                    f"max_model_len={max_model_len} needs {self.run_length} blocks of {block_size} "
-                    f"tokens per request, more than the pool's {num_blocks}"
-                )
+            self.max_len = MaxLenReservation(
+                num_blocks, block_size, max_model_len, reserve_request_max_len, self.counters
+            )
+            self.reserver, self.run_length = self.max_len.pool, self.max_len.run_length
         self._seqs: dict[str, Sequence] = {}  # admitted, holding blocks
         self.block_table_rows = BlockTableRows()  # numpy mirror of the admitted block tables
         self._cursors: dict[str, tuple[int, TrieNode | None]] = {}  # blocks in trie, deepest node
@@ -154,33 +148,15 @@ class KVCacheManager:
     def can_admit(self, seq: Sequence) -> bool:
         """True if ``admit(seq)`` would succeed now. Raises ``RequestTooLargeError`` if it never can.
 
-        Under ``max_len`` a refusal is counted (``max_len_admission_failures``), and also as
-        fragmentation when enough blocks were free in total but not contiguously.
+        Under ``max_len`` a refusal is counted (``max_len_admission_failures``).
         """
         if seq.num_tokens == 0:
             raise ValueError(f"request {seq.request_id!r} has no tokens")
         self._check_fits(seq, seq.num_tokens)
-        if self.reserver is not None:
-            run = self._run_length(seq)
-            ok = self.reserver.find_run(run) is not None
-            if not ok:
-                self._count_max_len_refusal(run)
-            return ok
+        if self.max_len is not None:
+            return self.max_len.can_reserve(seq)
         _, _, need, available = self._blocks_short(seq)
         return need <= available
-
-    def _run_length(self, seq: Sequence) -> int:
-        """Blocks ``seq`` reserves under ``max_len``."""
-        max_tokens = getattr(seq.sampling_params, "max_tokens", None)
-        if not self.reserve_request_max_len or max_tokens is None:
-            return self.run_length
-        longest = min(self.max_model_len, max(seq.num_tokens, seq.num_prompt_tokens + max_tokens))
-        return self.num_blocks_for(longest)
-
-    def _count_max_len_refusal(self, run: int) -> None:
-        self.counters.max_len_admission_failures += 1
-        if run <= self.reserver.num_free_blocks:
-            self.counters.max_len_fragmentation_failures += 1
 
     def admit(self, seq: Sequence) -> None:
         """Gives ``seq`` a block table covering all its known tokens, reusing cached prefix blocks.
@@ -193,18 +169,9 @@ class KVCacheManager:
         if seq.num_tokens == 0:
             raise ValueError(f"request {rid!r} has no tokens")
         self._check_fits(seq, seq.num_tokens)
-        if self.reserver is not None:
-            run = self._run_length(seq)
-            blocks = self.reserver.reserve(run)
-            if blocks is None:
-                self._count_max_len_refusal(run)
-                raise OutOfBlocksError(
-                    f"request {rid!r}: no contiguous run of {run} free blocks "
-                    f"({self.reserver.num_free_blocks} free, largest run "
-                    f"{self.reserver.largest_free_run()})"
-                )
+        if self.max_len is not None:
             hits: list[int] = []
-            new = blocks
+            new = self.max_len.reserve(seq)
         else:
             hits, node, need, available = self._blocks_short(seq)
             if need > available:
@@ -348,7 +315,7 @@ class KVCacheManager:
         bs = self.block_size
         filled = sum(min(s.num_tokens, len(s.block_table) * bs) for s in self._seqs.values())
         if self.allocator is not None:  # a block shared by r tables is full and counted r times
-            filled -= bs * sum(r - 1 for r in self.allocator._ref_counts if r > 1)
+            filled -= bs * self.allocator.num_shared_references()
         return make_stats(
             self.counters, num_blocks=self.num_blocks, block_size=bs,
             blocks_used=self.num_used_blocks, blocks_free=self.num_free_blocks,

@@ -17,7 +17,13 @@ import math
 
 import numpy as np
 
-from jaxpaged.block_allocator import DoubleFreeError, check_block_size
+from typing import TYPE_CHECKING
+
+from jaxpaged.block_allocator import DoubleFreeError, OutOfBlocksError, check_block_size
+from jaxpaged.kv_stats import KVCounters
+
+if TYPE_CHECKING:
+    from jaxpaged.sequence import Sequence
 
 
 def max_len_run_length(max_model_len: int, block_size: int) -> int:
@@ -94,3 +100,62 @@ class ContiguousReserver:
             raise DoubleFreeError(f"blocks {bad} released but not reserved")
         self._used[ids] = False
         self._num_used -= int(ids.size)
+
+
+class MaxLenReservation:
+    """The ``max_len`` policy as ``KVCacheManager`` applies it: run length per request, refusals
+    counted in ``KVCounters`` (and as fragmentation when enough blocks were free in total).
+
+    With one run length for everyone and first fit, runs start at multiples of it, so free space
+    always splits into whole runs and refusals are plain capacity refusals. ``per_request=True``
+    reserves each request's own maximum length (prompt + ``sampling_params.max_tokens``, capped at
+    ``max_model_len``), as Orca-era servers did; varying run lengths then fragment the pool.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, max_model_len: int, per_request: bool,
+        counters: KVCounters,
+    ) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.run_length = max_len_run_length(max_model_len, block_size)
+        if self.run_length > num_blocks:
+            raise ValueError(
+                f"max_model_len={max_model_len} needs {self.run_length} blocks of {block_size} "
+                f"tokens per request, more than the pool's {num_blocks}"
+            )
+        self.pool = ContiguousReserver(num_blocks)
+        self.per_request = per_request
+        self.counters = counters
+
+    def run_length_for(self, seq: Sequence) -> int:
+        """Blocks ``seq`` reserves."""
+        max_tokens = getattr(seq.sampling_params, "max_tokens", None)
+        if not self.per_request or max_tokens is None:
+            return self.run_length
+        longest = min(self.max_model_len, max(seq.num_tokens, seq.num_prompt_tokens + max_tokens))
+        return -(-longest // self.block_size)
+
+    def _refused(self, run: int) -> None:
+        self.counters.max_len_admission_failures += 1
+        if run <= self.pool.num_free_blocks:
+            self.counters.max_len_fragmentation_failures += 1
+
+    def can_reserve(self, seq: Sequence) -> bool:
+        run = self.run_length_for(seq)
+        if self.pool.find_run(run) is None:
+            self._refused(run)
+            return False
+        return True
+
+    def reserve(self, seq: Sequence) -> list[int]:
+        """The reserved run's block ids; ``OutOfBlocksError`` (counted) if no run is free."""
+        run = self.run_length_for(seq)
+        blocks = self.pool.reserve(run)
+        if blocks is None:
+            self._refused(run)
+            raise OutOfBlocksError(
+                f"request {seq.request_id!r}: no contiguous run of {run} free blocks "
+                f"({self.pool.num_free_blocks} free, largest run {self.pool.largest_free_run()})"
+            )
+        return blocks
