@@ -34,8 +34,10 @@ class Sequence:
 
     Tokens are one list, prompt first, then generated tokens, so a preempted sequence is re-admitted
     (and prefix-matched) over everything it has so far. Mutate ``block_table`` only through
-    ``KVCacheManager`` (it appends to the list or replaces it); ``block_table_array`` caches a numpy
-    copy keyed on that list object and its length.
+    ``KVCacheManager``: it appends to the list or replaces it, and mirrors every change into its
+    ``BlockTableRows`` matrix (this sequence's ``_bt_row``), which ``block_tables`` gathers from.
+    ``block_table_array`` caches a numpy copy keyed on the list object and its length (the
+    fallback for tables set by hand).
     """
 
     __slots__ = (
