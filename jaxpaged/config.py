@@ -21,6 +21,7 @@ class EngineConfig:
       ``max_position_embeddings`` capped at 8192.
     enable_prefix_caching: reuse full blocks of earlier prompts (token-exact prefix trie).
     reservation: ``paged`` (blocks on demand) or ``max_len`` (reserve ``max_model_len`` at admission).
+    compilation_cache: keep compiled steps on disk across processes (``runner.enable_compilation_cache``).
     dtype: weights and KV pool dtype. attention_backend: ``auto`` (Pallas on GPU), ``pallas``, ``reference``.
     """
 
@@ -37,6 +38,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     event_log: bool = False
+    compilation_cache: bool = True  # JAX's persistent compilation cache ($JAXPAGED_COMPILE_CACHE)
 
     def __post_init__(self) -> None:
         bs = self.block_size

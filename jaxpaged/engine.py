@@ -27,7 +27,7 @@ from .metrics import EngineMetrics, StepRecord
 from .models.checkpoint import ModelParams, load_params
 from .models.qwen import init_kv_pool
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .runner import ModelRunner
+from .runner import ModelRunner, enable_compilation_cache
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -86,6 +86,7 @@ class LLMEngine:
                                    max_model_len=self.max_model_len, eos_token_ids=cfg.eos_token_id,
                                    enable_chunked_prefill=config.enable_chunked_prefill)
         self.kv_pool = init_kv_pool(cfg, self.num_blocks, config.block_size, config.dtype)
+        self.compilation_cache_dir = enable_compilation_cache() if config.compilation_cache else None
         self.runner = get_runner(params, config.attention_backend)
         # Pallas reads block tables only up to each kv_len: one fixed width, fewer compilations.
         max_blocks = -(-self.max_model_len // config.block_size)
