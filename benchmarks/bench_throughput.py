@@ -16,37 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import time
 
 import jax
-import numpy as np
-from flax import nnx
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.engine import run_to_completion
-from jaxpaged.models.checkpoint import ModelParams
-from jaxpaged.models.config import QwenConfig
-from jaxpaged.models.qwen import Qwen
+from jaxpaged.workloads import QWEN3_0_6B, nano_vllm_workload, random_model
 
-QWEN3_0_6B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                  max_position_embeddings=40960, attention_bias=False, eos_token_id=151645,
-                  architectures=["Qwen3ForCausalLM"])
-
-
-def workload(num_seqs: int = 256, max_input: int = 1024, max_output: int = 1024):
-    random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input))] for _ in range(num_seqs)]
-    sps = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, max_output))
-           for _ in range(num_seqs)]
-    return prompts, sps
-
-
-def random_params(cfg: QwenConfig) -> ModelParams:
-    graphdef, state = nnx.split(Qwen(cfg, "bfloat16", rngs=nnx.Rngs(0)))
-    return ModelParams(cfg, graphdef, state, "bfloat16")
 
 
 def run_ours(params, prompts, sps, args):
@@ -108,12 +85,11 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     args = ap.parse_args()
-    cfg = QwenConfig.from_dict(QWEN3_0_6B)
-    prompts, sps = workload(args.num_seqs)
+    prompts, sps = nano_vllm_workload(args.num_seqs)
     print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(sp.max_tokens for sp in sps)} output tokens", flush=True)
     result = {"device": str(jax.devices()[0]), "jax": jax.__version__, "args": vars(args)}
-    params = random_params(cfg)
+    params = random_model(QWEN3_0_6B)
     result["ours_full"] = run_ours(params, prompts, sps, args)
     print("ours full:", json.dumps(result["ours_full"]), flush=True)
     n = args.hf_requests

@@ -27,17 +27,9 @@ from jaxpaged.models.convert import convert_tensors, abstract_model
 from jaxpaged.models.paged_forward import build_step, forward_all_logits
 from jaxpaged.models.qwen import init_kv_pool
 from jaxpaged.models.tiny import random_hf_tensors
+from jaxpaged.workloads import QWEN2_5_0_5B, QWEN3_0_6B
 
-SHAPES = {
-    "Qwen3-0.6B": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                       max_position_embeddings=40960, attention_bias=False),
-    "Qwen2.5-0.5B": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                         max_position_embeddings=32768),
-}
+SHAPES = {"Qwen3-0.6B": QWEN3_0_6B, "Qwen2.5-0.5B": QWEN2_5_0_5B}
 BLOCK_SIZE, PROMPT_LEN, SPLIT, DECODE = 16, 300, 193, 8
 
 
@@ -88,7 +80,6 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for name, raw in SHAPES.items():
-        raw = dict(raw, architectures=[{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[raw["model_type"]]])
         cfg = QwenConfig.from_dict(raw)
         t0 = time.time()
         tensors = random_hf_tensors(cfg, seed=1, std=0.02)

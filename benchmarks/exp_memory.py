@@ -23,6 +23,7 @@ import jax
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
 from jaxpaged.engine import run_to_completion
 from jaxpaged.models.tiny import tiny_checkpoint_path
+from jaxpaged.workloads import QWEN3_0_6B, random_model
 
 
 def workload(n: int, max_prompt: int, max_out: int, vocab: int, seed: int = 0):
@@ -60,13 +61,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     args = ap.parse_args()
     if args.full:
-        import sys
-
-        sys.path.insert(0, os.path.dirname(__file__))
-        from bench_throughput import QWEN3_0_6B, random_params
-        from jaxpaged.models.config import QwenConfig
-
-        params = random_params(QwenConfig.from_dict(QWEN3_0_6B))
+        params = random_model(QWEN3_0_6B)
     else:
         params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
     prompts, sps = workload(args.requests, args.max_model_len // 2, args.max_model_len // 2, params.config.vocab_size)

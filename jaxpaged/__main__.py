@@ -1,4 +1,4 @@
-"""Command line: ``python -m jaxpaged demo | generate --model PATH --prompt ...``.
+"""Command line: ``python -m jaxpaged demo | generate --model PATH --prompt ... | bench``.
 
 ``demo`` needs nothing: it runs the packaged tiny random Qwen3 checkpoint (so the text is gibberish,
 but every mechanism is real), sends requests that share a system prompt, and prints the generated
@@ -70,6 +70,39 @@ def generate_cmd(args: argparse.Namespace) -> None:
     _print_stats(llm)
 
 
+def bench(args: argparse.Namespace) -> None:
+    """nano-vllm's throughput workload (scaled by --num-seqs / --max-len) on a checkpoint or random weights."""
+    from .engine import LLMEngine, run_to_completion
+    from .models.checkpoint import load_params
+    from .workloads import QWEN3_0_6B, nano_vllm_workload, random_model
+
+    if args.model == "tiny":
+        params = load_params(tiny_checkpoint_path("qwen3"), "float32")
+    elif args.model:
+        params = load_params(args.model, args.dtype)
+    else:
+        params = random_model(QWEN3_0_6B, args.dtype)
+    half = args.max_len // 2
+    if half < 100:
+        raise SystemExit("bench: --max-len must be at least 200 (prompts and outputs of 100..max_len/2 tokens)")
+    prompts, sps = nano_vllm_workload(args.num_seqs, half, half)
+    vocab = params.config.vocab_size
+    prompts = [[t % vocab for t in p] for p in prompts]
+    engine = LLMEngine(params, EngineConfig(dtype=params.dtype, block_size=args.block_size, max_model_len=args.max_len,
+                                            max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
+                                            max_num_batched_tokens=args.max_num_batched_tokens))
+    compile_s = engine.warmup()
+    t0 = time.perf_counter()
+    outs = run_to_completion(engine, prompts, sps, use_tqdm=True)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"{len(outs)} requests, {sum(map(len, prompts))} prompt + {tokens} output tokens in {seconds:.2f} s: "
+          f"{tokens / seconds:,.0f} output tok/s (compile {compile_s:.1f} s, not included)")
+    s = engine.stats()
+    print(f"steps {s['steps']}, preemptions {s['preemptions']}, host {s['host_seconds']:.2f} s, "
+          f"device wait {s['device_wait_seconds']:.2f} s, peak KV {(s['peak_kv_bytes_in_use'] or 0) / 2**30:.2f} GiB")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m jaxpaged", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -88,8 +121,17 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--attention-backend", default="auto")
+    b = sub.add_parser("bench", help="throughput on nano-vllm's workload (random Qwen3-0.6B weights by default)")
+    b.add_argument("--model", default=None, help="checkpoint folder, 'tiny' for the packaged model, or none")
+    b.add_argument("--num-seqs", type=int, default=256)
+    b.add_argument("--max-len", type=int, default=2048, help="max_model_len; prompts and outputs up to half each")
+    b.add_argument("--dtype", default="bfloat16")
+    b.add_argument("--block-size", type=int, default=16)
+    b.add_argument("--max-num-seqs", type=int, default=256)
+    b.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    b.add_argument("--attention-backend", default="auto")
     args = ap.parse_args(argv)
-    {"demo": demo, "generate": generate_cmd}[args.cmd](args)
+    {"demo": demo, "generate": generate_cmd, "bench": bench}[args.cmd](args)
 
 
 if __name__ == "__main__":

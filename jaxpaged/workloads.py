@@ -1,0 +1,45 @@
+"""Standard workloads and random full-size models, shared by the benchmarks, experiments and CLI.
+
+``nano_vllm_workload`` reproduces nano-vllm's ``bench.py`` exactly (``random.seed(0)``; per request a
+prompt of ``randint(100, 1024)`` ids from ``randint(0, 10000)``; then ``max_tokens = randint(100,
+1024)``, ``temperature=0.6``, ``ignore_eos=True``), so throughput numbers compare with published ones.
+"""
+
+from __future__ import annotations
+
+import random
+
+from flax import nnx
+
+from .models.checkpoint import ModelParams
+from .models.config import QwenConfig
+from .models.qwen import Qwen
+from .sampling import SamplingParams
+
+QWEN3_0_6B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                  max_position_embeddings=40960, attention_bias=False, eos_token_id=151645,
+                  architectures=["Qwen3ForCausalLM"])
+QWEN2_5_0_5B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                    num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                    max_position_embeddings=32768, eos_token_id=151645, architectures=["Qwen2ForCausalLM"])
+
+
+def nano_vllm_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024,
+                       seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts (token ids) and sampling params of nano-vllm's throughput benchmark."""
+    random.seed(seed)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))]
+               for _ in range(num_seqs)]
+    sps = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, max_output_len))
+           for _ in range(num_seqs)]
+    return prompts, sps
+
+
+def random_model(raw_config: dict, dtype: str = "bfloat16", seed: int = 0) -> ModelParams:
+    """A randomly initialised model of the given Hugging Face config (no download needed)."""
+    cfg = QwenConfig.from_dict(raw_config)
+    graphdef, state = nnx.split(Qwen(cfg, dtype, rngs=nnx.Rngs(seed)))
+    return ModelParams(cfg, graphdef, state, dtype)
