@@ -57,8 +57,10 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int, *,
     ``None`` pads it to a power of two (the reference gathers whole rows, so narrower is cheaper).
     """
     seqs = [s for s, _ in scheduled]
-    num_new = np.fromiter((n for _, n in scheduled), np.int32, len(scheduled))
-    start = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, len(seqs))
+    new_list = [n for _, n in scheduled]
+    start_list = [s.num_computed_tokens for s in seqs]
+    num_new = np.array(new_list, np.int32)
+    start = np.array(start_list, np.int32)
     num_tokens, num_seqs = int(num_new.sum()), len(seqs)
     t_pad = bucket(num_tokens, MIN_TOKENS)
     s_pad = bucket(num_seqs, MIN_SEQS) if max_seqs is None else min(t_pad, bucket(max_seqs, MIN_SEQS))
@@ -73,9 +75,11 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int, *,
     positions = np.zeros(t_pad, np.int32)
     positions[:num_tokens] = np.arange(num_tokens, dtype=np.int32) - cu[seq_idx] + start[seq_idx]
     token_ids = np.zeros(t_pad, np.int32)
-    token_ids[:num_tokens] = np.concatenate(
-        [np.asarray(s.token_ids[c: c + n], np.int32) for s, c, n in zip(seqs, start, num_new)]) \
-        if num_seqs else np.zeros(0, np.int32)
+    if num_tokens == num_seqs:  # decode-only step: one token per sequence, no slicing
+        token_ids[:num_tokens] = [s.token_ids[c] for s, c in zip(seqs, start_list)]
+    elif num_seqs:
+        token_ids[:num_tokens] = np.concatenate(
+            [np.asarray(s.token_ids[c: c + n], np.int32) for s, c, n in zip(seqs, start_list, new_list)])
     tables = np.zeros((s_pad, width), np.int32)
     tables[:num_seqs] = block_tables(seqs, width)
     slots = np.full(t_pad, -1, np.int32)
@@ -90,11 +94,12 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int, *,
     top_p = np.ones(s_pad, np.float32)
     seeds = np.zeros(s_pad, np.uint32)
     counters = np.zeros(s_pad, np.int32)
-    for i, s in enumerate(seqs):
-        sp = s.sampling_params
-        temperature[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
-        seeds[i] = (sp.seed or 0) & 0xFFFFFFFF
-        counters[i] = s.num_output_tokens
+    sps = [s.sampling_params for s in seqs]  # one list -> array conversion per field (not per element)
+    temperature[:num_seqs] = [sp.temperature for sp in sps]
+    top_k[:num_seqs] = [sp.top_k for sp in sps]
+    top_p[:num_seqs] = [sp.top_p for sp in sps]
+    seeds[:num_seqs] = [(sp.seed or 0) & 0xFFFFFFFF for sp in sps]
+    counters[:num_seqs] = [len(s.token_ids) - s.num_prompt_tokens for s in seqs]
     meta = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv_lens, block_tables=tables)
     return StepInputs(token_ids=token_ids, positions=positions, meta=meta, logits_indices=logits_indices,
                       temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, counters=counters)

@@ -112,23 +112,27 @@ class Scheduler:
         finished = []
         c = self.counters
         c.steps += 1
-        for (seq, n), token in zip(scheduled, tokens):
-            if seq.num_uncomputed_tokens == 1 and n == 1 and seq.num_output_tokens > 0:
+        cache_full_blocks = self.kv.cache_full_blocks
+        for (seq, n), token in zip(scheduled, np.asarray(tokens).tolist()):
+            tokens_list = seq.token_ids
+            if n == 1 and len(tokens_list) > seq.num_prompt_tokens:
                 c.decode_tokens += 1
             else:
                 c.prefill_tokens += n
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.append_token(int(token), now)
+            if seq.num_computed_tokens == len(tokens_list):
+                seq.append_token(token, now)
                 c.generated_tokens += 1
-                reason = self._finish_reason(seq, int(token))
+                reason = self._finish_reason(seq, token)
                 if reason is not None:
                     seq.finish(reason, now)
-            self.kv.cache_full_blocks(seq)
-            if seq.is_finished:
+            cache_full_blocks(seq)
+            if seq.status is SequenceStatus.FINISHED:
                 self.kv.free(seq)
-                self.running.remove(seq)
                 finished.append(seq)
+        if finished:
+            done = set(map(id, finished))
+            self.running = [s for s in self.running if id(s) not in done]
         return finished
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
