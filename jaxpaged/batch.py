@@ -16,6 +16,8 @@ import numpy as np
 from .kernels.metadata import AttentionMetadata
 from .sequence import Sequence, block_tables, slot_mapping_batch
 
+PLACEHOLDER = -1  # a token sampled by the step in flight, not yet on the host (async scheduling)
+
 MIN_TOKENS, MIN_SEQS, MIN_WIDTH = 16, 8, 4
 
 
@@ -30,6 +32,8 @@ class StepInputs:
     """Device inputs of one step (``T`` padded tokens, ``S`` padded sequences).
 
     token_ids, positions: ``i32[T]``. meta: ``AttentionMetadata`` (slot mapping, lengths, tables).
+    prev_index: ``i32[T]``: for a token the previous step sampled and the host has not seen yet
+    (``PLACEHOLDER`` in ``token_ids``), its row in that step's output; -1 elsewhere.
     logits_indices: ``i32[S]`` token index whose logits sample sequence ``i``.
     temperature, top_p: ``f32[S]``; top_k: ``i32[S]``; seeds: ``u32[S]``; counters: ``i32[S]`` tokens
     generated so far (the per-request PRNG stream position).
@@ -38,6 +42,7 @@ class StepInputs:
     token_ids: jax.Array
     positions: jax.Array
     meta: AttentionMetadata
+    prev_index: jax.Array
     logits_indices: jax.Array
     temperature: jax.Array
     top_k: jax.Array
@@ -47,7 +52,8 @@ class StepInputs:
 
 
 def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int, *,
-                      width: int | None = None, max_seqs: int | None = None) -> StepInputs:
+                      width: int | None = None, max_seqs: int | None = None,
+                      prev_rows: dict[int, int] | None = None) -> StepInputs:
     """Numpy arrays for ``scheduled`` (host side, no per-token Python loops), padded to buckets.
 
     ``T`` pads to a power of two. ``S`` pads to ``min(T, bucket(max_seqs))`` when ``max_seqs`` is
@@ -55,6 +61,8 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int, *,
     bucket rather than one per ``(T, S)`` pair. ``width`` fixes the block-table width (the Pallas
     kernels loop only to each ``kv_len``, so a fixed width costs nothing and saves compilations);
     ``None`` pads it to a power of two (the reference gathers whole rows, so narrower is cheaper).
+    ``prev_rows`` maps ``id(seq)`` to its row in the previous step's output, for sequences whose last
+    token is still a ``PLACEHOLDER`` (the device fills it in from that output).
     """
     seqs = [s for s, _ in scheduled]
     new_list = [n for _, n in scheduled]
@@ -100,9 +108,15 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int, *,
     top_p[:num_seqs] = [sp.top_p for sp in sps]
     seeds[:num_seqs] = [(sp.seed or 0) & 0xFFFFFFFF for sp in sps]
     counters[:num_seqs] = [len(s.token_ids) - s.num_prompt_tokens for s in seqs]
+    prev_index = np.full(t_pad, -1, np.int32)
+    if prev_rows:
+        for i, s in enumerate(seqs):
+            if s.token_ids[-1] == PLACEHOLDER:  # always the last new token of its sequence this step
+                prev_index[cu[i + 1] - 1] = prev_rows[id(s)]
     meta = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv_lens, block_tables=tables)
-    return StepInputs(token_ids=token_ids, positions=positions, meta=meta, logits_indices=logits_indices,
-                      temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, counters=counters)
+    return StepInputs(token_ids=token_ids, positions=positions, meta=meta, prev_index=prev_index,
+                      logits_indices=logits_indices, temperature=temperature, top_k=top_k, top_p=top_p,
+                      seeds=seeds, counters=counters)
 
 
 def padding_step_inputs(num_tokens: int, num_seqs: int, width: int) -> StepInputs:
@@ -110,6 +124,7 @@ def padding_step_inputs(num_tokens: int, num_seqs: int, width: int) -> StepInput
     z = lambda n, dt=np.int32: np.zeros(n, dt)  # noqa: E731
     meta = AttentionMetadata(slot_mapping=np.full(num_tokens, -1, np.int32), cu_q_lens=z(num_seqs + 1),
                              kv_lens=z(num_seqs), block_tables=np.zeros((num_seqs, width), np.int32))
-    return StepInputs(token_ids=z(num_tokens), positions=z(num_tokens), meta=meta, logits_indices=z(num_seqs),
+    return StepInputs(token_ids=z(num_tokens), positions=z(num_tokens), meta=meta,
+                      prev_index=np.full(num_tokens, -1, np.int32), logits_indices=z(num_seqs),
                       temperature=z(num_seqs, np.float32), top_k=np.full(num_seqs, -1, np.int32),
                       top_p=np.ones(num_seqs, np.float32), seeds=z(num_seqs, np.uint32), counters=z(num_seqs))

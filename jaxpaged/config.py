@@ -21,6 +21,8 @@ class EngineConfig:
       ``max_position_embeddings`` capped at 8192.
     enable_prefix_caching: reuse full blocks of earlier prompts (token-exact prefix trie).
     reservation: ``paged`` (blocks on demand) or ``max_len`` (reserve ``max_model_len`` at admission).
+    async_scheduling: dispatch the next step before reading the previous one's tokens back (the
+      device feeds them in), so host work overlaps device work; outputs are identical either way.
     compilation_cache: keep compiled steps on disk across processes (``runner.enable_compilation_cache``).
     dtype: weights and KV pool dtype. attention_backend: ``auto`` (Pallas on GPU), ``pallas``, ``reference``.
     """
@@ -39,6 +41,7 @@ class EngineConfig:
     seed: int = 0
     event_log: bool = False
     compilation_cache: bool = True  # JAX's persistent compilation cache ($JAXPAGED_COMPILE_CACHE)
+    async_scheduling: bool = True  # schedule step N+1 while step N runs (tokens fed back on device)
 
     def __post_init__(self) -> None:
         bs = self.block_size

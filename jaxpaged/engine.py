@@ -97,6 +97,10 @@ class LLMEngine:
         self._requests: dict[str, tuple[Sequence, str | None]] = {}
         self._first_cached: dict[str, int] = {}
         self._first_scheduled: dict[str, float] = {}
+        # Async scheduling: the step in flight (its placeholders) and its device output.
+        self._pending: tuple[list, jax.Array] | None = None
+        self._pending_rows: dict[int, int] | None = None
+        self._prev_tokens = jnp.zeros(bucket(config.max_num_seqs, MIN_SEQS), jnp.int32)
 
     # ---- requests ------------------------------------------------------------------------------
     def _tokenize(self, prompt: str | SequenceT[int], rid: str) -> tuple[str | None, list[int]]:
@@ -145,33 +149,47 @@ class LLMEngine:
         self.scheduler.abort(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._pending is not None
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one engine iteration; returns the requests that finished in it."""
+        """Runs one engine iteration; returns the requests that finished in it.
+
+        With ``async_scheduling`` the step is dispatched before the previous step's tokens are read
+        back: the device fills the placeholder tokens in from the previous output, and the host's
+        scheduling and bookkeeping overlap the device's work. Outputs are the same either way.
+        """
         t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            if self.scheduler.has_unfinished():
+            finished = self._resolve_pending()
+            if not finished and self.scheduler.has_unfinished():
                 raise RuntimeError("no request could be scheduled although some are waiting (pool exhausted)")
-            return []
+            return [self._output(seq) for seq in finished]
         now = time.monotonic()
         for seq, _ in scheduled:
             if seq.request_id not in self._first_scheduled:
                 self._first_scheduled[seq.request_id] = now
                 self._first_cached[seq.request_id] = seq.num_cached_tokens
-        inputs = build_step_inputs(scheduled, self.config.block_size, width=self._table_width,
-                                   max_seqs=self.config.max_num_seqs)
-        t1 = time.perf_counter()
-        tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs)
-        tokens = np.asarray(tokens)[: len(scheduled)]
-        t2 = time.perf_counter()
-        self.metrics.host_seconds += t1 - t0
-        self.metrics.device_seconds += t2 - t1
         num_decode = sum(1 for seq, n in scheduled if n == 1 and seq.num_output_tokens > 0)
         num_tokens = sum(n for _, n in scheduled)
-        finished = self.scheduler.postprocess(scheduled, tokens)
+        inputs = build_step_inputs(scheduled, self.config.block_size, width=self._table_width,
+                                   max_seqs=self.config.max_num_seqs, prev_rows=self._pending_rows)
+        t1 = time.perf_counter()
+        tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs, self._prev_tokens)
+        if self.config.async_scheduling:
+            finished = self._resolve_pending()  # the previous step's tokens: ready, or nearly
+            t2 = time.perf_counter()
+            samples = self.scheduler.advance(scheduled)
+            self._pending = (samples, tokens)
+            self._pending_rows = {id(seq): row for row, seq, _ in samples}
+            self._prev_tokens = tokens
+        else:
+            host_tokens = np.asarray(tokens)[: len(scheduled)]
+            t2 = time.perf_counter()
+            finished = self.scheduler.postprocess(scheduled, host_tokens)
+        self.metrics.host_seconds += t1 - t0
+        self.metrics.device_seconds += t2 - t1
         kv = self.kv
         used = kv.num_used_blocks
         self.metrics.record(StepRecord(
@@ -182,6 +200,16 @@ class LLMEngine:
             block_utilisation=self._utilisation(), seconds=time.perf_counter() - t0))
         self.metrics.host_seconds += time.perf_counter() - t2
         return [self._output(seq) for seq in finished]
+
+    def _resolve_pending(self) -> list[Sequence]:
+        """Reads back the step in flight (async scheduling) and fills its placeholder tokens."""
+        if self._pending is None:
+            return []
+        samples, tokens = self._pending
+        self._pending, self._pending_rows = None, None
+        if not samples:
+            return []
+        return self.scheduler.resolve(samples, np.asarray(tokens))
 
     def _utilisation(self) -> float:
         bs = self.config.block_size
@@ -224,7 +252,8 @@ class LLMEngine:
             it = tqdm(sizes, desc="compile step buckets", unit="shape")
         for t_pad in it:
             inputs = padding_step_inputs(t_pad, min(t_pad, bucket(self.config.max_num_seqs, MIN_SEQS)), width)
-            tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs)
+            tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs,
+                                                    jnp.zeros_like(self._prev_tokens))
             tokens.block_until_ready()
         return time.perf_counter() - t0
 

@@ -15,6 +15,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from .batch import StepInputs
@@ -43,13 +44,19 @@ def enable_compilation_cache(cache_dir: str | Path | None = None) -> str | None:
 def make_step_fn(graphdef: nnx.GraphDef, attention_fn: Callable, write_kv_fn: Callable) -> Callable:
     """The pure step function (not jitted): used by ``ModelRunner`` and by HLO inspection tests."""
 
-    def step(state: nnx.State, kv_pool: KVPool, inputs: StepInputs) -> tuple[jax.Array, KVPool]:
+    def step(state: nnx.State, kv_pool: KVPool, inputs: StepInputs,
+             prev_tokens: jax.Array) -> tuple[jax.Array, KVPool]:
+        """``prev_tokens i32[R]``: the previous step's output (fills placeholder tokens in).
+        Returns ``(tokens i32[R], kv_pool)``: this step's samples in rows ``0..S-1``, zeros after, so
+        every step's output has one shape and can feed the next step without a host round trip."""
         model = nnx.merge(graphdef, state)
-        hidden, kv_pool = model(inputs.token_ids, inputs.positions, kv_pool, inputs.meta,
+        prev = prev_tokens[jnp.maximum(inputs.prev_index, 0)]
+        token_ids = jnp.where(inputs.prev_index >= 0, prev, inputs.token_ids)
+        hidden, kv_pool = model(token_ids, inputs.positions, kv_pool, inputs.meta,
                                 attention_fn=attention_fn, write_kv_fn=write_kv_fn)
         logits = model.compute_logits(hidden[inputs.logits_indices])  # [S, V] fp32
         tokens = sample(logits, inputs.temperature, inputs.top_k, inputs.top_p, inputs.seeds, inputs.counters)
-        return tokens, kv_pool
+        return jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens), kv_pool
 
     return step
 
@@ -79,24 +86,31 @@ class ModelRunner:
             if self._treedef not in self._jitted:
                 treedef, fn = self._treedef, self._step_fn
 
-                def step(leaves, kv_pool, inputs):
-                    return fn(jax.tree.unflatten(treedef, leaves), kv_pool, inputs)
+                def step(leaves, kv_pool, inputs, prev_tokens):
+                    return fn(jax.tree.unflatten(treedef, leaves), kv_pool, inputs, prev_tokens)
 
                 self._jitted[treedef] = jax.jit(step, donate_argnums=(1,))
         return self._jitted[self._treedef], self._leaves
 
-    def step(self, state: nnx.State, kv_pool: KVPool, inputs: StepInputs) -> tuple[jax.Array, KVPool]:
-        """Runs one step; the first call for a new shape bucket compiles (its time is recorded)."""
+    def step(self, state: nnx.State, kv_pool: KVPool, inputs: StepInputs,
+             prev_tokens: jax.Array | None = None) -> tuple[jax.Array, KVPool]:
+        """Runs one step; the first call for a new shape bucket compiles (its time is recorded).
+
+        ``prev_tokens``: the previous step's output (default: zeros, one row per sequence slot).
+        """
+        if prev_tokens is None:
+            prev_tokens = np.zeros(inputs.logits_indices.shape, np.int32)
         jitted, leaves = self._flat(state)
-        shape_key = (inputs.token_ids.shape, inputs.logits_indices.shape, inputs.meta.block_tables.shape)
+        shape_key = (inputs.token_ids.shape, inputs.logits_indices.shape, inputs.meta.block_tables.shape,
+                     prev_tokens.shape)
         if shape_key not in self._shapes_seen:
             t0 = time.perf_counter()
-            tokens, kv_pool = jitted(leaves, kv_pool, inputs)
+            tokens, kv_pool = jitted(leaves, kv_pool, inputs, prev_tokens)
             tokens.block_until_ready()
             self.compile_seconds += time.perf_counter() - t0
             self._shapes_seen.add(shape_key)
             return tokens, kv_pool
-        return jitted(leaves, kv_pool, inputs)
+        return jitted(leaves, kv_pool, inputs, prev_tokens)
 
     @property
     def num_compiled_shapes(self) -> int:
@@ -105,4 +119,5 @@ class ModelRunner:
     def lower_text(self, state: nnx.State, kv_pool: KVPool, inputs: StepInputs) -> str:
         """Compiled HLO of the step for ``inputs``' shapes (to check that the pool is never copied)."""
         jitted, leaves = self._flat(state)
-        return jitted.lower(leaves, kv_pool, inputs).compile().as_text()
+        prev_tokens = np.zeros(inputs.logits_indices.shape, np.int32)
+        return jitted.lower(leaves, kv_pool, inputs, prev_tokens).compile().as_text()

@@ -17,10 +17,12 @@ import time
 
 import numpy as np
 
+from .batch import PLACEHOLDER
 from .kv_manager import KVCacheManager
 from .sequence import Sequence, SequenceStatus
 
 ScheduledBatch = list[tuple[Sequence, int]]
+Samples = list[tuple[int, Sequence, int]]  # (row in the step's output, sequence, index in its token_ids)
 
 
 @dataclasses.dataclass
@@ -134,6 +136,70 @@ class Scheduler:
             done = set(map(id, finished))
             self.running = [s for s in self.running if id(s) not in done]
         return finished
+
+    # ---- async scheduling: book a step before its tokens reach the host ---------------------------
+    def advance(self, scheduled: ScheduledBatch) -> Samples:
+        """Books a dispatched step whose sampled tokens are not known yet.
+
+        Progress advances, and each sequence whose chunk reached its end gets a ``PLACEHOLDER`` token
+        (the next step reads the real one from the device). Sequences that reach ``max_tokens`` /
+        ``max_model_len`` with it finish now (their blocks are freed: later steps run after this one
+        on the device). Returns the placeholders to fill in with ``resolve``. Call it after resolving
+        the previous step, so that every cached block holds real token ids.
+        """
+        c = self.counters
+        c.steps += 1
+        samples: Samples = []
+        for row, (seq, n) in enumerate(scheduled):
+            if seq.status is not SequenceStatus.RUNNING:  # finished (stop token) while this step ran
+                continue
+            tokens_list = seq.token_ids
+            if n == 1 and len(tokens_list) > seq.num_prompt_tokens:
+                c.decode_tokens += 1
+            else:
+                c.prefill_tokens += n
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == len(tokens_list):
+                samples.append((row, seq, len(tokens_list)))
+                tokens_list.append(PLACEHOLDER)
+                if (len(tokens_list) - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
+                        or len(tokens_list) >= self.max_model_len):
+                    seq.finish("length")
+            self.kv.cache_full_blocks(seq)
+            if seq.status is SequenceStatus.FINISHED:
+                self.kv.free(seq)
+                self.running.remove(seq)
+        return samples
+
+    def resolve(self, samples: Samples, tokens: np.ndarray) -> list[Sequence]:
+        """Fills the placeholders of a step with its sampled ``tokens``; stops sequences that sampled a
+        stop token. Returns the sequences whose last token this was (finished)."""
+        now = time.monotonic()
+        finished = []
+        c = self.counters
+        for (row, seq, pos), token in zip(samples, np.asarray(tokens)[[r for r, _, _ in samples]].tolist()):
+            seq.token_ids[pos] = token
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            c.generated_tokens += 1
+            if seq.status is SequenceStatus.FINISHED:
+                if seq.finish_reason == "length" and self._is_stop(seq, token):
+                    seq.finish_reason = "stop"
+                seq.finish_time = now
+                finished.append(seq)
+            elif self._is_stop(seq, token):
+                if seq.status is SequenceStatus.RUNNING:
+                    self.kv.free(seq)
+                    self.running.remove(seq)
+                elif seq in self.waiting:  # preempted while its token was in flight
+                    self.waiting.remove(seq)
+                seq.finish("stop", now)
+                finished.append(seq)
+        return finished
+
+    def _is_stop(self, seq: Sequence, token: int) -> bool:
+        sp = seq.sampling_params
+        return (not sp.ignore_eos and token in self.eos_token_ids) or bool(sp.stop_token_ids and token in sp.stop_token_ids)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         sp = seq.sampling_params

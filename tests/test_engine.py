@@ -61,6 +61,8 @@ CONFIGS = {
     "chunked_prefill": dict(block_size=8, num_blocks=64, max_num_batched_tokens=16),
     "tiny_pool_preempts": dict(block_size=8, num_blocks=12, max_num_seqs=8),
     "few_seqs": dict(block_size=8, num_blocks=64, max_num_seqs=2),
+    "sync_scheduling": dict(block_size=8, num_blocks=64, async_scheduling=False),
+    "sync_tiny_pool": dict(block_size=8, num_blocks=12, max_num_seqs=8, async_scheduling=False),
 }
 
 
@@ -78,7 +80,7 @@ def test_greedy_outputs_invariant_to_paging_choices(qwen3, name):
                                                           enable_prefix_caching=False), GREEDY)
     assert token_ids(outs[4:]) == token_ids(baseline)
     stats = engine.stats()
-    if name == "tiny_pool_preempts":
+    if name in ("tiny_pool_preempts", "sync_tiny_pool"):
         assert stats["preemptions"] > 0
     if name in ("bs8", "chunked_prefill"):
         assert stats["prefix_hit_tokens"] > 0
@@ -200,3 +202,36 @@ def test_pallas_backend_engine_matches_hf_and_warmup_covers_all_shapes(qwen3):
     for i, out in enumerate(outs):
         assert out.outputs[0].token_ids == list(map(int, ref[f"greedy_{i}"]))
     assert engine.runner.num_compiled_shapes == compiled
+
+
+@pytest.mark.parametrize("num_blocks", [64, 12])
+def test_async_and_sync_scheduling_agree_with_stops_and_sampling(qwen3, num_blocks):
+    """Stop tokens, EOS, max_tokens, seeded sampling and preemption (small pool): same outputs and
+    finish reasons whether the next step is dispatched before the previous tokens are read or not."""
+    params, ref = qwen3
+    prompts = fixture_prompts(ref) + shared_prefix_prompts(ref)
+    greedy = [list(map(int, ref[f"greedy_{i}"])) for i in range(4)]
+    sps = [SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[greedy[0][7]]),
+           SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+           SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=11, ignore_eos=True),
+           SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[greedy[3][0]]),
+           SamplingParams(temperature=1.0, max_tokens=15, seed=5),
+           SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+           SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+    results = {}
+    for mode in (True, False):
+        cfg = EngineConfig(dtype="float32", block_size=8, num_blocks=num_blocks, max_model_len=64,
+                           max_num_seqs=8, async_scheduling=mode)
+        engine = LLMEngine(params, cfg)
+        outs = run_to_completion(engine, prompts, sps)
+        results[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+        engine.kv.check_invariants()
+        assert engine.stats()["blocks_used"] == 0 and not engine.has_unfinished_requests()
+        if num_blocks == 12:
+            assert engine.stats()["preemptions"] > 0
+    assert results[True] == results[False]
+    toks, reasons = zip(*results[True])
+    assert toks[0] == greedy[0][:8] and reasons[0] == "stop"
+    assert toks[1] == greedy[1][:9] and reasons[1] == "length"
+    assert toks[3] == greedy[3][:1] and reasons[3] == "stop"
+    assert len(toks[5]) == 1 and reasons[5] == "length"
