@@ -29,7 +29,7 @@ from jaxpaged.workloads import QWEN3_0_6B, nano_vllm_workload, random_model
 def run_ours(params, prompts, sps, args):
     config = EngineConfig(block_size=args.block_size, max_model_len=2048, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.backend,
-                          memory_fraction=0.9, async_scheduling=not args.sync)
+                          memory_fraction=0.9, async_scheduling=args.async_scheduling)
     engine = LLMEngine(params, config)
     compile_s = engine.warmup(use_tqdm=False)
     run_to_completion(engine, [prompts[0][:16]], SamplingParams(max_tokens=4))  # one tiny real request
@@ -84,8 +84,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--sync", action="store_true", help="read each step's tokens before scheduling the next")
-    ap.add_argument("--compare-sync", action="store_true", help="also run the full workload with --sync")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="dispatch each step before reading the previous step's tokens back")
+    ap.add_argument("--compare-async", action="store_true", help="also run the full workload the other way")
     args = ap.parse_args()
     prompts, sps = nano_vllm_workload(args.num_seqs)
     print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
@@ -94,9 +95,10 @@ def main() -> None:
     params = random_model(QWEN3_0_6B)
     result["ours_full"] = run_ours(params, prompts, sps, args)
     print("ours full:", json.dumps(result["ours_full"]), flush=True)
-    if args.compare_sync:
-        result["ours_full_sync"] = run_ours(params, prompts, sps, argparse.Namespace(**{**vars(args), "sync": True}))
-        print("ours full (sync):", json.dumps(result["ours_full_sync"]), flush=True)
+    if args.compare_async:
+        other = argparse.Namespace(**{**vars(args), "async_scheduling": not args.async_scheduling})
+        result["ours_full_other"] = run_ours(params, prompts, sps, other)
+        print("ours full (other scheduling):", json.dumps(result["ours_full_other"]), flush=True)
     n = args.hf_requests
     if n:
         result["ours_subset"] = run_ours(params, prompts[:n], sps[:n], args)
@@ -108,7 +110,7 @@ def main() -> None:
         json.dump(result, f, indent=2)
     print(f"\n{'run':28s} {'requests':>8s} {'out tokens':>10s} {'seconds':>8s} {'tok/s':>9s}")
     for key, label, count in (("ours_full", "jaxpaged", args.num_seqs),
-                              ("ours_full_sync", "jaxpaged, sync scheduling", args.num_seqs),
+                              ("ours_full_other", "jaxpaged, other scheduling", args.num_seqs),
                               ("ours_subset", "jaxpaged (subset)", n),
                               ("hf_subset", "HF generate (subset)", n)):
         if key in result:

@@ -22,7 +22,9 @@ class EngineConfig:
     enable_prefix_caching: reuse full blocks of earlier prompts (token-exact prefix trie).
     reservation: ``paged`` (blocks on demand) or ``max_len`` (reserve ``max_model_len`` at admission).
     async_scheduling: dispatch the next step before reading the previous one's tokens back (the
-      device feeds them in), so host work overlaps device work; outputs are identical either way.
+      device feeds them in), meant to overlap host work with device work; outputs are identical
+      either way. Off by default: on the H200 (2026-11-29) it made the throughput workload slower
+      (11,328 vs 13,336 tok/s), reason not yet profiled (see benchmarks/RESULTS.md).
     compilation_cache: keep compiled steps on disk across processes (``runner.enable_compilation_cache``).
     dtype: weights and KV pool dtype. attention_backend: ``auto`` (Pallas on GPU), ``pallas``, ``reference``.
     """
@@ -41,7 +43,7 @@ class EngineConfig:
     seed: int = 0
     event_log: bool = False
     compilation_cache: bool = True  # JAX's persistent compilation cache ($JAXPAGED_COMPILE_CACHE)
-    async_scheduling: bool = True  # schedule step N+1 while step N runs (tokens fed back on device)
+    async_scheduling: bool = False  # schedule step N+1 while step N runs (measured slower: see docstring)
 
     def __post_init__(self) -> None:
         bs = self.block_size

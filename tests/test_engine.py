@@ -61,8 +61,8 @@ CONFIGS = {
     "chunked_prefill": dict(block_size=8, num_blocks=64, max_num_batched_tokens=16),
     "tiny_pool_preempts": dict(block_size=8, num_blocks=12, max_num_seqs=8),
     "few_seqs": dict(block_size=8, num_blocks=64, max_num_seqs=2),
-    "sync_scheduling": dict(block_size=8, num_blocks=64, async_scheduling=False),
-    "sync_tiny_pool": dict(block_size=8, num_blocks=12, max_num_seqs=8, async_scheduling=False),
+    "async_scheduling": dict(block_size=8, num_blocks=64, async_scheduling=True),
+    "async_tiny_pool": dict(block_size=8, num_blocks=12, max_num_seqs=8, async_scheduling=True),
 }
 
 
@@ -80,7 +80,7 @@ def test_greedy_outputs_invariant_to_paging_choices(qwen3, name):
                                                           enable_prefix_caching=False), GREEDY)
     assert token_ids(outs[4:]) == token_ids(baseline)
     stats = engine.stats()
-    if name in ("tiny_pool_preempts", "sync_tiny_pool"):
+    if name in ("tiny_pool_preempts", "async_tiny_pool"):
         assert stats["preemptions"] > 0
     if name in ("bs8", "chunked_prefill"):
         assert stats["prefix_hit_tokens"] > 0
