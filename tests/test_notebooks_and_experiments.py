@@ -1,0 +1,110 @@
+"""The notebooks and the experiment scripts run, on CPU, on the tiny checkpoint.
+
+Every code cell of every notebook runs in order in one namespace (lines starting with ``%`` or ``!``
+are IPython magics/shell and are dropped; nothing else is skipped), with matplotlib on the Agg
+backend. Each experiment script's ``main()`` runs on small settings; its JSON report is checked.
+Settings are chosen so the notebooks and scripts share pool shapes, hence compiled steps.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+NOTEBOOK_NAMES = ["quickstart.ipynb", "memory.ipynb", "prefix_cache.ipynb", "block_size.ipynb"]
+
+
+def load_module(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def code_cells(path: Path) -> list[str]:
+    nb = json.loads(path.read_text())
+    assert nb["nbformat"] == 4
+    cells = []
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        assert cell["outputs"] == [] and cell["execution_count"] is None, f"{path.name}: outputs stored"
+        source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        cells.append("\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!"))))
+    return cells
+
+
+def test_notebooks_are_generated_from_make_notebooks():
+    make = load_module(NOTEBOOKS / "make_notebooks.py")
+    assert sorted(make.NOTEBOOKS) == sorted(NOTEBOOK_NAMES)
+    for name, cells in make.NOTEBOOKS.items():
+        expected = json.dumps(make.notebook(cells), indent=1, ensure_ascii=False) + "\n"
+        assert (NOTEBOOKS / name).read_text() == expected, f"{name} is stale: run python notebooks/make_notebooks.py"
+
+
+@pytest.mark.parametrize("name", NOTEBOOK_NAMES)
+def test_notebook_runs(name):
+    path = NOTEBOOKS / name
+    namespace: dict = {"__name__": "__main__"}
+    try:
+        for i, source in enumerate(code_cells(path)):
+            exec(compile(source, f"{name}[code cell {i}]", "exec"), namespace)
+    finally:
+        plt.close("all")
+    if name == "quickstart.ipynb":
+        assert namespace["b"].num_cached_tokens > 0  # the shared system prompt hit
+        assert namespace["d"].num_cached_tokens < namespace["b"].num_cached_tokens  # the timestamp miss
+        assert len(namespace["events"].of_kind("hit")) > 0
+    if name == "prefix_cache.ipynb":
+        on, off = namespace["results"][True][0].stats(), namespace["results"][False][0].stats()
+        assert on["prefill_tokens"] < off["prefill_tokens"] and namespace["same"]
+
+
+def test_exp_prefix_cache(tmp_path):
+    exp = load_module(ROOT / "benchmarks" / "exp_prefix_cache.py")
+    report = exp.main(["--out", str(tmp_path), "--prefix-lens", "0", "64", "--requests", "4",
+                       "--num-blocks", "128", "--max-num-batched-tokens", "64", "--timestamp-at", "20"])
+    assert json.loads((tmp_path / "prefix_cache.json").read_text()).keys() == report.keys()
+    assert report.keys() >= {"device", "args", "results", "timestamp"}
+    assert (tmp_path / "prefix_cache.png").is_file()
+    rows = {(r["prefix_len"], r["mode"], r["caching"]): r for r in report["results"]}
+    assert len(rows) == 2 * 2 * 2
+    for r in rows.values():
+        assert r.keys() >= {"prefill_tokens", "prefix_hit_rate", "ttft", "seconds", "num_cached_tokens"}
+        assert len(r["ttft"]) == 4 and all(t > 0 for t in r["ttft"])
+    seq_on, seq_off = rows[(64, "sequential", True)], rows[(64, "sequential", False)]
+    assert seq_on["prefill_tokens"] < seq_off["prefill_tokens"] == seq_off["prompt_tokens"]
+    assert seq_on["num_cached_tokens"] == [0, 64, 64, 64] and seq_on["prefix_hit_rate"] > 0.5
+    assert rows[(0, "sequential", True)]["prefix_hit_tokens"] == 0
+    ts = report["timestamp"]
+    assert ts["first_diff_token"] == 20 and ts["shared_full_blocks"] == 1
+    assert ts["hit_rate_inside"] < ts["hit_rate_moved"]
+
+
+def test_exp_block_size(tmp_path):
+    exp = load_module(ROOT / "benchmarks" / "exp_block_size.py")
+    report = exp.main(["--out", str(tmp_path), "--block-sizes", "8", "16", "32", "--kv-tokens", "2048",
+                       "--requests", "12", "--max-model-len", "256", "--max-num-batched-tokens", "64",
+                       "--shared-requests", "4", "--shared-prefix-len", "40"])
+    assert json.loads((tmp_path / "block_size.json").read_text()).keys() == report.keys()
+    assert report.keys() >= {"device", "args", "mixed", "shared", "outputs_identical", "throughput_meaningful"}
+    assert report["outputs_identical"] and (tmp_path / "block_size.png").is_file()
+    mixed, shared = report["mixed"], report["shared"]
+    assert [m["num_blocks"] * m["block_size"] for m in mixed] == [2048] * 3  # same KV budget
+    assert len({m["kv_pool_bytes"] for m in mixed}) == 1
+    for m in mixed:
+        assert m.keys() >= {"mean_block_utilisation", "peak_running", "tokens_per_second", "preemptions"}
+        assert 0 < m["mean_block_utilisation"] <= 1
+    # Bigger blocks waste more slots per sequence and share a prefix more coarsely.
+    assert mixed[0]["mean_wasted_slots_per_seq"] < mixed[-1]["mean_wasted_slots_per_seq"]
+    assert [s["prefix_hit_tokens"] for s in shared] == [3 * 40, 3 * 32, 3 * 32]
+    assert [s["prefix_hit_tokens"] for s in shared] == [s["expected_hit_tokens"] for s in shared]
