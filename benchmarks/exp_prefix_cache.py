@@ -11,7 +11,8 @@ requests run with prefix caching on and off, in two arrival patterns:
 
 Compile time stays out of the timings: before each timed run, the same run is rehearsed untimed on a
 scratch engine of the same configuration (after ``LLMEngine.warmup()`` on the Pallas backend), and
-each timed run starts on a fresh engine with an empty cache. Greedy outputs must be identical with caching on and off (asserted).
+each timed run starts on a fresh engine with an empty cache. Greedy outputs must be identical with
+caching on and off (asserted).
 
 Then the classic cache-miss diagnosis: a system prompt that embeds a per-request timestamp. Caching
 can only share full blocks before the first differing token, which ``explain_prefix`` reports; moving
@@ -184,7 +185,8 @@ def main(argv=None) -> dict:
               f"{r['prefill_tokens']:9d} {r['prefix_hit_rate']:8.1%} {r['ttft_first'] * 1e3:12.1f} "
               f"{r['ttft_rest_mean'] * 1e3:12.1f} {r['seconds']:7.2f}")
     d = diagnosis
-    print(f"timestamp at token {d['timestamp_at']} of a {d['system_prompt_len']}-token system prompt: {d['explain_prefix']}")
+    print(f"timestamp at token {d['timestamp_at']} of a {d['system_prompt_len']}-token system prompt: "
+          f"{d['explain_prefix']}")
     print(f"  hit rate {d['hit_rate_inside']:.1%} (prefilled {d['prefill_tokens_inside']} tokens); timestamp moved "
           f"after the system prompt: {d['hit_rate_moved']:.1%} (prefilled {d['prefill_tokens_moved']})")
     if "cpu" in report["device"].lower():

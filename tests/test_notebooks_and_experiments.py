@@ -93,7 +93,7 @@ def test_exp_prefix_cache(tmp_path):
 def test_exp_block_size(tmp_path):
     exp = load_module(ROOT / "benchmarks" / "exp_block_size.py")
     report = exp.main(["--out", str(tmp_path), "--block-sizes", "8", "16", "32", "--kv-tokens", "2048",
-                       "--requests", "12", "--max-model-len", "256", "--max-num-batched-tokens", "64",
+                       "--requests", "12", "--max-model-len", "128", "--max-num-batched-tokens", "64",
                        "--shared-requests", "4", "--shared-prefix-len", "40"])
     assert json.loads((tmp_path / "block_size.json").read_text()).keys() == report.keys()
     assert report.keys() >= {"device", "args", "mixed", "shared", "outputs_identical", "throughput_meaningful"}
