@@ -38,9 +38,11 @@ def _lines(parts: tuple[str, ...]) -> list[str]:
     return text.splitlines(keepends=True)
 
 
-def notebook(cells: list[dict]) -> dict:
+def notebook(cells: list[dict], name: str) -> dict:
+    """nbformat 4.5 JSON; cell ids are stable (``<notebook>-<index>``) so regenerating changes nothing."""
+    stem = Path(name).stem.replace("_", "-")
     return {
-        "cells": cells,
+        "cells": [{"id": f"{stem}-{i}", **cell} for i, cell in enumerate(cells)],
         "metadata": {
             "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
             "language_info": {"name": "python", "pygments_lexer": "ipython3"},
@@ -467,7 +469,7 @@ NOTEBOOKS = {
 def main() -> None:
     for name, cells in NOTEBOOKS.items():
         path = HERE / name
-        path.write_text(json.dumps(notebook(cells), indent=1, ensure_ascii=False) + "\n")
+        path.write_text(json.dumps(notebook(cells, name), indent=1, ensure_ascii=False) + "\n")
         print("wrote", path)
 
 

@@ -47,7 +47,7 @@ def test_notebooks_are_generated_from_make_notebooks():
     make = load_module(NOTEBOOKS / "make_notebooks.py")
     assert sorted(make.NOTEBOOKS) == sorted(NOTEBOOK_NAMES)
     for name, cells in make.NOTEBOOKS.items():
-        expected = json.dumps(make.notebook(cells), indent=1, ensure_ascii=False) + "\n"
+        expected = json.dumps(make.notebook(cells, name), indent=1, ensure_ascii=False) + "\n"
         assert (NOTEBOOKS / name).read_text() == expected, f"{name} is stale: run python notebooks/make_notebooks.py"
 
 
