@@ -235,7 +235,8 @@ class LLMEngine:
         """Compiles the step for every token bucket up to ``max_num_batched_tokens`` ahead of time.
 
         Runs each shape once on an all-padding batch (no sequence, every slot -1: nothing is written
-        or read). Returns the seconds spent; later steps of any batch then never stop to compile.
+        or read). Returns the seconds spent. On the Pallas backend later steps then never stop to
+        compile; the jnp reference backend pads block tables per step, so it still compiles new widths.
         """
         max_blocks = -(-self.max_model_len // self.config.block_size)
         width = self._table_width or bucket(max_blocks, 1)
