@@ -116,13 +116,7 @@ class Scheduler:
         c.steps += 1
         cache_full_blocks = self.kv.cache_full_blocks
         for (seq, n), token in zip(scheduled, np.asarray(tokens).tolist()):
-            tokens_list = seq.token_ids
-            if n == 1 and len(tokens_list) > seq.num_prompt_tokens:
-                c.decode_tokens += 1
-            else:
-                c.prefill_tokens += n
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == len(tokens_list):
+            if self._advance_progress(seq, n):
                 seq.append_token(token, now)
                 c.generated_tokens += 1
                 reason = self._finish_reason(seq, token)
@@ -136,6 +130,16 @@ class Scheduler:
             done = set(map(id, finished))
             self.running = [s for s in self.running if id(s) not in done]
         return finished
+
+    def _advance_progress(self, seq: Sequence, n: int) -> bool:
+        """Counts ``n`` computed tokens of ``seq``; True if they reached its last known token (so the
+        step sampled a token for it)."""
+        if n == 1 and len(seq.token_ids) > seq.num_prompt_tokens:
+            self.counters.decode_tokens += 1
+        else:
+            self.counters.prefill_tokens += n
+        seq.num_computed_tokens += n
+        return seq.num_computed_tokens == len(seq.token_ids)
 
     # ---- async scheduling: book a step before its tokens reach the host ---------------------------
     def advance(self, scheduled: ScheduledBatch) -> Samples:
@@ -154,12 +158,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # finished (stop token) while this step ran
                 continue
             tokens_list = seq.token_ids
-            if n == 1 and len(tokens_list) > seq.num_prompt_tokens:
-                c.decode_tokens += 1
-            else:
-                c.prefill_tokens += n
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == len(tokens_list):
+            if self._advance_progress(seq, n):
                 samples.append((row, seq, len(tokens_list)))
                 tokens_list.append(PLACEHOLDER)
                 if (len(tokens_list) - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
