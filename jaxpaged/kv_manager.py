@@ -130,12 +130,17 @@ class KVCacheManager:
         if self.trie is None:
             return [], None
         last = self._last_match
-        evictions = self.allocator.num_evictions
-        if last is not None and last[0] is seq and last[1] == seq.num_tokens and last[2] == evictions:
+        # The trie changes on evictions and on insertions: either makes a remembered match stale.
+        version = (self.allocator.num_evictions, self.counters.blocks_inserted)
+        if last is not None and last[0] is seq and last[1] == seq.num_tokens and last[2] == version:
             return last[3], last[4]
         hits, node = self.trie.longest_prefix(seq.token_ids, seq.cache_salt)
-        self._last_match = (seq, seq.num_tokens, evictions, hits, node)
+        self._last_match = (seq, seq.num_tokens, version, hits, node)
         return hits, node
+
+    def prefix_hit_blocks(self, seq: Sequence) -> int:
+        """Full blocks of ``seq`` that admission would take from the prefix cache right now."""
+        return len(self._match(seq)[0])
 
     def _blocks_short(self, seq: Sequence) -> tuple[list[int], TrieNode | None, int, int]:
         """(hits, node, blocks to allocate, blocks available for them) for admitting ``seq``."""

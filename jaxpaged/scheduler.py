@@ -32,6 +32,7 @@ class SchedulerCounters:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     generated_tokens: int = 0
+    deferred_admissions: int = 0  # admissions postponed to reuse a block another request is computing
 
 
 class Scheduler:
@@ -87,13 +88,23 @@ class Scheduler:
             budget -= n
             i += 1
         # Admit new work only when nobody had to be preempted: a preemption means the pool is full.
+        in_flight = self._prefill_frontiers() if self.kv.trie is not None else None
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.kv.can_admit(seq):
                 break
             if not self.enable_chunked_prefill and seq.num_tokens > budget:
                 break
+            if in_flight and self._frontier_key(seq, self.kv.prefix_hit_blocks(seq)) in in_flight:
+                # Its next block is being computed right now for another request: wait one step and
+                # take it from the cache instead of computing the same K/V twice.
+                self.counters.deferred_admissions += 1
+                break
             self.kv.admit(seq)
+            if in_flight is not None:
+                key = self._frontier_key(seq, seq.num_computed_tokens // self.kv.block_size)
+                if key is not None:
+                    in_flight.add(key)
             n = min(seq.num_uncomputed_tokens, budget)
             self.kv.append(seq, n)
             self.waiting.popleft()
@@ -102,6 +113,24 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
         return scheduled
+
+    def _frontier_key(self, seq: Sequence, num_cached_blocks: int) -> tuple | None:
+        """Token-exact key of the first block after ``seq``'s cached ones (None if not a full block)."""
+        end = (num_cached_blocks + 1) * self.kv.block_size
+        if end >= len(seq.token_ids):  # the last token is always computed, so no full block to share
+            return None
+        return seq.cache_salt, tuple(seq.token_ids[:end])
+
+    def _prefill_frontiers(self) -> set[tuple]:
+        """Keys of the blocks that running prefills compute next (not yet in the prefix cache)."""
+        bs = self.kv.block_size
+        keys = set()
+        for seq in self.running:
+            if seq.num_computed_tokens < seq.num_prompt_tokens - 1:
+                key = self._frontier_key(seq, seq.num_computed_tokens // bs)
+                if key is not None:
+                    keys.add(key)
+        return keys
 
     def postprocess(self, scheduled: ScheduledBatch, tokens: np.ndarray) -> list[Sequence]:
         """Advances progress, appends sampled tokens, caches full blocks, frees finished sequences.
