@@ -21,7 +21,7 @@ import time
 import jax
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
-from jaxpaged.engine import run_to_completion
+from jaxpaged.llm import run_to_completion
 from jaxpaged.workloads import QWEN3_0_6B, nano_vllm_workload, random_model
 
 

@@ -32,7 +32,7 @@ import time
 import jax
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
-from jaxpaged.engine import run_to_completion
+from jaxpaged.llm import run_to_completion
 from jaxpaged.models.tiny import tiny_checkpoint_path
 from jaxpaged.workloads import QWEN3_0_6B, random_model
 

@@ -1,7 +1,8 @@
 """jaxpaged: a JAX LLM inference engine built around PagedAttention and block-level prefix caching."""
 
 from .config import EngineConfig
-from .engine import LLM, LLMEngine, generate
+from .engine import LLMEngine
+from .llm import LLM, generate, run_to_completion
 from .kv_stats import explain_prefix
 from .models.checkpoint import ModelParams, load_params
 from .models.config import CheckpointError, QwenConfig
@@ -10,5 +11,5 @@ from .sampling import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "RequestMetrics", "ModelParams", "QwenConfig", "CheckpointError", "generate", "load_params",
+           "RequestMetrics", "ModelParams", "QwenConfig", "CheckpointError", "generate", "run_to_completion", "load_params",
            "explain_prefix"]

@@ -12,7 +12,7 @@ import sys
 import time
 
 from .config import EngineConfig
-from .engine import LLM
+from .llm import LLM
 from .models.tiny import tiny_checkpoint_path
 from .sampling import SamplingParams
 
@@ -72,7 +72,8 @@ def generate_cmd(args: argparse.Namespace) -> None:
 
 def bench(args: argparse.Namespace) -> None:
     """nano-vllm's throughput workload (scaled by --num-seqs / --max-len) on a checkpoint or random weights."""
-    from .engine import LLMEngine, run_to_completion
+    from .engine import LLMEngine
+    from .llm import run_to_completion
     from .models.checkpoint import load_params
     from .workloads import QWEN3_0_6B, nano_vllm_workload, random_model
 

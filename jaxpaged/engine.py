@@ -1,4 +1,4 @@
-"""LLMEngine (the loop), LLM (vLLM-style class) and generate (the functional entry point).
+"""LLMEngine: the loop over one model and one paged KV pool (entry points for users: ``llm.py``).
 
 One engine owns one KV pool (a tuple of per-layer ``(k_cache, v_cache)`` arrays on the device), the
 host-side ``KVCacheManager`` that hands out its blocks, the ``Scheduler`` and the jitted step. Each
@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import math
 import time
-from pathlib import Path
 from typing import Sequence as SequenceT
 
 import jax
@@ -24,14 +23,13 @@ from .config import EngineConfig
 from .kv_manager import KVCacheManager
 from .kv_stats import PrefixDivergence, explain_prefix
 from .metrics import EngineMetrics, StepRecord
-from .models.checkpoint import ModelParams, load_params
+from .models.checkpoint import ModelParams
 from .models.qwen import init_kv_pool
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .runner import ModelRunner, enable_compilation_cache
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 _RUNNERS: dict[tuple, ModelRunner] = {}
@@ -276,61 +274,3 @@ class LLMEngine:
         _, ids_a = self._tokenize(a, "a")
         _, ids_b = self._tokenize(b, "b")
         return explain_prefix(ids_a, ids_b, self.config.block_size)
-
-
-def run_to_completion(engine: LLMEngine, prompts, sampling_params, use_tqdm: bool = False) -> list[RequestOutput]:
-    """Queues all prompts (validating every one first), steps until done, returns outputs in order."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-    if len(sps) != len(prompts):
-        raise ValueError(f"got {len(sps)} sampling params for {len(prompts)} prompts")
-    rids: list[str] = []
-    try:
-        for p, sp in zip(prompts, sps):
-            rids.append(engine.add_request(p, sp))
-    except ValueError:
-        for rid in rids:  # all or nothing: withdraw the requests queued before the bad one
-            engine.abort_request(rid)
-        raise
-    results: dict[str, RequestOutput] = {}
-    bar = None
-    if use_tqdm:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(rids), desc="generate", unit="req")
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            results[out.request_id] = out
-            if bar is not None:
-                bar.update(1)
-    if bar is not None:
-        bar.close()
-    return [results[r] for r in rids]
-
-
-class LLM:
-    """vLLM-style entry point: ``LLM(path, **engine_config).generate(prompts, SamplingParams(...))``."""
-
-    def __init__(self, model: str | Path, *, dtype: str = "bfloat16", cache_dir: str | None = None, **config):
-        self.params = load_params(model, dtype, cache_dir=cache_dir)
-        self.tokenizer = load_tokenizer(model)
-        self.engine = LLMEngine(self.params, EngineConfig(dtype=self.params.dtype, **config), self.tokenizer)
-
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        return run_to_completion(self.engine, prompts, sampling_params, use_tqdm)
-
-    def stats(self) -> dict:
-        return self.engine.stats()
-
-    def explain_prefix(self, a, b) -> PrefixDivergence:
-        return self.engine.explain_prefix(a, b)
-
-
-def generate(params: ModelParams, prompts, config: EngineConfig | None = None,
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, tokenizer=None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-    """Functional form: a fresh engine (pool) over ``params``; compiled steps are reused across calls."""
-    engine = LLMEngine(params, config, tokenizer)
-    return run_to_completion(engine, prompts, sampling_params, use_tqdm)

@@ -211,7 +211,7 @@ MEMORY = [
         import numpy as np
 
         from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
-        from jaxpaged.engine import run_to_completion
+        from jaxpaged.llm import run_to_completion
 
         params = load_params(MODEL, DTYPE)
 
@@ -286,7 +286,7 @@ PREFIX_CACHE = [
 
         import jaxpaged
         from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
-        from jaxpaged.engine import run_to_completion
+        from jaxpaged.llm import run_to_completion
         from jaxpaged.tokenizer import load_tokenizer
 
         params = load_params(MODEL, DTYPE)
@@ -387,7 +387,7 @@ BLOCK_SIZE = [
         import numpy as np
 
         from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
-        from jaxpaged.engine import run_to_completion
+        from jaxpaged.llm import run_to_completion
 
         params = load_params(MODEL, DTYPE)
         vocab = params.config.vocab_size

@@ -8,7 +8,7 @@ import sys
 
 SCRIPT = """
 from jaxpaged import LLMEngine, EngineConfig, SamplingParams, load_params
-from jaxpaged.engine import run_to_completion
+from jaxpaged.llm import run_to_completion
 from jaxpaged.models.tiny import tiny_checkpoint_path
 p = load_params(tiny_checkpoint_path("qwen2"), "float32", use_cache=False)
 e = LLMEngine(p, EngineConfig(dtype="float32", block_size=8, num_blocks=32, max_model_len=64))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, generate, load_params
-from jaxpaged.engine import run_to_completion
+from jaxpaged.llm import run_to_completion
 from jaxpaged.models.tiny import tiny_checkpoint_path
 from jaxpaged.tokenizer import load_tokenizer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
-from jaxpaged.engine import run_to_completion
+from jaxpaged.llm import run_to_completion
 from jaxpaged.kv_manager import KVCacheManager
 from jaxpaged.models.tiny import tiny_checkpoint_path
 from jaxpaged.sequence import Sequence
