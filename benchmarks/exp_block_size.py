@@ -31,10 +31,9 @@ import time
 
 import jax
 
-from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
+from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.llm import run_to_completion
-from jaxpaged.models.tiny import tiny_checkpoint_path
-from jaxpaged.workloads import QWEN3_0_6B, random_model
+from jaxpaged.workloads import experiment_params
 
 
 def mixed_workload(n: int, max_prompt: int, max_out: int, vocab: int, seed: int = 0):
@@ -131,10 +130,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.full:
-        params = random_model(QWEN3_0_6B)
-    else:
-        params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+    params = experiment_params(args.full)
     vocab = params.config.vocab_size
     prompts, sps = mixed_workload(args.requests, args.max_model_len // 2, args.max_model_len // 2, vocab)
     shared_prompts, shared_sp = shared_workload(args.shared_requests, args.shared_prefix_len, vocab, max_tokens=8)

@@ -20,10 +20,9 @@ import time
 
 import jax
 
-from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
+from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.llm import run_to_completion
-from jaxpaged.models.tiny import tiny_checkpoint_path
-from jaxpaged.workloads import QWEN3_0_6B, random_model
+from jaxpaged.workloads import experiment_params
 
 
 def workload(n: int, max_prompt: int, max_out: int, vocab: int, seed: int = 0):
@@ -60,10 +59,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     args = ap.parse_args()
-    if args.full:
-        params = random_model(QWEN3_0_6B)
-    else:
-        params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+    params = experiment_params(args.full)
     prompts, sps = workload(args.requests, args.max_model_len // 2, args.max_model_len // 2, params.config.vocab_size)
     results = [run(params, policy, prompts, sps, args) for policy in ("paged", "max_len")]
     with open(os.path.join(args.out, "memory.json"), "w") as f:

@@ -36,10 +36,9 @@ import time
 import jax
 
 import jaxpaged
-from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
+from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.llm import run_to_completion
-from jaxpaged.models.tiny import tiny_checkpoint_path
-from jaxpaged.workloads import QWEN3_0_6B, random_model
+from jaxpaged.workloads import experiment_params
 
 MODES = ("sequential", "batch")
 
@@ -159,10 +158,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.full:
-        params = random_model(QWEN3_0_6B)
-    else:
-        params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+    params = experiment_params(args.full)
     vocab = params.config.vocab_size
     sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.max_tokens)
     results = []

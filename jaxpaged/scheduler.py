@@ -88,7 +88,7 @@ class Scheduler:
             budget -= n
             i += 1
         # Admit new work only when nobody had to be preempted: a preemption means the pool is full.
-        in_flight = self._prefill_frontiers() if self.kv.trie is not None else None
+        in_flight = self._prefill_frontiers() if self.kv.trie is not None and self.waiting else None
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.kv.can_admit(seq):

@@ -43,3 +43,14 @@ def random_model(raw_config: dict, dtype: str = "bfloat16", seed: int = 0) -> Mo
     cfg = QwenConfig.from_dict(raw_config)
     graphdef, state = nnx.split(Qwen(cfg, dtype, rngs=nnx.Rngs(seed)))
     return ModelParams(cfg, graphdef, state, dtype)
+
+
+def experiment_params(full: bool) -> ModelParams:
+    """The experiments' model: Qwen3-0.6B shapes with random bf16 weights (``full``, for a GPU), else
+    the packaged tiny Qwen3 checkpoint in fp32 (CPU-friendly)."""
+    if full:
+        return random_model(QWEN3_0_6B)
+    from .models.checkpoint import load_params
+    from .models.tiny import tiny_checkpoint_path
+
+    return load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)

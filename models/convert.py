@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -146,14 +145,3 @@ def load_hf_checkpoint(path: str | Path, dtype: str | None = None) -> tuple[Qwen
     state = convert_tensors(cfg, read_hf_tensors(path), dtype)
     graphdef, _ = abstract_model(cfg, dtype)
     return cfg, graphdef, state
-
-
-def random_state(cfg: QwenConfig, dtype: str, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
-    """A randomly initialised model (benchmarks at full size without any download)."""
-    model = Qwen(cfg, canonical_dtype(dtype), rngs=nnx.Rngs(seed))
-    return nnx.split(model)
-
-
-def state_dtype(state: nnx.State) -> str:
-    leaves = jax.tree.leaves(state)
-    return str(leaves[0].dtype)

@@ -11,7 +11,7 @@ import pytest
 from jaxpaged.models.convert import load_hf_checkpoint
 from jaxpaged.models.qwen import init_kv_pool
 from jaxpaged.models.tiny import tiny_checkpoint_path
-from paged_utils import build_step, forward_all_logits
+from jaxpaged.models.paged_forward import build_step, forward_all_logits
 
 FIXTURES = Path(__file__).parent / "fixtures"
 BLOCK_SIZE = 8
