@@ -215,14 +215,23 @@ def merge_splits(o: jax.Array, lse: jax.Array, dtype) -> jax.Array:
 
 
 def choose_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int,
-                  block_size: int, max_context: int, num_cores: int = 132) -> AttentionConfig:
-    """Static heuristic: decode configuration when ``T <= 2 S``, prefill configuration otherwise."""
+                  block_size: int, max_context: int, num_cores: int = 132,
+                  decode: bool | None = None) -> AttentionConfig:
+    """Static launch configuration: the decode one (small query tiles, split-K) or the prefill one.
+
+    ``decode``: what the step really holds, decided on the host from its real token and sequence
+    counts (``batch.build_step_inputs``: ``tokens <= 2 * sequences``). ``None`` falls back to the
+    padded shapes (``T <= 2 S``), which for a 256-slot engine calls every step of <= 512 tokens a
+    decode, prefill chunks included.
+    """
     group = num_q_heads // num_kv_heads
-    if num_tokens <= 2 * num_seqs:
+    if decode is None:
+        decode = num_tokens <= 2 * num_seqs
+    if decode:
         block_m = max(16, _next_pow2(group))
         block_k = max(64, block_size)
         ctx_tiles = pl.cdiv(max_context, block_k)
-        programs = num_seqs * num_kv_heads
+        programs = min(num_seqs, num_tokens) * num_kv_heads
         splits = min(32, ctx_tiles, max(1, pl.cdiv(2 * num_cores, programs)))
         splits = _next_pow2(splits) if splits > 1 else 1
         return AttentionConfig(block_m, block_k, min(splits, 32), num_warps=4, num_stages=3)
@@ -258,7 +267,7 @@ def _validate(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables):
             raise ValueError(f"{name} must be int32, got {a.dtype}")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "decode"))
 def paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -270,6 +279,7 @@ def paged_attention(
     scale: float | None = None,
     interpret: bool = False,
     config: AttentionConfig | None = None,
+    decode: bool | None = None,
 ) -> jax.Array:
     """Ragged paged attention (decode and prefill with cached prefix) with Pallas on GPU.
 
@@ -278,7 +288,8 @@ def paged_attention(
       cu_q_lens ``i32[S+1]``, kv_lens ``i32[S]``, block_tables ``i32[S, W]``: as in the reference.
       scale: softmax scale, default ``1/sqrt(D)``.
       interpret: run the kernel in Pallas interpret mode (CPU tests).
-      config: launch configuration; default :func:`choose_config` from the static shapes.
+      config: launch configuration; default :func:`choose_config` from the static shapes and ``decode``.
+      decode: the host's static hint that the step is mostly decodes (see :func:`choose_config`).
     Returns ``[T, Hq, D]`` in ``q.dtype``; zeros for padding tokens.
     """
     _validate(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables)
@@ -288,7 +299,7 @@ def paged_attention(
         scale = head_dim**-0.5
     if config is None:
         config = choose_config(num_tokens, kv_lens.shape[0], num_q_heads, num_kv_heads, block_size,
-                               block_tables.shape[1] * block_size)
+                               block_tables.shape[1] * block_size, decode=decode)
     group = num_q_heads // num_kv_heads
     if config.block_m < max(16, group) or config.block_m & (config.block_m - 1):
         raise ValueError(f"block_m={config.block_m} must be a power of two >= max(16, G={group})")
