@@ -19,12 +19,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from jaxpaged.kv_manager import KVCacheManager  # noqa: E402
-from jaxpaged.sequence import Sequence, block_tables, computed_lengths, slot_mapping_batch  # noqa: E402
-
-
-def bucket(n: int, minimum: int = 4) -> int:
-    return max(minimum, 1 << max(0, n - 1).bit_length())
+from jaxpaged.batch import bucket, slot_mapping_batch  # noqa: E402
+from jaxpaged.kv import KVCacheManager  # noqa: E402
+from jaxpaged.sequence import Sequence  # noqa: E402
 
 
 def make_prompts(rng: np.random.Generator, num: int, length: int, shared: int) -> list[list[int]]:
@@ -84,7 +81,8 @@ def main() -> None:
     rows = np.arange(S, dtype=np.int32)
     sampled = rng.integers(0, 150_000, (args.steps, S)).tolist()
     t_grow, t_arrays, t_post, t_step = [], [], [], []
-    width = bucket(max(len(s.block_table) for s in seqs) + args.steps // bs + 1)
+    width = bucket(max(len(mgr.block_table(s)) for s in seqs) + args.steps // bs + 1, 4)
+    table_rows = np.array([s.block_table_row for s in seqs], np.int64)
     for step in range(args.steps):
         t0 = time.perf_counter()
         for s in seqs:  # scheduler: make room for the token being computed
@@ -92,8 +90,8 @@ def main() -> None:
                 raise RuntimeError("pool sized too small for the benchmark")
             mgr.append(s, 1)
         t1 = time.perf_counter()
-        tables = block_tables(seqs, width)  # i32[S, W]
-        positions = computed_lengths(seqs)  # i32[S]: position of each sequence's new token
+        tables = mgr.tables.gather(table_rows, width)  # i32[S, W]
+        positions = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, count=S)  # new tokens' positions
         slots = slot_mapping_batch(tables, rows, positions, bs)  # i32[S]
         kv_lens = positions + 1
         t2 = time.perf_counter()

@@ -3,7 +3,7 @@
 from .config import EngineConfig
 from .engine import LLMEngine
 from .llm import LLM, generate, run_to_completion
-from .kv_stats import explain_prefix
+from .kv import KVCacheManager, KVStats, explain_prefix
 from .models.checkpoint import ModelParams, load_params
 from .models.config import CheckpointError, QwenConfig
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -12,4 +12,4 @@ from .sampling import SamplingParams
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
            "RequestMetrics", "ModelParams", "QwenConfig", "CheckpointError", "generate", "run_to_completion", "load_params",
-           "explain_prefix"]
+           "explain_prefix", "KVCacheManager", "KVStats"]

@@ -14,16 +14,16 @@ import jax
 import numpy as np
 
 from .kernels.metadata import AttentionMetadata
-from .sequence import Sequence, block_tables, slot_mapping_batch
+from .kernels.shapes import next_pow2
+from .kv.block_tables import BlockTables
+from .sequence import Sequence
 
 PLACEHOLDER = -1  # a token sampled by the step in flight, not yet on the host (async scheduling)
 
 MIN_TOKENS, MIN_SEQS, MIN_WIDTH = 16, 8, 4
 
 
-def bucket(n: int, minimum: int) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    return max(minimum, 1 << max(0, n - 1).bit_length())
+bucket = next_pow2  # bucket(n, minimum): the padded size of n (a power of two >= minimum)
 
 
 @jax.tree_util.register_dataclass
@@ -51,10 +51,22 @@ class StepInputs:
     counters: jax.Array
 
 
-def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int, *,
+def slot_mapping_batch(block_tables: np.ndarray, seq_indices: np.ndarray, positions: np.ndarray,
+                       block_size: int) -> np.ndarray:
+    """``i32[T]`` pool slots for a ragged batch: token ``t`` of row ``seq_indices[t]`` at ``positions[t]``.
+
+    ``block_tables i32[S, W]``; one gather for prefill and decode tokens alike.
+    """
+    blocks = block_tables[seq_indices, positions // block_size]
+    return (blocks * block_size + positions % block_size).astype(np.int32, copy=False)
+
+
+def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables, block_size: int, *,
                       width: int | None = None, max_seqs: int | None = None,
                       prev_rows: dict[int, int] | None = None, decode_hint: bool = False) -> StepInputs:
     """Numpy arrays for ``scheduled`` (host side, no per-token Python loops), padded to buckets.
+
+    ``tables``: the KV manager's block tables; each scheduled sequence's row is gathered.
 
     ``T`` pads to a power of two. ``S`` pads to ``min(T, bucket(max_seqs))`` when ``max_seqs`` is
     given (a step never has more sequences than tokens), so the compiled shapes are one per ``T``
@@ -74,7 +86,8 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int, *,
     num_tokens, num_seqs = int(num_new.sum()), len(seqs)
     t_pad = bucket(num_tokens, MIN_TOKENS)
     s_pad = bucket(num_seqs, MIN_SEQS) if max_seqs is None else min(t_pad, bucket(max_seqs, MIN_SEQS))
-    longest = max((len(s.block_table) for s in seqs), default=1)
+    rows = np.fromiter((s.block_table_row for s in seqs), np.int64, count=num_seqs)
+    longest = int(tables.lengths[rows].max()) if num_seqs else 1
     if width is None or width < longest:
         width = bucket(longest, MIN_WIDTH)
 
@@ -90,10 +103,10 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int, *,
     elif num_seqs:
         token_ids[:num_tokens] = np.concatenate(
             [np.asarray(s.token_ids[c: c + n], np.int32) for s, c, n in zip(seqs, start_list, new_list)])
-    tables = np.zeros((s_pad, width), np.int32)
-    tables[:num_seqs] = block_tables(seqs, width)
+    block_tables = np.zeros((s_pad, width), np.int32)
+    block_tables[:num_seqs] = tables.gather(rows, width)
     slots = np.full(t_pad, -1, np.int32)
-    slots[:num_tokens] = slot_mapping_batch(tables, seq_idx, positions[:num_tokens], block_size)
+    slots[:num_tokens] = slot_mapping_batch(block_tables, seq_idx, positions[:num_tokens], block_size)
     kv_lens = np.zeros(s_pad, np.int32)
     kv_lens[:num_seqs] = start + num_new
     logits_indices = np.zeros(s_pad, np.int32)
@@ -117,7 +130,7 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int, *,
                 prev_index[cu[i + 1] - 1] = prev_rows[id(s)]
     # Kernel launch configuration from what the step really holds, not from its padded shape.
     decode = num_tokens <= 2 * num_seqs if decode_hint else None
-    meta = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv_lens, block_tables=tables,
+    meta = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv_lens, block_tables=block_tables,
                              decode=decode)
     return StepInputs(token_ids=token_ids, positions=positions, meta=meta, prev_index=prev_index,
                       logits_indices=logits_indices, temperature=temperature, top_k=top_k, top_p=top_p,

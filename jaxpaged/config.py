@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .kv.allocator import check_block_size
+
 ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 RESERVATIONS = ("paged", "max_len")
 
@@ -26,7 +28,9 @@ class EngineConfig:
       either way. Off by default: on the H200 (2026-11-29) it made the throughput workload slower
       (11,328 vs 13,336 tok/s), reason not yet profiled (see benchmarks/RESULTS.md).
     compilation_cache: keep compiled steps on disk across processes (``runner.enable_compilation_cache``).
-    dtype: weights and KV pool dtype. attention_backend: ``auto`` (Pallas on GPU), ``pallas``, ``reference``.
+    dtype: the KV pool's dtype; ``None`` (default) = the weights' dtype (``LLM(path, dtype=...)`` or
+      ``load_params(path, dtype)`` choose the weights' dtype).
+    attention_backend: ``auto`` (Pallas on GPU), ``pallas``, ``reference``.
     """
 
     block_size: int = 16
@@ -38,7 +42,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     reservation: str = "paged"
-    dtype: str = "bfloat16"
+    dtype: str | None = None
     attention_backend: str = "auto"
     seed: int = 0
     event_log: bool = False
@@ -46,9 +50,7 @@ class EngineConfig:
     async_scheduling: bool = False  # schedule step N+1 while step N runs (measured slower: see docstring)
 
     def __post_init__(self) -> None:
-        bs = self.block_size
-        if not isinstance(bs, int) or bs <= 0 or bs & (bs - 1):
-            raise ValueError(f"block_size must be a positive power of two, got {bs!r}")
+        check_block_size(self.block_size)
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
             raise ValueError(f"num_blocks must be a positive integer or None, got {self.num_blocks!r}")
         if not 0 < self.memory_fraction <= 1:

@@ -9,7 +9,6 @@ blocks, free finished requests.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import time
 from typing import Sequence as SequenceT
@@ -20,34 +19,35 @@ import numpy as np
 
 from .batch import MIN_SEQS, MIN_TOKENS, bucket, build_step_inputs, padding_step_inputs
 from .config import EngineConfig
-from .kv_manager import KVCacheManager
-from .kv_stats import PrefixDivergence, explain_prefix
+from .kv import KVCacheManager, PrefixDivergence, explain_prefix
 from .metrics import EngineMetrics, StepRecord
 from .models.checkpoint import ModelParams
 from .models.qwen import init_kv_pool
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .kernels.backend import resolve_backend
 from .runner import ModelRunner, enable_compilation_cache
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
 
-log = logging.getLogger(__name__)
-_RUNNERS: dict[tuple, ModelRunner] = {}
-
 
 def get_runner(params: ModelParams, backend: str) -> ModelRunner:
-    """One runner (one jitted step, its compiled shapes) per model graph and backend, reused."""
-    key = (params.graphdef, backend)
-    if key not in _RUNNERS:
-        _RUNNERS[key] = ModelRunner(params.graphdef, backend)
-    return _RUNNERS[key]
+    """One runner (one jitted step, its compiled shapes) per weights object and backend.
+
+    Kept in ``params.derived``, so engines over the same weights share compiled steps, and dropping
+    the weights releases the runner (and its executables) with them.
+    """
+    key = ("runner", resolve_backend(backend))
+    if key not in params.derived:
+        params.derived[key] = ModelRunner(params.graphdef, backend)
+    return params.derived[key]
 
 
-def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int) -> int:
+def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dtype: str) -> int:
     """Blocks in the pool: ``num_blocks`` if given, else ``memory_fraction`` of free device memory."""
     cfg = params.config
     bs = config.block_size
-    block_bytes = cfg.kv_bytes_per_token(jnp.dtype(config.dtype).itemsize) * bs
+    block_bytes = cfg.kv_bytes_per_token(jnp.dtype(dtype).itemsize) * bs
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
     else:
@@ -69,12 +69,13 @@ class LLMEngine:
     """Continuous-batching engine over one model and one paged KV pool."""
 
     def __init__(self, params: ModelParams, config: EngineConfig | None = None, tokenizer=None):
-        config = config or EngineConfig(dtype=params.dtype)
+        config = config or EngineConfig()
         self.params, self.config, self.tokenizer = params, config, tokenizer
         cfg = params.config
+        self.kv_dtype = config.dtype or params.dtype  # the pool's dtype: the weights' unless set
         self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)
-        self.num_blocks = size_pool(params, config, self.max_model_len)
-        self.bytes_per_token = cfg.kv_bytes_per_token(jnp.dtype(config.dtype).itemsize)
+        self.num_blocks = size_pool(params, config, self.max_model_len, self.kv_dtype)
+        self.bytes_per_token = cfg.kv_bytes_per_token(jnp.dtype(self.kv_dtype).itemsize)
         prefix_caching = config.enable_prefix_caching and config.reservation == "paged"
         self.kv = KVCacheManager(self.num_blocks, config.block_size, enable_prefix_caching=prefix_caching,
                                  reservation=config.reservation, max_model_len=self.max_model_len,
@@ -83,9 +84,11 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len, eos_token_ids=cfg.eos_token_id,
                                    enable_chunked_prefill=config.enable_chunked_prefill)
-        self.kv_pool = init_kv_pool(cfg, self.num_blocks, config.block_size, config.dtype)
+        self.kv_pool = init_kv_pool(cfg, self.num_blocks, config.block_size, self.kv_dtype)
         self.compilation_cache_dir = enable_compilation_cache() if config.compilation_cache else None
         self.runner = get_runner(params, config.attention_backend)
+        # Compilations are counted per engine: steps compiled by an earlier engine are not ours.
+        self._compile_base = (self.runner.compile_seconds, self.runner.num_compiled_shapes)
         # Pallas reads block tables only up to each kv_len: one fixed width, fewer compilations.
         max_blocks = -(-self.max_model_len // config.block_size)
         self._table_width = bucket(max_blocks, 1) if self.runner.attention_backend == "pallas" else None
@@ -116,8 +119,13 @@ class LLMEngine:
 
         A rejected request leaves the engine untouched: everything already queued keeps running.
         """
-        rid = request_id if request_id is not None else str(self._next_id)
-        self._next_id += 1
+        if request_id is None:
+            while str(self._next_id) in self._requests:  # never take an id a user chose
+                self._next_id += 1
+            rid = str(self._next_id)
+            self._next_id += 1
+        else:
+            rid = request_id
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         sp = sampling_params if sampling_params is not None else SamplingParams()
@@ -136,6 +144,13 @@ class LLMEngine:
         if len(ids) + sp.max_tokens > self.max_model_len:
             raise ValueError(f"request {rid!r}: prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) = "
                              f"{len(ids) + sp.max_tokens} exceeds max_model_len ({self.max_model_len})")
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and len(ids) + sp.max_tokens > budget:
+            # Without chunking a prompt (or, after a preemption, prompt + output) is computed in one
+            # step, so it must fit the step's token budget or it would never be scheduled.
+            raise ValueError(f"request {rid!r}: prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) = "
+                             f"{len(ids) + sp.max_tokens} exceeds max_num_batched_tokens ({budget}), and "
+                             f"chunked prefill is off: enable it, raise the budget or shorten the request")
         if sp.seed is None:  # a private stream, so batching never changes this request's samples
             sp = dataclasses.replace(sp, seed=int(self._rng.integers(0, 2**31 - 1)))
         seq = Sequence(rid, ids, sampling_params=sp, cache_salt=cache_salt)
@@ -144,9 +159,13 @@ class LLMEngine:
         return rid
 
     def abort_request(self, request_id: str) -> None:
-        """Withdraws a queued or running request, releasing its blocks."""
+        """Withdraws a queued or running request, releasing its blocks. Its output is never returned."""
+        if request_id not in self._requests:
+            raise KeyError(f"no unfinished request with id {request_id!r}")
         seq, _ = self._requests.pop(request_id)
         self.scheduler.abort(seq)
+        self._first_cached.pop(request_id, None)
+        self._first_scheduled.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._pending is not None
@@ -173,7 +192,7 @@ class LLMEngine:
                 self._first_cached[seq.request_id] = seq.num_cached_tokens
         num_decode = sum(1 for seq, n in scheduled if n == 1 and seq.num_output_tokens > 0)
         num_tokens = sum(n for _, n in scheduled)
-        inputs = build_step_inputs(scheduled, self.config.block_size, width=self._table_width,
+        inputs = build_step_inputs(scheduled, self.kv.tables, self.config.block_size, width=self._table_width,
                                    max_seqs=self.config.max_num_seqs, prev_rows=self._pending_rows,
                                    decode_hint=self._decode_hint)
         t1 = time.perf_counter()
@@ -198,7 +217,7 @@ class LLMEngine:
             num_decode_tokens=num_decode, num_padded_tokens=int(inputs.token_ids.shape[0]),
             blocks_used=used, blocks_cached=kv.num_cached_blocks,
             kv_bytes_in_use=used * self.config.block_size * self.bytes_per_token,
-            block_utilisation=self._utilisation(), seconds=time.perf_counter() - t0))
+            block_utilisation=kv.block_utilisation(), seconds=time.perf_counter() - t0))
         self.metrics.host_seconds += time.perf_counter() - t2
         return [self._output(seq) for seq in finished]
 
@@ -211,14 +230,6 @@ class LLMEngine:
         if not samples:
             return []
         return self.scheduler.resolve(samples, np.asarray(tokens))
-
-    def _utilisation(self) -> float:
-        bs = self.config.block_size
-        allocated = self.kv.num_used_blocks * bs
-        if not allocated:
-            return 1.0
-        filled = sum(min(s.num_tokens, len(s.block_table) * bs) for s in self.scheduler.running)
-        return min(1.0, filled / allocated)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         rid = seq.request_id
@@ -271,9 +282,10 @@ class LLMEngine:
         s = self.kv.stats().as_dict()
         s.update(dataclasses.asdict(self.scheduler.counters))
         s.update(num_blocks=self.num_blocks, block_size=self.config.block_size,
-                 kv_pool_bytes=self.num_blocks * self.config.block_size * self.bytes_per_token,
+                 kv_dtype=str(self.kv_dtype), kv_pool_bytes=self.num_blocks * self.config.block_size * self.bytes_per_token,
                  kv_bytes_per_token=self.bytes_per_token, max_model_len=self.max_model_len,
-                 compile_seconds=self.runner.compile_seconds, compiled_shapes=self.runner.num_compiled_shapes,
+                 compile_seconds=self.runner.compile_seconds - self._compile_base[0],
+                 compiled_shapes=self.runner.num_compiled_shapes - self._compile_base[1],
                  attention_backend=self.runner.attention_backend, step_seconds=self.metrics.total_seconds,
                  host_seconds=self.metrics.host_seconds, device_wait_seconds=self.metrics.device_seconds)
         return s

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .config import EngineConfig
 from .engine import LLMEngine
-from .kv_stats import PrefixDivergence
+from .kv import PrefixDivergence
 from .models.checkpoint import ModelParams, load_params
 from .outputs import RequestOutput
 from .sampling import SamplingParams
@@ -25,7 +25,7 @@ def run_to_completion(engine: LLMEngine, prompts, sampling_params, use_tqdm: boo
     try:
         for p, sp in zip(prompts, sps):
             rids.append(engine.add_request(p, sp))
-    except ValueError:
+    except BaseException:
         for rid in rids:  # all or nothing: withdraw the requests queued before the bad one
             engine.abort_request(rid)
         raise
@@ -51,7 +51,7 @@ class LLM:
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", cache_dir: str | None = None, **config):
         self.params = load_params(model, dtype, cache_dir=cache_dir)
         self.tokenizer = load_tokenizer(model)
-        self.engine = LLMEngine(self.params, EngineConfig(dtype=self.params.dtype, **config), self.tokenizer)
+        self.engine = LLMEngine(self.params, EngineConfig(**config), self.tokenizer)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

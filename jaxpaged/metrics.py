@@ -1,6 +1,6 @@
 """Per-step engine metrics: what each step computed and how full the KV pool was.
 
-The memory manager's own counters live in ``kv_stats``; this module records the time series a
+The memory manager's own counters live in ``jaxpaged.kv.stats``; this module records the time series a
 user plots (blocks in use, KV bytes, batch composition per step) and summarises throughput.
 """
 

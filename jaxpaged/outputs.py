@@ -29,10 +29,6 @@ class RequestMetrics:
         """TTFT: arrival to first generated token, queueing included."""
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
-    @property
-    def e2e_latency(self) -> float | None:
-        return None if self.finished_time is None else self.finished_time - self.arrival_time
-
 
 @dataclasses.dataclass
 class RequestOutput:

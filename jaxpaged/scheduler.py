@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from .batch import PLACEHOLDER
-from .kv_manager import KVCacheManager
+from .kv import KVCacheManager
 from .sequence import Sequence, SequenceStatus
 
 ScheduledBatch = list[tuple[Sequence, int]]
@@ -88,7 +88,7 @@ class Scheduler:
             budget -= n
             i += 1
         # Admit new work only when nobody had to be preempted: a preemption means the pool is full.
-        in_flight = self._prefill_frontiers() if self.kv.trie is not None and self.waiting else None
+        in_flight = self._prefill_frontiers() if self.kv.enable_prefix_caching and self.waiting else None
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.kv.can_admit(seq):
@@ -206,6 +206,8 @@ class Scheduler:
         finished = []
         c = self.counters
         for (row, seq, pos), token in zip(samples, np.asarray(tokens)[[r for r, _, _ in samples]].tolist()):
+            if seq.finish_reason == "abort":  # aborted while this step ran: already removed
+                continue
             seq.token_ids[pos] = token
             if seq.first_token_time is None:
                 seq.first_token_time = now

@@ -39,6 +39,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxpaged.kernels.shapes import next_pow2
+
 LOG2E = math.log2(math.e)
 _MASKED = -1e30  # initial running max: finite, so fully masked rows give exp2(-inf) = 0, never NaN
 
@@ -59,10 +61,6 @@ class AttentionConfig:
     num_warps: int
     num_stages: int
     reverse_tiles: bool = False
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
 
 
 def _dot(a, b, b_contract: int, precision):
@@ -95,7 +93,7 @@ def _ragged_attention_kernel(
 
     # Sequence of this tile: the largest i in [0, S] with cu[i] // block_q + i <= tile (that start is
     # increasing in i). One vector load of cu_q_lens instead of a chain of dependent scalar loads.
-    idx = lax.broadcasted_iota(jnp.int32, (_next_pow2(num_seqs + 1),), 0)
+    idx = lax.broadcasted_iota(jnp.int32, (next_pow2(num_seqs + 1),), 0)
     cu = plgpu.load(cu_ref.at[idx], mask=idx <= num_seqs, other=0)
     owns = (idx <= num_seqs) & (cu // block_q + idx <= tile)
     seq = jnp.sum(owns.astype(jnp.int32)) - 1
@@ -228,14 +226,14 @@ def choose_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads
     if decode is None:
         decode = num_tokens <= 2 * num_seqs
     if decode:
-        block_m = max(16, _next_pow2(group))
+        block_m = max(16, next_pow2(group))
         block_k = max(64, block_size)
         ctx_tiles = pl.cdiv(max_context, block_k)
         programs = min(num_seqs, num_tokens) * num_kv_heads
         splits = min(32, ctx_tiles, max(1, pl.cdiv(2 * num_cores, programs)))
-        splits = _next_pow2(splits) if splits > 1 else 1
+        splits = next_pow2(splits) if splits > 1 else 1
         return AttentionConfig(block_m, block_k, min(splits, 32), num_warps=4, num_stages=3)
-    block_m = max(128 if num_tokens >= 1024 else 64, _next_pow2(group))
+    block_m = max(128 if num_tokens >= 1024 else 64, next_pow2(group))
     return AttentionConfig(block_m, max(64, block_size), 1, num_warps=8 if block_m >= 128 else 4,
                            num_stages=2, reverse_tiles=True)
 

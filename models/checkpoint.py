@@ -35,10 +35,8 @@ class ModelParams:
     dtype: str
     path: Path | None = None
     from_cache: bool = False
-
-    @property
-    def num_params(self) -> int:
-        return sum(x.size for x in jax.tree.leaves(self.state))
+    # Things derived from these weights (the engine's compiled steps), released together with them.
+    derived: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 def default_cache_dir() -> Path:

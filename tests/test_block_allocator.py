@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxpaged.block_allocator import (
-    BlockAllocator, BlockState, BlockStateError, DoubleFreeError, OutOfBlocksError, check_block_size,
+from jaxpaged.kv import (
+    BlockAllocator, BlockState, BlockStateError, ContiguousReserver, DoubleFreeError, OutOfBlocksError,
+    check_block_size, max_len_run_length,
 )
-from jaxpaged.reservation import ContiguousReserver, max_len_run_length
 
 
 @pytest.mark.parametrize("bad", [0, -16, 3, 12, 24, 1.0, "16", True, None])

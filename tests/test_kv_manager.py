@@ -1,6 +1,6 @@
 """KVCacheManager end to end: admission with prefix hits, chunked prefill, decode growth, caching of
 generated blocks, preemption, eviction, max_len reservation, stats, explain_prefix, the Sequence
-array helpers, and a hypothesis state machine over random interleavings that checks the invariants."""
+block tables, and a hypothesis state machine over random interleavings that checks the invariants."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jaxpaged.block_allocator import BlockState, BlockStateError, DoubleFreeError, OutOfBlocksError
-from jaxpaged.kv_manager import KVCacheManager, RequestTooLargeError
-from jaxpaged.kv_stats import explain_prefix
-from jaxpaged.sequence import (
-    Sequence, SequenceStatus, block_tables, slot_mapping, slot_mapping_batch,
+from jaxpaged.batch import slot_mapping_batch
+from jaxpaged.kv import (
+    BlockState, BlockStateError, BlockTables, DoubleFreeError, KVCacheManager, OutOfBlocksError,
+    RequestTooLargeError, explain_prefix,
 )
+from jaxpaged.sequence import Sequence, SequenceStatus
 
 BS = 4
 
@@ -49,14 +49,14 @@ def test_admit_allocates_whole_prompt_and_hits_shared_prefix():
     a = seq("a", range(10))
     assert mgr.can_admit(a)
     mgr.admit(a)
-    assert len(a.block_table) == 3 and a.num_cached_tokens == 0 and a.num_computed_tokens == 0
+    assert len(mgr.block_table(a)) == 3 and a.num_cached_tokens == 0 and a.num_computed_tokens == 0
     run_prefill(mgr, a)
     assert len(mgr.trie) == 2  # two full blocks, the partial third is not cached
     b = seq("b", list(range(9)) + [77, 78])
     mgr.admit(b)
     assert b.num_cached_tokens == b.num_computed_tokens == 8
-    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
-    assert mgr.allocator.ref_count(a.block_table[0]) == 2
+    assert mgr.block_table(b)[:2] == mgr.block_table(a)[:2] and mgr.block_table(b)[2] != mgr.block_table(a)[2]
+    assert mgr.allocator.ref_count(mgr.block_table(a)[0]) == 2
     mgr.check_invariants()
 
 
@@ -67,7 +67,7 @@ def test_fully_cached_prompt_recomputes_last_block():
     run_prefill(mgr, a)
     b = seq("b", range(12))
     mgr.admit(b)
-    assert b.num_cached_tokens == 8 and len(b.block_table) == 3
+    assert b.num_cached_tokens == 8 and len(mgr.block_table(b)) == 3
     run_prefill(mgr, b)  # its third block duplicates a's: not cached twice
     assert len(mgr.trie) == 3
     mgr.free(a)
@@ -82,10 +82,10 @@ def test_chunked_prefill_caches_only_computed_full_blocks():
     mgr.admit(a)
     assert mgr.append(a, 5) == []  # admission already covered the prompt
     a.num_computed_tokens += 5
-    assert mgr.cache_full_blocks(a) == [a.block_table[0]]
+    assert mgr.cache_full_blocks(a) == [mgr.block_table(a)[0]]
     assert mgr.cache_full_blocks(a) == []  # idempotent
     a.num_computed_tokens += 5
-    assert mgr.cache_full_blocks(a) == [a.block_table[1]]
+    assert mgr.cache_full_blocks(a) == [mgr.block_table(a)[1]]
     other = seq("o", range(14))
     assert mgr.can_admit(other)
     mgr.admit(other)
@@ -100,9 +100,9 @@ def test_decode_grows_one_block_per_block_size_and_caches_generated_tokens():
     a.append_token(100)
     grown = []
     for t in range(101, 110):
-        before = len(a.block_table)
+        before = len(mgr.block_table(a))
         decode(mgr, a, t)
-        grown.append(len(a.block_table) - before)
+        grown.append(len(mgr.block_table(a)) - before)
     assert sum(grown) == math.ceil(15 / BS) - 2  # tokens 0..14 computed, 15 sampled
     assert a.num_computed_tokens == 15 and a.num_tokens == 16
     assert len(mgr.trie) == 3  # blocks 0..2 are full of computed K/V
@@ -118,12 +118,12 @@ def test_preempt_and_readmit_hits_own_blocks():
     mgr.admit(a)
     run_prefill(mgr, a)
     a.append_token(50)
-    old = list(a.block_table)
+    old = list(mgr.block_table(a))
     mgr.free(a)
     a.status = SequenceStatus.PREEMPTED
-    assert a.block_table == [] and a.num_computed_tokens == 0
+    assert mgr.block_table(a) == [] and a.num_computed_tokens == 0
     mgr.admit(a)
-    assert a.num_cached_tokens == 8 and a.block_table[:2] == old[:2]
+    assert a.num_cached_tokens == 8 and mgr.block_table(a)[:2] == old[:2]
 
 
 def test_salt_isolates_tenants():
@@ -157,7 +157,7 @@ def test_eviction_under_pressure_is_lru_and_logged():
     a = seq("a", range(9))  # 3 blocks, 2 cacheable
     mgr.admit(a)
     run_prefill(mgr, a)
-    old = list(a.block_table)
+    old = list(mgr.block_table(a))
     mgr.free(a)
     assert mgr.num_cached_blocks == 2 and mgr.num_free_blocks == 4
     b = seq("b", range(100, 120))  # 5 blocks: the free list has 4, one cached block is evicted
@@ -179,28 +179,28 @@ def test_evicting_parent_of_duplicate_detaches_and_cursor_recovers():
     a = seq("a", range(8))
     mgr.admit(a)
     run_prefill(mgr, a)
-    a0, a1 = a.block_table
+    a0, a1 = mgr.block_table(a)
     mgr.free(a)
     b = seq("b", range(8))
     mgr.admit(b)
-    assert b.block_table[0] == a0 and b.num_cached_tokens == 4
+    assert mgr.block_table(b)[0] == a0 and b.num_cached_tokens == 4
     run_prefill(mgr, b)
-    b1 = b.block_table[1]
+    b1 = mgr.block_table(b)[1]
     assert not mgr.allocator.is_cached(b1)  # duplicate of a1: not cached twice
     b.append_token(8)
     for t in range(9, 13):
         decode(mgr, b, t)
-    b2 = b.block_table[2]
+    b2 = mgr.block_table(b)[2]
     assert mgr.allocator.is_cached(b2) and mgr.trie.node(b2).parent.block_id == a1
     d = seq("d", range(100, 116))
     mgr.admit(d)  # needs 4 blocks, 3 free: evicts a1 (LRU), which detaches b2
-    assert a1 in d.block_table and not mgr.allocator.is_cached(b2)
+    assert a1 in mgr.block_table(d) and not mgr.allocator.is_cached(b2)
     assert mgr.allocator.state(b2) is BlockState.REFERENCED and len(mgr.trie) == 1
     mgr.check_invariants()
     mgr.free(d)
     for t in range(13, 17):
         decode(mgr, b, t)
-    b3 = b.block_table[3]
+    b3 = mgr.block_table(b)[3]
     assert mgr.trie.match(b.token_ids) == [a0, b1, b2, b3]
     mgr.free(b)
     mgr.check_invariants()
@@ -214,17 +214,17 @@ def test_out_of_blocks_leaves_state_unchanged():
     assert not mgr.can_admit(b)
     with pytest.raises(OutOfBlocksError, match="'b'"):
         mgr.admit(b)
-    assert b.block_table == [] and mgr.num_free_blocks == 2
+    assert mgr.block_table(b) == [] and mgr.num_free_blocks == 2
     mgr.admit(seq("c", [7]))
     run_prefill(mgr, a)
     a.append_token(1)
     for t in range(4):
         decode(mgr, a, t)  # the fourth block comes from the last free one
-    assert len(a.block_table) == 4 and mgr.num_free_blocks == 0
+    assert len(mgr.block_table(a)) == 4 and mgr.num_free_blocks == 0
     assert a.num_computed_tokens == 16 and not mgr.can_append(a, 1)
     with pytest.raises(OutOfBlocksError, match="'a'"):
         mgr.append(a, 1)
-    assert len(a.block_table) == 4
+    assert len(mgr.block_table(a)) == 4
     mgr.check_invariants()
 
 
@@ -291,7 +291,7 @@ def test_max_len_reserves_contiguous_runs_and_counts_refusals():
     for s in seqs[:3]:
         assert mgr.can_admit(s)
         mgr.admit(s)
-    assert [s.block_table for s in seqs[:3]] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert [mgr.block_table(s) for s in seqs[:3]] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     assert not mgr.can_admit(seqs[3])  # one block left
     with pytest.raises(OutOfBlocksError, match="contiguous run of 3"):
         mgr.admit(seqs[3])
@@ -302,7 +302,7 @@ def test_max_len_reserves_contiguous_runs_and_counts_refusals():
     mgr.free(seqs[1])
     mgr.free(seqs[0])
     mgr.admit(seqs[3])
-    assert seqs[3].block_table == [0, 1, 2]
+    assert mgr.block_table(seqs[3]) == [0, 1, 2]
     mgr.check_invariants()
 
 
@@ -319,7 +319,7 @@ def test_max_len_external_fragmentation_counted():
                [("a", 8), ("b", 4), ("c", 8)])
     for s in (a, b, c):
         mgr.admit(s)
-    assert (a.block_table, b.block_table, c.block_table) == ([0, 1, 2], [3, 4], [5, 6, 7])
+    assert (mgr.block_table(a), mgr.block_table(b), mgr.block_table(c)) == ([0, 1, 2], [3, 4], [5, 6, 7])
     mgr.free(a)
     mgr.free(c)
     d = Sequence("d", [1] * 4, sampling_params=_Params(12))  # 4 blocks; 6 free, largest run 3
@@ -374,7 +374,7 @@ def test_explain_prefix():
         explain_prefix([1], [1], 10)
 
 
-# ---- Sequence and the device-array helpers ------------------------------------------------------------
+# ---- Sequence and the block tables --------------------------------------------------------------------
 
 def test_sequence_fields_and_timestamps():
     s = Sequence("r", [1, 2, 3], sampling_params={"temperature": 0}, cache_salt="t", arrival_time=5.0)
@@ -388,29 +388,24 @@ def test_sequence_fields_and_timestamps():
     assert "'r'" in repr(s)
 
 
-def test_block_tables_and_slot_mapping():
-    a, b, c = Sequence("a", [0]), Sequence("b", [0]), Sequence("c", [0])
-    a.block_table, b.block_table = [3, 7, 2], [5]
-    out = block_tables([a, b, c], 4)
-    assert out.dtype == np.int32
-    assert out.tolist() == [[3, 7, 2, 0], [5, 0, 0, 0], [0, 0, 0, 0]]
-    a.block_table.append(9)  # cached array refreshes when the table grows
-    assert block_tables([a], 4).tolist() == [[3, 7, 2, 9]]
-    with pytest.raises(ValueError, match="'a'"):
-        block_tables([a], 3)
-    assert block_tables([], 4).shape == (0, 4)
-    sm = slot_mapping([3, 7, 2], 2, 5, 4)
-    assert sm.dtype == np.int32 and sm.tolist() == [14, 15, 28, 29, 30]
-    with pytest.raises(IndexError):
-        slot_mapping([3, 7, 2], 10, 3, 4)
-    tables = block_tables([a, b], 4)
-    got = slot_mapping_batch(tables, np.array([0, 0, 1]), np.array([5, 13, 2]), 4)
+def test_block_tables_gather_and_slot_mapping():
+    tables = BlockTables(rows=2, width=2)
+    a, b, c = tables.add([3, 7, 2]), tables.add([5]), tables.add([])  # grows rows and width
+    out = tables.gather([a, b, c], 4)
+    assert out.dtype == np.int32 and out.tolist() == [[3, 7, 2, 0], [5, 0, 0, 0], [0, 0, 0, 0]]
+    tables.append(a, [9])
+    assert tables.gather([a], 4).tolist() == [[3, 7, 2, 9]] and tables.blocks(a) == [3, 7, 2, 9]
+    with pytest.raises(ValueError, match="more than width=3"):
+        tables.gather([a], 3)
+    assert tables.gather([], 4).shape == (0, 4)
+    got = slot_mapping_batch(tables.gather([a, b], 4), np.array([0, 0, 1]), np.array([5, 13, 2]), 4)
     assert got.dtype == np.int32 and got.tolist() == [7 * 4 + 1, 9 * 4 + 1, 5 * 4 + 2]
+    assert tables.remove(a) == [3, 7, 2, 9] and not tables.table[a].any() and tables.num_blocks(a) == 0
 
 
-def test_block_table_mirror_grows_and_matches_lists():
-    """The manager's numpy mirror (rows and width double as needed) gives the same arrays as the
-    lists, also after frees, growth, and mixed with a table set by hand (fallback path)."""
+def test_block_tables_grow_and_match_after_frees():
+    """The manager's matrix (rows and width double as needed) holds each admitted table in its own row,
+    zeros elsewhere, through frees and growth; a sequence keeps only its row number."""
     mgr = KVCacheManager(400, 1, enable_prefix_caching=False)
     seqs = [seq(f"r{i}", range(1 + i % 5)) for i in range(70)]
     for s in seqs:
@@ -419,7 +414,8 @@ def test_block_table_mirror_grows_and_matches_lists():
     mgr.admit(big)
     for s in seqs[::3]:
         mgr.free(s)
-    live = [s for s in seqs if s.block_table] + [big]
+        assert s.block_table_row == -1 and mgr.block_table(s) == []
+    live = [s for s in seqs if s.block_table_row >= 0] + [big]
     for s in live[:10]:
         s.num_computed_tokens = s.num_tokens
         mgr.append(s, 3)
@@ -427,17 +423,14 @@ def test_block_table_mirror_grows_and_matches_lists():
     width = 128
     expect = np.zeros((len(live), width), np.int32)
     for i, s in enumerate(live):
-        expect[i, : len(s.block_table)] = s.block_table
-    assert mgr.block_table_rows.table.shape[0] >= 71 and mgr.block_table_rows.width >= 100
-    assert np.array_equal(block_tables(live, width), expect)
-    assert np.array_equal(block_tables(live, 256)[:, :width], expect)
-    manual = Sequence("manual", [0])
-    manual.block_table = [1, 2, 3]
-    mixed = block_tables([live[0], manual], width)
-    assert mixed[1, :4].tolist() == [1, 2, 3, 0] and np.array_equal(mixed[0], expect[0])
+        expect[i, : len(mgr.block_table(s))] = mgr.block_table(s)
+    assert mgr.tables.table.shape[0] >= 71 and mgr.tables.width >= 100
+    rows = [s.block_table_row for s in live]
+    assert np.array_equal(mgr.tables.gather(rows, width), expect)
+    assert np.array_equal(mgr.tables.gather(rows, 256)[:, :width], expect)
     for s in live:
         mgr.free(s)
-    assert not mgr.block_table_rows.table.any()
+    assert not mgr.tables.table.any() and mgr.tables.rows_in_use == 0
     mgr.check_invariants()
 
 
@@ -473,7 +466,7 @@ class KVMachine(RuleBasedStateMachine):
 
             def spy(block_id):  # eviction never takes a block some block table holds
                 assert self.mgr.allocator.ref_count(block_id) == 0
-                assert all(block_id not in s.block_table for s in self.running)
+                assert all(block_id not in self.mgr.block_table(s) for s in self.running)
                 return inner(block_id)
 
             self.mgr.allocator.on_evict = spy
@@ -499,16 +492,16 @@ class KVMachine(RuleBasedStateMachine):
         if not self.mgr.can_admit(s):
             with pytest.raises(OutOfBlocksError):
                 self.mgr.admit(s)
-            assert s.block_table == []
+            assert self.mgr.block_table(s) == []
             self.waiting.append(s)
             return
         self.mgr.admit(s)
         s.status = SequenceStatus.RUNNING
         bs, hits = self.bs, s.num_cached_tokens // self.bs
         assert s.num_cached_tokens % bs == 0 and s.num_cached_tokens <= s.num_tokens - 1
-        for i, b in enumerate(s.block_table[:hits]):  # a hit holds exactly the requested tokens
+        for i, b in enumerate(self.mgr.block_table(s)[:hits]):  # a hit holds exactly the requested tokens
             assert self.content[b] == (s.cache_salt, tuple(s.token_ids[: (i + 1) * bs]))
-        for b in s.block_table[hits:]:
+        for b in self.mgr.block_table(s)[hits:]:
             self.content[b] = None
         self.running.append(s)
 
@@ -547,7 +540,7 @@ class KVMachine(RuleBasedStateMachine):
             return
         for b in self.mgr.append(s, n):
             self.content[b] = None
-        bs, table = self.bs, s.block_table
+        bs, table = self.bs, self.mgr.block_table(s)
         for j in range(s.num_computed_tokens // bs, (required - 1) // bs + 1):  # "compute" K/V
             end = min(required, (j + 1) * bs)
             self.content[table[j]] = (s.cache_salt, tuple(s.token_ids[:end]))
@@ -568,7 +561,7 @@ class KVMachine(RuleBasedStateMachine):
     def preempt(self, i):
         s = self.running[i % len(self.running)]
         self._release(s, requeue=True)
-        assert s.block_table == [] and s.num_computed_tokens == 0
+        assert self.mgr.block_table(s) == [] and s.num_computed_tokens == 0
 
     @precondition(lambda self: self.finished)
     @rule(i=st.integers(0, 100))
@@ -584,14 +577,14 @@ class KVMachine(RuleBasedStateMachine):
         mgr.check_invariants()
         holders = [0] * self.n
         for s in self.running:
-            assert len(s.block_table) * self.bs >= s.num_computed_tokens
-            for b in s.block_table:
+            assert len(self.mgr.block_table(s)) * self.bs >= s.num_computed_tokens
+            for b in self.mgr.block_table(s):
                 holders[b] += 1
         if mgr.allocator is None:
-            assert mgr.num_used_blocks == sum(holders) == len(self.running) * mgr.run_length
+            assert mgr.num_used_blocks == sum(holders) == len(self.running) * mgr.policy.run_length
             for s in self.running:  # contiguous runs of the reserved length
-                assert s.block_table == list(range(s.block_table[0], s.block_table[0] + mgr.run_length))
-                assert len(s.block_table) * self.bs >= self.max_model_len
+                assert self.mgr.block_table(s) == list(range(self.mgr.block_table(s)[0], self.mgr.block_table(s)[0] + mgr.policy.run_length))
+                assert len(self.mgr.block_table(s)) * self.bs >= self.max_model_len
             return
         alloc, trie = mgr.allocator, mgr.trie
         in_trie = set(trie.block_ids()) if trie is not None else set()

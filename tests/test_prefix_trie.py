@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxpaged.prefix_trie import PrefixTrie
+from jaxpaged.kv import PrefixTrie
 
 BS = 4
 

@@ -16,7 +16,7 @@ def test_step_hlo_aliases_pool_and_never_copies_it():
     engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=64, max_model_len=64))
     engine.add_request([1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=4))
     engine.add_request([9, 8, 7], SamplingParams(max_tokens=4))
-    inputs = build_step_inputs(engine.scheduler.schedule(), 8)
+    inputs = build_step_inputs(engine.scheduler.schedule(), engine.kv.tables, 8)
     hlo = engine.runner.lower_text(params.state, engine.kv_pool, inputs)
     header = hlo.splitlines()[0]
     num_pool_arrays = 2 * params.config.num_hidden_layers
@@ -28,13 +28,16 @@ def test_step_hlo_aliases_pool_and_never_copies_it():
 
 def test_step_inputs_layout():
     """Ragged prefill + decode in one step: slots, lengths and logits indices line up."""
+    from jaxpaged.kv import BlockTables
     from jaxpaged.sequence import Sequence
 
+    tables = BlockTables()
     a = Sequence("a", list(range(10)), SamplingParams())
-    a.block_table, a.num_computed_tokens = [5, 2], 0
+    a.block_table_row, a.num_computed_tokens = tables.add([5, 2]), 0
     b = Sequence("b", list(range(20)), SamplingParams(temperature=0.5, top_k=3, seed=7))
-    b.block_table, b.num_computed_tokens = [1, 4, 6], 19
-    inp = build_step_inputs([(a, 10), (b, 1)], block_size=8)
+    b.block_table_row, b.num_computed_tokens = tables.add([1, 4, 6]), 19
+    inp = build_step_inputs([(a, 10), (b, 1)], tables, block_size=8, decode_hint=True)
+    assert inp.meta.decode is False  # 11 tokens for 2 sequences: a prefill step
     assert inp.token_ids.shape == (16,) and inp.meta.cu_q_lens.shape == (9,)
     np.testing.assert_array_equal(inp.meta.cu_q_lens[:3], [0, 10, 11])
     np.testing.assert_array_equal(inp.meta.kv_lens[:2], [10, 20])

@@ -6,7 +6,7 @@ import random
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
 from jaxpaged.llm import run_to_completion
-from jaxpaged.kv_manager import KVCacheManager
+from jaxpaged.kv import KVCacheManager
 from jaxpaged.models.tiny import tiny_checkpoint_path
 from jaxpaged.sequence import Sequence
 

@@ -1,6 +1,9 @@
 """Observability of the KV memory manager: counters, a stats snapshot, an event log, and
 ``explain_prefix`` (why did these two prompts not share more cached blocks?).
 
+Block utilisation has one definition, :func:`block_utilisation`, used by ``KVCacheManager.stats()``
+and by the engine's per-step records alike.
+
 Kept separate from the engine's per-step metrics: everything here is about blocks.
 """
 
@@ -13,7 +16,7 @@ from typing import Iterator, Sequence as SequenceT
 
 import numpy as np
 
-from jaxpaged.block_allocator import check_block_size
+from jaxpaged.kv.allocator import check_block_size
 
 
 @dataclasses.dataclass
@@ -79,6 +82,16 @@ class KVStats:
         )
 
 
+def block_utilisation(filled_slots: int, blocks_used: int, block_size: int) -> float:
+    """Token slots holding a token over token slots of blocks held by block tables (1.0 if none).
+
+    ``filled_slots`` counts a block shared by several tables once (``KVCacheManager.filled_slots``),
+    so it never exceeds the allocated slots.
+    """
+    allocated = blocks_used * block_size
+    return filled_slots / allocated if allocated else 1.0
+
+
 def make_stats(
     c: KVCounters,
     *,
@@ -98,7 +111,7 @@ def make_stats(
         kv_bytes_in_use=None if per_slot is None else allocated * per_slot,
         peak_kv_bytes_in_use=None if per_slot is None else c.peak_blocks_used * block_size * per_slot,
         filled_slots=filled_slots, allocated_slots=allocated,
-        block_utilisation=filled_slots / allocated if allocated else 1.0,
+        block_utilisation=block_utilisation(filled_slots, blocks_used, block_size),
         prefix_queries=c.prefix_queries, prefix_query_tokens=c.prefix_query_tokens,
         prefix_hit_blocks=c.prefix_hit_blocks, prefix_hit_tokens=c.prefix_hit_tokens,
         prefix_hit_rate=c.prefix_hit_tokens / c.prefix_query_tokens if c.prefix_query_tokens else 0.0,

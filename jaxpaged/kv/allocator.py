@@ -21,17 +21,8 @@ import enum
 from collections import OrderedDict, deque
 from typing import Callable, Iterable
 
-
-class OutOfBlocksError(RuntimeError):
-    """Raised when an allocation asks for more blocks than are free plus evictable."""
-
-
-class BlockStateError(RuntimeError):
-    """Raised when an operation does not fit a block's state (a bug in the caller)."""
-
-
-class DoubleFreeError(BlockStateError):
-    """Raised when a block (or a request's blocks) is released more often than it was taken."""
+from jaxpaged.kernels.shapes import is_pow2
+from jaxpaged.kv.errors import BlockStateError, DoubleFreeError, OutOfBlocksError
 
 
 class BlockState(enum.Enum):
@@ -45,9 +36,7 @@ def check_block_size(block_size: int) -> int:
 
     Powers of two keep ``slot // block_size`` a shift and match the kernels' tile shapes.
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 or (
-        block_size & (block_size - 1)
-    ):
+    if not is_pow2(block_size):
         raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
     return block_size
 
@@ -76,6 +65,7 @@ class BlockAllocator:
         self._free: deque[int] = deque(range(num_blocks))
         self._lru: OrderedDict[int, None] = OrderedDict()  # oldest release first
         self.num_evictions = 0
+        self._shared_refs = 0  # sum over blocks of max(0, ref_count - 1), kept up to date in O(1)
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -114,9 +104,10 @@ class BlockAllocator:
             return BlockState.REFERENCED
         return BlockState.CACHED if self._cached[block_id] else BlockState.FREE
 
+    @property
     def num_shared_references(self) -> int:
-        """References beyond the first, summed over blocks: ``sum(max(0, ref_count - 1))``. O(B)."""
-        return sum(r - 1 for r in self._ref_counts if r > 1)
+        """References beyond the first, summed over blocks: ``sum(max(0, ref_count - 1))``. O(1)."""
+        return self._shared_refs
 
     def free_block_ids(self) -> list[int]:
         return list(self._free)
@@ -166,6 +157,8 @@ class BlockAllocator:
             if not self._cached[block_id]:
                 raise BlockStateError(f"incref of free block {block_id}: allocate it first")
             del self._lru[block_id]
+        else:
+            self._shared_refs += 1
         refs[block_id] += 1
 
     def decref(self, block_id: int) -> None:
@@ -175,7 +168,9 @@ class BlockAllocator:
         if count <= 0:
             raise DoubleFreeError(f"block {block_id} released more often than it was taken")
         refs[block_id] = count - 1
-        if count == 1:
+        if count > 1:
+            self._shared_refs -= 1
+        elif count == 1:
             if self._cached[block_id]:
                 self._lru[block_id] = None  # most recently released: evicted last
             else:

@@ -1,5 +1,8 @@
 """The ``max_len`` reservation policy: a contiguous KV cache emulated on the paged pool.
 
+One of the two ``ReservationPolicy`` implementations (``kv/reservation.py`` has the protocol and the
+``paged`` one).
+
 Before PagedAttention, servers reserved one contiguous region of ``max_model_len`` token slots per
 request at admission. ``ContiguousReserver`` reproduces that on the same pool of blocks (same kernel,
 same model; only the allocator differs), so the memory experiments compare like with like:
@@ -17,13 +20,10 @@ import math
 
 import numpy as np
 
-from typing import TYPE_CHECKING
-
-from jaxpaged.block_allocator import DoubleFreeError, OutOfBlocksError, check_block_size
-from jaxpaged.kv_stats import KVCounters
-
-if TYPE_CHECKING:
-    from jaxpaged.sequence import Sequence
+from jaxpaged.kv.allocator import check_block_size
+from jaxpaged.kv.errors import BlockStateError, DoubleFreeError, OutOfBlocksError, RequestTooLargeError
+from jaxpaged.kv.stats import KVCounters
+from jaxpaged.sequence import Sequence
 
 
 def max_len_run_length(max_model_len: int, block_size: int) -> int:
@@ -103,8 +103,9 @@ class ContiguousReserver:
 
 
 class MaxLenReservation:
-    """The ``max_len`` policy as ``KVCacheManager`` applies it: run length per request, refusals
-    counted in ``KVCounters`` (and as fragmentation when enough blocks were free in total).
+    """The ``max_len`` policy: at admission, reserve one contiguous run of blocks for everything the
+    request may ever hold; refusals are counted in ``KVCounters`` (and as fragmentation when enough
+    blocks were free in total). Blocks are never shared, so there is no prefix caching.
 
     With one run length for everyone and first fit, runs start at multiples of it, so free space
     always splits into whole runs and refusals are plain capacity refusals. ``per_request=True``
@@ -112,10 +113,17 @@ class MaxLenReservation:
     ``max_model_len``), as Orca-era servers did; varying run lengths then fragment the pool.
     """
 
+    name = "max_len"
+    trie = None
+    allocator = None
+    num_cached_blocks = 0
+    num_shared_references = 0
+
     def __init__(
         self, num_blocks: int, block_size: int, max_model_len: int, per_request: bool,
         counters: KVCounters,
     ) -> None:
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.run_length = max_len_run_length(max_model_len, block_size)
@@ -127,6 +135,14 @@ class MaxLenReservation:
         self.pool = ContiguousReserver(num_blocks)
         self.per_request = per_request
         self.counters = counters
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
 
     def run_length_for(self, seq: Sequence) -> int:
         """Blocks ``seq`` reserves."""
@@ -141,15 +157,19 @@ class MaxLenReservation:
         if run <= self.pool.num_free_blocks:
             self.counters.max_len_fragmentation_failures += 1
 
-    def can_reserve(self, seq: Sequence) -> bool:
+    # ---- the ReservationPolicy protocol ----------------------------------------------------------
+    def prefix_hit_blocks(self, seq: Sequence) -> int:
+        return 0
+
+    def can_admit(self, seq: Sequence) -> bool:
         run = self.run_length_for(seq)
         if self.pool.find_run(run) is None:
             self._refused(run)
             return False
         return True
 
-    def reserve(self, seq: Sequence) -> list[int]:
-        """The reserved run's block ids; ``OutOfBlocksError`` (counted) if no run is free."""
+    def admit(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """No hits; the reserved run's block ids. ``OutOfBlocksError`` (counted) if no run is free."""
         run = self.run_length_for(seq)
         blocks = self.pool.reserve(run)
         if blocks is None:
@@ -158,4 +178,26 @@ class MaxLenReservation:
                 f"request {seq.request_id!r}: no contiguous run of {run} free blocks "
                 f"({self.pool.num_free_blocks} free, largest run {self.pool.largest_free_run()})"
             )
-        return blocks
+        return [], blocks
+
+    def can_grow(self, seq: Sequence, num_blocks: int, missing: int) -> bool:
+        """A reservation never grows: needing more than it is a request that can never fit."""
+        raise RequestTooLargeError(
+            f"request {seq.request_id!r} needs {(num_blocks + missing) * self.block_size} token slots, "
+            f"more than its max_len reservation of {num_blocks * self.block_size}"
+        )
+
+    grow = can_grow
+
+    def cache_full_blocks(self, seq: Sequence, block_table: list[int]) -> list[int]:
+        return []
+
+    def release(self, seq: Sequence, block_table: list[int]) -> None:
+        self.pool.release(block_table)
+
+    def check(self, holders: list[int]) -> None:
+        """Invariant: a block is reserved exactly when one block table holds it."""
+        used = self.pool.is_used
+        bad = [b for b in range(self.num_blocks) if used(b) != (holders[b] == 1) or holders[b] > 1]
+        if bad:
+            raise BlockStateError(f"reserved blocks disagree with block tables at {bad[:10]}")

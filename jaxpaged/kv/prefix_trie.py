@@ -15,10 +15,9 @@ reclaimed and then calls ``evict(block_id)``.
 
 from __future__ import annotations
 
-import time
 from typing import Hashable, Sequence as SequenceT
 
-from jaxpaged.block_allocator import check_block_size
+from jaxpaged.kv.allocator import check_block_size
 
 
 class TrieNode:
@@ -27,14 +26,13 @@ class TrieNode:
     ``key`` is the block's tuple of token ids; for a root it is the root's cache salt.
     """
 
-    __slots__ = ("key", "block_id", "parent", "children", "last_use", "alive")
+    __slots__ = ("key", "block_id", "parent", "children", "alive")
 
     def __init__(self, key: Hashable, block_id: int, parent: TrieNode | None) -> None:
         self.key = key
         self.block_id = block_id
         self.parent = parent
         self.children: dict[tuple[int, ...], TrieNode] = {}
-        self.last_use = time.monotonic()
         self.alive = True  # False once evicted or detached: a stale cursor must not be followed
 
     def __repr__(self) -> str:
@@ -65,9 +63,6 @@ class PrefixTrie:
     def node(self, block_id: int) -> TrieNode:
         return self._nodes[block_id]
 
-    def is_leaf(self, block_id: int) -> bool:
-        return not self._nodes[block_id].children
-
     def _root(self, cache_salt: Hashable, create: bool) -> TrieNode | None:
         root = self._roots.get(cache_salt)
         if root is None and create:
@@ -91,13 +86,11 @@ class PrefixTrie:
         if node is None or max_blocks <= 0:
             return [], None
         tokens = _as_list(tokens)
-        now = time.monotonic()
         hits: list[int] = []
         for i in range(max_blocks):
             child = node.children.get(tuple(tokens[i * bs : (i + 1) * bs]))
             if child is None:
                 break
-            child.last_use = now
             hits.append(child.block_id)
             node = child
         return hits, (node if hits else None)
@@ -143,7 +136,6 @@ class PrefixTrie:
             return [], parent
         node = parent if parent is not None else self._root(cache_salt, create=True)
         tokens = _as_list(tokens)
-        now = time.monotonic()
         new: list[int] = []
         for i in range(start_block, num_blocks):
             key = tuple(tokens[i * bs : (i + 1) * bs])
@@ -158,7 +150,6 @@ class PrefixTrie:
                 child = node.children[key] = TrieNode(key, block_id, node)
                 self._nodes[block_id] = child
                 new.append(block_id)
-            child.last_use = now
             node = child
         return new, node
 

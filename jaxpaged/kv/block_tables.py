@@ -1,0 +1,92 @@
+"""``BlockTables``: the block table of every admitted request, as one ``i32[rows, width]`` matrix.
+
+The block table of a request maps its logical block ``j`` (tokens ``j*bs .. (j+1)*bs - 1``) to the
+physical block ``table[row, j]`` of the KV pool. This matrix is the only copy: the ``KVCacheManager``
+owns it and is the only writer; a ``Sequence`` keeps just its row number (``block_table_row``), as a
+request in vLLM's worker keeps its row of the worker's block table.
+
+Building a step's ``block_tables i32[S, W]`` is then one numpy gather of rows, whatever the batch.
+Entries past a row's length are always 0 (a valid block id: kernels never read past ``kv_lens``).
+Rows and width double when they run out.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class BlockTables:
+    """Row-per-request block-table matrix with per-row lengths."""
+
+    def __init__(self, rows: int = 64, width: int = 64) -> None:
+        self.table = np.zeros((rows, width), dtype=np.int32)
+        self.lengths = np.zeros(rows, dtype=np.int32)
+        self._free_rows = list(range(rows - 1, -1, -1))  # pop() hands out low rows first
+
+    @property
+    def width(self) -> int:
+        return self.table.shape[1]
+
+    @property
+    def rows_in_use(self) -> int:
+        return self.table.shape[0] - len(self._free_rows)
+
+    def _grow(self, rows: int, width: int) -> None:
+        old_rows, old_width = self.table.shape
+        rows, width = max(rows, old_rows), max(width, old_width)
+        table = np.zeros((rows, width), dtype=np.int32)
+        table[:old_rows, :old_width] = self.table
+        lengths = np.zeros(rows, dtype=np.int32)
+        lengths[:old_rows] = self.lengths
+        self.table, self.lengths = table, lengths
+        self._free_rows[:0] = range(rows - 1, old_rows - 1, -1)  # new rows after old ones
+
+    # ---- writes (the KV manager's) ---------------------------------------------------------------
+    def add(self, block_ids: list[int]) -> int:
+        """Takes a free row, fills it with ``block_ids`` and returns its index."""
+        if not self._free_rows:
+            self._grow(2 * self.table.shape[0], self.width)
+        row = self._free_rows.pop()
+        self.append(row, block_ids)
+        return row
+
+    def append(self, row: int, block_ids: list[int]) -> None:
+        """Appends ``block_ids`` to ``row``'s table."""
+        start = int(self.lengths[row])
+        end = start + len(block_ids)
+        if end > self.width:
+            self._grow(self.table.shape[0], max(2 * self.width, end))
+        self.table[row, start:end] = block_ids
+        self.lengths[row] = end
+
+    def remove(self, row: int) -> list[int]:
+        """Zeroes ``row``, returns it to the pool of rows and returns the block ids it held."""
+        n = int(self.lengths[row])
+        blocks = self.table[row, :n].tolist()
+        self.table[row, :n] = 0
+        self.lengths[row] = 0
+        self._free_rows.append(row)
+        return blocks
+
+    # ---- reads -----------------------------------------------------------------------------------
+    def num_blocks(self, row: int) -> int:
+        return int(self.lengths[row])
+
+    def blocks(self, row: int) -> list[int]:
+        """``row``'s block table as a list (a copy)."""
+        return self.table[row, : self.lengths[row]].tolist()
+
+    def gather(self, rows: np.ndarray | list[int], width: int) -> np.ndarray:
+        """``i32[len(rows), width]``: the given rows, cut or zero-padded to ``width`` (a fresh array).
+
+        Raises ``ValueError`` if a row holds more than ``width`` blocks.
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size and int(self.lengths[rows].max()) > width:
+            i = int(self.lengths[rows].argmax())
+            raise ValueError(f"row {int(rows[i])} has {int(self.lengths[rows[i]])} blocks, more than width={width}")
+        if width <= self.width:
+            return self.table[rows, :width]  # fancy indexing copies
+        out = np.zeros((rows.size, width), dtype=np.int32)
+        out[:, : self.width] = self.table[rows]
+        return out
