@@ -21,10 +21,11 @@ jax.config.update("jax_default_matmul_precision", "highest")  # true fp32 matmul
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.kernels.backend import get_attention_fn, get_kv_write_fn
+from jaxpaged.kernels.backend import get_attention_fn
 from jaxpaged.models.config import QwenConfig
 from jaxpaged.models.convert import convert_tensors, abstract_model
-from jaxpaged.models.paged_forward import build_step, forward_all_logits
+from jaxpaged.batch import build_chunk_step
+from jaxpaged.models.paged_forward import forward_all_logits
 from jaxpaged.models.qwen import init_kv_pool
 from jaxpaged.models.tiny import random_hf_tensors
 from jaxpaged.workloads import QWEN2_5_0_5B, QWEN3_0_6B
@@ -53,7 +54,7 @@ def hf_logits(raw: dict, tensors: dict, ids: np.ndarray, dtype) -> np.ndarray:
 def our_logits(cfg, tensors, ids, dtype, backend):
     state = convert_tensors(cfg, tensors, dtype)
     graphdef, _ = abstract_model(cfg, dtype)
-    attn, write = get_attention_fn(backend), get_kv_write_fn(backend)
+    attn = get_attention_fn(backend)
     nblocks = -(-len(ids) // BLOCK_SIZE) + 4
     pool = init_kv_pool(cfg, nblocks + 8, BLOCK_SIZE, dtype)
     pool = tuple((jnp.full_like(k, jnp.nan), jnp.full_like(v, jnp.nan)) for k, v in pool)
@@ -61,8 +62,8 @@ def our_logits(cfg, tensors, ids, dtype, backend):
     chunks = [(0, SPLIT), (SPLIT, len(ids) - DECODE)] + [(p, p + 1) for p in range(len(ids) - DECODE, len(ids))]
     logits = []
     for a, b in chunks:
-        tok, pos, meta = build_step([(ids[a:b], a, table)], BLOCK_SIZE, width=32, pad_tokens=16 - (b - a) % 16)
-        out, pool = forward_all_logits(graphdef, state, pool, tok, pos, meta, attn, write)
+        step = build_chunk_step([(ids[a:b], a, table)], BLOCK_SIZE, width=32)
+        out, pool = forward_all_logits(graphdef, state, pool, step.token_ids, step.positions, step.meta, attn)
         logits.append(np.asarray(out)[: b - a])
     return np.concatenate(logits)
 

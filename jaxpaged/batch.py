@@ -137,6 +137,20 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
                       seeds=seeds, counters=counters)
 
 
+def build_chunk_step(chunks: list[tuple[list[int], int, list[int]]], block_size: int,
+                     width: int | None = None) -> StepInputs:
+    """The same builder for hand-made steps (tests, model checks): one ``(new_token_ids, start_pos,
+    block_table)`` per sequence, the tokens before ``start_pos`` already in the pool. Greedy sampling."""
+    from .sampling import SamplingParams
+
+    tables, scheduled = BlockTables(), []
+    for i, (ids, start, table) in enumerate(chunks):
+        seq = Sequence(f"chunk-{i}", [0] * start + [int(t) for t in ids], SamplingParams(temperature=0))
+        seq.block_table_row, seq.num_computed_tokens = tables.add([int(b) for b in table]), start
+        scheduled.append((seq, len(ids)))
+    return build_step_inputs(scheduled, tables, block_size, width=width)
+
+
 def padding_step_inputs(num_tokens: int, num_seqs: int, width: int, decode: bool | None = None) -> StepInputs:
     """A step of the given padded shape and kernel variant with no real token (ahead-of-time compilation)."""
     z = lambda n, dt=np.int32: np.zeros(n, dt)  # noqa: E731

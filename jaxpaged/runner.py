@@ -19,7 +19,8 @@ import numpy as np
 from flax import nnx
 
 from .batch import StepInputs
-from .kernels.backend import get_attention_fn, get_kv_write_fn, resolve_backend
+from .kernels.backend import get_attention_fn, resolve_backend
+from .kernels.kv_write import write_kv
 from .models.qwen import KVPool
 from .sampling import sample
 
@@ -71,7 +72,7 @@ class ModelRunner:
 
     def __init__(self, graphdef: nnx.GraphDef, attention_backend: str = "auto"):
         self.attention_backend = resolve_backend(attention_backend)
-        self._step_fn = make_step_fn(graphdef, get_attention_fn(attention_backend), get_kv_write_fn(attention_backend))
+        self._step_fn = make_step_fn(graphdef, get_attention_fn(attention_backend), write_kv)
         self._jitted: dict = {}  # state treedef -> jitted step over flat weight leaves
         self._state: nnx.State | None = None
         self._leaves: list[jax.Array] = []

@@ -11,9 +11,8 @@ machine without a GPU they run in interpret mode, slowly, which is only useful i
 (pure jnp gather, any platform) or ``"auto"`` (pallas on GPU, reference elsewhere). A Mosaic GPU
 (Hopper) backend can be added here under its own name without touching the model.
 
-``get_kv_write_fn(backend)`` returns ``fn(k_cache, v_cache, k, v, slot_mapping) -> (k_cache, v_cache)``.
-Every backend uses one XLA scatter per cache (in place when the step donates the pool, see
-:mod:`jaxpaged.kernels.kv_write`); the names are accepted so that one setting drives both functions.
+Every backend writes K/V with the same XLA scatter (:func:`jaxpaged.kernels.kv_write.write_kv`, in
+place when the step donates the pool).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from typing import Callable
 
 import jax
 
-from jaxpaged.kernels import kv_write, paged_attention, reference
+from jaxpaged.kernels import paged_attention, reference
 
 BACKENDS = ("pallas", "reference", "auto")
 
@@ -47,11 +46,3 @@ def get_attention_fn(backend: str = "auto") -> Callable[..., jax.Array]:
     if backend == "reference":
         return reference.paged_attention_reference
     return functools.partial(paged_attention.paged_attention, interpret=not _on_gpu())
-
-
-def get_kv_write_fn(backend: str = "auto") -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """Returns the KV write of ``backend`` (:func:`write_kv_reference` signature)."""
-    backend = resolve_backend(backend)
-    if backend == "reference":
-        return reference.write_kv_reference
-    return kv_write.write_kv

@@ -3,7 +3,8 @@
 KV pool layout (one layer): ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``.
 The engine's pool is a tuple of per-layer ``(k_cache, v_cache)`` pairs, so each layer's attention
 kernel receives a whole array (no slice of a bigger pool, which XLA would have to copy before a
-custom call) and each layer's K/V write is one in-place scatter into a donated buffer.
+custom call) and each layer's K/V write is one in-place scatter into a donated buffer
+(:func:`jaxpaged.kernels.kv_write.write_kv`, the one K/V write every backend uses).
 
 A ragged batch of ``S`` sequences carries ``T`` query tokens (padding included):
   * ``cu_q_lens i32[S+1]``: token ``t`` in ``[cu_q_lens[i], cu_q_lens[i+1])`` belongs to sequence ``i``;
@@ -21,30 +22,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-
-def write_kv_reference(
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    slot_mapping: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
-    """Writes new K/V rows into their pool slots.
-
-    Args:
-      k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``.
-      k, v: ``[T, Hkv, D]`` new keys / values.
-      slot_mapping: ``i32[T]``, ``block_id * block_size + offset``; ``-1`` (padding) writes nothing.
-    Returns the updated ``(k_cache, v_cache)``; under ``jit`` with the caches donated this is in place.
-    """
-    num_blocks, block_size, hkv, d = k_cache.shape
-    num_slots = num_blocks * block_size
-    # Padding slots point past the end and are dropped by the scatter.
-    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
-    k_flat = k_cache.reshape(num_slots, hkv, d).at[slots].set(k.astype(k_cache.dtype), mode="drop")
-    v_flat = v_cache.reshape(num_slots, hkv, d).at[slots].set(v.astype(v_cache.dtype), mode="drop")
-    return k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape)
 
 
 def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, ...]:

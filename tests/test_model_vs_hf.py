@@ -11,7 +11,8 @@ import pytest
 from jaxpaged.models.convert import load_hf_checkpoint
 from jaxpaged.models.qwen import init_kv_pool
 from jaxpaged.models.tiny import tiny_checkpoint_path
-from jaxpaged.models.paged_forward import build_step, forward_all_logits
+from jaxpaged.batch import build_chunk_step
+from jaxpaged.models.paged_forward import forward_all_logits
 
 FIXTURES = Path(__file__).parent / "fixtures"
 BLOCK_SIZE = 8
@@ -40,8 +41,8 @@ def run_chunks(cfg, graphdef, state, prompt, chunk_sizes, table):
     logits, start = [], 0
     for size in chunk_sizes:
         ids = prompt[start:start + size]
-        tok, pos, meta = build_step([(ids, start, table)], BLOCK_SIZE, width=NUM_BLOCKS, pad_tokens=3)
-        out, pool = forward_all_logits(graphdef, state, pool, tok, pos, meta)
+        step = build_chunk_step([(ids, start, table)], BLOCK_SIZE, width=NUM_BLOCKS)  # padded to buckets
+        out, pool = forward_all_logits(graphdef, state, pool, step.token_ids, step.positions, step.meta)
         logits.append(np.asarray(out)[:size])
         start += size
     return np.concatenate(logits)
@@ -86,8 +87,9 @@ def test_ragged_batch_matches_hf(model):
         n = -(-len(p) // BLOCK_SIZE)
         chunks.append((p, 0, perm[:n]))
         perm = perm[n:]
-    tok, pos, meta = build_step(chunks, BLOCK_SIZE, width=8, pad_tokens=5, pad_seqs=1)
-    out, _ = forward_all_logits(graphdef, state, poisoned_pool(cfg), tok, pos, meta)
+    step = build_chunk_step(chunks, BLOCK_SIZE, width=8)  # 4 sequences padded to 8, tokens to 64
+    assert step.token_ids.shape[0] > sum(map(len, prompts)) and step.meta.kv_lens.shape[0] > len(prompts)
+    out, _ = forward_all_logits(graphdef, state, poisoned_pool(cfg), step.token_ids, step.positions, step.meta)
     out = np.asarray(out)
     start = 0
     for i, p in enumerate(prompts):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.kernels.reference import paged_attention_reference, token_layout, write_kv_reference
+from jaxpaged.kernels.reference import paged_attention_reference, token_layout
 
 
 def dense_attention(q, k_seq, v_seq, kv_len, scale):
@@ -87,19 +87,3 @@ def test_token_layout():
     np.testing.assert_array_equal(np.asarray(seq)[:5], [0, 0, 2, 2, 2])
     np.testing.assert_array_equal(np.asarray(pos)[:5], [8, 9, 0, 1, 2])
     np.testing.assert_array_equal(np.asarray(valid), [1, 1, 1, 1, 1, 0, 0])
-
-
-def test_write_kv_reference_matches_numpy():
-    rng = np.random.default_rng(3)
-    nb, bs, hkv, d, t = 6, 8, 2, 16, 10
-    kc, vc = rng.standard_normal((2, nb, bs, hkv, d)).astype(np.float32)
-    k, v = rng.standard_normal((2, t, hkv, d)).astype(np.float32)
-    slots = rng.permutation(nb * bs)[:t].astype(np.int32)
-    slots[[2, 7]] = -1
-    ek, ev = kc.copy(), vc.copy()
-    for i, s in enumerate(slots):
-        if s >= 0:
-            ek[s // bs, s % bs], ev[s // bs, s % bs] = k[i], v[i]
-    ok, ov = jax.jit(write_kv_reference)(*map(jnp.asarray, (kc, vc, k, v, slots)))
-    np.testing.assert_array_equal(np.asarray(ok), ek)
-    np.testing.assert_array_equal(np.asarray(ov), ev)
