@@ -49,7 +49,7 @@ def run(params, policy: str, prompts, sps, args) -> dict:
                 admission_refusals=s["max_len_admission_failures"], series=cols)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--full", action="store_true", help="Qwen3-0.6B shapes with random weights (GPU)")
@@ -58,12 +58,13 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     params = experiment_params(args.full)
     prompts, sps = workload(args.requests, args.max_model_len // 2, args.max_model_len // 2, params.config.vocab_size)
     results = [run(params, policy, prompts, sps, args) for policy in ("paged", "max_len")]
+    report = {"device": str(jax.devices()[0]), "args": vars(args), "results": results}
     with open(os.path.join(args.out, "memory.json"), "w") as f:
-        json.dump({"device": str(jax.devices()[0]), "args": vars(args), "results": results}, f)
+        json.dump(report, f)
     try:
         import matplotlib
 
@@ -85,6 +86,7 @@ def main() -> None:
     for r in results:
         print(f"{r['policy']:8s} {r['steps']:6d} {r['seconds']:8.2f} {r['peak_running']:10d} {r['mean_running']:10.1f} "
               f"{r['mean_block_utilisation']:14.1%} {r['admission_refusals']:8d}")
+    return report
 
 
 if __name__ == "__main__":

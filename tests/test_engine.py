@@ -235,3 +235,97 @@ def test_async_and_sync_scheduling_agree_with_stops_and_sampling(qwen3, num_bloc
     assert toks[1] == greedy[1][:9] and reasons[1] == "length"
     assert toks[3] == greedy[3][:1] and reasons[3] == "stop"
     assert len(toks[5]) == 1 and reasons[5] == "length"
+
+
+# ---- defects found in review (each failed before its fix) ----------------------------------------------
+
+SMALL = dict(dtype="float32", block_size=8, num_blocks=64, max_model_len=64)
+
+
+def test_abort_under_async_scheduling(qwen3):
+    """The aborted request's token still in flight is dropped, not returned (it used to raise KeyError)."""
+    params, _ = qwen3
+    engine = LLMEngine(params, EngineConfig(**SMALL, async_scheduling=True))
+    keep = engine.add_request([1, 2, 3, 4, 5], GREEDY)
+    gone = engine.add_request([6, 7, 8], GREEDY)
+    engine.step()
+    engine.step()
+    engine.abort_request(gone)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [o.request_id for o in outs] == [keep] and len(outs[0].outputs[0].token_ids) == GREEDY.max_tokens
+    assert engine.kv.num_used_blocks == 0
+    engine.kv.check_invariants()
+    with pytest.raises(KeyError, match="no unfinished request"):
+        engine.abort_request(gone)
+
+
+def test_prompt_over_the_budget_without_chunked_prefill_is_rejected(qwen3):
+    params, _ = qwen3
+    engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=128, max_num_batched_tokens=32,
+                                            enable_chunked_prefill=False))  # max_model_len: the model's (1024)
+    with pytest.raises(ValueError, match=r"request '0'.*max_num_batched_tokens \(32\).*chunked prefill is off"):
+        engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=8))
+    assert not engine.has_unfinished_requests()
+    out = run_to_completion(engine, [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_auto_request_ids_never_collide_with_chosen_ones(qwen3):
+    params, _ = qwen3
+    engine = LLMEngine(params, EngineConfig(**SMALL))
+    assert engine.add_request([1, 2], GREEDY, request_id="1") == "1"
+    ids = [engine.add_request([1, 2], GREEDY) for _ in range(3)]
+    assert ids == ["0", "2", "3"]
+
+
+def test_any_error_withdraws_the_whole_batch(qwen3):
+    params, _ = qwen3
+    engine = LLMEngine(params, EngineConfig(**SMALL))
+    with pytest.raises(TypeError):
+        run_to_completion(engine, [[1, 2, 3], None], GREEDY)
+    assert not engine.has_unfinished_requests()
+    outs = run_to_completion(engine, [[4, 5, 6]], GREEDY)
+    assert [o.prompt_token_ids for o in outs] == [[4, 5, 6]]
+
+
+def test_step_and_stats_utilisation_agree_with_shared_blocks(qwen3):
+    params, _ = qwen3
+    engine = LLMEngine(params, EngineConfig(**SMALL))
+    prefix = list(range(1, 17))  # two full blocks shared by every request
+    for i in range(4):
+        engine.add_request(prefix + [20 + i, 30 + i, 40 + i], SamplingParams(temperature=0, max_tokens=12))
+    agree = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        if engine.scheduler.running:
+            assert engine.metrics.records[-1].block_utilisation == engine.kv.stats().block_utilisation <= 1.0
+            agree += 1
+    assert agree > 3 and engine.kv.stats().prefix_hit_blocks > 0
+
+
+def test_runners_belong_to_their_weights(qwen3):
+    import gc
+    import weakref
+
+    params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+    first = LLMEngine(params, EngineConfig(**SMALL))
+    run_to_completion(first, [[1, 2, 3]], GREEDY)
+    assert first.stats()["compiled_shapes"] > 0
+    second = LLMEngine(params, EngineConfig(**SMALL))
+    assert second.runner is first.runner  # shared compiled steps ...
+    assert second.stats()["compiled_shapes"] == 0 and second.stats()["compile_seconds"] == 0  # ... not counts
+    runner = weakref.ref(first.runner)
+    del first, second, params
+    gc.collect()
+    assert runner() is None  # dropping the weights releases the runner and its executables
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pool_dtype_defaults_to_the_weights(dtype):
+    params = load_params(tiny_checkpoint_path("qwen2"), dtype, use_cache=False)
+    engine = LLMEngine(params, EngineConfig(block_size=8, num_blocks=16, max_model_len=64, compilation_cache=False))
+    assert engine.kv_pool[0][0].dtype == np.dtype(dtype) and engine.stats()["kv_dtype"] == dtype
+    assert LLMEngine(params, EngineConfig(block_size=8, num_blocks=16, max_model_len=64, dtype="float32")
+                     ).kv_pool[0][0].dtype == np.float32

@@ -108,3 +108,20 @@ def test_exp_block_size(tmp_path):
     assert mixed[0]["mean_wasted_slots_per_seq"] < mixed[-1]["mean_wasted_slots_per_seq"]
     assert [s["prefix_hit_tokens"] for s in shared] == [3 * 40, 3 * 32, 3 * 32]
     assert [s["prefix_hit_tokens"] for s in shared] == [s["expected_hit_tokens"] for s in shared]
+
+
+def test_exp_memory(tmp_path):
+    exp = load_module(ROOT / "benchmarks" / "exp_memory.py")
+    report = exp.main(["--out", str(tmp_path), "--requests", "10", "--num-blocks", "48", "--block-size", "8",
+                       "--max-model-len", "96", "--max-num-batched-tokens", "128"])
+    assert json.loads((tmp_path / "memory.json").read_text()).keys() == report.keys()
+    assert (tmp_path / "memory.png").is_file()
+    paged, max_len = report["results"]
+    assert (paged["policy"], max_len["policy"]) == ("paged", "max_len")
+    assert paged["output_tokens"] == max_len["output_tokens"]  # same requests, same work
+    # A contiguous reservation holds 96/8 = 12 blocks per request: at most 4 fit in 48 blocks, and
+    # most of each reservation is empty; paged blocks run more requests at once, fuller.
+    assert max_len["peak_running"] <= 4 < paged["peak_running"]
+    assert paged["mean_block_utilisation"] > max_len["mean_block_utilisation"]
+    assert max_len["admission_refusals"] > 0 and paged["admission_refusals"] == 0
+    assert paged["steps"] < max_len["steps"]

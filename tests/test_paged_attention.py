@@ -144,3 +144,13 @@ def test_backend_switch():
     out = backend.get_attention_fn("pallas")(q, k, v, cu, kl, tables)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_fn(q, k, v, cu, kl, tables)), rtol=1e-5,
                                atol=1e-5)
+
+
+def test_launch_configuration_follows_what_the_step_holds():
+    """A 64-token prefill chunk padded to 256 sequence slots used to get the decode configuration."""
+    padded_guess = choose_config(64, 256, 16, 8, 16, 4096)
+    assert padded_guess.block_m == 16 and padded_guess.num_splits > 1  # T <= 2S: decode tiles, split-K
+    prefill = choose_config(64, 256, 16, 8, 16, 4096, decode=False)
+    assert prefill.block_m >= 64 and prefill.num_splits == 1 and prefill.reverse_tiles
+    decode = choose_config(64, 256, 16, 8, 16, 4096, decode=True)
+    assert decode.block_m == 16
