@@ -149,7 +149,7 @@ def test_backend_switch():
 def test_launch_configuration_follows_what_the_step_holds():
     """A 64-token prefill chunk padded to 256 sequence slots used to get the decode configuration."""
     padded_guess = choose_config(64, 256, 16, 8, 16, 4096)
-    assert padded_guess.block_m == 16 and padded_guess.num_splits > 1  # T <= 2S: decode tiles, split-K
+    assert padded_guess.block_m == 16 and not padded_guess.reverse_tiles  # T <= 2S: decode tiles
     prefill = choose_config(64, 256, 16, 8, 16, 4096, decode=False)
     assert prefill.block_m >= 64 and prefill.num_splits == 1 and prefill.reverse_tiles
     decode = choose_config(64, 256, 16, 8, 16, 4096, decode=True)
