@@ -75,3 +75,14 @@ def test_bench_latency_tiny(tmp_path, capsys):
         assert len(r["raw"][0]["itl"]) == r["batch"] * 3  # 4 tokens -> 3 gaps per request
     assert json.loads((tmp_path / "latency.json").read_text())["rows"][0]["batch"] == 1
     assert "TTFT p50" in capsys.readouterr().out
+
+
+def test_exp_xla_flags_tiny(tmp_path):
+    mod = load("exp_xla_flags")
+    out = mod.main(["--model", "tiny", "--batch", "2", "--ctx", "20", "--steps", "2", "--rounds", "1",
+                    "--engine-steps", "1", "--trace-steps", "1", "--variants", "default,cmdbuf_off",
+                    "--out", str(tmp_path)])
+    assert out["option_probe"]["xla_gpu_enable_command_buffer"] == "accepted"
+    for name in ("default", "cmdbuf_off"):
+        v = out["variants"][name]
+        assert "error" not in v and v["replay_ms"] > 0 and v["engine_ms"] > 0
