@@ -25,8 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", choices=ps.MODELS, default="qwen3-0.6b")
     ap.add_argument("--variants", default=DEFAULT_SET)
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--keep-traces", action="store_true", help="keep each variant's trace under --out/traces")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--backend", default="auto")
@@ -173,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     results: dict[str, dict] = {}
     jitted_by_name = {}
+    scratch = tempfile.mkdtemp(prefix="exp_xla_flags_")
     for name in names:
         opts = VARIANTS[name]
         r = results[name] = dict(options={k: v for k, v in opts.items()})
@@ -187,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
             r["replay_min_ms"] = min(lat) * 1e3
             r["pipelined_ms"] = replay(engine, jitted, leaves, inputs, prev, args.steps, pipelined=True)[0] * 1e3
             jitted_by_name[name] = jitted
-            trace_dir = os.path.join(args.out, "traces", name.replace("+", "plus_"))
+            trace_dir = os.path.join(args.out if args.keep_traces else scratch, "traces", name.replace("+", "plus_"))
             jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
             try:
                 replay(engine, jitted, leaves, inputs, prev, args.trace_steps, pipelined=False, annotate=True)
@@ -206,6 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name}: FAILED {r['error'][:300]}", flush=True)
 
     # Engine steps in interleaved rounds (context grows by one token per step for everyone).
+    shutil.rmtree(scratch, ignore_errors=True)
     for name in jitted_by_name:
         results[name]["engine_wall_s"] = []
     try:

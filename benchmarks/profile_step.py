@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; >0 samples (the workload uses 0.6)")
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--trace-dir", default=None, help="where the profiler writes (default: --out/trace)")
     args = ap.parse_args(argv)
 
     os.makedirs(args.out, exist_ok=True)
@@ -373,7 +374,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  temperature=args.temperature, warmup_steps=args.warmup_steps)
     untraced = timed_steps(engine, args.steps)
 
-    trace_dir = os.path.join(args.out, "trace")
+    trace_dir = args.trace_dir or os.path.join(args.out, "trace")
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
     try:
         traced = timed_steps(engine, args.steps, annotate=True)
