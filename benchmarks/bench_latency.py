@@ -1,0 +1,178 @@
+"""Latency: time to first token (TTFT) and inter-token latency (ITL) at batch 1, 8, 64 and prompts of 32 and
+1,536 tokens; Qwen3-0.6B shapes with random bf16 weights (``--model tiny``: the packaged tiny checkpoint,
+for a CPU), greedy, ``ignore_eos``, 64 output tokens per request.
+
+For each (batch, prompt length): one run first compiles every shape that configuration needs (its compile
+seconds are reported separately), then ``--repeats`` measured runs, each with fresh random prompts (so the
+prefix cache never hits). All requests of a run arrive at once; the engine is stepped here and every
+request's output tokens are timestamped after each step.
+
+* TTFT: from ``add_request`` to the first generated token (``RequestOutput.metrics``: ``arrival_time``,
+  ``first_token_time``), queueing and chunked prefill included.
+* ITL: the gaps between consecutive output tokens of a request (all gaps of all requests), so a decode
+  step slowed by other requests' prefill chunks shows in the tail. TPOT: per request,
+  ``(finished_time - first_token_time) / (tokens - 1)``.
+
+    python benchmarks/bench_latency.py --out $OUT
+    python benchmarks/bench_latency.py --model tiny --batches 1,2 --prompts 8,24 --max-tokens 4 --out /tmp/l
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+MODELS = ("qwen3-0.6b", "tiny")
+
+
+def load_params(model: str):
+    from jaxpaged.workloads import QWEN3_0_6B, experiment_params, random_model
+
+    if model == "qwen3-0.6b":
+        return random_model(QWEN3_0_6B)
+    if model == "tiny":
+        return experiment_params(full=False)
+    raise ValueError(f"--model must be one of {MODELS}, got {model!r}")
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams) -> dict:
+    """Queues all prompts at once, steps to completion, timestamps every output token."""
+    rids = [engine.add_request(p, sp) for p in prompts]
+    ours = set(rids)
+    last_n = dict.fromkeys(rids, 0)
+    last_t: dict[str, float] = {}
+    gaps: list[float] = []
+    outs = {}
+    steps = 0
+    t0 = time.monotonic()
+
+    def see(rid: str, n: int, now: float) -> None:
+        if n > last_n[rid]:
+            if last_n[rid] >= 1:  # one gap per new token (a step may add at most one per request here)
+                gaps.extend([(now - last_t[rid]) / (n - last_n[rid])] * (n - last_n[rid]))
+            last_n[rid], last_t[rid] = n, now
+
+    while engine.has_unfinished_requests():
+        finished = engine.step()
+        now = time.monotonic()
+        steps += 1
+        for seq in engine.scheduler.running:
+            if seq.request_id in ours:
+                see(seq.request_id, seq.num_output_tokens, now)
+        for out in finished:
+            see(out.request_id, len(out.outputs[0].token_ids), now)
+            outs[out.request_id] = out
+    wall = time.monotonic() - t0
+    ttft = [outs[r].metrics.time_to_first_token for r in rids]
+    tpot = []
+    for r in rids:
+        m, n = outs[r].metrics, len(outs[r].outputs[0].token_ids)
+        if n > 1:
+            tpot.append((m.finished_time - m.first_token_time) / (n - 1))
+    out_tokens = sum(len(outs[r].outputs[0].token_ids) for r in rids)
+    return dict(ttft=ttft, itl=gaps, tpot=tpot, wall=wall, steps=steps, output_tokens=out_tokens)
+
+
+def summarise(runs: list[dict]) -> dict:
+    ttft = [x for r in runs for x in r["ttft"]]
+    itl = [x for r in runs for x in r["itl"]]
+    tpot = [x for r in runs for x in r["tpot"]]
+    ms = lambda v: None if v is None else v * 1e3  # noqa: E731
+    return dict(ttft_p50_ms=ms(percentile(ttft, 50)), ttft_p90_ms=ms(percentile(ttft, 90)),
+                itl_p50_ms=ms(percentile(itl, 50)), itl_p90_ms=ms(percentile(itl, 90)),
+                tpot_p50_ms=ms(percentile(tpot, 50)),
+                out_tok_per_s=sum(r["output_tokens"] for r in runs) / sum(r["wall"] for r in runs),
+                steps_per_run=sum(r["steps"] for r in runs) / len(runs), runs=len(runs))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=MODELS, default="qwen3-0.6b")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--prompts", default="32,1536", help="prompt lengths in tokens")
+    ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    ap.add_argument("--repeats", type=int, default=3, help="measured runs per configuration")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    batches = [int(x) for x in args.batches.split(",")]
+    prompt_lens = [int(x) for x in args.prompts.split(",")]
+
+    os.makedirs(args.out, exist_ok=True)
+    t_load = time.perf_counter()
+    params = load_params(args.model)
+    bs = args.block_size
+    max_model_len = -(-(max(prompt_lens) + args.max_tokens) // bs) * bs
+    if max_model_len > params.config.max_position_embeddings:
+        raise SystemExit(f"prompt + max_tokens ({max(prompt_lens) + args.max_tokens}) exceeds the model's "
+                         f"{params.config.max_position_embeddings} positions: use shorter --prompts")
+    config = EngineConfig(block_size=bs, num_blocks=max(batches) * (max_model_len // bs) + 1,
+                          max_num_seqs=max(batches), max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_model_len=max_model_len, attention_backend=args.backend, dtype=params.dtype,
+                          async_scheduling=args.async_scheduling)
+    engine = LLMEngine(params, config)
+    setup_s = time.perf_counter() - t_load
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    vocab = min(params.config.vocab_size, 10_000)
+
+    rows = []
+    for length in prompt_lens:
+        for batch in batches:
+            c0, s0 = engine.runner.compile_seconds, engine.runner.num_compiled_shapes
+            t0 = time.perf_counter()
+            run_batch(engine, rng.integers(0, vocab, (batch, length)).tolist(), sp)  # compiles its shapes
+            first_wall = time.perf_counter() - t0
+            compile_s, shapes = engine.runner.compile_seconds - c0, engine.runner.num_compiled_shapes - s0
+            s1 = engine.runner.num_compiled_shapes
+            runs = [run_batch(engine, rng.integers(0, vocab, (batch, length)).tolist(), sp)
+                    for _ in range(args.repeats)]
+            row = dict(batch=batch, prompt_len=length, compile_s=compile_s, new_shapes=shapes,
+                       first_run_s=first_wall, recompiles_while_measuring=engine.runner.num_compiled_shapes - s1,
+                       **summarise(runs), raw=runs)
+            rows.append(row)
+            print(f"batch {batch:3d} prompt {length:5d}: TTFT p50 {row['ttft_p50_ms']:.2f} ms, "
+                  f"ITL p50 {row['itl_p50_ms'] if row['itl_p50_ms'] is not None else float('nan'):.2f} ms "
+                  f"(compile {compile_s:.1f} s, {shapes} shapes)", flush=True)
+
+    result = dict(model=args.model, device=str(jax.devices()[0]), jax=jax.__version__,
+                  backend=engine.runner.attention_backend, args=vars(args), setup_s=setup_s,
+                  compile_s_total=engine.runner.compile_seconds, compiled_shapes=engine.runner.num_compiled_shapes,
+                  rows=rows)
+    with open(os.path.join(args.out, "latency.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+    f2 = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    print(f"\nlatency: model {args.model}, {result['device']}, backend {result['backend']}, greedy, "
+          f"{args.max_tokens} output tokens, {args.repeats} runs each; compile {result['compile_s_total']:.1f} s "
+          f"total ({result['compiled_shapes']} shapes), setup {setup_s:.1f} s")
+    print(f"{'batch':>5s} {'prompt':>6s} {'TTFT p50':>9s} {'TTFT p90':>9s} {'ITL p50':>8s} {'ITL p90':>8s} "
+          f"{'TPOT p50':>9s} {'out tok/s':>9s} {'compile s':>9s}")
+    for r in rows:
+        warn = "  (recompiled while measuring)" if r["recompiles_while_measuring"] else ""
+        print(f"{r['batch']:5d} {r['prompt_len']:6d} {f2(r['ttft_p50_ms']):>9s} {f2(r['ttft_p90_ms']):>9s} "
+              f"{f2(r['itl_p50_ms']):>8s} {f2(r['itl_p90_ms']):>8s} {f2(r['tpot_p50_ms']):>9s} "
+              f"{r['out_tok_per_s']:9.0f} {r['compile_s']:9.1f}{warn}")
+    print("(times in ms; TTFT includes queueing behind the other requests of the batch)")
+    return result
+
+
+if __name__ == "__main__":
+    main()

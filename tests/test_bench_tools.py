@@ -1,0 +1,88 @@
+"""The profiling and latency scripts run end to end on the tiny checkpoint (CPU) and report what they promise."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_profile_step_tiny(tmp_path, capsys):
+    mod = load("profile_step")
+    result = mod.main(["--model", "tiny", "--batch", "4", "--ctx", "24", "--steps", "3", "--warmup-steps", "1",
+                       "--out", str(tmp_path)])
+    assert result["steady"]["prefill_steps"] >= 1
+    assert len(result["untraced"]["wall_s"]) == 3 and result["untraced"]["wall_median_s"] > 0
+    assert result["untraced"]["recompiles"] == 0 and result["traced"]["recompiles"] == 0
+    trace = result["trace"]
+    assert trace is not None and Path(result["trace_file"]).exists()
+    assert trace["marked_steps"] == 3  # every traced step's annotation is in the trace
+    saved = json.loads((tmp_path / "profile_step.json").read_text())
+    assert saved["batch"] == 4 and saved["ctx"] == 24
+    assert "wall per step, untraced" in capsys.readouterr().out
+
+
+def test_trace_analysis_on_a_synthetic_gpu_trace():
+    mod = load("profile_step")
+    meta = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}},
+        {"ph": "M", "pid": 2, "tid": 9, "name": "thread_name", "args": {"name": "XLA Ops"}},
+    ]
+    ev = []
+    for step in range(2):
+        base = step * 1000.0
+        ev.append({"ph": "X", "pid": 1, "tid": 1, "ts": base, "dur": 900.0, "name": f"profile_step:engine.step #{step}"})
+        ev.append({"ph": "X", "pid": 2, "tid": 7, "ts": base + 100, "dur": 2.0, "name": "MemcpyH2D"})
+        ev.append({"ph": "X", "pid": 2, "tid": 7, "ts": base + 200, "dur": 100.0, "name": "loop_add_fusion_3"})
+        ev.append({"ph": "X", "pid": 2, "tid": 7, "ts": base + 250, "dur": 100.0, "name": "loop_add_fusion.12"})
+        ev.append({"ph": "X", "pid": 2, "tid": 7, "ts": base + 400, "dur": 50.0, "name": "paged_attention_kernel"})
+        ev.append({"ph": "X", "pid": 2, "tid": 7, "ts": base + 500, "dur": 1.0, "name": "MemcpyD2H"})
+        ev.append({"ph": "X", "pid": 2, "tid": 9, "ts": base + 200, "dur": 300.0, "name": "add.3"})  # derived line
+    a = mod.analyse_trace(meta + ev, steps=2)
+    assert a["device"] == "/device:GPU:0" and a["stream_lines"] == ["Stream #7(Compute)"]
+    assert a["kernel_count_per_step"] == 3
+    assert a["kernel_us_per_step"] == pytest.approx(250.0)
+    assert a["kernel_busy_us_per_step"] == pytest.approx(200.0)  # the two fusions overlap by 50 us
+    assert a["busy_us_per_step"] == pytest.approx(203.0)
+    assert a["top"][0]["name"] == "loop_add_fusion" and a["top"][0]["calls_per_step"] == 2
+    assert a["copies"]["h2d"]["count_per_step"] == 1 and a["copies"]["d2h"]["count_per_step"] == 1
+    assert [s["h2d"] for s in a["step_windows"]] == [1, 1]
+    assert a["step_windows"][0]["first_device_work_after_us"] == pytest.approx(100.0)
+
+
+def test_bench_latency_tiny(tmp_path, capsys):
+    mod = load("bench_latency")
+    result = mod.main(["--model", "tiny", "--batches", "1,3", "--prompts", "8,20", "--max-tokens", "4",
+                       "--repeats", "1", "--out", str(tmp_path)])
+    rows = result["rows"]
+    assert [(r["batch"], r["prompt_len"]) for r in rows] == [(1, 8), (3, 8), (1, 20), (3, 20)]
+    for r in rows:
+        assert r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0
+        assert len(r["raw"][0]["ttft"]) == r["batch"]
+        assert len(r["raw"][0]["itl"]) == r["batch"] * 3  # 4 tokens -> 3 gaps per request
+    assert json.loads((tmp_path / "latency.json").read_text())["rows"][0]["batch"] == 1
+    assert "TTFT p50" in capsys.readouterr().out
+
+
+def test_exp_xla_flags_tiny(tmp_path):
+    mod = load("exp_xla_flags")
+    out = mod.main(["--model", "tiny", "--batch", "2", "--ctx", "20", "--steps", "2", "--rounds", "1",
+                    "--engine-steps", "1", "--trace-steps", "1", "--variants", "default,cmdbuf_off",
+                    "--out", str(tmp_path)])
+    assert out["option_probe"]["xla_gpu_enable_command_buffer"] == "accepted"
+    for name in ("default", "cmdbuf_off"):
+        v = out["variants"][name]
+        assert "error" not in v and v["replay_ms"] > 0 and v["engine_ms"] > 0
