@@ -1,0 +1,93 @@
+"""What the attention launch configuration costs when it is guessed from padded shapes (GPU).
+
+A 256-slot engine pads every step's sequence dimension to 256, so with ``T <= 2 S`` as the test every
+step of <= 512 tokens used to get the decode configuration (16-row query tiles), prefill chunks
+included. The engine now tells the kernel what the step holds (``AttentionMetadata.decode``). This
+times the attention of such steps (Qwen3-0.6B heads, bf16, block size 16) both ways, in one process:
+
+* prefill chunks: 1, 2 or 4 sequences of 512 / 256 / 128 new tokens after 0-1,024 cached tokens,
+  padded to 256 sequence slots and 512 tokens;
+* a decode step of 256 sequences (must not change: the hint says decode there too).
+
+    python benchmarks/bench_launch_config.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention import timed  # noqa: E402
+
+from jaxpaged.kernels.paged_attention import paged_attention  # noqa: E402
+
+HQ, HKV, D, BS = 16, 8, 128, 16
+
+
+def case(rng, q_lens, ctx, slots, tokens, num_blocks):
+    s = len(q_lens)
+    kv_lens = [c + q for c, q in zip(ctx, q_lens)]
+    width = min(2048 // BS, num_blocks // s)
+    tables = np.zeros((slots, width), np.int32)
+    tables[:s] = rng.permutation(num_blocks)[: s * width].reshape(s, width)
+    cu = np.full(slots + 1, sum(q_lens), np.int32)
+    cu[: s + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    kl = np.zeros(slots, np.int32)
+    kl[:s] = kv_lens
+    q = jnp.asarray(rng.standard_normal((tokens, HQ, D)), jnp.bfloat16)
+    return q, jnp.asarray(cu), jnp.asarray(kl), jnp.asarray(tables)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args(argv)
+    interpret = jax.default_backend() != "gpu"
+    rng = np.random.default_rng(0)
+    num_blocks = 256 * 2048 // BS if not interpret else 64
+    k = jnp.asarray(rng.standard_normal((num_blocks, BS, HKV, D)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((num_blocks, BS, HKV, D)), jnp.bfloat16)
+    cases = {  # name: (q_lens, cached context per sequence, slots, padded tokens)
+        "1 x 512 new, ctx 0": ([512], [0], 256, 512),
+        "1 x 512 new, ctx 1024": ([512], [1024], 256, 512),
+        "2 x 256 new, ctx 512": ([256, 256], [512, 512], 256, 512),
+        "4 x 128 new, ctx 0": ([128] * 4, [0] * 4, 256, 512),
+        "decode 256 x ctx 350": ([1] * 256, [349] * 256, 256, 256),
+    }
+    if interpret:  # CPU smoke: tiny versions, no timing claims
+        cases = {"1 x 32 new, ctx 16": ([32], [16], 16, 32), "decode 8": ([1] * 8, [20] * 8, 16, 16)}
+    rows = []
+    for name, (q_lens, ctx, slots, tokens) in cases.items():
+        q, cu, kl, tables = case(rng, q_lens, ctx, slots, tokens, num_blocks)
+        real_decode = sum(q_lens) <= 2 * len(q_lens)
+        res = {}
+        outs = {}
+        for label, hint in (("padded guess", None), ("what the step holds", real_decode)):
+            fn = lambda q, k, v, cu, kl, t, hint=hint: paged_attention(q, k, v, cu, kl, t, decode=hint,  # noqa: E731
+                                                                     interpret=interpret)
+            outs[label] = np.asarray(jax.jit(fn)(q, k, v, cu, kl, tables), np.float32)
+            _, sec = timed(fn, (q, k, v, cu, kl, tables), 3 if interpret else args.reps)
+            res[label] = sec * 1e6
+        n = sum(q_lens)
+        err = float(np.max(np.abs(outs["padded guess"][:n] - outs["what the step holds"][:n])))
+        rows.append(dict(case=name, guess_us=res["padded guess"], hint_us=res["what the step holds"],
+                         speedup=res["padded guess"] / res["what the step holds"], max_abs_diff=err))
+    report = dict(device=str(jax.devices()[0]), rows=rows)
+    with open(os.path.join(args.out, "launch_config.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"{'case':26s} {'padded guess us':>16s} {'step holds us':>14s} {'speed-up':>9s} {'max |diff|':>10s}")
+    for r in rows:
+        print(f"{r['case']:26s} {r['guess_us']:16.1f} {r['hint_us']:14.1f} {r['speedup']:9.2f} {r['max_abs_diff']:10.2e}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
