@@ -63,7 +63,7 @@ def slot_mapping_batch(block_tables: np.ndarray, seq_indices: np.ndarray, positi
 
 def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables, block_size: int, *,
                       width: int | None = None, max_seqs: int | None = None,
-                      prev_rows: dict[int, int] | None = None, decode_hint: bool = False) -> StepInputs:
+                      prev_rows: dict[int, int] | None = None) -> StepInputs:
     """Numpy arrays for ``scheduled`` (host side, no per-token Python loops), padded to buckets.
 
     ``tables``: the KV manager's block tables; each scheduled sequence's row is gathered.
@@ -74,9 +74,7 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
     kernels loop only to each ``kv_len``, so a fixed width costs nothing and saves compilations);
     ``None`` pads it to a power of two (the reference gathers whole rows, so narrower is cheaper).
     ``prev_rows`` maps ``id(seq)`` to its row in the previous step's output, for sequences whose last
-    token is still a ``PLACEHOLDER`` (the device fills it in from that output). ``decode_hint``:
-    tell the attention kernels whether the step is mostly decodes (``AttentionMetadata.decode``; a
-    second compiled variant per bucket, so only for backends whose launch configuration uses it).
+    token is still a ``PLACEHOLDER`` (the device fills it in from that output).
     """
     seqs = [s for s, _ in scheduled]
     new_list = [n for _, n in scheduled]
@@ -128,10 +126,7 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
         for i, s in enumerate(seqs):
             if s.token_ids[-1] == PLACEHOLDER:  # always the last new token of its sequence this step
                 prev_index[cu[i + 1] - 1] = prev_rows[id(s)]
-    # Kernel launch configuration from what the step really holds, not from its padded shape.
-    decode = num_tokens <= 2 * num_seqs if decode_hint else None
-    meta = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv_lens, block_tables=block_tables,
-                             decode=decode)
+    meta = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv_lens, block_tables=block_tables)
     return StepInputs(token_ids=token_ids, positions=positions, meta=meta, prev_index=prev_index,
                       logits_indices=logits_indices, temperature=temperature, top_k=top_k, top_p=top_p,
                       seeds=seeds, counters=counters)
@@ -151,12 +146,11 @@ def build_chunk_step(chunks: list[tuple[list[int], int, list[int]]], block_size:
     return build_step_inputs(scheduled, tables, block_size, width=width)
 
 
-def padding_step_inputs(num_tokens: int, num_seqs: int, width: int, decode: bool | None = None) -> StepInputs:
-    """A step of the given padded shape and kernel variant with no real token (ahead-of-time compilation)."""
+def padding_step_inputs(num_tokens: int, num_seqs: int, width: int) -> StepInputs:
+    """A step of the given padded shape with no real token (for ahead-of-time compilation)."""
     z = lambda n, dt=np.int32: np.zeros(n, dt)  # noqa: E731
     meta = AttentionMetadata(slot_mapping=np.full(num_tokens, -1, np.int32), cu_q_lens=z(num_seqs + 1),
-                             kv_lens=z(num_seqs), block_tables=np.zeros((num_seqs, width), np.int32),
-                             decode=decode)
+                             kv_lens=z(num_seqs), block_tables=np.zeros((num_seqs, width), np.int32))
     return StepInputs(token_ids=z(num_tokens), positions=z(num_tokens), meta=meta,
                       prev_index=np.full(num_tokens, -1, np.int32), logits_indices=z(num_seqs),
                       temperature=z(num_seqs, np.float32), top_k=np.full(num_seqs, -1, np.int32),

@@ -92,8 +92,6 @@ class LLMEngine:
         # Pallas reads block tables only up to each kv_len: one fixed width, fewer compilations.
         max_blocks = -(-self.max_model_len // config.block_size)
         self._table_width = bucket(max_blocks, 1) if self.runner.attention_backend == "pallas" else None
-        # Pallas picks its launch configuration (decode or prefill) from what each step really holds.
-        self._decode_hint = self.runner.attention_backend == "pallas"
         self.metrics = EngineMetrics()
         self._rng = np.random.default_rng(config.seed)
         self._next_id = 0
@@ -193,8 +191,7 @@ class LLMEngine:
         num_decode = sum(1 for seq, n in scheduled if n == 1 and seq.num_output_tokens > 0)
         num_tokens = sum(n for _, n in scheduled)
         inputs = build_step_inputs(scheduled, self.kv.tables, self.config.block_size, width=self._table_width,
-                                   max_seqs=self.config.max_num_seqs, prev_rows=self._pending_rows,
-                                   decode_hint=self._decode_hint)
+                                   max_seqs=self.config.max_num_seqs, prev_rows=self._pending_rows)
         t1 = time.perf_counter()
         tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs, self._prev_tokens)
         if self.config.async_scheduling:
@@ -252,16 +249,11 @@ class LLMEngine:
         """
         max_blocks = -(-self.max_model_len // self.config.block_size)
         width = self._table_width or bucket(max_blocks, 1)
-        sizes: list[tuple[int, bool | None]] = []
+        sizes = []
         t = MIN_TOKENS
         s_max = bucket(self.config.max_num_seqs, MIN_SEQS)
         while t < bucket(self.config.max_num_batched_tokens, MIN_TOKENS) * 2:
-            if not self._decode_hint:
-                sizes.append((t, None))
-            else:  # a decode step (tokens <= 2 x sequences) never has more than 2 x max_num_seqs tokens
-                sizes.append((t, False))
-                if t <= bucket(2 * self.config.max_num_seqs, MIN_TOKENS):
-                    sizes.append((t, True))
+            sizes.append(t)
             t *= 2
         t0 = time.perf_counter()
         it = sizes
@@ -269,8 +261,8 @@ class LLMEngine:
             from tqdm.auto import tqdm
 
             it = tqdm(sizes, desc="compile step buckets", unit="shape")
-        for t_pad, decode in it:
-            inputs = padding_step_inputs(t_pad, min(t_pad, s_max), width, decode)
+        for t_pad in it:
+            inputs = padding_step_inputs(t_pad, min(t_pad, s_max), width)
             tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs,
                                                     jnp.zeros_like(self._prev_tokens))
             tokens.block_until_ready()

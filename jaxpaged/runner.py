@@ -103,7 +103,7 @@ class ModelRunner:
             prev_tokens = np.zeros(inputs.logits_indices.shape, np.int32)
         jitted, leaves = self._flat(state)
         shape_key = (inputs.token_ids.shape, inputs.logits_indices.shape, inputs.meta.block_tables.shape,
-                     prev_tokens.shape, kv_pool[0][0].shape, kv_pool[0][0].dtype, inputs.meta.decode)
+                     prev_tokens.shape, kv_pool[0][0].shape, kv_pool[0][0].dtype)
         if shape_key not in self._shapes_seen:
             t0 = time.perf_counter()
             tokens, kv_pool = jitted(leaves, kv_pool, inputs, prev_tokens)

@@ -17,12 +17,9 @@ class AttentionMetadata:
       cu_q_lens: ``i32[S+1]`` cumulative new-token counts (see ``kernels.reference``).
       kv_lens: ``i32[S]`` context length of each sequence including its new tokens.
       block_tables: ``i32[S, W]`` physical block of each logical block.
-      decode: static (part of the compiled shape): True if the step is mostly decodes, so kernels
-        pick their decode launch configuration; ``None`` lets them guess from the padded shapes.
     """
 
     slot_mapping: jax.Array
     cu_q_lens: jax.Array
     kv_lens: jax.Array
     block_tables: jax.Array
-    decode: bool | None = dataclasses.field(default=None, metadata=dict(static=True))

@@ -49,7 +49,6 @@ def paged_attention_reference(
     block_tables: jax.Array,
     *,
     scale: float | None = None,
-    decode: bool | None = None,
 ) -> jax.Array:
     """Ragged paged attention, computed token by token with a gather of each token's blocks.
 

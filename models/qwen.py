@@ -87,8 +87,7 @@ class Attention(nnx.Module):
         q = rotary(q, positions, cfg.rope_theta)
         k = rotary(k, positions, cfg.rope_theta)
         k_cache, v_cache = write_kv_fn(kv[0], kv[1], k, v, meta.slot_mapping)
-        out = attention_fn(q, k_cache, v_cache, meta.cu_q_lens, meta.kv_lens, meta.block_tables,
-                           decode=meta.decode)
+        out = attention_fn(q, k_cache, v_cache, meta.cu_q_lens, meta.kv_lens, meta.block_tables)
         return out.reshape(t, cfg.q_size).astype(x.dtype) @ self.o_proj[...], (k_cache, v_cache)
 
 

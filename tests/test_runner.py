@@ -36,10 +36,7 @@ def test_step_inputs_layout():
     a.block_table_row, a.num_computed_tokens = tables.add([5, 2]), 0
     b = Sequence("b", list(range(20)), SamplingParams(temperature=0.5, top_k=3, seed=7))
     b.block_table_row, b.num_computed_tokens = tables.add([1, 4, 6]), 19
-    inp = build_step_inputs([(a, 10), (b, 1)], tables, block_size=8, decode_hint=True)
-    assert inp.meta.decode is False  # 11 tokens for 2 sequences: a prefill step
-    a.num_computed_tokens = 9
-    assert build_step_inputs([(a, 1), (b, 1)], tables, block_size=8, max_seqs=256, decode_hint=True).meta.decode
+    inp = build_step_inputs([(a, 10), (b, 1)], tables, block_size=8)
     assert inp.token_ids.shape == (16,) and inp.meta.cu_q_lens.shape == (9,)
     np.testing.assert_array_equal(inp.meta.cu_q_lens[:3], [0, 10, 11])
     np.testing.assert_array_equal(inp.meta.kv_lens[:2], [10, 20])
