@@ -38,6 +38,8 @@ import jax  # noqa: E402
 
 import profile_step as ps  # noqa: E402
 
+from jaxpaged.transfer import pack  # noqa: E402
+
 # XLA's default list (mid-2026): FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN, DYNAMIC_SLICE_FUSION.
 CMDBUF_DEFAULT = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
 VARIANTS: dict[str, dict] = {
@@ -75,21 +77,13 @@ def probe_options() -> dict[str, str]:
     return found
 
 
-def make_jitted(runner, compiler_options: dict):
-    """The runner's step over flat weight leaves, jitted with ``compiler_options`` (pool donated).
-
-    Uses ``ModelRunner`` internals (``_step_fn``, ``_treedef``): a ``compiler_options`` hook in the
-    runner would make this unnecessary."""
-    treedef, fn = runner._treedef, runner._step_fn
-
-    def step(leaves, kv_pool, inputs, prev_tokens):
-        return fn(jax.tree.unflatten(treedef, leaves), kv_pool, inputs, prev_tokens)
-
-    return jax.jit(step, donate_argnums=(1,), compiler_options=compiler_options or None)
+def make_jitted(runner, state, compiler_options: dict):
+    """The runner's step over flat weight leaves, jitted with ``compiler_options`` (pool donated)."""
+    return runner.make_jitted(jax.tree.structure(state), compiler_options)
 
 
-def install(runner, jitted) -> None:
-    runner._jitted[runner._treedef] = jitted
+def install(runner, state, jitted) -> None:
+    runner.set_jitted(state, jitted)
 
 
 def capture_step_inputs(engine) -> tuple:
@@ -107,7 +101,8 @@ def capture_step_inputs(engine) -> tuple:
     finally:
         del runner.step  # back to the class method
     prev = seen["prev"] if seen["prev"] is not None else jax.numpy.zeros(seen["inputs"].logits_indices.shape, "int32")
-    return jax.device_put(seen["inputs"]), jax.device_put(prev)
+    packed, layout = pack(seen["inputs"])
+    return (jax.device_put(packed), layout), jax.device_put(prev)
 
 
 def replay(engine, jitted, leaves, inputs, prev, n: int, pipelined: bool, annotate: bool = False) -> list[float]:
@@ -115,17 +110,17 @@ def replay(engine, jitted, leaves, inputs, prev, n: int, pipelined: bool, annota
     if pipelined:
         t0 = time.perf_counter()
         for _ in range(n):
-            tokens, engine.kv_pool = jitted(leaves, engine.kv_pool, inputs, prev)
+            tokens, engine.kv_pool = jitted(leaves, engine.kv_pool, inputs[0], prev, inputs[1])
         tokens.block_until_ready()
         return [(time.perf_counter() - t0) / n]
     for i in range(n):
         t0 = time.perf_counter()
         if annotate:
             with jax.profiler.TraceAnnotation(f"exp_xla_flags:replay #{i}"):
-                tokens, engine.kv_pool = jitted(leaves, engine.kv_pool, inputs, prev)
+                tokens, engine.kv_pool = jitted(leaves, engine.kv_pool, inputs[0], prev, inputs[1])
                 tokens.block_until_ready()
         else:
-            tokens, engine.kv_pool = jitted(leaves, engine.kv_pool, inputs, prev)
+            tokens, engine.kv_pool = jitted(leaves, engine.kv_pool, inputs[0], prev, inputs[1])
             tokens.block_until_ready()
         walls.append(time.perf_counter() - t0)
     return walls
@@ -181,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
         opts = VARIANTS[name]
         r = results[name] = dict(options={k: v for k, v in opts.items()})
         try:
-            jitted = make_jitted(runner, opts)
+            jitted = make_jitted(runner, engine.params.state, opts)
             t0 = time.perf_counter()
             replay(engine, jitted, leaves, inputs, prev, 1, pipelined=False)
             r["compile_s"] = time.perf_counter() - t0
@@ -216,12 +211,12 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         for _ in range(args.rounds):
             for name, jitted in jitted_by_name.items():
-                install(runner, jitted)
+                install(runner, engine.params.state, jitted)
                 engine.step()  # first step after a switch: not timed
                 t = ps.timed_steps(engine, args.engine_steps)
                 results[name]["engine_wall_s"].extend(t["wall_s"])
     finally:
-        install(runner, original_jitted)
+        install(runner, engine.params.state, original_jitted)
     for name in jitted_by_name:
         w = results[name]["engine_wall_s"]
         results[name]["engine_ms"] = statistics.median(w) * 1e3 if w else None

@@ -16,6 +16,7 @@ import numpy as np
 from .kernels.metadata import AttentionMetadata
 from .kernels.shapes import next_pow2
 from .kv.block_tables import BlockTables
+from .sampling import SamplingParams, sampling_mode
 from .sequence import Sequence
 
 PLACEHOLDER = -1  # a token sampled by the step in flight, not yet on the host (async scheduling)
@@ -37,6 +38,7 @@ class StepInputs:
     logits_indices: ``i32[S]`` token index whose logits sample sequence ``i``.
     temperature, top_p: ``f32[S]``; top_k: ``i32[S]``; seeds: ``u32[S]``; counters: ``i32[S]`` tokens
     generated so far (the per-request PRNG stream position).
+    sampling_mode: static, the sampler variant the step needs (``sampling.sampling_mode``).
     """
 
     token_ids: jax.Array
@@ -49,6 +51,7 @@ class StepInputs:
     top_p: jax.Array
     seeds: jax.Array
     counters: jax.Array
+    sampling_mode: str = dataclasses.field(default="random", metadata=dict(static=True))
 
 
 def slot_mapping_batch(block_tables: np.ndarray, seq_indices: np.ndarray, positions: np.ndarray,
@@ -127,17 +130,16 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
             if s.token_ids[-1] == PLACEHOLDER:  # always the last new token of its sequence this step
                 prev_index[cu[i + 1] - 1] = prev_rows[id(s)]
     meta = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv_lens, block_tables=block_tables)
+    mode = sampling_mode(temperature[:num_seqs], top_k[:num_seqs], top_p[:num_seqs])
     return StepInputs(token_ids=token_ids, positions=positions, meta=meta, prev_index=prev_index,
                       logits_indices=logits_indices, temperature=temperature, top_k=top_k, top_p=top_p,
-                      seeds=seeds, counters=counters)
+                      seeds=seeds, counters=counters, sampling_mode=mode)
 
 
 def build_chunk_step(chunks: list[tuple[list[int], int, list[int]]], block_size: int,
                      width: int | None = None) -> StepInputs:
     """The same builder for hand-made steps (tests, model checks): one ``(new_token_ids, start_pos,
     block_table)`` per sequence, the tokens before ``start_pos`` already in the pool. Greedy sampling."""
-    from .sampling import SamplingParams
-
     tables, scheduled = BlockTables(), []
     for i, (ids, start, table) in enumerate(chunks):
         seq = Sequence(f"chunk-{i}", [0] * start + [int(t) for t in ids], SamplingParams(temperature=0))
@@ -146,12 +148,13 @@ def build_chunk_step(chunks: list[tuple[list[int], int, list[int]]], block_size:
     return build_step_inputs(scheduled, tables, block_size, width=width)
 
 
-def padding_step_inputs(num_tokens: int, num_seqs: int, width: int) -> StepInputs:
-    """A step of the given padded shape with no real token (for ahead-of-time compilation)."""
+def padding_step_inputs(num_tokens: int, num_seqs: int, width: int, mode: str = "random") -> StepInputs:
+    """A step of the given padded shape and sampler variant with no real token (ahead-of-time compilation)."""
     z = lambda n, dt=np.int32: np.zeros(n, dt)  # noqa: E731
     meta = AttentionMetadata(slot_mapping=np.full(num_tokens, -1, np.int32), cu_q_lens=z(num_seqs + 1),
                              kv_lens=z(num_seqs), block_tables=np.zeros((num_seqs, width), np.int32))
     return StepInputs(token_ids=z(num_tokens), positions=z(num_tokens), meta=meta,
                       prev_index=np.full(num_tokens, -1, np.int32), logits_indices=z(num_seqs),
                       temperature=z(num_seqs, np.float32), top_k=np.full(num_seqs, -1, np.int32),
-                      top_p=np.ones(num_seqs, np.float32), seeds=z(num_seqs, np.uint32), counters=z(num_seqs))
+                      top_p=np.ones(num_seqs, np.float32), seeds=z(num_seqs, np.uint32), counters=z(num_seqs),
+                      sampling_mode=mode)

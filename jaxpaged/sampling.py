@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -63,20 +64,45 @@ def _filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+SAMPLING_MODES = ("greedy", "random", "filtered")
+
+
+def sampling_mode(temperature: Sequence[float], top_k: Sequence[int], top_p: Sequence[float]) -> str:
+    """The compiled sampler variant a step needs, decided on the host from its requests' params.
+
+    ``greedy``: every row has ``temperature == 0`` (one argmax, no random numbers); ``random``: some
+    row samples, none filters; ``filtered``: some sampling row asks for top-k or top-p (a sort per
+    row). Choosing here rather than with a device-side ``cond`` keeps the step free of host round
+    trips (XLA copies a ``cond``'s predicate to the host and waits for it mid-step).
+    """
+    sampled = [i for i, t in enumerate(temperature) if t > 0]
+    if not sampled:
+        return "greedy"
+    if any(top_k[i] > 0 or top_p[i] < 1.0 for i in sampled):
+        return "filtered"
+    return "random"
+
+
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-           seeds: jax.Array, counters: jax.Array) -> jax.Array:
+           seeds: jax.Array, counters: jax.Array, mode: str = "filtered") -> jax.Array:
     """Picks one token per row. ``logits f32[S, V]``; per-row ``temperature f32``, ``top_k i32``,
     ``top_p f32``, ``seeds u32``, ``counters i32`` (tokens generated so far). Returns ``i32[S]``.
 
-    Gumbel-max sampling from ``softmax(logits / T)``; rows with ``T == 0`` take the argmax. The
-    sort for top-k / top-p runs only when some row asks for it.
+    Gumbel-max sampling from ``softmax(logits / T)``; rows with ``T == 0`` take the argmax of the
+    logits. One argmax over the vocabulary serves both kinds of rows. ``mode`` (static, see
+    :func:`sampling_mode`) leaves out what no row of the step needs: ``greedy`` draws no random
+    numbers, ``random`` skips the top-k / top-p sort; every mode gives the same tokens for the rows
+    it is chosen for.
     """
+    if mode not in SAMPLING_MODES:
+        raise ValueError(f"sampling mode must be one of {SAMPLING_MODES}, got {mode!r}")
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if mode == "greedy":
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
-    scaled = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda l, k, p: l, scaled, top_k, top_p)
+    if mode == "filtered":
+        scaled = _filter_top_k_top_p(scaled, top_k, top_p)
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
-    sampled = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    noisy = jnp.where((temperature > 0)[:, None], scaled + gumbel, logits)
+    return jnp.argmax(noisy, axis=-1).astype(jnp.int32)

@@ -31,7 +31,8 @@ def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> t
     """
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     num_seqs = kv_lens.shape[0]
-    seq_ids = jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1
+    # searchsorted without its while loop (a loop's predicate is read back on the GPU): S+1 compares.
+    seq_ids = jnp.sum(cu_q_lens[None, :] <= t[:, None], axis=1, dtype=jnp.int32) - 1
     seq_ids = jnp.clip(seq_ids, 0, num_seqs - 1)
     valid = t < cu_q_lens[num_seqs]
     q_start = cu_q_lens[seq_ids]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import numpy as np
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
@@ -47,3 +48,27 @@ def test_step_inputs_layout():
     np.testing.assert_array_equal(inp.logits_indices[:2], [9, 10])
     assert inp.top_k[1] == 3 and inp.seeds[1] == 7 and inp.temperature[1] == np.float32(0.5)
     assert bucket(1, 16) == 16 and bucket(17, 16) == 32 and bucket(256, 8) == 256
+
+
+def test_inputs_travel_as_one_buffer_and_the_step_has_no_host_round_trip():
+    """13 input arrays pack into one i32 buffer (one host-to-device copy) and unpack bit-exactly; the
+    compiled step contains no conditional (XLA reads a cond's predicate back to the host mid-step)."""
+    from jaxpaged.transfer import pack, unpack
+
+    params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+    engine = LLMEngine(params, EngineConfig(block_size=8, num_blocks=64, max_model_len=64))
+    engine.add_request([1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(temperature=0.7, top_p=0.9, seed=3))
+    engine.add_request([9, 8, 7], SamplingParams(temperature=0))
+    inputs = build_step_inputs(engine.scheduler.schedule(), engine.kv.tables, 8)
+    assert inputs.sampling_mode == "filtered"
+    packed, layout = pack(inputs)
+    assert packed.dtype == np.int32 and packed.ndim == 1
+    back = unpack(packed, layout)
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(inputs)):
+        assert np.asarray(got).dtype == np.asarray(want).dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    hlo = engine.runner.lower_text(params.state, engine.kv_pool, inputs)
+    assert " conditional(" not in hlo
+    # Loops only with a trip count known at compile time (the CPU's rolled threefry): XLA runs those
+    # without reading a predicate back.
+    assert all("known_trip_count" in line for line in hlo.splitlines() if " while(" in line)

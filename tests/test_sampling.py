@@ -52,3 +52,23 @@ def test_same_seed_and_counter_same_token_different_counter_moves():
     draws = {int(sample(logits[:1], one[:1], jnp.full(1, -1), one[:1], jnp.asarray([5], jnp.uint32),
                         jnp.asarray([c]))[0]) for c in range(20)}
     assert len(draws) > 10
+
+
+def test_sampling_mode_is_chosen_on_the_host_and_variants_agree():
+    from jaxpaged.sampling import sampling_mode
+
+    assert sampling_mode([0.0, 0.0], [5, -1], [0.5, 1.0]) == "greedy"  # filters of greedy rows are moot
+    assert sampling_mode([0.0, 0.7], [-1, -1], [1.0, 1.0]) == "random"
+    assert sampling_mode([0.0, 0.7], [-1, 3], [1.0, 1.0]) == "filtered"
+    assert sampling_mode([0.7], [-1], [0.9]) == "filtered"
+    logits = jax.random.normal(jax.random.key(1), (6, 300)) * 2
+    temp = jnp.asarray([0.0, 0.8, 1.0, 0.0, 0.5, 1.3])
+    no_k, no_p = jnp.full(6, -1), jnp.ones(6)
+    seeds, counters = jnp.arange(6, dtype=jnp.uint32), jnp.arange(6, dtype=jnp.int32)
+    random = sample(logits, temp, no_k, no_p, seeds, counters, "random")
+    filtered = sample(logits, temp, no_k, no_p, seeds, counters, "filtered")
+    np.testing.assert_array_equal(np.asarray(random), np.asarray(filtered))  # nothing to filter: same draws
+    greedy_rows = np.asarray(temp) == 0
+    np.testing.assert_array_equal(np.asarray(random)[greedy_rows], np.asarray(jnp.argmax(logits, -1))[greedy_rows])
+    np.testing.assert_array_equal(np.asarray(sample(logits, jnp.zeros(6), no_k, no_p, seeds, counters, "greedy")),
+                                  np.asarray(jnp.argmax(logits, -1)))

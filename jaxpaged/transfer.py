@@ -1,0 +1,75 @@
+"""A step's inputs as one buffer, so they reach the device in one host-to-device copy.
+
+``StepInputs`` has 13 arrays, all 32-bit. Passed to ``jit`` as they are, each becomes its own transfer
+(13 copies a step, measured on the H200, each with its own host-side cost). ``pack`` lays them end to
+end in one ``i32[N]`` numpy buffer (floats and unsigned ints by bit pattern); ``unpack`` slices them
+back out inside the jitted step, where the slices are free. The ``StepLayout`` (the padded sizes and
+the sampler variant) is static: it is part of the compiled step's key, exactly as the shapes were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .batch import StepInputs
+from .kernels.metadata import AttentionMetadata
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """Static description of a packed step: ``T`` tokens, ``S`` sequences, block-table width ``W``."""
+
+    num_tokens: int
+    num_seqs: int
+    width: int
+    sampling_mode: str
+
+    def fields(self) -> tuple[tuple[str, tuple[int, ...], np.dtype], ...]:
+        """``(name, shape, dtype)`` in buffer order."""
+        t, s = self.num_tokens, self.num_seqs
+        i32, f32, u32 = np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.uint32)
+        return (("token_ids", (t,), i32), ("positions", (t,), i32), ("slot_mapping", (t,), i32),
+                ("prev_index", (t,), i32), ("cu_q_lens", (s + 1,), i32), ("kv_lens", (s,), i32),
+                ("logits_indices", (s,), i32), ("temperature", (s,), f32), ("top_k", (s,), i32),
+                ("top_p", (s,), f32), ("seeds", (s,), u32), ("counters", (s,), i32),
+                ("block_tables", (s, self.width), i32))
+
+
+def _flat_fields(inputs: StepInputs) -> dict[str, np.ndarray]:
+    m = inputs.meta
+    return dict(token_ids=inputs.token_ids, positions=inputs.positions, slot_mapping=m.slot_mapping,
+                prev_index=inputs.prev_index, cu_q_lens=m.cu_q_lens, kv_lens=m.kv_lens,
+                logits_indices=inputs.logits_indices, temperature=inputs.temperature, top_k=inputs.top_k,
+                top_p=inputs.top_p, seeds=inputs.seeds, counters=inputs.counters, block_tables=m.block_tables)
+
+
+def pack(inputs: StepInputs) -> tuple[np.ndarray, StepLayout]:
+    """Host side: the step's numpy arrays as one ``i32[N]`` buffer, and its static layout."""
+    t, (s, w) = inputs.token_ids.shape[0], inputs.meta.block_tables.shape
+    layout = StepLayout(t, s, w, inputs.sampling_mode)
+    arrays = _flat_fields(inputs)
+    parts = []
+    for name, shape, dtype in layout.fields():
+        a = np.asarray(arrays[name])
+        if a.shape != shape or a.dtype != dtype:
+            raise ValueError(f"step input {name}: expected {dtype}{list(shape)}, got {a.dtype}{list(a.shape)}")
+        parts.append(a.reshape(-1).view(np.int32))
+    return np.concatenate(parts), layout
+
+
+def unpack(buffer: jax.Array, layout: StepLayout) -> StepInputs:
+    """Device side (inside ``jit``): the ``StepInputs`` a packed buffer holds."""
+    out, start = {}, 0
+    for name, shape, dtype in layout.fields():
+        size = int(np.prod(shape))
+        a = lax.slice(buffer, (start,), (start + size,)).reshape(shape)
+        out[name] = a if dtype == np.int32 else lax.bitcast_convert_type(a, jnp.dtype(dtype))
+        start += size
+    meta = AttentionMetadata(slot_mapping=out.pop("slot_mapping"), cu_q_lens=out.pop("cu_q_lens"),
+                             kv_lens=out.pop("kv_lens"), block_tables=out.pop("block_tables"))
+    return StepInputs(meta=meta, sampling_mode=layout.sampling_mode, **out)
