@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--sync-scheduling", dest="async_scheduling", action="store_false",
+                    help="read each step's tokens back before dispatching the next (default: async)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     batches = [int(x) for x in args.batches.split(",")]

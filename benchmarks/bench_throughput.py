@@ -84,8 +84,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--async-scheduling", action="store_true",
-                    help="dispatch each step before reading the previous step's tokens back")
+    ap.add_argument("--sync-scheduling", dest="async_scheduling", action="store_false",
+                    help="read each step's tokens back before dispatching the next (default: async)")
     ap.add_argument("--compare-async", action="store_true", help="also run the full workload the other way")
     args = ap.parse_args()
     prompts, sps = nano_vllm_workload(args.num_seqs)

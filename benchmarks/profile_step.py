@@ -59,7 +59,7 @@ def load_params(model: str):
 
 def build_engine(params, *, batch: int, max_model_len: int, block_size: int = 16,
                  max_num_batched_tokens: int = 8192, backend: str = "auto",
-                 async_scheduling: bool = False, prefix_caching: bool = True) -> LLMEngine:
+                 async_scheduling: bool = True, prefix_caching: bool = True) -> LLMEngine:
     """An engine whose pool holds exactly ``batch`` sequences of ``max_model_len`` tokens (+1 block)."""
     blocks_per_seq = -(-max_model_len // block_size)
     config = EngineConfig(block_size=block_size, num_blocks=batch * blocks_per_seq + 1, max_num_seqs=batch,
@@ -354,7 +354,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
                     help="prefill budget per step (one or two prefill buckets get compiled)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; >0 samples (the workload uses 0.6)")
-    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--sync-scheduling", dest="async_scheduling", action="store_false",
+                    help="read each step's tokens back before dispatching the next (default: async)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--trace-dir", default=None, help="where the profiler writes (default: --out/trace)")
     args = ap.parse_args(argv)

@@ -24,9 +24,10 @@ class EngineConfig:
     enable_prefix_caching: reuse full blocks of earlier prompts (token-exact prefix trie).
     reservation: ``paged`` (blocks on demand) or ``max_len`` (reserve ``max_model_len`` at admission).
     async_scheduling: dispatch the next step before reading the previous one's tokens back (the
-      device feeds them in), meant to overlap host work with device work; outputs are identical
-      either way. Off by default: on the H200 (2026-11-29) it made the throughput workload slower
-      (11,328 vs 13,336 tok/s), reason not yet profiled (see benchmarks/RESULTS.md).
+      device feeds them in), so the host schedules and builds step N+1 while the device runs step N;
+      outputs are identical either way. On by default since the step has no host round trip left:
+      on the H200 (2026-11-29) 21,558 vs 15,493 tok/s on the nano-vllm workload, and a batch-256
+      decode step's wall time equals its GPU time (benchmarks/RESULTS.md).
     compilation_cache: keep compiled steps on disk across processes (``runner.enable_compilation_cache``).
     dtype: the KV pool's dtype; ``None`` (default) = the weights' dtype (``LLM(path, dtype=...)`` or
       ``load_params(path, dtype)`` choose the weights' dtype).
@@ -47,7 +48,7 @@ class EngineConfig:
     seed: int = 0
     event_log: bool = False
     compilation_cache: bool = True  # JAX's persistent compilation cache ($JAXPAGED_COMPILE_CACHE)
-    async_scheduling: bool = False  # schedule step N+1 while step N runs (measured slower: see docstring)
+    async_scheduling: bool = True  # schedule step N+1 while step N runs (see docstring)
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)

@@ -61,8 +61,8 @@ CONFIGS = {
     "chunked_prefill": dict(block_size=8, num_blocks=64, max_num_batched_tokens=16),
     "tiny_pool_preempts": dict(block_size=8, num_blocks=12, max_num_seqs=8),
     "few_seqs": dict(block_size=8, num_blocks=64, max_num_seqs=2),
-    "async_scheduling": dict(block_size=8, num_blocks=64, async_scheduling=True),
-    "async_tiny_pool": dict(block_size=8, num_blocks=12, max_num_seqs=8, async_scheduling=True),
+    "sync_scheduling": dict(block_size=8, num_blocks=64, async_scheduling=False),
+    "sync_tiny_pool": dict(block_size=8, num_blocks=12, max_num_seqs=8, async_scheduling=False),
 }
 
 
