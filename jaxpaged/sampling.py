@@ -64,21 +64,18 @@ def _filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
-SAMPLING_MODES = ("greedy", "random", "filtered")
+SAMPLING_MODES = ("random", "filtered")
 
 
 def sampling_mode(temperature: Sequence[float], top_k: Sequence[int], top_p: Sequence[float]) -> str:
     """The compiled sampler variant a step needs, decided on the host from its requests' params.
 
-    ``greedy``: every row has ``temperature == 0`` (one argmax, no random numbers); ``random``: some
-    row samples, none filters; ``filtered``: some sampling row asks for top-k or top-p (a sort per
-    row). Choosing here rather than with a device-side ``cond`` keeps the step free of host round
-    trips (XLA copies a ``cond``'s predicate to the host and waits for it mid-step).
+    ``filtered`` if some sampling row (``temperature > 0``) asks for top-k or top-p (a sort per row),
+    else ``random``. Choosing here rather than with a device-side ``cond`` keeps the step free of host
+    round trips (XLA copies a ``cond``'s predicate to the host and waits for it mid-step). Greedy rows
+    need no variant of their own: they take the argmax of the logits in either.
     """
-    sampled = [i for i, t in enumerate(temperature) if t > 0]
-    if not sampled:
-        return "greedy"
-    if any(top_k[i] > 0 or top_p[i] < 1.0 for i in sampled):
+    if any(t > 0 and (k > 0 or p < 1.0) for t, k, p in zip(temperature, top_k, top_p)):
         return "filtered"
     return "random"
 
@@ -90,15 +87,12 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
 
     Gumbel-max sampling from ``softmax(logits / T)``; rows with ``T == 0`` take the argmax of the
     logits. One argmax over the vocabulary serves both kinds of rows. ``mode`` (static, see
-    :func:`sampling_mode`) leaves out what no row of the step needs: ``greedy`` draws no random
-    numbers, ``random`` skips the top-k / top-p sort; every mode gives the same tokens for the rows
-    it is chosen for.
+    :func:`sampling_mode`): ``random`` skips the top-k / top-p sort, which no row of such a step
+    needs; both modes give the same tokens for the rows ``random`` is chosen for.
     """
     if mode not in SAMPLING_MODES:
         raise ValueError(f"sampling mode must be one of {SAMPLING_MODES}, got {mode!r}")
     logits = logits.astype(jnp.float32)
-    if mode == "greedy":
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     if mode == "filtered":
         scaled = _filter_top_k_top_p(scaled, top_k, top_p)

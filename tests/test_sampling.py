@@ -57,7 +57,7 @@ def test_same_seed_and_counter_same_token_different_counter_moves():
 def test_sampling_mode_is_chosen_on_the_host_and_variants_agree():
     from jaxpaged.sampling import sampling_mode
 
-    assert sampling_mode([0.0, 0.0], [5, -1], [0.5, 1.0]) == "greedy"  # filters of greedy rows are moot
+    assert sampling_mode([0.0, 0.0], [5, -1], [0.5, 1.0]) == "random"  # filters of greedy rows are moot
     assert sampling_mode([0.0, 0.7], [-1, -1], [1.0, 1.0]) == "random"
     assert sampling_mode([0.0, 0.7], [-1, 3], [1.0, 1.0]) == "filtered"
     assert sampling_mode([0.7], [-1], [0.9]) == "filtered"
@@ -70,5 +70,5 @@ def test_sampling_mode_is_chosen_on_the_host_and_variants_agree():
     np.testing.assert_array_equal(np.asarray(random), np.asarray(filtered))  # nothing to filter: same draws
     greedy_rows = np.asarray(temp) == 0
     np.testing.assert_array_equal(np.asarray(random)[greedy_rows], np.asarray(jnp.argmax(logits, -1))[greedy_rows])
-    np.testing.assert_array_equal(np.asarray(sample(logits, jnp.zeros(6), no_k, no_p, seeds, counters, "greedy")),
+    np.testing.assert_array_equal(np.asarray(sample(logits, jnp.zeros(6), no_k, no_p, seeds, counters, "random")),
                                   np.asarray(jnp.argmax(logits, -1)))
