@@ -26,7 +26,15 @@ class EngineConfig:
       either way. Off by default: on the H200 (2026-11-29) it made the throughput workload slower
       (11,328 vs 13,336 tok/s), reason not yet profiled (see benchmarks/RESULTS.md).
     compilation_cache: keep compiled steps on disk across processes (``runner.enable_compilation_cache``).
-    dtype: weights and KV pool dtype. attention_backend: ``auto`` (Pallas on GPU), ``pallas``, ``reference``.
+    dtype: weights and KV pool dtype (``float32``: IEEE float32 in every matmul and kernel dot, never
+      TF32; ``bfloat16``: bf16 storage and operands, fp32 accumulation). attention_backend: ``auto``
+      (Pallas on GPU), ``pallas``, ``reference``.
+    batch_invariant: make each request's output a function of its own prompt, sampling params and
+      seed only, bitwise, in every dtype: independent of what else is batched, arrival order, chunked
+      prefill boundaries, prefix-cache hits, block size (up to 64), preemption and async scheduling.
+      Costs speed: the projections and LM head run a fixed-tile Pallas matmul (no split-K, tiles never
+      chosen from the token count), RMSNorm a row kernel, attention one launch configuration for every
+      step (no split-K for small decode batches). Off by default. See docs/NUMERICS.md.
     """
 
     block_size: int = 16
@@ -44,6 +52,7 @@ class EngineConfig:
     event_log: bool = False
     compilation_cache: bool = True  # JAX's persistent compilation cache ($JAXPAGED_COMPILE_CACHE)
     async_scheduling: bool = False  # schedule step N+1 while step N runs (measured slower: see docstring)
+    batch_invariant: bool = False  # bitwise batch-independent outputs, at a speed cost (docs/NUMERICS.md)
 
     def __post_init__(self) -> None:
         bs = self.block_size

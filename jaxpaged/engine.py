@@ -35,11 +35,11 @@ log = logging.getLogger(__name__)
 _RUNNERS: dict[tuple, ModelRunner] = {}
 
 
-def get_runner(params: ModelParams, backend: str) -> ModelRunner:
+def get_runner(params: ModelParams, backend: str, batch_invariant: bool = False) -> ModelRunner:
     """One runner (one jitted step, its compiled shapes) per model graph and backend, reused."""
-    key = (params.graphdef, backend)
+    key = (params.graphdef, backend, batch_invariant)
     if key not in _RUNNERS:
-        _RUNNERS[key] = ModelRunner(params.graphdef, backend)
+        _RUNNERS[key] = ModelRunner(params.graphdef, backend, batch_invariant)
     return _RUNNERS[key]
 
 
@@ -85,7 +85,7 @@ class LLMEngine:
                                    enable_chunked_prefill=config.enable_chunked_prefill)
         self.kv_pool = init_kv_pool(cfg, self.num_blocks, config.block_size, config.dtype)
         self.compilation_cache_dir = enable_compilation_cache() if config.compilation_cache else None
-        self.runner = get_runner(params, config.attention_backend)
+        self.runner = get_runner(params, config.attention_backend, config.batch_invariant)
         # Pallas reads block tables only up to each kv_len: one fixed width, fewer compilations.
         max_blocks = -(-self.max_model_len // config.block_size)
         self._table_width = bucket(max_blocks, 1) if self.runner.attention_backend == "pallas" else None
