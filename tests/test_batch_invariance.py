@@ -99,11 +99,15 @@ def test_chunked_prefill_and_prefix_cache(dtype, backend):
 
 
 @pytest.mark.parametrize("dtype,backend", CASES)
-def test_block_sizes_preemption_and_async(dtype, backend):
-    for bs, nb in ((8, 96), (32, 24)):
-        eng = engine(dtype, backend, block_size=bs, num_blocks=nb)
-        run_to_completion(eng, PROMPTS[:2], SPS[:2])  # leaves cached blocks for the next wave
-        check(dtype, backend, tokens(run_to_completion(eng, PROMPTS, SPS)), f"block size {bs}")
+@pytest.mark.parametrize("bs,num_blocks", [(8, 96), (32, 24)])
+def test_block_sizes(dtype, backend, bs, num_blocks):
+    eng = engine(dtype, backend, block_size=bs, num_blocks=num_blocks)
+    run_to_completion(eng, PROMPTS[:2], SPS[:2])  # leaves cached blocks for the next wave
+    check(dtype, backend, tokens(run_to_completion(eng, PROMPTS, SPS)), f"block size {bs}")
+
+
+@pytest.mark.parametrize("dtype,backend", CASES)
+def test_preemption_with_async_scheduling(dtype, backend):
     eng = engine(dtype, backend, block_size=8, num_blocks=9, async_scheduling=True, enable_prefix_caching=False)
     check(dtype, backend, tokens(run_to_completion(eng, PROMPTS, SPS)), "tiny pool, async")
     assert eng.stats()["preemptions"] > 0
