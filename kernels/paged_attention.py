@@ -256,10 +256,14 @@ def choose_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads
 def invariant_config(num_q_heads: int, num_kv_heads: int, block_size: int) -> AttentionConfig:
     """The batch-invariant launch configuration: the same for every step of an engine, prefill or
     decode, whatever the batch (a function of the model's head counts and the pool's block size only;
-    ``block_k = 64`` tokens for every block size up to 64, so those block sizes agree bitwise too)."""
+    ``block_k = 64`` tokens for every block size up to 64, so those block sizes agree bitwise too).
+
+    It is the decode configuration of a large batch (16-row query tiles, no split), so batched decode,
+    most of a serving workload's steps, costs what it costs by default; prefill gets small query
+    tiles (each KV tile serves fewer tokens, mostly from L2) and small decode batches lose split-K."""
     group = num_q_heads // num_kv_heads
-    return AttentionConfig(block_m=max(64, _next_pow2(group)), block_k=max(64, block_size), num_splits=1,
-                           num_warps=4, num_stages=2, reverse_tiles=True, mask_all=True)
+    return AttentionConfig(block_m=max(16, _next_pow2(group)), block_k=max(64, block_size), num_splits=1,
+                           num_warps=4, num_stages=3, reverse_tiles=True, mask_all=True)
 
 
 def _validate(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables):

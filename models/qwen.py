@@ -3,9 +3,10 @@
 One forward call processes a ragged batch of new tokens (prefill chunks and decodes mixed), given as
 flat ``token_ids i32[T]`` and ``positions i32[T]``. Each layer writes its new K/V into the pool at
 ``slot_mapping`` and attends through ``attention_fn`` (the Pallas kernel or the jnp reference, same
-signature), so the same model code runs every backend. The matmuls and RMSNorms go through ``ops``
-(:class:`ModelOps`), passed in the same way: the default is XLA (``x @ w``, IEEE fp32 for float32
-weights); the batch-invariant mode passes fixed-tile Pallas kernels (``kernels.backend.get_linear_ops``).
+signature), so the same model code runs every backend. The matmuls, RMSNorms and RoPE go through
+``ops`` (:class:`ModelOps`), passed in the same way: the default is XLA (``x @ w``, IEEE fp32 for
+float32 weights); the batch-invariant mode passes fixed-tile Pallas kernels
+(``kernels.backend.get_model_ops``).
 
 Weights are stored ``[in, out]``; q/k/v and gate/up are fused into one matmul each (the converter
 concatenates Hugging Face's separate tensors). Differences between the families:
@@ -50,8 +51,6 @@ def xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dty
     if out_dtype is None:
         return jnp.matmul(x, w, precision=precision)
     return jnp.matmul(x, w, preferred_element_type=out_dtype, precision=precision)
-
-
 
 
 def rotary(x: jax.Array, positions: jax.Array, theta: float, separate_products: bool = False) -> jax.Array:
