@@ -27,9 +27,11 @@ from jaxpaged.workloads import QWEN3_0_6B, nano_vllm_workload, random_model
 
 
 def run_ours(params, prompts, sps, args):
-    config = EngineConfig(block_size=args.block_size, max_model_len=2048, max_num_seqs=args.max_num_seqs,
+    config = EngineConfig(block_size=args.block_size, max_model_len=getattr(args, "max_model_len", 2048),
+                          max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.backend,
-                          memory_fraction=0.9, async_scheduling=args.async_scheduling)
+                          memory_fraction=0.9, async_scheduling=args.async_scheduling,
+                          batch_invariant=getattr(args, "batch_invariant", False))
     engine = LLMEngine(params, config)
     compile_s = engine.warmup(use_tqdm=False)
     run_to_completion(engine, [prompts[0][:16]], SamplingParams(max_tokens=4))  # one tiny real request
@@ -86,6 +88,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--sync-scheduling", dest="async_scheduling", action="store_false",
                     help="read each step's tokens back before dispatching the next (default: async)")
+    ap.add_argument("--batch-invariant", action="store_true", help="EngineConfig(batch_invariant=True)")
     ap.add_argument("--compare-async", action="store_true", help="also run the full workload the other way")
     args = ap.parse_args()
     prompts, sps = nano_vllm_workload(args.num_seqs)

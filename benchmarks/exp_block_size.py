@@ -33,7 +33,7 @@ import jax
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.llm import run_to_completion
-from jaxpaged.workloads import experiment_params
+from jaxpaged.workloads import experiment_params, output_divergence, outputs_guaranteed_identical
 
 
 def mixed_workload(n: int, max_prompt: int, max_out: int, vocab: int, seed: int = 0):
@@ -53,7 +53,8 @@ def shared_workload(n: int, prefix_len: int, vocab: int, max_tokens: int, seed: 
 def config_for(params, args, block_size: int) -> EngineConfig:
     return EngineConfig(dtype=params.dtype, block_size=block_size, num_blocks=args.kv_tokens // block_size,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True)
+                        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True,
+                        batch_invariant=args.batch_invariant)
 
 
 def warm(params, cfg: EngineConfig, rehearse) -> None:
@@ -115,6 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default 1024 tiny, 8192 --full")
     ap.add_argument("--shared-requests", type=int, default=8)
+    ap.add_argument("--batch-invariant", action="store_true", help="EngineConfig(batch_invariant=True)")
     ap.add_argument("--shared-prefix-len", type=int, default=120,
                     help="shared system prompt; not a multiple of the larger block sizes, on purpose")
     args = ap.parse_args(argv)
@@ -136,11 +138,21 @@ def main(argv=None) -> dict:
     shared_prompts, shared_sp = shared_workload(args.shared_requests, args.shared_prefix_len, vocab, max_tokens=8)
     mixed = [run_mixed(params, args, bs, prompts, sps) for bs in args.block_sizes]
     shared = [run_shared(params, args, bs, shared_prompts, shared_sp) for bs in args.block_sizes]
+    guaranteed = outputs_guaranteed_identical(params.dtype, args.batch_invariant)
+    identical = True
     for rs, name in ((mixed, "mixed"), (shared, "shared")):
         for r in rs[1:]:
-            assert r["output_token_ids"] == rs[0]["output_token_ids"], \
-                f"{name} workload: greedy outputs at block size {r['block_size']} differ from {rs[0]['block_size']}"
-    report = {"device": str(jax.devices()[0]), "args": vars(args), "outputs_identical": True,
+            div = output_divergence(rs[0]["output_token_ids"], r["output_token_ids"])
+            r["differ_from_first_block_size"] = div
+            identical &= div["num_differ"] == 0
+            if guaranteed:
+                assert div["num_differ"] == 0, \
+                    f"{name} workload: greedy outputs at block size {r['block_size']} differ from {rs[0]['block_size']}"
+            elif div["num_differ"]:
+                print(f"{name} workload, block size {r['block_size']}: {div['num_differ']}/{div['num_requests']} "
+                      f"outputs differ from block size {rs[0]['block_size']} (bf16 without batch_invariant); "
+                      f"first divergent positions {div['first_divergence']}")
+    report = {"device": str(jax.devices()[0]), "args": vars(args), "outputs_identical": identical,
               "throughput_meaningful": jax.devices()[0].platform == "gpu", "mixed": mixed, "shared": shared}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "block_size.json"), "w") as f:
@@ -155,7 +167,8 @@ def main(argv=None) -> dict:
               f"{m['mean_wasted_slots_per_seq']:9.1f} {m['peak_running']:10d} {m['preemptions']:7d} {m['steps']:5d} "
               f"{m['tokens_per_second']:8.0f} {s['prefix_hit_tokens']:14d} {s['expected_hit_tokens']:13d} "
               f"{s['prefix_hit_rate']:8.1%}")
-    print("greedy outputs identical at every block size: yes")
+    print(f"greedy outputs identical at every block size: {'yes' if identical else 'no'}"
+          f"{'' if guaranteed else ' (not guaranteed: bf16 without --batch-invariant)'}")
     if not report["throughput_meaningful"]:
         print("(not a GPU: tok/s measures the host and XLA on CPU, not the kernels; run --full on a GPU)")
     return report

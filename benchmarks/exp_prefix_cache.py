@@ -12,7 +12,8 @@ requests run with prefix caching on and off, in two arrival patterns:
 Compile time stays out of the timings: before each timed run, the same run is rehearsed untimed on a
 scratch engine of the same configuration (after ``LLMEngine.warmup()`` on the Pallas backend), and
 each timed run starts on a fresh engine with an empty cache. Greedy outputs must be identical with
-caching on and off (asserted).
+caching on and off where that is guaranteed (float32, or ``--batch-invariant``: asserted); in default
+bf16 the number of requests whose tokens differ and their first divergent position are reported.
 
 Then the classic cache-miss diagnosis: a system prompt that embeds a per-request timestamp. Caching
 can only share full blocks before the first differing token, which ``explain_prefix`` reports; moving
@@ -38,7 +39,7 @@ import jax
 import jaxpaged
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.llm import run_to_completion
-from jaxpaged.workloads import experiment_params
+from jaxpaged.workloads import experiment_params, output_divergence, outputs_guaranteed_identical
 
 MODES = ("sequential", "batch")
 
@@ -71,7 +72,8 @@ def timestamped_prompts(num_requests: int, prefix_len: int, vocab: int, timestam
 def config_for(params, args, caching: bool) -> EngineConfig:
     return EngineConfig(dtype=params.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=caching)
+                        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=caching,
+                        batch_invariant=args.batch_invariant)
 
 
 def execute(engine: LLMEngine, prompts, sp: SamplingParams, mode: str):
@@ -143,6 +145,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num-blocks", type=int, default=None, help="default: enough for every request at once")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: 1024 tiny, 8192 --full")
+    ap.add_argument("--batch-invariant", action="store_true", help="EngineConfig(batch_invariant=True)")
     ap.add_argument("--timestamp-at", type=int, default=40, help="token where the timestamp sits in the system prompt")
     args = ap.parse_args(argv)
     if args.prefix_lens is None:
@@ -166,7 +169,13 @@ def main(argv=None) -> dict:
         prompts = shared_prefix_prompts(args.requests, prefix_len, vocab)
         for mode in args.modes:
             off, on = (run(params, prompts, sp, args, caching, mode, prefix_len) for caching in (False, True))
-            assert on["output_token_ids"] == off["output_token_ids"], f"S={prefix_len} {mode}: caching changed outputs"
+            div = output_divergence(off["output_token_ids"], on["output_token_ids"])
+            on["differ_from_caching_off"] = div
+            if outputs_guaranteed_identical(params.dtype, args.batch_invariant):
+                assert div["num_differ"] == 0, f"S={prefix_len} {mode}: caching changed outputs: {div}"
+            elif div["num_differ"]:
+                print(f"S={prefix_len} {mode}: caching changed {div['num_differ']}/{div['num_requests']} outputs "
+                      f"(bf16 without batch_invariant; first divergent positions {div['first_divergence']})")
             results += [off, on]
     diagnosis = timestamp_diagnosis(params, args)
     report = {"device": str(jax.devices()[0]), "args": vars(args), "results": results, "timestamp": diagnosis}

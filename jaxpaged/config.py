@@ -32,6 +32,14 @@ class EngineConfig:
     dtype: the KV pool's dtype; ``None`` (default) = the weights' dtype (``LLM(path, dtype=...)`` or
       ``load_params(path, dtype)`` choose the weights' dtype).
     attention_backend: ``auto`` (Pallas on GPU), ``pallas``, ``reference``.
+    batch_invariant: make each request's output a function of its own prompt, sampling params and
+      seed only, bitwise, in every dtype: independent of what else is batched, arrival order, chunked
+      prefill boundaries, prefix-cache hits, block size (up to 64), preemption and async scheduling.
+      Costs speed: the projections and LM head run a fixed-tile Pallas matmul (no split-K, tiles never
+      chosen from the token count), RMSNorm a row kernel, attention one launch configuration for every
+      step (no split-K for small decode batches). Off by default. See docs/NUMERICS.md.
+    Precision: float32 weights mean IEEE float32 in every matmul and kernel dot (never TF32); bfloat16
+    means bf16 storage and operands with fp32 accumulation.
     """
 
     block_size: int = 16
@@ -49,6 +57,7 @@ class EngineConfig:
     event_log: bool = False
     compilation_cache: bool = True  # JAX's persistent compilation cache ($JAXPAGED_COMPILE_CACHE)
     async_scheduling: bool = True  # schedule step N+1 while step N runs (see docstring)
+    batch_invariant: bool = False  # bitwise batch-independent outputs, at a speed cost (docs/NUMERICS.md)
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)

@@ -19,9 +19,9 @@ import numpy as np
 from flax import nnx
 
 from .batch import StepInputs
-from .kernels.backend import get_attention_fn, resolve_backend
+from .kernels.backend import get_attention_fn, get_model_ops, resolve_backend
 from .kernels.kv_write import write_kv
-from .models.qwen import KVPool
+from .models.qwen import DEFAULT_OPS, KVPool, ModelOps
 from .sampling import sample
 from .transfer import pack, unpack
 
@@ -43,8 +43,10 @@ def enable_compilation_cache(cache_dir: str | Path | None = None) -> str | None:
     return str(path)
 
 
-def make_step_fn(graphdef: nnx.GraphDef, attention_fn: Callable, write_kv_fn: Callable) -> Callable:
-    """The pure step function (not jitted): used by ``ModelRunner`` and by HLO inspection tests."""
+def make_step_fn(graphdef: nnx.GraphDef, attention_fn: Callable, write_kv_fn: Callable,
+                 ops: ModelOps = DEFAULT_OPS, batch_invariant: bool = False) -> Callable:
+    """The pure step function (not jitted): used by ``ModelRunner`` and by HLO inspection tests.
+    ``ops``: the model's matmul / RMSNorm; ``batch_invariant``: fixed-order sums in the sampler."""
 
     def step(state: nnx.State, kv_pool: KVPool, inputs: StepInputs,
              prev_tokens: jax.Array) -> tuple[jax.Array, KVPool]:
@@ -55,10 +57,10 @@ def make_step_fn(graphdef: nnx.GraphDef, attention_fn: Callable, write_kv_fn: Ca
         prev = prev_tokens[jnp.maximum(inputs.prev_index, 0)]
         token_ids = jnp.where(inputs.prev_index >= 0, prev, inputs.token_ids)
         hidden, kv_pool = model(token_ids, inputs.positions, kv_pool, inputs.meta,
-                                attention_fn=attention_fn, write_kv_fn=write_kv_fn)
-        logits = model.compute_logits(hidden[inputs.logits_indices])  # [S, V] fp32
+                                attention_fn=attention_fn, write_kv_fn=write_kv_fn, ops=ops)
+        logits = model.compute_logits(hidden[inputs.logits_indices], ops)  # [S, V] fp32
         tokens = sample(logits, inputs.temperature, inputs.top_k, inputs.top_p, inputs.seeds, inputs.counters,
-                        inputs.sampling_mode)
+                        inputs.sampling_mode, batch_invariant=batch_invariant)
         return jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens), kv_pool
 
     return step
@@ -67,17 +69,23 @@ def make_step_fn(graphdef: nnx.GraphDef, attention_fn: Callable, write_kv_fn: Ca
 class ModelRunner:
     """Owns the jitted step for one model and attention backend; counts compilations.
 
+    ``batch_invariant``: every token's result is bitwise independent of the batch it is computed in
+    (fixed-tile Pallas matmuls and norms, one attention launch configuration, fixed-order sampler sums;
+    docs/NUMERICS.md).
+
     The weights are passed to the jitted function as a flat list of arrays, flattened once per
     state object: flattening an NNX ``State`` in Python on every call costs ~0.3 ms a step, while a
     list of arrays goes through jit's C++ fast path. The step's inputs travel packed in one buffer
     (``transfer.pack``: one host-to-device copy instead of 13) with a static ``StepLayout``.
     """
 
-    def __init__(self, graphdef: nnx.GraphDef, attention_backend: str = "auto",
+    def __init__(self, graphdef: nnx.GraphDef, attention_backend: str = "auto", batch_invariant: bool = False,
                  compiler_options: dict | None = None):
         self.attention_backend = resolve_backend(attention_backend)
+        self.batch_invariant = batch_invariant
         self.compiler_options = dict(compiler_options or {})
-        self._step_fn = make_step_fn(graphdef, get_attention_fn(attention_backend), write_kv)
+        self._step_fn = make_step_fn(graphdef, get_attention_fn(attention_backend, batch_invariant), write_kv,
+                                     get_model_ops(batch_invariant), batch_invariant)
         self._jitted: dict = {}  # state treedef -> jitted step over flat weight leaves
         self._state: nnx.State | None = None
         self._leaves: list[jax.Array] = []

@@ -3,6 +3,9 @@
 Randomness is per request: the key of request ``r`` at its ``n``-th generated token is
 ``fold_in(PRNGKey(seed_r), n)``, so a request with a seed yields the same tokens whatever else is
 batched with it. Requests without a seed get one drawn from the engine's generator at submission.
+Everything else is per row too: the top-k / top-p filter touches only the rows that ask for it, and in
+the batch-invariant mode its sums (softmax denominator, cumulative sum) run in a fixed order that
+depends on the vocabulary size only (:func:`fixed_order_sum`, ``lax.associative_scan``).
 """
 
 from __future__ import annotations
@@ -48,20 +51,41 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
 
 
-def _filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Masks logits outside each row's top-k and top-p nucleus to -inf. ``logits f32[S, V]``."""
+def fixed_order_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis as a fixed pairwise tree of elementwise adds (zero-padded to a power of
+    two): the order depends on the axis length only, never on the other dimensions. Keeps the axis."""
+    n = x.shape[-1]
+    width = 1 << max(0, n - 1).bit_length()
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
+
+
+def _filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                        batch_invariant: bool = False) -> jax.Array:
+    """Masks logits outside each row's top-k and top-p nucleus to -inf. ``logits f32[S, V]``.
+    Rows that ask for neither keep their logits exactly (rounding in the cumulative sum must not cut
+    their tail because another row in the batch asked for a filter)."""
     vocab = logits.shape[-1]
     sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # descending
     k = jnp.where(top_k <= 0, vocab, jnp.minimum(top_k, vocab))
     kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    cum = jnp.cumsum(probs, axis=-1)
+    if batch_invariant:
+        e = jnp.exp(sorted_logits - sorted_logits[:, :1])  # the row max is the first sorted logit
+        probs = e / fixed_order_sum(e)
+        cum = jax.lax.associative_scan(jnp.add, probs, axis=-1)
+    else:
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        cum = jnp.cumsum(probs, axis=-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
     keep_sorted = (cum - probs) < top_p[:, None]
     num_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
     pth = jnp.take_along_axis(sorted_logits, (num_keep - 1)[:, None], axis=-1)
     threshold = jnp.maximum(kth, pth)
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
+    wants = ((top_k > 0) | (top_p < 1.0))[:, None]
+    return jnp.where(wants & (logits < threshold), -jnp.inf, logits)
 
 
 SAMPLING_MODES = ("random", "filtered")
@@ -81,21 +105,23 @@ def sampling_mode(temperature: Sequence[float], top_k: Sequence[int], top_p: Seq
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-           seeds: jax.Array, counters: jax.Array, mode: str = "filtered") -> jax.Array:
+           seeds: jax.Array, counters: jax.Array, mode: str = "filtered",
+           batch_invariant: bool = False) -> jax.Array:
     """Picks one token per row. ``logits f32[S, V]``; per-row ``temperature f32``, ``top_k i32``,
     ``top_p f32``, ``seeds u32``, ``counters i32`` (tokens generated so far). Returns ``i32[S]``.
 
     Gumbel-max sampling from ``softmax(logits / T)``; rows with ``T == 0`` take the argmax of the
     logits. One argmax over the vocabulary serves both kinds of rows. ``mode`` (static, see
     :func:`sampling_mode`): ``random`` skips the top-k / top-p sort, which no row of such a step
-    needs; both modes give the same tokens for the rows ``random`` is chosen for.
+    needs; the filter changes only the rows that ask for it, so both modes give the same tokens for
+    every other row. ``batch_invariant`` (static): fixed-order sums in the top-p filter.
     """
     if mode not in SAMPLING_MODES:
         raise ValueError(f"sampling mode must be one of {SAMPLING_MODES}, got {mode!r}")
     logits = logits.astype(jnp.float32)
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     if mode == "filtered":
-        scaled = _filter_top_k_top_p(scaled, top_k, top_p)
+        scaled = _filter_top_k_top_p(scaled, top_k, top_p, batch_invariant)
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
     noisy = jnp.where((temperature > 0)[:, None], scaled + gumbel, logits)

@@ -54,3 +54,20 @@ def experiment_params(full: bool) -> ModelParams:
     from .models.tiny import tiny_checkpoint_path
 
     return load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+
+
+def output_divergence(reference: list[list[int]], other: list[list[int]]) -> dict:
+    """How ``other``'s token lists differ from ``reference``'s, request by request: the number of
+    requests that differ and, for each, the first position where they diverge."""
+    first = {}
+    for i, (a, b) in enumerate(zip(reference, other, strict=True)):
+        if a != b:
+            first[i] = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return dict(num_requests=len(reference), num_differ=len(first), first_divergence=first)
+
+
+def outputs_guaranteed_identical(dtype: str, batch_invariant: bool) -> bool:
+    """Whether batching, caching and paging choices are promised not to change outputs: with
+    ``batch_invariant`` always; in float32 too (IEEE dots: measured 0 changes on the H200, though
+    only ``batch_invariant`` makes it bitwise by construction). Default bf16 is not (docs/NUMERICS.md)."""
+    return batch_invariant or str(dtype) == "float32"

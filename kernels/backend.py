@@ -13,6 +13,11 @@ machine without a GPU they run in interpret mode, slowly, which is only useful i
 
 Every backend writes K/V with the same XLA scatter (:func:`jaxpaged.kernels.kv_write.write_kv`, in
 place when the step donates the pool).
+
+``batch_invariant=True`` (``EngineConfig.batch_invariant``, docs/NUMERICS.md): the Pallas attention
+runs one fixed launch configuration for every step (:func:`paged_attention.invariant_config`), and
+:func:`get_model_ops` gives the model fixed-tile Pallas matmuls and a row-kernel RMSNorm instead of
+XLA's shape-dependent ones; the default returns the plain XLA ops.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from typing import Callable
 
 import jax
 
-from jaxpaged.kernels import paged_attention, reference
+from jaxpaged.kernels import matmul, paged_attention, reference, rms_norm
+from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps, rotary
 
 BACKENDS = ("pallas", "reference", "auto")
 
@@ -40,9 +46,30 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def get_attention_fn(backend: str = "auto") -> Callable[..., jax.Array]:
-    """Returns the ragged paged-attention function of ``backend`` (reference signature)."""
+@functools.cache
+def get_attention_fn(backend: str = "auto", batch_invariant: bool = False) -> Callable[..., jax.Array]:
+    """Returns the ragged paged-attention function of ``backend`` (reference signature).
+
+    ``batch_invariant``: Pallas uses its one fixed launch configuration for every step. The jnp
+    reference has no such mode: its batched dots and reductions follow XLA's shape-dependent code
+    paths (measured on the CPU: a token's logits change with the step's token count), so the
+    guarantee holds on the Pallas backend only (interpret mode off the GPU).
+    """
     backend = resolve_backend(backend)
     if backend == "reference":
         return reference.paged_attention_reference
-    return functools.partial(paged_attention.paged_attention, interpret=not _on_gpu())
+    return functools.partial(paged_attention.paged_attention, interpret=not _on_gpu(),
+                             batch_invariant=batch_invariant)
+
+
+@functools.cache
+def get_model_ops(batch_invariant: bool = False) -> ModelOps:
+    """The model's matmul and RMSNorm: XLA's (default: ``x @ w``, IEEE fp32 for float32 weights), or
+    the fixed-tile Pallas matmul and row-kernel RMSNorm whose per-row results never depend on the
+    number of rows (``batch_invariant``; interpret mode off the GPU)."""
+    if not batch_invariant:
+        return DEFAULT_OPS
+    interpret = not _on_gpu()
+    return ModelOps(matmul=functools.partial(matmul.matmul, interpret=interpret),
+                    rms_norm=functools.partial(rms_norm.rms_norm, interpret=interpret),
+                    rotary=functools.partial(rotary, separate_products=True))

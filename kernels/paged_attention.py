@@ -24,7 +24,17 @@ How the work is cut (the scheme of vLLM's Triton "unified attention", written fo
     partial output and its log-sum-exp, merged by a few XLA ops. Prefill configuration: ``block_m``
     64-128, no split, query tiles processed last-first (longest causal rows start first).
 Softmax in base 2 with fp32 scores, running max and sum; ``P`` is cast to the pool dtype for ``P @ V``
-(fp32 pools use full-precision fp32 dots).
+(fp32 pools use IEEE fp32 dots: ``DotAlgorithmPreset.F32_F32_F32``, Triton ``input_precision="ieee"``).
+
+Batch-invariant configuration (:func:`invariant_config`, ``batch_invariant=True``): one launch
+configuration for every step, prefill or decode: fixed ``block_m``, ``block_k`` fixed in tokens (tile
+``t`` always covers positions ``[t*block_k, (t+1)*block_k)`` whatever the pool's block size, up to 64),
+no split-K (every row reduces its context from tile 0 upwards in one program), and every KV tile
+through the same masked code path (``mask_all``). A query row then sees the same tiles, the same
+values and the same instructions whether it is decoded alone, batched, or computed inside a prefill
+chunk of any length: tiles past its position contribute exact zeros (``p = 0``, ``alpha = 1``), and a
+shared code path means the compiler cannot contract ``s * scale - m`` into an FMA in one place and
+not in another.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxpaged.kernels.shapes import next_pow2
+from jaxpaged.kernels.matmul import kernel_dot_precision
 
 LOG2E = math.log2(math.e)
 _MASKED = -1e30  # initial running max: finite, so fully masked rows give exp2(-inf) = 0, never NaN
@@ -53,6 +64,7 @@ class AttentionConfig:
     block_k: KV tokens per inner step (power of two, multiple of the pool's block size, >= 16).
     num_splits: programs sharing one query tile's context (split-K); 1 writes the final output.
     reverse_tiles: launch query tiles last-first (prefill load balance).
+    mask_all: process every KV tile through the masked path (batch-invariant mode; see module doc).
     """
 
     block_m: int
@@ -61,6 +73,7 @@ class AttentionConfig:
     num_warps: int
     num_stages: int
     reverse_tiles: bool = False
+    mask_all: bool = False
 
 
 def _dot(a, b, b_contract: int, precision):
@@ -72,7 +85,7 @@ def _dot(a, b, b_contract: int, precision):
 def _ragged_attention_kernel(
     cu_ref, kv_lens_ref, tables_ref, q_ref, k_ref, v_ref, *out_refs,
     scale_log2: float, block_m: int, group: int, block_k: int, num_splits: int,
-    reverse_tiles: bool, precision,
+    reverse_tiles: bool, mask_all: bool, precision,
 ):
     """One program: KV head ``program_id(0)``, query tile ``program_id(1)``, split ``program_id(2)``.
 
@@ -153,7 +166,7 @@ def _ragged_attention_kernel(
         jnp.full((block_m,), _MASKED, jnp.float32),
         jnp.zeros((block_m,), jnp.float32),
     )
-    mid = jnp.clip(n_full, t0, t1)
+    mid = t0 if mask_all else jnp.clip(n_full, t0, t1)
     carry = lax.fori_loop(t0, mid, functools.partial(step, masked=False), carry)
     acc, m_i, l_i = lax.fori_loop(mid, t1, functools.partial(step, masked=True), carry)
 
@@ -186,11 +199,10 @@ def _ragged_attention_call(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables
             jax.ShapeDtypeStruct((splits, *q.shape), jnp.float32),
             jax.ShapeDtypeStruct((splits, num_tokens, num_q_heads), jnp.float32),
         )
-    precision = lax.Precision.HIGHEST if k_cache.dtype == jnp.float32 else None
     kernel = functools.partial(
         _ragged_attention_kernel, scale_log2=scale * LOG2E, block_m=config.block_m, group=group,
         block_k=config.block_k, num_splits=splits, reverse_tiles=config.reverse_tiles,
-        precision=precision,
+        mask_all=config.mask_all, precision=kernel_dot_precision(k_cache.dtype),
     )
     return pl.pallas_call(
         kernel,
@@ -240,6 +252,19 @@ def choose_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads
                            num_stages=2, reverse_tiles=True)
 
 
+def invariant_config(num_q_heads: int, num_kv_heads: int, block_size: int) -> AttentionConfig:
+    """The batch-invariant launch configuration: the same for every step of an engine, prefill or
+    decode, whatever the batch (a function of the model's head counts and the pool's block size only;
+    ``block_k = 64`` tokens for every block size up to 64, so those block sizes agree bitwise too).
+
+    It is the decode configuration of a large batch (16-row query tiles, no split), so batched decode,
+    most of a serving workload's steps, costs what it costs by default; prefill gets small query
+    tiles (each KV tile serves fewer tokens, mostly from L2) and small decode batches lose split-K."""
+    group = num_q_heads // num_kv_heads
+    return AttentionConfig(block_m=max(16, _next_pow2(group)), block_k=max(64, block_size), num_splits=1,
+                           num_warps=4, num_stages=3, reverse_tiles=True, mask_all=True)
+
+
 def _validate(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables):
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
@@ -267,7 +292,7 @@ def _validate(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables):
             raise ValueError(f"{name} must be int32, got {a.dtype}")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "decode"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "decode", "batch_invariant"))
 def paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -280,6 +305,7 @@ def paged_attention(
     interpret: bool = False,
     config: AttentionConfig | None = None,
     decode: bool | None = None,
+    batch_invariant: bool = False,
 ) -> jax.Array:
     """Ragged paged attention (decode and prefill with cached prefix) with Pallas on GPU.
 
@@ -290,6 +316,8 @@ def paged_attention(
       interpret: run the kernel in Pallas interpret mode (CPU tests).
       config: launch configuration; default :func:`choose_config` from the static shapes and ``decode``.
       decode: force the decode (True) or prefill (False) configuration (see :func:`choose_config`).
+      batch_invariant: with no ``config``, use :func:`invariant_config` (``decode`` is then ignored):
+        each token's output is bitwise independent of the batch and of prefill chunking.
     Returns ``[T, Hq, D]`` in ``q.dtype``; zeros for padding tokens.
     """
     _validate(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables)
@@ -297,6 +325,8 @@ def paged_attention(
     _, block_size, num_kv_heads, _ = k_cache.shape
     if scale is None:
         scale = head_dim**-0.5
+    if config is None and batch_invariant:
+        config = invariant_config(num_q_heads, num_kv_heads, block_size)
     if config is None:
         config = choose_config(num_tokens, kv_lens.shape[0], num_q_heads, num_kv_heads, block_size,
                                block_tables.shape[1] * block_size, decode=decode)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxpaged.kernels.matmul import dot_precision
+
 
 def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, ...]:
     """For each of ``num_tokens`` query tokens: its sequence index, its absolute position, validity.
@@ -78,12 +80,29 @@ def paged_attention_reference(
     keys = jnp.where(mask[:, :, None, None], keys, 0).astype(jnp.float32)
     values = jnp.where(mask[:, :, None, None], values, 0).astype(jnp.float32)
     qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("tkgd,tskd->tkgs", qf, keys) * scale
+    hi = dot_precision(jnp.float32)  # fp32 math here whatever the storage: IEEE, never TF32
+    scores = jnp.einsum("tkgd,tskd->tkgs", qf, keys, precision=hi) * scale
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(scores - m)
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("tkgs,tskd->tkgd", p, values) / jnp.where(denom == 0, 1.0, denom)
+    out = jnp.einsum("tkgs,tskd->tkgd", p, values, precision=hi) / jnp.where(denom == 0, 1.0, denom)
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def matmul_reference(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=None) -> jax.Array:
+    """``x [M, K] @ w`` (``w [K, N]``, or ``[N, K]`` with ``transpose_w``) with fp32 accumulation, IEEE
+    fp32 for float32 operands; result in ``out_dtype`` (default ``x.dtype``). Ground truth for
+    :func:`jaxpaged.kernels.matmul.matmul`."""
+    w = w.T if transpose_w else w
+    out = jnp.matmul(x, w, preferred_element_type=jnp.float32, precision=dot_precision(x.dtype, w.dtype))
+    return out.astype(out_dtype or x.dtype)
+
+
+def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Hugging Face's Qwen RMSNorm over the last axis: normalise in fp32, cast back, scale by ``weight``."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)

@@ -3,7 +3,10 @@
 One forward call processes a ragged batch of new tokens (prefill chunks and decodes mixed), given as
 flat ``token_ids i32[T]`` and ``positions i32[T]``. Each layer writes its new K/V into the pool at
 ``slot_mapping`` and attends through ``attention_fn`` (the Pallas kernel or the jnp reference, same
-signature), so the same model code runs every backend.
+signature), so the same model code runs every backend. The matmuls, RMSNorms and RoPE go through
+``ops`` (:class:`ModelOps`), passed in the same way: the default is XLA (``x @ w``, IEEE fp32 for
+float32 weights); the batch-invariant mode passes fixed-tile Pallas kernels
+(``kernels.backend.get_model_ops``).
 
 Weights are stored ``[in, out]``; q/k/v and gate/up are fused into one matmul each (the converter
 concatenates Hugging Face's separate tensors). Differences between the families:
@@ -13,12 +16,14 @@ concatenates Hugging Face's separate tensors). Differences between the families:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..kernels.matmul import dot_precision
 from ..kernels.metadata import AttentionMetadata
 from .config import QwenConfig
 
@@ -38,8 +43,22 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
-def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """RoPE, rotate-half convention. ``x [T, H, D]``, ``positions i32[T]``; cos/sin built in fp32."""
+def xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=None) -> jax.Array:
+    """``x [M, K] @ w`` (``w [K, N]``, or ``[N, K]`` with ``transpose_w``) by XLA. bf16: exactly
+    ``x @ w`` (fp32 accumulation); float32: ``precision=HIGHEST`` (IEEE, not the GPU's TF32 default)."""
+    w = w.T if transpose_w else w
+    precision = dot_precision(x.dtype, w.dtype)
+    if out_dtype is None:
+        return jnp.matmul(x, w, precision=precision)
+    return jnp.matmul(x, w, preferred_element_type=out_dtype, precision=precision)
+
+
+def rotary(x: jax.Array, positions: jax.Array, theta: float, separate_products: bool = False) -> jax.Array:
+    """RoPE, rotate-half convention. ``x [T, H, D]``, ``positions i32[T]``; cos/sin built in fp32.
+
+    ``separate_products``: round ``x * cos`` and ``rotated * sin`` before adding them (an optimisation
+    barrier keeps the compiler from fusing one product and the add into an FMA, which XLA was seen to
+    do for some step shapes and not others: a float32 token's K then depended on the batch)."""
     head_dim = x.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
@@ -48,7 +67,27 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     sin = jnp.sin(emb).astype(x.dtype)[:, None, :]
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
+    if separate_products:
+        a, b = jax.lax.optimization_barrier((x * cos, rotated * sin))
+        return a + b
     return x * cos + rotated * sin
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOps:
+    """The row-wise maths of the model, chosen by the caller like ``attention_fn``.
+
+    matmul: ``(x [M, K], w, *, transpose_w=False, out_dtype=None) -> [M, N]``.
+    rms_norm: ``(x [..., H], weight [H], eps) -> [..., H]`` (Hugging Face's Qwen RMSNorm).
+    rotary: ``(x [T, H, D], positions i32[T], theta) -> [T, H, D]`` (RoPE).
+    """
+
+    matmul: Callable[..., jax.Array] = xla_matmul
+    rms_norm: Callable[..., jax.Array] = rms_norm
+    rotary: Callable[..., jax.Array] = rotary
+
+
+DEFAULT_OPS = ModelOps()
 
 
 class RMSNorm(nnx.Module):
@@ -56,8 +95,8 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((size,), dtype))
         self.eps = eps
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.weight[...], self.eps)
+    def __call__(self, x: jax.Array, ops: ModelOps = DEFAULT_OPS) -> jax.Array:
+        return ops.rms_norm(x, self.weight[...], self.eps)
 
 
 class Attention(nnx.Module):
@@ -73,22 +112,23 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv: tuple[jax.Array, jax.Array],
-                 meta: AttentionMetadata, attention_fn: AttentionFn, write_kv_fn: WriteKVFn):
+                 meta: AttentionMetadata, attention_fn: AttentionFn, write_kv_fn: WriteKVFn,
+                 ops: ModelOps = DEFAULT_OPS):
         cfg = self.cfg
         t = x.shape[0]
-        qkv = x @ self.qkv_proj[...]
+        qkv = ops.matmul(x, self.qkv_proj[...])
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
         q = qkv[:, : cfg.q_size].reshape(t, cfg.num_attention_heads, cfg.head_dim)
         k = qkv[:, cfg.q_size: cfg.q_size + cfg.kv_size].reshape(t, cfg.num_key_value_heads, cfg.head_dim)
         v = qkv[:, cfg.q_size + cfg.kv_size:].reshape(t, cfg.num_key_value_heads, cfg.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = rotary(q, positions, cfg.rope_theta)
-        k = rotary(k, positions, cfg.rope_theta)
+            q, k = self.q_norm(q, ops), self.k_norm(k, ops)
+        q = ops.rotary(q, positions, cfg.rope_theta)
+        k = ops.rotary(k, positions, cfg.rope_theta)
         k_cache, v_cache = write_kv_fn(kv[0], kv[1], k, v, meta.slot_mapping)
         out = attention_fn(q, k_cache, v_cache, meta.cu_q_lens, meta.kv_lens, meta.block_tables)
-        return out.reshape(t, cfg.q_size).astype(x.dtype) @ self.o_proj[...], (k_cache, v_cache)
+        return ops.matmul(out.reshape(t, cfg.q_size).astype(x.dtype), self.o_proj[...]), (k_cache, v_cache)
 
 
 class MLP(nnx.Module):
@@ -98,9 +138,9 @@ class MLP(nnx.Module):
         self.gate_up_proj = _init(rngs, (cfg.hidden_size, 2 * cfg.intermediate_size), dtype)
         self.down_proj = _init(rngs, (cfg.intermediate_size, cfg.hidden_size), dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = jnp.split(x @ self.gate_up_proj[...], 2, axis=-1)
-        return (jax.nn.silu(gate) * up) @ self.down_proj[...]
+    def __call__(self, x: jax.Array, ops: ModelOps = DEFAULT_OPS) -> jax.Array:
+        gate, up = jnp.split(ops.matmul(x, self.gate_up_proj[...]), 2, axis=-1)
+        return ops.matmul(jax.nn.silu(gate) * up, self.down_proj[...])
 
 
 class DecoderLayer(nnx.Module):
@@ -110,10 +150,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, positions, kv, meta, attention_fn, write_kv_fn):
-        h, kv = self.attn(self.input_layernorm(x), positions, kv, meta, attention_fn, write_kv_fn)
+    def __call__(self, x, positions, kv, meta, attention_fn, write_kv_fn, ops: ModelOps = DEFAULT_OPS):
+        h, kv = self.attn(self.input_layernorm(x, ops), positions, kv, meta, attention_fn, write_kv_fn, ops)
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x, ops), ops)
         return x, kv
 
 
@@ -130,19 +170,20 @@ class Qwen(nnx.Module):
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_pool: KVPool,
                  meta: AttentionMetadata, *, attention_fn: AttentionFn,
-                 write_kv_fn: WriteKVFn) -> tuple[jax.Array, KVPool]:
+                 write_kv_fn: WriteKVFn, ops: ModelOps = DEFAULT_OPS) -> tuple[jax.Array, KVPool]:
         """``token_ids, positions i32[T]`` -> final hidden states ``[T, H]`` and the updated pool."""
         x = self.embed_tokens[...][token_ids]
         new_pool = []
         for layer, kv in zip(self.layers, kv_pool):
-            x, kv = layer(x, positions, kv, meta, attention_fn, write_kv_fn)
+            x, kv = layer(x, positions, kv, meta, attention_fn, write_kv_fn, ops)
             new_pool.append(kv)
-        return self.norm(x), tuple(new_pool)
+        return self.norm(x, ops), tuple(new_pool)
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+    def compute_logits(self, hidden: jax.Array, ops: ModelOps = DEFAULT_OPS) -> jax.Array:
         """``hidden [N, H]`` -> fp32 logits ``[N, vocab]`` (fp32 accumulation)."""
-        w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
-        return jnp.matmul(hidden, w, preferred_element_type=jnp.float32)
+        if self.lm_head is None:  # tied: read the embedding [V, H] as it is
+            return ops.matmul(hidden, self.embed_tokens[...], transpose_w=True, out_dtype=jnp.float32)
+        return ops.matmul(hidden, self.lm_head[...], out_dtype=jnp.float32)
 
 
 def init_kv_pool(cfg: QwenConfig, num_blocks: int, block_size: int, dtype: str | jnp.dtype) -> KVPool:

@@ -13,7 +13,7 @@ import pytest
 
 from jaxpaged.kernels import backend
 from jaxpaged.kernels.kv_write import write_kv, write_kv_donated
-from jaxpaged.kernels.paged_attention import AttentionConfig, choose_config, paged_attention
+from jaxpaged.kernels.paged_attention import AttentionConfig, choose_config, invariant_config, paged_attention
 from jaxpaged.kernels.reference import paged_attention_reference
 from test_reference import random_batch
 
@@ -52,6 +52,12 @@ MIXED = [
 @pytest.mark.parametrize("case", range(len(MIXED)))
 def test_mixed_batch_default_config(case):
     run_case(100 + case, *MIXED[case])
+
+
+@pytest.mark.parametrize("case", [1, 3, 6])
+def test_mixed_batch_batch_invariant_config(case):
+    q_lens, kv_lens, bs, hq, hkv, d, dtype = MIXED[case]
+    run_case(200 + case, q_lens, kv_lens, bs, hq, hkv, d, dtype, config=invariant_config(hq, hkv, bs))
 
 
 @pytest.mark.parametrize("bs,hq,hkv,d,dtype", [

@@ -1,0 +1,145 @@
+"""``batch_invariant=True``: a request's tokens (and the model's logits for a token) are bitwise the same
+whatever else is batched, arrival order, chunked prefill, prefix-cache hits, block size, preemption
+and async scheduling; in float32 and bf16, on the Pallas backend (interpret mode on the CPU).
+
+The jnp reference attention backend is not batch-invariant (its batched dots and reductions follow
+XLA's shape-dependent code paths: a float32 token's logits were seen to change with the step's token
+count on the CPU), so ``batch_invariant`` carries its guarantee on the Pallas backend only.
+
+Every arrangement is compared with the same requests run one at a time, in a fresh engine with
+prefix caching off (the "alone" baseline).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
+from jaxpaged.batch import build_chunk_step
+from jaxpaged.kernels.backend import get_attention_fn, get_model_ops
+from jaxpaged.kernels.kv_write import write_kv
+from jaxpaged.llm import run_to_completion
+from jaxpaged.models.paged_forward import forward_all_logits
+from jaxpaged.models.qwen import init_kv_pool
+from jaxpaged.models.tiny import tiny_checkpoint_path
+
+RNG = np.random.default_rng(7)
+SHARED = [int(t) for t in RNG.integers(1, 512, 24)]
+PROMPTS = [SHARED + [int(t) for t in RNG.integers(1, 512, n)] for n in (3, 11, 1)] + \
+          [SHARED[:9] + [5, 6, 7], [int(t) for t in RNG.integers(1, 512, 17)]]
+SPS = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+       SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=9, seed=3, ignore_eos=True),
+       SamplingParams(temperature=1.0, max_tokens=12, seed=11, ignore_eos=True),
+       SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+       SamplingParams(temperature=0.7, top_p=0.8, max_tokens=6, seed=5, ignore_eos=True)]
+BASE = dict(block_size=16, num_blocks=48, max_model_len=64, max_num_batched_tokens=64, batch_invariant=True)
+CASES = [("float32", "pallas"), ("bfloat16", "pallas")]
+
+
+@functools.cache
+def params(dtype):
+    return load_params(tiny_checkpoint_path("qwen3"), dtype, use_cache=False)
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def engine(dtype, backend, **overrides):
+    return LLMEngine(params(dtype), EngineConfig(**{**BASE, "dtype": dtype, "attention_backend": backend,
+                                                    **overrides}))
+
+
+@functools.cache
+def alone(dtype, backend):
+    eng = engine(dtype, backend, enable_prefix_caching=False)
+    return [tokens(run_to_completion(eng, [p], sp))[0] for p, sp in zip(PROMPTS, SPS)]
+
+
+def staggered(eng, order):
+    """Requests arrive while others run: two at first, one more after every engine step."""
+    pending = list(order)
+    rids = {}
+    results = {}
+    while pending or eng.has_unfinished_requests():
+        for _ in range(2 if not rids else 1):
+            if pending:
+                i = pending.pop(0)
+                rids[eng.add_request(PROMPTS[i], SPS[i])] = i
+        for out in eng.step():
+            results[rids[out.request_id]] = out.outputs[0].token_ids
+    return [results[i] for i in range(len(PROMPTS))]
+
+
+def check(dtype, backend, got, what):
+    want = alone(dtype, backend)
+    diff = [i for i in range(len(PROMPTS)) if got[i] != want[i]]
+    assert not diff, f"{dtype}/{backend} {what}: requests {diff} differ from alone"
+
+
+@pytest.mark.parametrize("dtype,backend", CASES)
+def test_batched_reordered_and_staggered(dtype, backend):
+    eng = engine(dtype, backend)
+    check(dtype, backend, tokens(run_to_completion(eng, PROMPTS, SPS)), "batched")
+    rev = tokens(run_to_completion(eng, PROMPTS[::-1], SPS[::-1]))[::-1]  # warm prefix cache too
+    check(dtype, backend, rev, "reversed arrival, warm cache")
+    check(dtype, backend, staggered(engine(dtype, backend, enable_prefix_caching=False), [4, 2, 0, 3, 1]),
+          "staggered arrival, caching off")
+
+
+@pytest.mark.parametrize("dtype,backend", CASES)
+def test_chunked_prefill_and_prefix_cache(dtype, backend):
+    eng = engine(dtype, backend, max_num_batched_tokens=16)
+    check(dtype, backend, tokens(run_to_completion(eng, PROMPTS, SPS)), "chunk budget 16")
+    warm = tokens(run_to_completion(eng, PROMPTS, SPS))
+    assert eng.stats()["prefix_hit_tokens"] > 0
+    check(dtype, backend, warm, "chunk budget 16, warm cache")
+
+
+@pytest.mark.parametrize("dtype,backend", CASES)
+@pytest.mark.parametrize("bs,num_blocks", [(8, 96), (32, 24)])
+def test_block_sizes(dtype, backend, bs, num_blocks):
+    eng = engine(dtype, backend, block_size=bs, num_blocks=num_blocks)
+    run_to_completion(eng, PROMPTS[:2], SPS[:2])  # leaves cached blocks for the next wave
+    check(dtype, backend, tokens(run_to_completion(eng, PROMPTS, SPS)), f"block size {bs}")
+
+
+@pytest.mark.parametrize("dtype,backend", CASES)
+def test_preemption_with_async_scheduling(dtype, backend):
+    eng = engine(dtype, backend, block_size=8, num_blocks=9, async_scheduling=True, enable_prefix_caching=False)
+    check(dtype, backend, tokens(run_to_completion(eng, PROMPTS, SPS)), "tiny pool, async")
+    assert eng.stats()["preemptions"] > 0
+
+
+@pytest.mark.parametrize("dtype,backend", CASES)
+def test_logits_of_a_token_do_not_depend_on_its_step(dtype, backend):
+    """Model level: the logits of one sequence's tokens, computed in one prefill alone, in a padded
+    batch with another sequence, and as a prefill chunk followed by decode steps, are bitwise equal."""
+    p = params(dtype)
+    cfg = p.config
+    attn, write = get_attention_fn(backend, True), write_kv
+    ops = get_model_ops(True)
+    seq, other, bs = PROMPTS[1], PROMPTS[4], 8
+    table, other_table = list(range(1, 7)), list(range(7, 12))
+
+    def run(chunks):
+        pool = init_kv_pool(cfg, 16, bs, dtype)
+        rows = []
+        for step in chunks:
+            inp = build_chunk_step(step, bs, width=8)  # padded to the engine's token / sequence buckets
+            logits, pool = forward_all_logits(p.graphdef, p.state, pool, inp.token_ids, inp.positions, inp.meta,
+                                              attn, write, ops)
+            rows.append(np.asarray(logits)[: len(step[0][0])])
+        return np.concatenate(rows)
+
+    one_prefill = run([[(seq, 0, table)]])
+    batched = run([[(seq, 0, table), (other, 0, other_table)]])
+    chunked = run([[(seq[:10], 0, table)], [(seq[10:20], 10, table), (other[:4], 0, other_table)]]
+                  + [[(seq[i:i + 1], i, table)] for i in range(20, len(seq))])
+    np.testing.assert_array_equal(batched[: len(seq)], one_prefill)
+    np.testing.assert_array_equal(chunked, one_prefill)
+    assert np.all(np.isfinite(one_prefill))

@@ -1,0 +1,21 @@
+"""benchmarks/check_invariance.py in its --tiny CPU mode: every section runs and reports."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import check_invariance  # noqa: E402
+
+
+def test_check_invariance_tiny(tmp_path):
+    report = check_invariance.main(["--tiny", "--requests", "4", "--out", str(tmp_path)])
+    assert (tmp_path / "check_invariance.json").exists()
+    assert report["precision"]["pallas_matmul"] < 1e-5 and report["precision"]["pallas_attention_invariant"] < 1e-5
+    assert all(c == 0 for c in report["rows"]["pallas_fixed_tile"].values())
+    invariant = report["arrangements"]["modes"]["True"]
+    assert all(v["num_differ"] == 0 for k, v in invariant.items() if k != "alone_seconds")
+    assert all(v["num_differ"] == 0 for v in report["hf"].values())
+    assert report["throughput"]["True"]["output_tokens"] > 0
