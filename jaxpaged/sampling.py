@@ -17,6 +17,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from .kernels.shapes import next_pow2
+
 
 @dataclasses.dataclass
 class SamplingParams:
@@ -55,7 +57,7 @@ def fixed_order_sum(x: jax.Array) -> jax.Array:
     """Sum over the last axis as a fixed pairwise tree of elementwise adds (zero-padded to a power of
     two): the order depends on the axis length only, never on the other dimensions. Keeps the axis."""
     n = x.shape[-1]
-    width = 1 << max(0, n - 1).bit_length()
+    width = next_pow2(n)
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
     while x.shape[-1] > 1:
         half = x.shape[-1] // 2

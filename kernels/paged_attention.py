@@ -261,7 +261,7 @@ def invariant_config(num_q_heads: int, num_kv_heads: int, block_size: int) -> At
     most of a serving workload's steps, costs what it costs by default; prefill gets small query
     tiles (each KV tile serves fewer tokens, mostly from L2) and small decode batches lose split-K."""
     group = num_q_heads // num_kv_heads
-    return AttentionConfig(block_m=max(16, _next_pow2(group)), block_k=max(64, block_size), num_splits=1,
+    return AttentionConfig(block_m=max(16, next_pow2(group)), block_k=max(64, block_size), num_splits=1,
                            num_warps=4, num_stages=3, reverse_tiles=True, mask_all=True)
 
 

@@ -21,20 +21,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
+from jaxpaged.kernels.shapes import next_pow2
 
 
 def row_block(hidden: int) -> tuple[int, int]:
     """``(block_rows, num_warps)`` for rows of ``hidden`` elements: fixed per row length, never per row count."""
-    width = _next_pow2(hidden)
+    width = next_pow2(hidden)
     return max(1, min(16, 8192 // width)), (8 if width >= 4096 else 4)
 
 
 def _rms_norm_kernel(x_ref, w_ref, o_ref, *, eps: float, block_rows: int):
     num_rows, hidden = x_ref.shape
-    width = _next_pow2(hidden)
+    width = next_pow2(hidden)
     rows = pl.program_id(0) * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
     cols = lax.broadcasted_iota(jnp.int32, (width,), 0)
     ok = (rows < num_rows)[:, None] & (cols < hidden)[None, :]
