@@ -143,7 +143,7 @@ def arrangement_list(tiny: bool, kv_tokens: int, max_model_len: int):
         *((f"block size {b}", dict(block_size=b, num_blocks=kv_tokens // b), "batched") for b in block_sizes),
         ("chunk budget", dict(max_num_batched_tokens=16 if tiny else 128), "batched"),
         ("tiny pool (preempts)", dict(num_blocks=tiny_pool, enable_prefix_caching=False), "batched"),
-        ("async scheduling", dict(async_scheduling=True), "batched"),
+        ("sync scheduling", dict(async_scheduling=False), "batched"),
     ]
 
 
@@ -237,7 +237,7 @@ def check_throughput(args) -> dict:
         ns = dict(block_size=16, max_num_seqs=256, max_num_batched_tokens=8192, backend="auto", max_model_len=2048)
     out = {}
     for bi in (False, True):
-        r = run_ours(params, prompts, sps, argparse.Namespace(**ns, async_scheduling=False, batch_invariant=bi))
+        r = run_ours(params, prompts, sps, argparse.Namespace(**ns, async_scheduling=True, batch_invariant=bi))
         out[str(bi)] = {k: r[k] for k in ("tok_per_s", "seconds", "output_tokens", "steps", "warmup_compile_s")}
         print(f"throughput batch_invariant={bi}: {r['tok_per_s']:.0f} tok/s ({r['seconds']:.1f} s)", flush=True)
     out["invariant_over_default"] = out["True"]["tok_per_s"] / out["False"]["tok_per_s"]
