@@ -130,10 +130,11 @@ def shared_prefix_requests(n: int, vocab: int, tiny: bool, max_tokens: int, seed
     return prompts, sps
 
 
-def arrangement_list(tiny: bool, kv_tokens: int, max_model_len: int):
+def arrangement_list(tiny: bool, kv_tokens: int, max_model_len: int, block_sizes=None):
     per_seq = -(-max_model_len // 16)
     tiny_pool = per_seq + 2 if tiny else 3 * per_seq  # a few requests at a time: decode growth preempts
-    block_sizes = (8,) if tiny else (8, 32, 64)  # each pool shape compiles the step again
+    if block_sizes is None:
+        block_sizes = (8,) if tiny else (8, 32, 64)  # each pool shape compiles the step again
     return [
         ("batched, cache off", dict(enable_prefix_caching=False), "batched"),
         ("batched, cache cold", {}, "batched"),
@@ -182,7 +183,7 @@ def check_arrangements(args) -> dict:
         alone_engine = LLMEngine(params, EngineConfig(**base, enable_prefix_caching=False, batch_invariant=bi))
         alone = [run_to_completion(alone_engine, [p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, sps)]
         rows = {"alone_seconds": time.perf_counter() - t0}
-        for name, overrides, mode in arrangement_list(args.tiny, kv_tokens, max_model_len):
+        for name, overrides, mode in arrangement_list(args.tiny, kv_tokens, max_model_len, args.block_sizes):
             t0 = time.perf_counter()
             engine = LLMEngine(params, EngineConfig(**{**base, **overrides, "batch_invariant": bi}))
             got = run_arrangement(engine, prompts, sps, mode)
@@ -250,6 +251,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny checkpoint, a few requests")
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--requests", type=int, default=None, help="arrangements: requests (200; tiny 6)")
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=None,
+                    help="arrangements: block sizes besides 16 (8 32 64; tiny 8); each compiles the step again")
     ap.add_argument("--max-tokens", type=int, default=None, help="arrangements: tokens per request (24; tiny 4)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="arrangements (64; tiny 4)")
     ap.add_argument("--kv-tokens", type=int, default=None, help="arrangements: KV slots (65536; tiny 1024)")
