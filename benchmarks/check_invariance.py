@@ -178,12 +178,14 @@ def check_arrangements(args) -> dict:
                 attention_backend="pallas")
     result = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "max_tokens": args.max_tokens,
               "modes": {}}
-    for bi in (False, True):
+    for bi in args.modes:
         t0 = time.perf_counter()
         alone_engine = LLMEngine(params, EngineConfig(**base, enable_prefix_caching=False, batch_invariant=bi))
         alone = [run_to_completion(alone_engine, [p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, sps)]
         rows = {"alone_seconds": time.perf_counter() - t0}
         for name, overrides, mode in arrangement_list(args.tiny, kv_tokens, max_model_len, args.block_sizes):
+            if name in args.skip_arrangements:
+                continue
             t0 = time.perf_counter()
             engine = LLMEngine(params, EngineConfig(**{**base, **overrides, "batch_invariant": bi}))
             got = run_arrangement(engine, prompts, sps, mode)
@@ -251,6 +253,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny checkpoint, a few requests")
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--requests", type=int, default=None, help="arrangements: requests (200; tiny 6)")
+    ap.add_argument("--modes", type=lambda v: v == "True", nargs="+", default=[False, True],
+                    help="arrangements: batch_invariant values to run (False True)")
+    ap.add_argument("--skip-arrangements", nargs="*", default=[], help="arrangement names to leave out")
     ap.add_argument("--block-sizes", type=int, nargs="+", default=None,
                     help="arrangements: block sizes besides 16 (8 32 64; tiny 8); each compiles the step again")
     ap.add_argument("--max-tokens", type=int, default=None, help="arrangements: tokens per request (24; tiny 4)")
