@@ -33,18 +33,12 @@ import numpy as np  # noqa: E402
 
 from bench_throughput import parse_xla_options  # noqa: E402
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from jaxpaged.workloads import BENCHMARK_MODELS, benchmark_params  # noqa: E402
 
-MODELS = ("qwen3-0.6b", "tiny")
+MODELS = BENCHMARK_MODELS
 
 
-def load_params(model: str):
-    from jaxpaged.workloads import QWEN3_0_6B, experiment_params, random_model
-
-    if model == "qwen3-0.6b":
-        return random_model(QWEN3_0_6B)
-    if model == "tiny":
-        return experiment_params(full=False)
-    raise ValueError(f"--model must be one of {MODELS}, got {model!r}")
+load_params = benchmark_params
 
 
 def percentile(values: list[float], q: float) -> float | None:
