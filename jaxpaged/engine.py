@@ -9,7 +9,9 @@ blocks, free finished requests.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import os
 import time
 from typing import Sequence as SequenceT
 
@@ -33,6 +35,8 @@ from .sampling_features import prompt_logprob_positions
 from .scheduler import Scheduler
 from .sequence import Sequence
 
+log = logging.getLogger(__name__)
+
 
 def get_runner(params: ModelParams, backend: str, batch_invariant: bool = False) -> ModelRunner:
     """One runner (one jitted step, its compiled shapes) per weights object, backend and numerics mode.
@@ -46,26 +50,50 @@ def get_runner(params: ModelParams, backend: str, batch_invariant: bool = False)
     return params.derived[key]
 
 
+CPU_POOL_FRACTION = 0.25  # of the host memory available when the engine starts
+CPU_POOL_CAP_BYTES = 4 << 30  # never more than this on a CPU without num_blocks
+
+
+def available_host_memory() -> int | None:
+    """Bytes of host memory available now (``MemAvailable`` on Linux), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dtype: str) -> int:
-    """Blocks in the pool: ``num_blocks`` if given, else ``memory_fraction`` of free device memory."""
+    """Blocks in the pool: ``num_blocks`` if given; on a GPU ``memory_fraction`` of the free device
+    memory; on a CPU ``CPU_POOL_FRACTION`` of the available host memory, at most ``CPU_POOL_CAP_BYTES``
+    and at most what ``min(max_num_seqs, 16)`` full-length sequences need."""
     cfg = params.config
     bs = config.block_size
     block_bytes = cfg.kv_bytes_per_token(jnp.dtype(dtype).itemsize) * bs
     if config.num_blocks is not None:
-        num_blocks = config.num_blocks
-    else:
-        stats = jax.devices()[0].memory_stats() or {}
-        if "bytes_limit" in stats:
-            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-            num_blocks = int(free * config.memory_fraction // block_bytes)
-        else:  # CPU: no allocator statistics; enough for a modest batch of full-length requests
-            num_blocks = math.ceil(max_model_len / bs) * min(config.max_num_seqs, 16)
+        return config.num_blocks
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        return int(free * config.memory_fraction // block_bytes)
+    enough = math.ceil(max_model_len / bs) * min(config.max_num_seqs, 16)
+    host = available_host_memory()
+    budget = CPU_POOL_CAP_BYTES if host is None else min(int(host * CPU_POOL_FRACTION), CPU_POOL_CAP_BYTES)
+    return max(1, min(enough, budget // block_bytes))
+
+
+def check_pool(num_blocks: int, bs: int, max_model_len: int) -> None:
     if num_blocks * bs < max_model_len:
         raise ValueError(
             f"the KV pool ({num_blocks} blocks x {bs} tokens = {num_blocks * bs} tokens) cannot hold one "
             f"sequence of max_model_len={max_model_len} tokens: raise num_blocks / memory_fraction or "
             f"lower max_model_len")
-    return num_blocks
 
 
 class LLMEngine:
@@ -78,6 +106,10 @@ class LLMEngine:
         self.kv_dtype = config.dtype or params.dtype  # the pool's dtype: the weights' unless set
         self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)
         self.num_blocks = size_pool(params, config, self.max_model_len, self.kv_dtype)
+        if config.max_model_len is None and self.num_blocks * config.block_size < self.max_model_len:
+            # The default max_model_len does not fit the pool (a small CPU host): use what fits.
+            self.max_model_len = self.num_blocks * config.block_size
+        check_pool(self.num_blocks, config.block_size, self.max_model_len)
         self.bytes_per_token = cfg.kv_bytes_per_token(jnp.dtype(self.kv_dtype).itemsize)
         prefix_caching = config.enable_prefix_caching and config.reservation == "paged"
         self.kv = KVCacheManager(self.num_blocks, config.block_size, enable_prefix_caching=prefix_caching,
@@ -88,6 +120,9 @@ class LLMEngine:
                                    max_model_len=self.max_model_len, eos_token_ids=cfg.eos_token_id,
                                    enable_chunked_prefill=config.enable_chunked_prefill)
         self.kv_pool = init_kv_pool(cfg, self.num_blocks, config.block_size, self.kv_dtype)
+        log.info("KV pool: %d blocks x %d tokens = %d tokens, %.2f GiB %s; max_model_len %d", self.num_blocks,
+                 config.block_size, self.num_blocks * config.block_size,
+                 self.num_blocks * config.block_size * self.bytes_per_token / 2**30, self.kv_dtype, self.max_model_len)
         self.compilation_cache_dir = enable_compilation_cache() if config.compilation_cache else None
         self.runner = get_runner(params, config.attention_backend, config.batch_invariant)
         # Compilations are counted per engine: steps compiled by an earlier engine are not ours.

@@ -189,3 +189,33 @@ def test_nan_weights_are_warned(tmp_path):
         warnings.simplefilter("always")
         load_params(path, "float32", use_cache=False)
     assert any("model.norm.weight" in str(w.message) and "NaN" in str(w.message) for w in caught)
+
+
+# ---- CPU defaults ------------------------------------------------------------------------------------
+
+def test_cpu_pool_is_sized_from_host_memory_with_a_cap():
+    import types
+
+    from jaxpaged import EngineConfig, QwenConfig
+    from jaxpaged.engine import CPU_POOL_CAP_BYTES, CPU_POOL_FRACTION, available_host_memory, size_pool
+
+    qwen3_06b = QwenConfig(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                           num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                           max_position_embeddings=40960)
+    params = types.SimpleNamespace(config=qwen3_06b)
+    blocks = size_pool(params, EngineConfig(), 8192, "bfloat16")
+    pool_bytes = blocks * 16 * qwen3_06b.kv_bytes_per_token(2)
+    assert pool_bytes <= CPU_POOL_CAP_BYTES  # was 14 GiB (8192 blocks of a max_model_len 8192 pool)
+    host = available_host_memory()
+    if host is not None:
+        assert pool_bytes <= host * CPU_POOL_FRACTION
+
+
+def test_default_max_model_len_shrinks_to_a_small_pool():
+    from jaxpaged import EngineConfig, LLMEngine
+
+    params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+    engine = LLMEngine(params, EngineConfig(num_blocks=8, block_size=8))  # 64 tokens < 1024 positions
+    assert engine.max_model_len == 64
+    with pytest.raises(ValueError, match="cannot hold one sequence of max_model_len=128"):
+        LLMEngine(params, EngineConfig(num_blocks=8, block_size=8, max_model_len=128))
