@@ -71,7 +71,8 @@ def slot_mapping_batch(block_tables: np.ndarray, seq_indices: np.ndarray, positi
 
 def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables, block_size: int, *,
                       width: int | None = None, max_seqs: int | None = None,
-                      prev_rows: dict[int, int] | None = None, eos_token_ids=()) -> StepInputs:
+                      prev_rows: dict[int, int] | None = None, eos_token_ids=(),
+                      maybe_features: bool = True) -> StepInputs:
     """Numpy arrays for ``scheduled`` (host side, no per-token Python loops), padded to buckets.
 
     ``tables``: the KV manager's block tables; each scheduled sequence's row is gathered.
@@ -83,7 +84,8 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
     ``None`` pads it to a power of two (the reference gathers whole rows, so narrower is cheaper).
     ``prev_rows`` maps ``id(seq)`` to its row in the previous step's output, for sequences whose last
     token is still a ``PLACEHOLDER`` (the device fills it in from that output). ``eos_token_ids``: the
-    tokens min_tokens masks (with each request's stop_token_ids).
+    tokens min_tokens masks (with each request's stop_token_ids). ``maybe_features=False``: the caller
+    knows no request uses penalties / min_p / min_tokens / logprobs (skips even looking).
     """
     seqs = [s for s, _ in scheduled]
     new_list = [n for _, n in scheduled]
@@ -137,7 +139,9 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
                 prev_index[cu[i + 1] - 1] = prev_rows[id(s)]
     meta = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv_lens, block_tables=block_tables)
     mode = sampling_mode(temperature[:num_seqs], top_k[:num_seqs], top_p[:num_seqs])
-    features, extras = build_feature_inputs(scheduled, s_pad, cu, eos_token_ids)
+    features, extras = NO_FEATURES, None
+    if maybe_features:
+        features, extras = build_feature_inputs(scheduled, s_pad, cu, eos_token_ids)
     return StepInputs(token_ids=token_ids, positions=positions, meta=meta, prev_index=prev_index,
                       logits_indices=logits_indices, temperature=temperature, top_k=top_k, top_p=top_p,
                       seeds=seeds, counters=counters, sampling_mode=mode, extras=extras, features=features)

@@ -135,6 +135,7 @@ class LLMEngine:
         self._next_id = 0
         self._requests: dict[str, RequestState] = {}  # unfinished user requests by id
         self._aborted: list[RequestState] = []  # aborted since the last step (their outputs are due)
+        self._num_feature_requests = 0  # unfinished requests using penalties / min_p / logprobs / ...
         self._outputs = OutputProcessor(tokenizer)
         self.scheduler.on_token = self._on_token
         # Async scheduling: the step in flight (its placeholders) and its device output.
@@ -219,6 +220,8 @@ class LLMEngine:
 
     def _queue(self, state: RequestState) -> str:
         self._requests[state.request_id] = state
+        # (counted from a sample's params: a private copy, so a user mutating theirs cannot skew it)
+        self._num_feature_requests += state.seqs[0].sampling_params.uses_device_features
         for seq in state.seqs:  # the n samples of a prompt arrive together: the first computes the prompt,
             self.scheduler.add(seq)  # the others wait one step and take its blocks from the prefix cache
         return state.request_id
@@ -253,6 +256,7 @@ class LLMEngine:
         if request_id not in self._requests:
             raise KeyError(f"no unfinished request with id {request_id!r}")
         state = self._requests.pop(request_id)
+        self._num_feature_requests -= state.seqs[0].sampling_params.uses_device_features
         for seq in state.seqs:
             if not seq.is_finished:
                 self.scheduler.abort(seq)
@@ -292,7 +296,8 @@ class LLMEngine:
         num_tokens = sum(n for _, n in scheduled)
         inputs = build_step_inputs(scheduled, self.kv.tables, self.config.block_size, width=self._table_width,
                                    max_seqs=self.config.max_num_seqs, prev_rows=self._pending_rows,
-                                   eos_token_ids=self.params.config.eos_token_id)
+                                   eos_token_ids=self.params.config.eos_token_id,
+                                   maybe_features=self._num_feature_requests > 0)
         prompt_rows = prompt_logprob_positions(scheduled) if inputs.features.prompt_logprobs >= 0 else []
         t1 = time.perf_counter()
         tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs, self._prev_tokens)
@@ -377,6 +382,7 @@ class LLMEngine:
                 outs.append(out)
             if state.finished:
                 del self._requests[state.request_id]
+                self._num_feature_requests -= state.seqs[0].sampling_params.uses_device_features
         return outs
 
     def warmup(self, use_tqdm: bool = True) -> float:

@@ -141,6 +141,9 @@ class SamplingParams:
             raise TypeError(f"SamplingParams.output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.stop and not self.detokenize:
             raise ValueError("SamplingParams.stop strings need detokenize=True")
+        # Read by the step builder for every request of every step: computed once here, not per step.
+        self._device_features = (self.uses_penalties or self.min_p > 0 or self.min_tokens > 0
+                                 or self.logprobs is not None or self.prompt_logprobs is not None)
 
     @staticmethod
     def _token_ids(name: str, ids) -> list[int] | None:
@@ -174,9 +177,9 @@ class SamplingParams:
 
     @property
     def uses_device_features(self) -> bool:
-        """True if this request needs a sampler variant beyond temperature / top-k / top-p."""
-        return (self.uses_penalties or self.min_p > 0 or self.min_tokens > 0 or self.logprobs is not None
-                or self.prompt_logprobs is not None)
+        """True if this request needs a sampler variant beyond temperature / top-k / top-p (as of the
+        last ``validate()``; the engine validates a copy of every request's params when it is added)."""
+        return self._device_features
 
     @classmethod
     def from_optional(cls, sp, where: str = "sampling_params") -> "SamplingParams":

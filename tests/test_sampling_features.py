@@ -225,3 +225,29 @@ def test_n_samples_share_the_prompt_blocks(qwen3):
         alone = generate(params, [p], EngineConfig(**CFG), SamplingParams(temperature=1.0, max_tokens=6,
                                                                           ignore_eos=True, seed=10 + i))
         assert alone[0].outputs[0].token_ids == seqs[i]
+
+
+def test_steps_without_new_params_are_the_default_step(qwen3, monkeypatch):
+    """Only steps holding a request that uses a feature get a variant; the engine stops even looking
+    once no such request is left."""
+    import jaxpaged.engine as engine_mod
+
+    params, ref, _ = qwen3
+    seen = []
+    real = engine_mod.build_step_inputs
+
+    def spy(*args, **kwargs):
+        inputs = real(*args, **kwargs)
+        seen.append((kwargs["maybe_features"], inputs.features, inputs.extras is None))
+        return inputs
+
+    monkeypatch.setattr(engine_mod, "build_step_inputs", spy)
+    engine = LLMEngine(params, EngineConfig(**CFG))
+    ps = prompts(ref)
+    run_to_completion(engine, ps[:2], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert seen and all(not f and no_extras and not maybe for maybe, f, no_extras in seen)
+    seen.clear()
+    run_to_completion(engine, ps[:2], [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2),
+                                       SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)])
+    assert any(f.logprobs == 2 for _, f, _ in seen) and not seen[-1][1]  # the last steps: plain request only
+    assert engine._num_feature_requests == 0
