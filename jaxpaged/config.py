@@ -16,11 +16,12 @@ class EngineConfig:
 
     block_size: tokens per KV block (a power of two).
     num_blocks: KV pool size in blocks; ``None`` sizes it from ``memory_fraction`` of the device
-      memory left after the weights.
+      memory left after the weights (on a CPU: a quarter of the available host memory, at most 4 GiB,
+      ``engine.size_pool``).
     max_num_seqs: sequences in one step (decode batch size).
     max_num_batched_tokens: new tokens in one step (the prefill budget; long prompts are chunked).
     max_model_len: prompt + generated tokens per request; ``None`` = the model's
-      ``max_position_embeddings`` capped at 8192.
+      ``max_position_embeddings`` capped at 8192, lowered to the pool's size if the pool is smaller.
     enable_prefix_caching: reuse full blocks of earlier prompts (token-exact prefix trie).
     reservation: ``paged`` (blocks on demand) or ``max_len`` (reserve ``max_model_len`` at admission).
     async_scheduling: dispatch the next step before reading the previous one's tokens back (the
