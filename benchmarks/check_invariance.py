@@ -130,10 +130,11 @@ def shared_prefix_requests(n: int, vocab: int, tiny: bool, max_tokens: int, seed
     return prompts, sps
 
 
-def arrangement_list(tiny: bool, kv_tokens: int, max_model_len: int):
+def arrangement_list(tiny: bool, kv_tokens: int, max_model_len: int, block_sizes=None):
     per_seq = -(-max_model_len // 16)
     tiny_pool = per_seq + 2 if tiny else 3 * per_seq  # a few requests at a time: decode growth preempts
-    block_sizes = (8,) if tiny else (8, 32, 64)  # each pool shape compiles the step again
+    if block_sizes is None:
+        block_sizes = (8,) if tiny else (8, 32, 64)  # each pool shape compiles the step again
     return [
         ("batched, cache off", dict(enable_prefix_caching=False), "batched"),
         ("batched, cache cold", {}, "batched"),
@@ -143,7 +144,7 @@ def arrangement_list(tiny: bool, kv_tokens: int, max_model_len: int):
         *((f"block size {b}", dict(block_size=b, num_blocks=kv_tokens // b), "batched") for b in block_sizes),
         ("chunk budget", dict(max_num_batched_tokens=16 if tiny else 128), "batched"),
         ("tiny pool (preempts)", dict(num_blocks=tiny_pool, enable_prefix_caching=False), "batched"),
-        ("async scheduling", dict(async_scheduling=True), "batched"),
+        ("sync scheduling", dict(async_scheduling=False), "batched"),
     ]
 
 
@@ -177,12 +178,14 @@ def check_arrangements(args) -> dict:
                 attention_backend="pallas")
     result = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "max_tokens": args.max_tokens,
               "modes": {}}
-    for bi in (False, True):
+    for bi in args.modes:
         t0 = time.perf_counter()
         alone_engine = LLMEngine(params, EngineConfig(**base, enable_prefix_caching=False, batch_invariant=bi))
         alone = [run_to_completion(alone_engine, [p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, sps)]
         rows = {"alone_seconds": time.perf_counter() - t0}
-        for name, overrides, mode in arrangement_list(args.tiny, kv_tokens, max_model_len):
+        for name, overrides, mode in arrangement_list(args.tiny, kv_tokens, max_model_len, args.block_sizes):
+            if name in args.skip_arrangements:
+                continue
             t0 = time.perf_counter()
             engine = LLMEngine(params, EngineConfig(**{**base, **overrides, "batch_invariant": bi}))
             got = run_arrangement(engine, prompts, sps, mode)
@@ -237,7 +240,7 @@ def check_throughput(args) -> dict:
         ns = dict(block_size=16, max_num_seqs=256, max_num_batched_tokens=8192, backend="auto", max_model_len=2048)
     out = {}
     for bi in (False, True):
-        r = run_ours(params, prompts, sps, argparse.Namespace(**ns, async_scheduling=False, batch_invariant=bi))
+        r = run_ours(params, prompts, sps, argparse.Namespace(**ns, async_scheduling=True, batch_invariant=bi))
         out[str(bi)] = {k: r[k] for k in ("tok_per_s", "seconds", "output_tokens", "steps", "warmup_compile_s")}
         print(f"throughput batch_invariant={bi}: {r['tok_per_s']:.0f} tok/s ({r['seconds']:.1f} s)", flush=True)
     out["invariant_over_default"] = out["True"]["tok_per_s"] / out["False"]["tok_per_s"]
@@ -250,6 +253,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny checkpoint, a few requests")
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--requests", type=int, default=None, help="arrangements: requests (200; tiny 6)")
+    ap.add_argument("--modes", type=lambda v: v == "True", nargs="+", default=[False, True],
+                    help="arrangements: batch_invariant values to run (False True)")
+    ap.add_argument("--skip-arrangements", nargs="*", default=[], help="arrangement names to leave out")
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=None,
+                    help="arrangements: block sizes besides 16 (8 32 64; tiny 8); each compiles the step again")
     ap.add_argument("--max-tokens", type=int, default=None, help="arrangements: tokens per request (24; tiny 4)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="arrangements (64; tiny 4)")
     ap.add_argument("--kv-tokens", type=int, default=None, help="arrangements: KV slots (65536; tiny 1024)")

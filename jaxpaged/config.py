@@ -39,6 +39,9 @@ class EngineConfig:
       Costs speed: the projections and LM head run a fixed-tile Pallas matmul (no split-K, tiles never
       chosen from the token count), RMSNorm a row kernel, attention one launch configuration for every
       step (no split-K for small decode batches). Off by default. See docs/NUMERICS.md.
+    compiler_options: XLA options for the compiled step only, as ``((name, value), ...)`` (e.g.
+      ``(("xla_gpu_enable_triton_gemm", False),)``); ``None`` = the engine's defaults
+      (``runner.DEFAULT_COMPILER_OPTIONS``). Never a global flag.
     Precision: float32 weights mean IEEE float32 in every matmul and kernel dot (never TF32); bfloat16
     means bf16 storage and operands with fp32 accumulation.
     """
@@ -59,6 +62,7 @@ class EngineConfig:
     compilation_cache: bool = True  # JAX's persistent compilation cache ($JAXPAGED_COMPILE_CACHE)
     async_scheduling: bool = True  # schedule step N+1 while step N runs (see docstring)
     batch_invariant: bool = False  # bitwise batch-independent outputs, at a speed cost (docs/NUMERICS.md)
+    compiler_options: tuple[tuple[str, object], ...] | None = None  # XLA options for the step (see docstring)
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)

@@ -27,7 +27,7 @@ from .models.checkpoint import ModelParams
 from .models.qwen import init_kv_pool
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .kernels.backend import resolve_backend
-from .runner import ModelRunner, enable_compilation_cache
+from .runner import DEFAULT_COMPILER_OPTIONS, ModelRunner, enable_compilation_cache
 from .inputs import broadcast_sampling_params, parse_prompt, parse_prompts
 from .output_processor import OutputProcessor, RequestState, make_detokenizer
 from .sampling import SamplingParams
@@ -38,15 +38,17 @@ from .sequence import Sequence
 log = logging.getLogger(__name__)
 
 
-def get_runner(params: ModelParams, backend: str, batch_invariant: bool = False) -> ModelRunner:
+def get_runner(params: ModelParams, backend: str, batch_invariant: bool = False,
+               compiler_options: tuple | None = None) -> ModelRunner:
     """One runner (one jitted step, its compiled shapes) per weights object, backend and numerics mode.
 
     Kept in ``params.derived``, so engines over the same weights share compiled steps, and dropping
     the weights releases the runner (and its executables) with them.
     """
-    key = ("runner", resolve_backend(backend), batch_invariant)
+    options = DEFAULT_COMPILER_OPTIONS if compiler_options is None else tuple(compiler_options)
+    key = ("runner", resolve_backend(backend), batch_invariant, options)
     if key not in params.derived:
-        params.derived[key] = ModelRunner(params.graphdef, backend, batch_invariant)
+        params.derived[key] = ModelRunner(params.graphdef, backend, batch_invariant, dict(options))
     return params.derived[key]
 
 
@@ -124,7 +126,7 @@ class LLMEngine:
                  config.block_size, self.num_blocks * config.block_size,
                  self.num_blocks * config.block_size * self.bytes_per_token / 2**30, self.kv_dtype, self.max_model_len)
         self.compilation_cache_dir = enable_compilation_cache() if config.compilation_cache else None
-        self.runner = get_runner(params, config.attention_backend, config.batch_invariant)
+        self.runner = get_runner(params, config.attention_backend, config.batch_invariant, config.compiler_options)
         # Compilations are counted per engine: steps compiled by an earlier engine are not ours.
         self._compile_base = (self.runner.compile_seconds, self.runner.num_compiled_shapes)
         # Pallas reads block tables only up to each kv_len: one fixed width, fewer compilations.

@@ -26,6 +26,11 @@ from .sampling_features import sample_step
 from .transfer import pack, unpack
 
 
+# XLA options the engine compiles its step with (per executable, never a global flag). Empty until a
+# whole-workload measurement shows an option helps (benchmarks/RESULTS.md, exp_xla_flags.py).
+DEFAULT_COMPILER_OPTIONS: tuple[tuple[str, object], ...] = ()
+
+
 def enable_compilation_cache(cache_dir: str | Path | None = None) -> str | None:
     """Turns on JAX's persistent compilation cache, so a new process reuses compiled steps.
 

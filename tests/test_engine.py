@@ -336,3 +336,17 @@ def test_pool_dtype_defaults_to_the_weights(dtype):
     assert engine.kv_pool[0][0].dtype == np.dtype(dtype) and engine.stats()["kv_dtype"] == dtype
     assert LLMEngine(params, EngineConfig(block_size=8, num_blocks=16, max_model_len=64, dtype="float32")
                      ).kv_pool[0][0].dtype == np.float32
+
+
+def test_compiler_options_reach_the_step_and_key_the_runner(qwen3):
+    params, _ = qwen3
+    opts = (("xla_gpu_enable_triton_gemm", False),)
+    plain = LLMEngine(params, EngineConfig(**SMALL))
+    tuned = LLMEngine(params, EngineConfig(**SMALL, compiler_options=opts))
+    assert tuned.runner is not plain.runner and tuned.runner.compiler_options == dict(opts)
+    a = run_to_completion(plain, [[1, 2, 3]], GREEDY)[0].outputs[0].token_ids
+    b = run_to_completion(tuned, [[1, 2, 3]], GREEDY)[0].outputs[0].token_ids
+    assert a == b
+    with pytest.raises(Exception, match="no_such_option"):
+        run_to_completion(LLMEngine(params, EngineConfig(**SMALL, compiler_options=(("no_such_option", 1),))),
+                          [[1, 2, 3]], GREEDY)
