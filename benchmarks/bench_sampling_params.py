@@ -24,7 +24,7 @@ import time
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.llm import run_to_completion
-from jaxpaged.workloads import QWEN3_0_6B, nano_vllm_workload, random_model
+from jaxpaged.workloads import BENCHMARK_MODELS, benchmark_params, nano_vllm_workload
 
 VARIANTS = {
     "baseline": {},
@@ -36,18 +36,14 @@ VARIANTS = {
 
 
 def setup(args):
+    params = benchmark_params(args.model)
     if args.model == "tiny":
-        from jaxpaged import load_params
-        from jaxpaged.models.tiny import tiny_checkpoint_path
-
-        params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
         prompts, sps = nano_vllm_workload(args.num_seqs or 6, max_input_len=100, max_output_len=100)
         prompts = [[t % params.config.vocab_size for t in p[:40]] for p in prompts]  # short, in the tiny vocab
         sps = [dataclasses.replace(sp, max_tokens=8 + i % 5) for i, sp in enumerate(sps)]
         config = EngineConfig(block_size=8, num_blocks=128, max_model_len=128, max_num_seqs=8,
                               max_num_batched_tokens=128, attention_backend="reference")
         return params, prompts, sps, config
-    params = random_model(QWEN3_0_6B)
     prompts, sps = nano_vllm_workload(args.num_seqs or 256, max_output_len=args.max_output_len)
     config = EngineConfig(block_size=args.block_size, max_model_len=2048, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, memory_fraction=0.9)
@@ -73,7 +69,7 @@ def run_variant(engine: LLMEngine, prompts, sps, extra: dict) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=("full", "tiny"), default="full")
+    ap.add_argument("--model", choices=BENCHMARK_MODELS, default="qwen3-0.6b")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--num-seqs", type=int, default=None)
     ap.add_argument("--max-output-len", type=int, default=1024)
