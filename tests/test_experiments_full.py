@@ -95,3 +95,11 @@ def test_exp_prefix_affinity(tmp_path):
     assert aff["evictions"] < fcfs["evictions"]
     assert 0 < aff["max_passes_observed"] <= 9 and fcfs["reordered_admissions"] == 0
     assert (tmp_path / "prefix_affinity.json").is_file() and (tmp_path / "prefix_affinity.png").is_file()
+
+
+def test_exp_prefix_affinity_host_only_at_full_size():
+    """The full-size schedule without a model (a second on a CPU): affinity computes far fewer
+    prefill tokens and nothing waits longer than the bound allows."""
+    fcfs, aff = load("exp_prefix_affinity").main(["--full", "--host-only"])["host_only"]
+    assert aff["prefill_tokens"] < fcfs["prefill_tokens"] and aff["prefix_hit_rate"] > fcfs["prefix_hit_rate"]
+    assert aff["steps"] < fcfs["steps"] and aff["ttft_steps_p99"] < fcfs["ttft_steps_p99"]
