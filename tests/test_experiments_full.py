@@ -103,3 +103,18 @@ def test_exp_prefix_affinity_host_only_at_full_size():
     fcfs, aff = load("exp_prefix_affinity").main(["--full", "--host-only"])["host_only"]
     assert aff["prefill_tokens"] < fcfs["prefill_tokens"] and aff["prefix_hit_rate"] > fcfs["prefix_hit_rate"]
     assert aff["steps"] < fcfs["steps"] and aff["ttft_steps_p99"] < fcfs["ttft_steps_p99"]
+
+
+def test_run_design_notes_driver(tmp_path):
+    """One job end to end at tiny sizes (a subprocess), then a job marked as timed out: the table
+    holds our row, the failure in its cells, and '-' where nothing ran."""
+    driver = load("run_design_notes")
+    table = driver.main(["--out", str(tmp_path), "--tiny", "--only", "affinity-0.6b", "--limit", "120"])
+    (tmp_path / "prefix-7b").mkdir()
+    (tmp_path / "prefix-7b" / "status.json").write_text(json.dumps(dict(job="prefix-7b", status="TIMEOUT after 180 s")))
+    table = driver.main(["--out", str(tmp_path), "--table-only"])
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in table.splitlines()[2:]}
+    assert set(rows) == set(driver.EXPERIMENTS)
+    assert rows["prefix_affinity"][2].startswith("hit rate") and rows["prefix_affinity"][3] == "- |"
+    assert rows["prefix_ttft"][3].startswith("TIMEOUT") and rows["prefix_ttft"][2] == "-"
+    assert (tmp_path / "design_notes.md").read_text() == table
