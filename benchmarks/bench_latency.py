@@ -26,23 +26,19 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench_throughput import parse_xla_options  # noqa: E402
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from jaxpaged.workloads import BENCHMARK_MODELS, benchmark_params  # noqa: E402
 
-MODELS = ("qwen3-0.6b", "tiny")
+MODELS = BENCHMARK_MODELS
 
 
-def load_params(model: str):
-    from jaxpaged.workloads import QWEN3_0_6B, experiment_params, random_model
-
-    if model == "qwen3-0.6b":
-        return random_model(QWEN3_0_6B)
-    if model == "tiny":
-        return experiment_params(full=False)
-    raise ValueError(f"--model must be one of {MODELS}, got {model!r}")
+load_params = benchmark_params
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -111,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--sync-scheduling", dest="async_scheduling", action="store_false",
                     help="read each step's tokens back before dispatching the next (default: async)")
+    ap.add_argument("--xla-option", action="append", help="name=value, repeatable: EngineConfig.compiler_options")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     batches = [int(x) for x in args.batches.split(",")]
@@ -127,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = EngineConfig(block_size=bs, num_blocks=max(batches) * (max_model_len // bs) + 1,
                           max_num_seqs=max(batches), max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=max_model_len, attention_backend=args.backend, dtype=params.dtype,
-                          async_scheduling=args.async_scheduling)
+                          async_scheduling=args.async_scheduling, compiler_options=parse_xla_options(args.xla_option))
     engine = LLMEngine(params, config)
     setup_s = time.perf_counter() - t_load
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

@@ -26,12 +26,25 @@ from jaxpaged.workloads import QWEN3_0_6B, nano_vllm_workload, random_model
 
 
 
+def parse_xla_options(items: list[str] | None) -> tuple | None:
+    """``["name=value", ...]`` -> ``(("name", value), ...)`` for ``EngineConfig.compiler_options``
+    (True/False become bools, digits ints); ``None`` keeps the engine's defaults."""
+    if not items:
+        return None
+    out = []
+    for item in items:
+        name, _, value = item.partition("=")
+        out.append((name, {"True": True, "False": False}.get(value, int(value) if value.lstrip("-").isdigit() else value)))
+    return tuple(out)
+
+
 def run_ours(params, prompts, sps, args):
     config = EngineConfig(block_size=args.block_size, max_model_len=getattr(args, "max_model_len", 2048),
                           max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.backend,
                           memory_fraction=0.9, async_scheduling=args.async_scheduling,
-                          batch_invariant=getattr(args, "batch_invariant", False))
+                          batch_invariant=getattr(args, "batch_invariant", False),
+                          compiler_options=parse_xla_options(getattr(args, "xla_option", None)))
     engine = LLMEngine(params, config)
     compile_s = engine.warmup(use_tqdm=False)
     run_to_completion(engine, [prompts[0][:16]], SamplingParams(max_tokens=4))  # one tiny real request
@@ -89,6 +102,9 @@ def main() -> None:
     ap.add_argument("--sync-scheduling", dest="async_scheduling", action="store_false",
                     help="read each step's tokens back before dispatching the next (default: async)")
     ap.add_argument("--batch-invariant", action="store_true", help="EngineConfig(batch_invariant=True)")
+    ap.add_argument("--xla-option", action="append", help="name=value, repeatable: EngineConfig.compiler_options")
+    ap.add_argument("--compare-xla-option", action="append",
+                    help="name=value, repeatable: also run the full workload with these compiler options")
     ap.add_argument("--compare-async", action="store_true", help="also run the full workload the other way")
     args = ap.parse_args()
     prompts, sps = nano_vllm_workload(args.num_seqs)
@@ -102,6 +118,10 @@ def main() -> None:
         other = argparse.Namespace(**{**vars(args), "async_scheduling": not args.async_scheduling})
         result["ours_full_other"] = run_ours(params, prompts, sps, other)
         print("ours full (other scheduling):", json.dumps(result["ours_full_other"]), flush=True)
+    if args.compare_xla_option:
+        other = argparse.Namespace(**{**vars(args), "xla_option": args.compare_xla_option})
+        result["ours_full_xla"] = run_ours(params, prompts, sps, other)
+        print("ours full (compiler options %s):" % args.compare_xla_option, json.dumps(result["ours_full_xla"]), flush=True)
     n = args.hf_requests
     if n:
         result["ours_subset"] = run_ours(params, prompts[:n], sps[:n], args)
@@ -114,6 +134,7 @@ def main() -> None:
     print(f"\n{'run':28s} {'requests':>8s} {'out tokens':>10s} {'seconds':>8s} {'tok/s':>9s}")
     for key, label, count in (("ours_full", "jaxpaged", args.num_seqs),
                               ("ours_full_other", "jaxpaged, other scheduling", args.num_seqs),
+                              ("ours_full_xla", "jaxpaged, compiler options", args.num_seqs),
                               ("ours_subset", "jaxpaged (subset)", n),
                               ("hf_subset", "HF generate (subset)", n)):
         if key in result:

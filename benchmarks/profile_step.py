@@ -39,22 +39,16 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from jaxpaged.workloads import BENCHMARK_MODELS, benchmark_params  # noqa: E402
 
-MODELS = ("qwen3-0.6b", "tiny")
+MODELS = BENCHMARK_MODELS
 # Lines the profiler derives from the streams (or from the host): never counted as device work.
 DERIVED_LINES = ("xla ops", "xla modules", "steps", "framework", "tensorflow", "source", "name scope",
                  "launch", "xla traceme", "host threads")
 
 
 # ---- the engine in steady decode ---------------------------------------------------------------
-def load_params(model: str):
-    from jaxpaged.workloads import QWEN3_0_6B, experiment_params, random_model
-
-    if model == "qwen3-0.6b":
-        return random_model(QWEN3_0_6B)
-    if model == "tiny":
-        return experiment_params(full=False)
-    raise ValueError(f"--model must be one of {MODELS}, got {model!r}")
+load_params = benchmark_params
 
 
 def build_engine(params, *, batch: int, max_model_len: int, block_size: int = 16,

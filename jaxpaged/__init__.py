@@ -6,10 +6,11 @@ from .llm import LLM, generate, run_to_completion
 from .kv import KVCacheManager, KVStats, explain_prefix
 from .models.checkpoint import ModelParams, load_params
 from .models.config import CheckpointError, QwenConfig
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sampling import SamplingParams
+from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .sampling import RequestOutputKind, SamplingParams
+from .tokenizer import load_tokenizer
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
            "RequestMetrics", "ModelParams", "QwenConfig", "CheckpointError", "generate", "run_to_completion", "load_params",
-           "explain_prefix", "KVCacheManager", "KVStats"]
+           "explain_prefix", "KVCacheManager", "KVStats", "load_tokenizer", "RequestOutputKind", "Logprob"]

@@ -17,6 +17,7 @@ from .kernels.metadata import AttentionMetadata
 from .kernels.shapes import next_pow2
 from .kv.block_tables import BlockTables
 from .sampling import SamplingParams, sampling_mode
+from .sampling_features import NO_FEATURES, FeatureInputs, SamplerFeatures, build_feature_inputs
 from .sequence import Sequence
 
 PLACEHOLDER = -1  # a token sampled by the step in flight, not yet on the host (async scheduling)
@@ -39,6 +40,8 @@ class StepInputs:
     temperature, top_p: ``f32[S]``; top_k: ``i32[S]``; seeds: ``u32[S]``; counters: ``i32[S]`` tokens
     generated so far (the per-request PRNG stream position).
     sampling_mode: static, the sampler variant the step needs (``sampling.sampling_mode``).
+    extras / features: the inputs and static description of penalties, min_p, min_tokens and logprobs
+    (``sampling_features``); ``None`` / ``NO_FEATURES`` in a step that uses none of them.
     """
 
     token_ids: jax.Array
@@ -52,6 +55,8 @@ class StepInputs:
     seeds: jax.Array
     counters: jax.Array
     sampling_mode: str = dataclasses.field(default="random", metadata=dict(static=True))
+    extras: FeatureInputs | None = None
+    features: SamplerFeatures = dataclasses.field(default=NO_FEATURES, metadata=dict(static=True))
 
 
 def slot_mapping_batch(block_tables: np.ndarray, seq_indices: np.ndarray, positions: np.ndarray,
@@ -66,7 +71,8 @@ def slot_mapping_batch(block_tables: np.ndarray, seq_indices: np.ndarray, positi
 
 def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables, block_size: int, *,
                       width: int | None = None, max_seqs: int | None = None,
-                      prev_rows: dict[int, int] | None = None) -> StepInputs:
+                      prev_rows: dict[int, int] | None = None, eos_token_ids=(),
+                      maybe_features: bool = True) -> StepInputs:
     """Numpy arrays for ``scheduled`` (host side, no per-token Python loops), padded to buckets.
 
     ``tables``: the KV manager's block tables; each scheduled sequence's row is gathered.
@@ -77,7 +83,9 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
     kernels loop only to each ``kv_len``, so a fixed width costs nothing and saves compilations);
     ``None`` pads it to a power of two (the reference gathers whole rows, so narrower is cheaper).
     ``prev_rows`` maps ``id(seq)`` to its row in the previous step's output, for sequences whose last
-    token is still a ``PLACEHOLDER`` (the device fills it in from that output).
+    token is still a ``PLACEHOLDER`` (the device fills it in from that output). ``eos_token_ids``: the
+    tokens min_tokens masks (with each request's stop_token_ids). ``maybe_features=False``: the caller
+    knows no request uses penalties / min_p / min_tokens / logprobs (skips even looking).
     """
     seqs = [s for s, _ in scheduled]
     new_list = [n for _, n in scheduled]
@@ -131,9 +139,12 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
                 prev_index[cu[i + 1] - 1] = prev_rows[id(s)]
     meta = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv_lens, block_tables=block_tables)
     mode = sampling_mode(temperature[:num_seqs], top_k[:num_seqs], top_p[:num_seqs])
+    features, extras = NO_FEATURES, None
+    if maybe_features:
+        features, extras = build_feature_inputs(scheduled, s_pad, cu, eos_token_ids)
     return StepInputs(token_ids=token_ids, positions=positions, meta=meta, prev_index=prev_index,
                       logits_indices=logits_indices, temperature=temperature, top_k=top_k, top_p=top_p,
-                      seeds=seeds, counters=counters, sampling_mode=mode)
+                      seeds=seeds, counters=counters, sampling_mode=mode, extras=extras, features=features)
 
 
 def build_chunk_step(chunks: list[tuple[list[int], int, list[int]]], block_size: int,

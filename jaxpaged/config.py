@@ -17,11 +17,12 @@ class EngineConfig:
 
     block_size: tokens per KV block (a power of two).
     num_blocks: KV pool size in blocks; ``None`` sizes it from ``memory_fraction`` of the device
-      memory left after the weights.
+      memory left after the weights (on a CPU: a quarter of the available host memory, at most 4 GiB,
+      ``engine.size_pool``).
     max_num_seqs: sequences in one step (decode batch size).
     max_num_batched_tokens: new tokens in one step (the prefill budget; long prompts are chunked).
     max_model_len: prompt + generated tokens per request; ``None`` = the model's
-      ``max_position_embeddings`` capped at 8192.
+      ``max_position_embeddings`` capped at 8192, lowered to the pool's size if the pool is smaller.
     enable_prefix_caching: reuse full blocks of earlier prompts (token-exact prefix trie).
     reservation: ``paged`` (blocks on demand) or ``max_len`` (reserve ``max_model_len`` at admission).
     async_scheduling: dispatch the next step before reading the previous one's tokens back (the
@@ -39,6 +40,9 @@ class EngineConfig:
       Costs speed: the projections and LM head run a fixed-tile Pallas matmul (no split-K, tiles never
       chosen from the token count), RMSNorm a row kernel, attention one launch configuration for every
       step (no split-K for small decode batches). Off by default. See docs/NUMERICS.md.
+    compiler_options: XLA options for the compiled step only, as ``((name, value), ...)`` (e.g.
+      ``(("xla_gpu_enable_triton_gemm", False),)``); ``None`` = the engine's defaults
+      (``runner.DEFAULT_COMPILER_OPTIONS``). Never a global flag.
     scheduling_policy: the order waiting requests are admitted in: ``fcfs`` (arrival order) or
       ``prefix_affinity`` (requests whose prefix is cached or being computed first, so shared prefixes
       are computed once and reused before eviction; a request passed over in more than 8 steps goes
@@ -63,6 +67,7 @@ class EngineConfig:
     compilation_cache: bool = True  # JAX's persistent compilation cache ($JAXPAGED_COMPILE_CACHE)
     async_scheduling: bool = True  # schedule step N+1 while step N runs (see docstring)
     batch_invariant: bool = False  # bitwise batch-independent outputs, at a speed cost (docs/NUMERICS.md)
+    compiler_options: tuple[tuple[str, object], ...] | None = None  # XLA options for the step (see docstring)
     scheduling_policy: str = "fcfs"  # or "prefix_affinity" (see docstring)
 
     def __post_init__(self) -> None:

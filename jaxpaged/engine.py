@@ -9,7 +9,9 @@ blocks, free finished requests.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import os
 import time
 from typing import Sequence as SequenceT
 
@@ -17,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .batch import MIN_SEQS, MIN_TOKENS, bucket, build_step_inputs, padding_step_inputs
+from .batch import MIN_SEQS, MIN_TOKENS, PLACEHOLDER, bucket, build_step_inputs, padding_step_inputs
 from .config import EngineConfig
 from .kv import KVCacheManager, PrefixDivergence, explain_prefix
 from .metrics import EngineMetrics, StepRecord
@@ -25,44 +27,75 @@ from .models.checkpoint import ModelParams
 from .models.qwen import init_kv_pool
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .kernels.backend import resolve_backend
-from .runner import ModelRunner, enable_compilation_cache
+from .inputs import broadcast_sampling_params, parse_prompt, parse_prompts
+from .output_processor import OutputProcessor, RequestState, make_detokenizer
+from .runner import DEFAULT_COMPILER_OPTIONS, ModelRunner, enable_compilation_cache
 from .sampling import SamplingParams
+from .sampling_features import prompt_logprob_positions
 from .scheduler import Scheduler
 from .sequence import Sequence
 
+log = logging.getLogger(__name__)
 
-def get_runner(params: ModelParams, backend: str, batch_invariant: bool = False) -> ModelRunner:
+
+def get_runner(params: ModelParams, backend: str, batch_invariant: bool = False,
+               compiler_options: tuple | None = None) -> ModelRunner:
     """One runner (one jitted step, its compiled shapes) per weights object, backend and numerics mode.
 
     Kept in ``params.derived``, so engines over the same weights share compiled steps, and dropping
     the weights releases the runner (and its executables) with them.
     """
-    key = ("runner", resolve_backend(backend), batch_invariant)
+    options = DEFAULT_COMPILER_OPTIONS if compiler_options is None else tuple(compiler_options)
+    key = ("runner", resolve_backend(backend), batch_invariant, options)
     if key not in params.derived:
-        params.derived[key] = ModelRunner(params.graphdef, backend, batch_invariant)
+        params.derived[key] = ModelRunner(params.graphdef, backend, batch_invariant, dict(options))
     return params.derived[key]
 
 
+CPU_POOL_FRACTION = 0.25  # of the host memory available when the engine starts
+CPU_POOL_CAP_BYTES = 4 << 30  # never more than this on a CPU without num_blocks
+
+
+def available_host_memory() -> int | None:
+    """Bytes of host memory available now (``MemAvailable`` on Linux), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dtype: str) -> int:
-    """Blocks in the pool: ``num_blocks`` if given, else ``memory_fraction`` of free device memory."""
+    """Blocks in the pool: ``num_blocks`` if given; on a GPU ``memory_fraction`` of the free device
+    memory; on a CPU ``CPU_POOL_FRACTION`` of the available host memory, at most ``CPU_POOL_CAP_BYTES``
+    and at most what ``min(max_num_seqs, 16)`` full-length sequences need."""
     cfg = params.config
     bs = config.block_size
     block_bytes = cfg.kv_bytes_per_token(jnp.dtype(dtype).itemsize) * bs
     if config.num_blocks is not None:
-        num_blocks = config.num_blocks
-    else:
-        stats = jax.devices()[0].memory_stats() or {}
-        if "bytes_limit" in stats:
-            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-            num_blocks = int(free * config.memory_fraction // block_bytes)
-        else:  # CPU: no allocator statistics; enough for a modest batch of full-length requests
-            num_blocks = math.ceil(max_model_len / bs) * min(config.max_num_seqs, 16)
+        return config.num_blocks
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        return int(free * config.memory_fraction // block_bytes)
+    enough = math.ceil(max_model_len / bs) * min(config.max_num_seqs, 16)
+    host = available_host_memory()
+    budget = CPU_POOL_CAP_BYTES if host is None else min(int(host * CPU_POOL_FRACTION), CPU_POOL_CAP_BYTES)
+    return max(1, min(enough, budget // block_bytes))
+
+
+def check_pool(num_blocks: int, bs: int, max_model_len: int) -> None:
     if num_blocks * bs < max_model_len:
         raise ValueError(
             f"the KV pool ({num_blocks} blocks x {bs} tokens = {num_blocks * bs} tokens) cannot hold one "
             f"sequence of max_model_len={max_model_len} tokens: raise num_blocks / memory_fraction or "
             f"lower max_model_len")
-    return num_blocks
 
 
 class LLMEngine:
@@ -75,6 +108,10 @@ class LLMEngine:
         self.kv_dtype = config.dtype or params.dtype  # the pool's dtype: the weights' unless set
         self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)
         self.num_blocks = size_pool(params, config, self.max_model_len, self.kv_dtype)
+        if config.max_model_len is None and self.num_blocks * config.block_size < self.max_model_len:
+            # The default max_model_len does not fit the pool (a small CPU host): use what fits.
+            self.max_model_len = self.num_blocks * config.block_size
+        check_pool(self.num_blocks, config.block_size, self.max_model_len)
         self.bytes_per_token = cfg.kv_bytes_per_token(jnp.dtype(self.kv_dtype).itemsize)
         prefix_caching = config.enable_prefix_caching and config.reservation == "paged"
         self.kv = KVCacheManager(self.num_blocks, config.block_size, enable_prefix_caching=prefix_caching,
@@ -86,8 +123,11 @@ class LLMEngine:
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    scheduling_policy=config.scheduling_policy)
         self.kv_pool = init_kv_pool(cfg, self.num_blocks, config.block_size, self.kv_dtype)
+        log.info("KV pool: %d blocks x %d tokens = %d tokens, %.2f GiB %s; max_model_len %d", self.num_blocks,
+                 config.block_size, self.num_blocks * config.block_size,
+                 self.num_blocks * config.block_size * self.bytes_per_token / 2**30, self.kv_dtype, self.max_model_len)
         self.compilation_cache_dir = enable_compilation_cache() if config.compilation_cache else None
-        self.runner = get_runner(params, config.attention_backend, config.batch_invariant)
+        self.runner = get_runner(params, config.attention_backend, config.batch_invariant, config.compiler_options)
         # Compilations are counted per engine: steps compiled by an earlier engine are not ours.
         self._compile_base = (self.runner.compile_seconds, self.runner.num_compiled_shapes)
         # Pallas reads block tables only up to each kv_len: one fixed width, fewer compilations.
@@ -96,42 +136,45 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self._rng = np.random.default_rng(config.seed)
         self._next_id = 0
-        self._requests: dict[str, tuple[Sequence, str | None]] = {}
-        self._first_cached: dict[str, int] = {}
-        self._first_scheduled: dict[str, float] = {}
+        self._requests: dict[str, RequestState] = {}  # unfinished user requests by id
+        self._aborted: list[RequestState] = []  # aborted since the last step (their outputs are due)
+        self._num_feature_requests = 0  # unfinished requests using penalties / min_p / logprobs / ...
+        self._outputs = OutputProcessor(tokenizer)
+        self.scheduler.on_token = self._on_token
         # Async scheduling: the step in flight (its placeholders) and its device output.
-        self._pending: tuple[list, jax.Array] | None = None
+        self._pending: tuple | None = None  # (samples, tokens, aux, prompt logprob rows)
         self._pending_rows: dict[int, int] | None = None
         self._prev_tokens = jnp.zeros(bucket(config.max_num_seqs, MIN_SEQS), jnp.int32)
 
     # ---- requests ------------------------------------------------------------------------------
-    def _tokenize(self, prompt: str | SequenceT[int], rid: str) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"request {rid!r}: a text prompt needs a tokenizer; pass token ids instead")
-            return prompt, self.tokenizer.encode(prompt)
-        return None, [int(t) for t in prompt]
+    def _tokenize(self, prompt, rid: str) -> tuple[str | None, list[int]]:
+        p = parse_prompt(prompt, f"request {rid!r}")
+        if p.token_ids is not None:
+            return p.text, p.token_ids
+        if self.tokenizer is None:
+            raise ValueError(f"request {rid!r}: a text prompt needs a tokenizer; pass token ids instead")
+        return p.text, self.tokenizer.encode(p.text)
 
-    def add_request(self, prompt: str | SequenceT[int], sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None) -> str:
-        """Validates and queues one request; raises ``ValueError`` naming the request and the field.
-
-        A rejected request leaves the engine untouched: everything already queued keeps running.
-        """
-        if request_id is None:
-            while str(self._next_id) in self._requests:  # never take an id a user chose
-                self._next_id += 1
-            rid = str(self._next_id)
+    def _new_request_id(self) -> str:
+        while str(self._next_id) in self._requests:  # never take an id a user chose
             self._next_id += 1
-        else:
-            rid = request_id
-        if rid in self._requests:
+        rid = str(self._next_id)
+        self._next_id += 1
+        return rid
+
+    def _prepare(self, prompt, sampling_params, request_id: str | None, cache_salt=None,
+                 reserved: set[str] = frozenset()) -> RequestState:
+        """Checks one request completely (``TypeError`` / ``ValueError`` naming it) without queueing it."""
+        rid = self._new_request_id() if request_id is None else request_id
+        if not isinstance(rid, str):
+            raise TypeError(f"request_id must be a str, got {type(rid).__name__} {rid!r}")
+        if rid in self._requests or rid in reserved:
             raise ValueError(f"request id {rid!r} is already in use")
-        sp = sampling_params if sampling_params is not None else SamplingParams()
         try:
+            sp = SamplingParams.from_optional(sampling_params)
             sp.validate()
-        except ValueError as err:
-            raise ValueError(f"request {rid!r}: {err}") from None
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"request {rid!r}: {err}") from None
         text, ids = self._tokenize(prompt, rid)
         if not ids:
             raise ValueError(f"request {rid!r}: prompt is empty")
@@ -140,72 +183,147 @@ class LLMEngine:
         if bad:
             raise ValueError(f"request {rid!r}: prompt token id {bad[0][1]} at position {bad[0][0]} is outside "
                              f"the vocabulary [0, {vocab})")
-        if len(ids) + sp.max_tokens > self.max_model_len:
-            raise ValueError(f"request {rid!r}: prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) = "
-                             f"{len(ids) + sp.max_tokens} exceeds max_model_len ({self.max_model_len})")
+        max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len - len(ids)
+        if max_tokens < 1 or len(ids) + max_tokens > self.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = "
+                             f"{len(ids) + max_tokens} exceeds max_model_len ({self.max_model_len})")
         budget = self.config.max_num_batched_tokens
-        if not self.config.enable_chunked_prefill and len(ids) + sp.max_tokens > budget:
+        if not self.config.enable_chunked_prefill and len(ids) + max_tokens > budget:
             # Without chunking a prompt (or, after a preemption, prompt + output) is computed in one
             # step, so it must fit the step's token budget or it would never be scheduled.
-            raise ValueError(f"request {rid!r}: prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) = "
-                             f"{len(ids) + sp.max_tokens} exceeds max_num_batched_tokens ({budget}), and "
+            raise ValueError(f"request {rid!r}: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = "
+                             f"{len(ids) + max_tokens} exceeds max_num_batched_tokens ({budget}), and "
                              f"chunked prefill is off: enable it, raise the budget or shorten the request")
-        if sp.seed is None:  # a private stream, so batching never changes this request's samples
-            sp = dataclasses.replace(sp, seed=int(self._rng.integers(0, 2**31 - 1)))
-        seq = Sequence(rid, ids, sampling_params=sp, cache_salt=cache_salt)
-        self._requests[rid] = (seq, text)
-        self.scheduler.add(seq)
-        return rid
+        for name in ("stop_token_ids",):
+            bad_ids = [t for t in getattr(sp, name) or () if t >= vocab]
+            if bad_ids:
+                raise ValueError(f"request {rid!r}: SamplingParams.{name} holds {bad_ids[0]}, outside the "
+                                 f"vocabulary [0, {vocab})")
+        if sp.stop and self.tokenizer is None:
+            raise ValueError(f"request {rid!r}: stop strings need a tokenizer (use stop_token_ids)")
+        state = RequestState(rid, text, ids, sp)
+        if sp.prompt_logprobs is not None:
+            # Cached prompt blocks would skip their logprobs (vLLM: such requests do not read the
+            # prefix cache): a private cache root, so only this request's own blocks can hit.
+            cache_salt = ("prompt_logprobs", rid, cache_salt)
+        for i in range(sp.n):
+            # A private PRNG stream per sample: seed + i (vLLM), or a fresh engine draw.
+            seed = sp.seed + i if sp.seed is not None else int(self._rng.integers(0, 2**31 - 1))
+            child_sp = dataclasses.replace(sp, n=1, seed=seed, max_tokens=max_tokens)
+            seq = Sequence(rid if sp.n == 1 else f"{i}_{rid}", ids, sampling_params=child_sp, cache_salt=cache_salt)
+            seq.parent, seq.index = state, i
+            seq.detokenizer = make_detokenizer(self.tokenizer, child_sp, len(ids))
+            if sp.logprobs is not None:
+                seq.logprobs = []
+            if sp.prompt_logprobs is not None:
+                seq.prompt_logprobs = {}
+            state.seqs.append(seq)
+        state.sent_tokens, state.sent_chars, state.sent_finished = [0] * sp.n, [0] * sp.n, [False] * sp.n
+        return state
+
+    def _queue(self, state: RequestState) -> str:
+        self._requests[state.request_id] = state
+        # (counted from a sample's params: a private copy, so a user mutating theirs cannot skew it)
+        self._num_feature_requests += state.seqs[0].sampling_params.uses_device_features
+        for seq in state.seqs:  # the n samples of a prompt arrive together: the first computes the prompt,
+            self.scheduler.add(seq)  # the others wait one step and take its blocks from the prefix cache
+        return state.request_id
+
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+        """Validates and queues one request; raises ``TypeError`` / ``ValueError`` naming the request
+        and the field. A rejected request leaves the engine untouched: everything queued keeps running.
+
+        ``prompt``: text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``.
+        """
+        return self._queue(self._prepare(prompt, sampling_params, request_id, cache_salt))
+
+    def add_requests(self, prompts, sampling_params=None) -> list[str]:
+        """Checks every prompt first, then queues them all: a bad one leaves nothing queued."""
+        parsed = parse_prompts(prompts)
+        sps = broadcast_sampling_params(sampling_params, len(parsed), SamplingParams)
+        states, reserved = [], set()
+        for i, (p, sp) in enumerate(zip(parsed, sps)):
+            prompt = p.text if p.token_ids is None else p.token_ids
+            try:
+                state = self._prepare(prompt, sp, None, reserved=reserved)
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"prompt {i}: {err}") from None
+            reserved.add(state.request_id)
+            states.append(state)
+        return [self._queue(st) for st in states]
 
     def abort_request(self, request_id: str) -> None:
-        """Withdraws a queued or running request, releasing its blocks. Its output is never returned."""
+        """Withdraws a queued or running request (all its samples), releasing its blocks. The next
+        ``step()`` returns its output with ``finish_reason == "abort"``."""
         if request_id not in self._requests:
             raise KeyError(f"no unfinished request with id {request_id!r}")
-        seq, _ = self._requests.pop(request_id)
-        self.scheduler.abort(seq)
-        self._first_cached.pop(request_id, None)
-        self._first_scheduled.pop(request_id, None)
+        state = self._requests.pop(request_id)
+        self._num_feature_requests -= state.seqs[0].sampling_params.uses_device_features
+        for seq in state.seqs:
+            if not seq.is_finished:
+                self.scheduler.abort(seq)
+            if seq.token_ids[-1] == PLACEHOLDER:  # its token is still on the device: drop it
+                seq.token_ids.pop()
+                seq.finish_reason = "abort"  # (also tells resolve() to skip it)
+        self._aborted.append(state)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._pending is not None
+        return self.scheduler.has_unfinished() or self._pending is not None or bool(self._aborted)
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one engine iteration; returns the requests that finished in it.
+        """Runs one engine iteration; returns the outputs it produced: finished requests, aborted
+        ones, and, for requests that stream (``output_kind`` CUMULATIVE / DELTA), new tokens.
 
         With ``async_scheduling`` the step is dispatched before the previous step's tokens are read
         back: the device fills the placeholder tokens in from the previous output, and the host's
         scheduling and bookkeeping overlap the device's work. Outputs are the same either way.
         """
         t0 = time.perf_counter()
+        aborted, self._aborted = self._aborted, []
+        outputs = [o for o in map(self._outputs.make_output, aborted) if o is not None]
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            finished = self._resolve_pending()
-            if not finished and self.scheduler.has_unfinished():
+            touched = self._resolve_pending()
+            if not touched and not aborted and self.scheduler.has_unfinished():
                 raise RuntimeError("no request could be scheduled although some are waiting (pool exhausted)")
-            return [self._output(seq) for seq in finished]
+            return outputs + self._make_outputs(touched)
         now = time.monotonic()
         for seq, _ in scheduled:
-            if seq.request_id not in self._first_scheduled:
-                self._first_scheduled[seq.request_id] = now
-                self._first_cached[seq.request_id] = seq.num_cached_tokens
+            state = seq.parent
+            if state.first_scheduled is None:
+                state.first_scheduled = now
+                state.num_cached_tokens = seq.num_cached_tokens
         num_decode = sum(1 for seq, n in scheduled if n == 1 and seq.num_output_tokens > 0)
         num_tokens = sum(n for _, n in scheduled)
         inputs = build_step_inputs(scheduled, self.kv.tables, self.config.block_size, width=self._table_width,
-                                   max_seqs=self.config.max_num_seqs, prev_rows=self._pending_rows)
+                                   max_seqs=self.config.max_num_seqs, prev_rows=self._pending_rows,
+                                   eos_token_ids=self.params.config.eos_token_id,
+                                   maybe_features=self._num_feature_requests > 0)
+        prompt_rows = prompt_logprob_positions(scheduled) if inputs.features.prompt_logprobs >= 0 else []
         t1 = time.perf_counter()
         tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs, self._prev_tokens)
+        aux = None
+        if isinstance(tokens, tuple):  # a logprobs variant: (tokens, aux arrays)
+            tokens, aux = tokens
         if self.config.async_scheduling:
-            finished = self._resolve_pending()  # the previous step's tokens: ready, or nearly
+            touched = self._resolve_pending()  # the previous step's tokens: ready, or nearly
             t2 = time.perf_counter()
+            outputs += self._make_outputs(touched)  # before advance() books new placeholders
             samples = self.scheduler.advance(scheduled)
-            self._pending = (samples, tokens)
+            self._pending = (samples, tokens, aux, prompt_rows)
             self._pending_rows = {id(seq): row for row, seq, _ in samples}
             self._prev_tokens = tokens
         else:
             host_tokens = np.asarray(tokens)[: len(scheduled)]
             t2 = time.perf_counter()
+            samples = [(row, seq, len(seq.token_ids)) for row, (seq, n) in enumerate(scheduled)
+                       if seq.num_computed_tokens + n == len(seq.token_ids)]
             finished = self.scheduler.postprocess(scheduled, host_tokens)
+            del finished  # every finished sequence sampled in this step: it is in ``samples``
+            self._record_logprobs(samples, aux, prompt_rows)
+            outputs += self._make_outputs([seq for _, seq, _ in samples])
         self.metrics.host_seconds += t1 - t0
         self.metrics.device_seconds += t2 - t1
         kv = self.kv
@@ -217,29 +335,58 @@ class LLMEngine:
             kv_bytes_in_use=used * self.config.block_size * self.bytes_per_token,
             block_utilisation=kv.block_utilisation(), seconds=time.perf_counter() - t0))
         self.metrics.host_seconds += time.perf_counter() - t2
-        return [self._output(seq) for seq in finished]
+        return outputs
 
     def _resolve_pending(self) -> list[Sequence]:
-        """Reads back the step in flight (async scheduling) and fills its placeholder tokens."""
+        """Reads back the step in flight (async scheduling) and fills its placeholder tokens. Returns
+        the sequences that got a token."""
         if self._pending is None:
             return []
-        samples, tokens = self._pending
+        samples, tokens, aux, prompt_rows = self._pending
         self._pending, self._pending_rows = None, None
-        if not samples:
+        if not samples and not prompt_rows:
             return []
-        return self.scheduler.resolve(samples, np.asarray(tokens))
+        self.scheduler.resolve(samples, np.asarray(tokens))
+        live = [(row, seq, pos) for row, seq, pos in samples if seq.finish_reason != "abort"]
+        self._record_logprobs(live, aux, [r for r in prompt_rows if r[1].finish_reason != "abort"])
+        return [seq for _, seq, _ in live]
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        rid = seq.request_id
-        _, text = self._requests.pop(rid)
-        out_ids = seq.output_token_ids
-        out_text = self.tokenizer.decode(out_ids) if self.tokenizer is not None else ""
-        return RequestOutput(
-            request_id=rid, prompt=text, prompt_token_ids=seq.prompt_token_ids,
-            outputs=[CompletionOutput(0, out_text, out_ids, seq.finish_reason)], finished=True,
-            num_cached_tokens=self._first_cached.pop(rid, 0),
-            metrics=RequestMetrics(seq.arrival_time, self._first_scheduled.pop(rid, None),
-                                   seq.first_token_time, seq.finish_time))
+    def _record_logprobs(self, samples, aux, prompt_rows) -> None:
+        """Keeps the logprobs of the sampled tokens (``samples``: ``(row, seq, _)``) and of prompt
+        positions (``prompt_rows``: ``(row, seq, position)``, in the step's order)."""
+        if aux is None:
+            return
+        if "logprobs" in aux and samples:
+            lp = {k: np.asarray(v) for k, v in aux["logprobs"].items()}
+            for row, seq, _ in samples:
+                if seq.logprobs is not None:
+                    seq.logprobs.append((float(lp["token"][row]), int(lp["rank"][row]), lp["ids"][row], lp["values"][row]))
+        if "prompt_logprobs" in aux and prompt_rows:
+            plp = {k: np.asarray(v) for k, v in aux["prompt_logprobs"].items()}
+            for j, (_, seq, pos) in enumerate(prompt_rows):
+                seq.prompt_logprobs.setdefault(pos, (float(plp["token"][j]), int(plp["rank"][j]), plp["ids"][j],
+                                                     plp["values"][j]))
+
+    def _on_token(self, seq: Sequence) -> str | None:
+        """The scheduler's per-token hook: grows the detokenized text, returns a stop string it ended on."""
+        d = seq.detokenizer
+        return None if d is None else d.add_token(seq.token_ids)
+
+    def _make_outputs(self, touched: list[Sequence]) -> list[RequestOutput]:
+        """Outputs for the requests whose sequences got tokens or finished this step, in order."""
+        outs, seen = [], set()
+        for seq in touched:
+            state = seq.parent
+            if id(state) in seen or state.request_id not in self._requests or self._requests[state.request_id] is not state:
+                continue
+            seen.add(id(state))
+            out = self._outputs.make_output(state)
+            if out is not None:
+                outs.append(out)
+            if state.finished:
+                del self._requests[state.request_id]
+                self._num_feature_requests -= state.seqs[0].sampling_params.uses_device_features
+        return outs
 
     def warmup(self, use_tqdm: bool = True) -> float:
         """Compiles the step for every token bucket up to ``max_num_batched_tokens`` ahead of time.

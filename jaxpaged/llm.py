@@ -1,34 +1,43 @@
-"""The user-facing entry points: ``LLM`` (vLLM-style class), ``generate`` (functional) and
-``run_to_completion`` (queue prompts on an engine and step it until they finish)."""
+"""The user-facing entry points: ``LLM`` (vLLM-style class: generate, chat, streaming, abort),
+``generate`` (functional) and ``run_to_completion`` (queue prompts on an engine, step until done)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 from pathlib import Path
+from typing import Iterator
 
 from .config import EngineConfig
 from .engine import LLMEngine
 from .kv import PrefixDivergence
 from .models.checkpoint import ModelParams, load_params
+from .models.hub import resolve_model_path
 from .outputs import RequestOutput
-from .sampling import SamplingParams
+from .sampling import RequestOutputKind, SamplingParams
 from .tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+FINAL, DELTA = RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _with_kind(sampling_params, kind: RequestOutputKind):
+    """The sampling params (one or a list) with ``output_kind`` set; ``None`` stays ``None``."""
+    def one(sp):
+        sp = SamplingParams.from_optional(sp)
+        return sp if sp.output_kind is kind else dataclasses.replace(sp, output_kind=kind)
+    if isinstance(sampling_params, (list, tuple)):
+        return [one(sp) for sp in sampling_params]
+    return one(sampling_params)
 
 
 def run_to_completion(engine: LLMEngine, prompts, sampling_params, use_tqdm: bool = False) -> list[RequestOutput]:
-    """Queues all prompts (validating every one first), steps until done, returns outputs in order."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-    if len(sps) != len(prompts):
-        raise ValueError(f"got {len(sps)} sampling params for {len(prompts)} prompts")
-    rids: list[str] = []
-    try:
-        for p, sp in zip(prompts, sps):
-            rids.append(engine.add_request(p, sp))
-    except BaseException:
-        for rid in rids:  # all or nothing: withdraw the requests queued before the bad one
-            engine.abort_request(rid)
-        raise
+    """Queues all prompts (checking every one first: a bad one queues nothing), steps until they
+    finish, returns their final outputs in input order."""
+    rids = engine.add_requests(prompts, _with_kind(sampling_params, FINAL))
+    wanted = set(rids)
     results: dict[str, RequestOutput] = {}
     bar = None
     if use_tqdm:
@@ -37,25 +46,117 @@ def run_to_completion(engine: LLMEngine, prompts, sampling_params, use_tqdm: boo
         bar = tqdm(total=len(rids), desc="generate", unit="req")
     while engine.has_unfinished_requests():
         for out in engine.step():
-            results[out.request_id] = out
-            if bar is not None:
-                bar.update(1)
+            if out.finished and out.request_id in wanted:
+                results[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
     if bar is not None:
         bar.close()
     return [results[r] for r in rids]
 
 
+def stream(engine: LLMEngine, prompts, sampling_params, output_kind: RequestOutputKind = DELTA) -> Iterator[RequestOutput]:
+    """Queues all prompts and yields their outputs as the engine produces them (``DELTA``: only what
+    is new in each; ``CUMULATIVE``: everything so far). Closing the iterator early aborts the rest."""
+    rids = engine.add_requests(prompts, _with_kind(sampling_params, output_kind))
+    pending = set(rids)
+    try:
+        while pending and engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id in pending:
+                    if out.finished:
+                        pending.discard(out.request_id)
+                    yield out
+    finally:
+        for rid in pending:
+            try:
+                engine.abort_request(rid)
+            except KeyError:
+                pass
+
+
+def default_sampling_params(model_path: Path) -> SamplingParams:
+    """vLLM's defaults from the checkpoint's ``generation_config.json`` (temperature, top_p, top_k,
+    min_p, repetition_penalty; ``max_new_tokens`` is ignored, as vLLM does)."""
+    path = Path(model_path) / "generation_config.json"
+    if not path.is_file():
+        return SamplingParams()
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        log.warning("%s is not valid JSON (%s): using SamplingParams() defaults", path, err)
+        return SamplingParams()
+    chosen = {k: raw[k] for k in GENERATION_CONFIG_KEYS if raw.get(k) is not None}
+    if chosen.get("top_k") == 0:
+        chosen["top_k"] = -1
+    try:
+        return SamplingParams(**chosen)
+    except (TypeError, ValueError) as err:
+        log.warning("%s: unusable sampling defaults (%s): using SamplingParams() defaults", path, err)
+        return SamplingParams()
+
+
 class LLM:
-    """vLLM-style entry point: ``LLM(path, **engine_config).generate(prompts, SamplingParams(...))``."""
+    """vLLM-style entry point: ``LLM(path_or_hub_id, **engine_config).generate(prompts, SamplingParams(...))``.
+
+    ``model``: a Hugging Face checkpoint folder, or a Hub id already in the local Hugging Face cache
+    (``huggingface-cli download Qwen/Qwen3-0.6B`` first). Without sampling params, ``generate`` and
+    ``chat`` use the checkpoint's ``generation_config.json`` defaults, as vLLM does.
+    """
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", cache_dir: str | None = None, **config):
-        self.params = load_params(model, dtype, cache_dir=cache_dir)
-        self.tokenizer = load_tokenizer(model)
+        self.model_path = resolve_model_path(model)
+        self.params = load_params(self.model_path, dtype, cache_dir=cache_dir)
+        self.tokenizer = load_tokenizer(self.model_path)
         self.engine = LLMEngine(self.params, EngineConfig(**config), self.tokenizer)
+        self.default_sampling_params = default_sampling_params(self.model_path)
+        e = self.engine
+        print(f"jaxpaged: KV pool {e.num_blocks} blocks x {e.config.block_size} tokens "
+              f"({e.num_blocks * e.config.block_size} tokens, {e.stats()['kv_pool_bytes'] / 2**30:.2f} GiB "
+              f"{e.kv_dtype}), max_model_len {e.max_model_len}")
+
+    def _sp(self, sampling_params):
+        return self.default_sampling_params if sampling_params is None else sampling_params
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        return run_to_completion(self.engine, prompts, sampling_params, use_tqdm)
+        """Final outputs in prompt order. ``prompts``: a str, a list of token ids, a
+        ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` dict, or a list of these."""
+        return run_to_completion(self.engine, prompts, self._sp(sampling_params), use_tqdm)
+
+    def generate_stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                        output_kind: RequestOutputKind = DELTA) -> Iterator[RequestOutput]:
+        """Yields outputs while they are generated: with ``DELTA`` (default) each holds the new text and
+        tokens of one request since its previous output; the last one of a request has ``finished``."""
+        return stream(self.engine, prompts, self._sp(sampling_params), output_kind)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True, use_tqdm: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generates replies to one conversation (a list of ``{"role", "content"}`` dicts) or a list of
+        conversations, formatted by the tokenizer's chat template (or ``chat_template``)."""
+        prompts = self.chat_prompts(messages, chat_template, add_generation_prompt, chat_template_kwargs)
+        return run_to_completion(self.engine, prompts, self._sp(sampling_params), use_tqdm)
+
+    def chat_prompts(self, messages, chat_template: str | None = None, add_generation_prompt: bool = True,
+                     chat_template_kwargs: dict | None = None) -> list[str]:
+        """The prompt text of each conversation (what ``chat`` generates from)."""
+        if self.tokenizer is None:
+            raise ValueError("chat() needs the checkpoint's tokenizer (tokenizer.json)")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError(f"messages must be a non-empty list of {{'role', 'content'}} dicts (one conversation) "
+                            f"or a list of such lists, got {messages!r:.80}")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        for i, conv in enumerate(conversations):
+            if not isinstance(conv, (list, tuple)) or not all(
+                    isinstance(m, dict) and "role" in m and "content" in m for m in conv):
+                raise TypeError(f"conversation {i}: must be a list of dicts with 'role' and 'content'")
+        return [self.tokenizer.apply_chat_template(list(c), chat_template, add_generation_prompt,
+                                                   **(chat_template_kwargs or {})) for c in conversations]
+
+    def abort(self, request_id: str) -> None:
+        """Withdraws a request added through ``llm.engine``; ``KeyError`` if no such unfinished request."""
+        self.engine.abort_request(request_id)
 
     def stats(self) -> dict:
         return self.engine.stats()
@@ -67,6 +168,7 @@ class LLM:
 def generate(params: ModelParams, prompts, config: EngineConfig | None = None,
              sampling_params: SamplingParams | list[SamplingParams] | None = None, tokenizer=None,
              use_tqdm: bool = False) -> list[RequestOutput]:
-    """Functional form: a fresh engine (pool) over ``params``; compiled steps are reused across calls."""
+    """Functional form: a fresh engine (pool) over ``params``; compiled steps are reused across calls.
+    Text prompts need ``tokenizer=jaxpaged.load_tokenizer(path)``."""
     engine = LLMEngine(params, config, tokenizer)
     return run_to_completion(engine, prompts, sampling_params, use_tqdm)

@@ -1,4 +1,9 @@
-"""vLLM-shaped results: ``RequestOutput`` with ``CompletionOutput``s and per-request timing metrics."""
+"""vLLM-shaped results: ``RequestOutput`` with ``CompletionOutput``s and per-request timing metrics.
+
+Logprobs have vLLM's shape: per position a dict ``token_id -> Logprob(logprob, rank, decoded_token)``
+holding the top-k tokens and the sampled (or, for the prompt, the actual next) token; ``rank`` is
+1-based (1 = most likely). ``prompt_logprobs[0]`` is ``None`` (the first token has no context).
+"""
 
 from __future__ import annotations
 
@@ -6,13 +11,33 @@ import dataclasses
 
 
 @dataclasses.dataclass
+class Logprob:
+    """One token's log-probability under the model's distribution, its rank and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclasses.dataclass
 class CompletionOutput:
-    """One generated completion (jaxpaged generates one per request: ``n == 1``)."""
+    """One generated completion (``index`` in ``0..n-1``). In a ``DELTA`` output, ``text``,
+    ``token_ids`` and ``logprobs`` hold only what is new since the previous output."""
 
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS or a stop token), "length" (max_tokens / max_model_len)
+    finish_reason: str | None  # "stop" (EOS, stop token/string), "length", "abort"; None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclasses.dataclass
@@ -41,3 +66,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int  # prompt tokens served from the prefix cache at (first) admission
     metrics: RequestMetrics
+    prompt_logprobs: PromptLogprobs | None = None

@@ -22,8 +22,13 @@ from .batch import StepInputs
 from .kernels.backend import get_attention_fn, get_model_ops, resolve_backend
 from .kernels.kv_write import write_kv
 from .models.qwen import DEFAULT_OPS, KVPool, ModelOps
-from .sampling import sample
+from .sampling_features import sample_step
 from .transfer import pack, unpack
+
+
+# XLA options the engine compiles its step with (per executable, never a global flag). Empty until a
+# whole-workload measurement shows an option helps (benchmarks/RESULTS.md, exp_xla_flags.py).
+DEFAULT_COMPILER_OPTIONS: tuple[tuple[str, object], ...] = ()
 
 
 def enable_compilation_cache(cache_dir: str | Path | None = None) -> str | None:
@@ -52,16 +57,17 @@ def make_step_fn(graphdef: nnx.GraphDef, attention_fn: Callable, write_kv_fn: Ca
              prev_tokens: jax.Array) -> tuple[jax.Array, KVPool]:
         """``prev_tokens i32[R]``: the previous step's output (fills placeholder tokens in).
         Returns ``(tokens i32[R], kv_pool)``: this step's samples in rows ``0..S-1``, zeros after, so
-        every step's output has one shape and can feed the next step without a host round trip."""
+        every step's output has one shape and can feed the next step without a host round trip. In a
+        logprobs variant (``inputs.features``) the first item is ``(tokens, aux)`` instead."""
         model = nnx.merge(graphdef, state)
         prev = prev_tokens[jnp.maximum(inputs.prev_index, 0)]
         token_ids = jnp.where(inputs.prev_index >= 0, prev, inputs.token_ids)
         hidden, kv_pool = model(token_ids, inputs.positions, kv_pool, inputs.meta,
                                 attention_fn=attention_fn, write_kv_fn=write_kv_fn, ops=ops)
-        logits = model.compute_logits(hidden[inputs.logits_indices], ops)  # [S, V] fp32
-        tokens = sample(logits, inputs.temperature, inputs.top_k, inputs.top_p, inputs.seeds, inputs.counters,
-                        inputs.sampling_mode, batch_invariant=batch_invariant)
-        return jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens), kv_pool
+        # Logits at the sampled positions, then the sampler (plus penalties / logprobs in their variants).
+        tokens, aux = sample_step(hidden, lambda h: model.compute_logits(h, ops), inputs, token_ids, batch_invariant)
+        out = jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens)
+        return ((out, aux) if aux else out), kv_pool
 
     return step
 
@@ -131,7 +137,7 @@ class ModelRunner:
         if shape_key not in self._shapes_seen:
             t0 = time.perf_counter()
             tokens, kv_pool = jitted(leaves, kv_pool, packed, prev_tokens, layout)
-            tokens.block_until_ready()
+            jax.block_until_ready(tokens)
             self.compile_seconds += time.perf_counter() - t0
             self._shapes_seen.add(shape_key)
             return tokens, kv_pool

@@ -10,47 +10,13 @@ depends on the vocabulary size only (:func:`fixed_order_sum`, ``lax.associative_
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from .kernels.shapes import next_pow2
-
-
-@dataclasses.dataclass
-class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature == 0`` is greedy."""
-
-    temperature: float = 1.0
-    top_k: int = -1  # -1 or 0: no top-k filter
-    top_p: float = 1.0
-    max_tokens: int = 16
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Raises ``ValueError`` naming the field for any value the sampler cannot honour."""
-        t = self.temperature
-        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {t!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"SamplingParams.top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
-        p = self.top_p
-        if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {p!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"SamplingParams.seed must be a non-negative integer or None, got {self.seed!r}")
-        if self.stop_token_ids is not None and not all(isinstance(x, int) for x in self.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+from .sampling_params import RequestOutputKind, SamplingParams  # noqa: F401  (re-exported)
 
 
 def fixed_order_sum(x: jax.Array) -> jax.Array:
@@ -90,6 +56,15 @@ def _filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
     return jnp.where(wants & (logits < threshold), -jnp.inf, logits)
 
 
+def apply_min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
+    """``scaled f32[S, V]`` (temperature applied) -> the same with tokens of probability below
+    ``min_p[s] * max probability`` masked to -inf. ``p_i >= m * p_max`` is ``l_i - l_max >= log m``:
+    no softmax (and no sum over the vocabulary) needed. ``min_p == 0`` leaves a row unchanged."""
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    keep = (scaled - top) >= jnp.log(jnp.maximum(min_p, 1e-30))[:, None]
+    return jnp.where(keep | (min_p <= 0)[:, None], scaled, -jnp.inf)
+
+
 SAMPLING_MODES = ("random", "filtered")
 
 
@@ -108,7 +83,7 @@ def sampling_mode(temperature: Sequence[float], top_k: Sequence[int], top_p: Seq
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
            seeds: jax.Array, counters: jax.Array, mode: str = "filtered",
-           batch_invariant: bool = False) -> jax.Array:
+           batch_invariant: bool = False, min_p: jax.Array | None = None) -> jax.Array:
     """Picks one token per row. ``logits f32[S, V]``; per-row ``temperature f32``, ``top_k i32``,
     ``top_p f32``, ``seeds u32``, ``counters i32`` (tokens generated so far). Returns ``i32[S]``.
 
@@ -117,11 +92,16 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     :func:`sampling_mode`): ``random`` skips the top-k / top-p sort, which no row of such a step
     needs; the filter changes only the rows that ask for it, so both modes give the same tokens for
     every other row. ``batch_invariant`` (static): fixed-order sums in the top-p filter.
+    ``min_p f32[S]`` (optional: only the min-p step variant passes it): after the temperature, drops
+    tokens whose probability is below ``min_p`` times the row's largest (vLLM's order: temperature,
+    min-p, top-k / top-p). Per row, no reduction across rows.
     """
     if mode not in SAMPLING_MODES:
         raise ValueError(f"sampling mode must be one of {SAMPLING_MODES}, got {mode!r}")
     logits = logits.astype(jnp.float32)
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    if min_p is not None:
+        scaled = apply_min_p(scaled, min_p)
     if mode == "filtered":
         scaled = _filter_top_k_top_p(scaled, top_k, top_p, batch_invariant)
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)

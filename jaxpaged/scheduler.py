@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -54,6 +55,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.enable_chunked_prefill = enable_chunked_prefill
+        # Called once per sampled token once it is known (the engine's detokenizer): returns a stop
+        # string the token completed, or None. Stop conditions all wait for ``min_tokens``.
+        self.on_token: Callable[[Sequence], str | None] | None = None
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
@@ -260,16 +264,26 @@ class Scheduler:
         return finished
 
     def _is_stop(self, seq: Sequence, token: int) -> bool:
+        """True if ``token`` (just placed at the end of ``seq``'s known tokens) ends it; records why in
+        ``seq.stop_reason`` (vLLM's: the stop token id or string; None for EOS). Call once per token."""
         sp = seq.sampling_params
-        return (not sp.ignore_eos and token in self.eos_token_ids) or bool(sp.stop_token_ids and token in sp.stop_token_ids)
+        stop_str = self.on_token(seq) if self.on_token is not None else None
+        if sp.min_tokens and seq.num_output_tokens < sp.min_tokens:
+            return False
+        if not sp.ignore_eos and token in self.eos_token_ids:
+            return True
+        if sp.stop_token_ids and token in sp.stop_token_ids:
+            seq.stop_reason = token
+            return True
+        if stop_str is not None:
+            seq.stop_reason = stop_str
+            return True
+        return False
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        sp = seq.sampling_params
-        if not sp.ignore_eos and token in self.eos_token_ids:
+        if self._is_stop(seq, token):
             return "stop"
-        if sp.stop_token_ids and token in sp.stop_token_ids:
-            return "stop"
-        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 

@@ -36,6 +36,9 @@ class Sequence:
         "request_id", "token_ids", "num_prompt_tokens", "block_table_row", "num_cached_tokens",
         "num_computed_tokens", "status", "finish_reason", "sampling_params", "cache_salt",
         "arrival_time", "first_token_time", "finish_time",
+        # Output side (engine / output processor): the user request this sequence is sample ``index`` of,
+        # what stopped it (a stop token id or string), its incremental detokenizer, and its logprobs.
+        "parent", "index", "stop_reason", "detokenizer", "logprobs", "prompt_logprobs",
     )
 
     def __init__(
@@ -59,6 +62,12 @@ class Sequence:
         self.arrival_time: float = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        self.parent = None
+        self.index = 0
+        self.stop_reason: int | str | None = None
+        self.detokenizer = None
+        self.logprobs: list | None = None  # one raw entry per output token (engine)
+        self.prompt_logprobs: dict | None = None  # prompt position -> raw entry (engine)
 
     # ---- tokens --------------------------------------------------------------------------------
     @property

@@ -1,30 +1,81 @@
-"""The checkpoint's tokenizer (``tokenizer.json``), through the fast ``tokenizers`` library."""
+"""The checkpoint's tokenizer (``tokenizer.json``, fast ``tokenizers`` library) and its chat template.
+
+The chat template comes from ``tokenizer_config.json`` (``chat_template``) or ``chat_template.jinja``
+and is rendered by transformers' ``apply_chat_template`` (the same Jinja environment Hugging Face and
+vLLM use), so an instruct checkpoint's prompts are formatted exactly as it was trained.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+from .models.config import CheckpointError
 
 
 class Tokenizer:
-    """Text <-> token ids; special tokens are skipped when decoding."""
+    """Text <-> token ids; special tokens are skipped when decoding unless asked otherwise."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, chat_template: str | None = None):
         from tokenizers import Tokenizer as _Tokenizer
 
-        self._tok = _Tokenizer.from_file(str(path))
+        try:
+            self._tok = _Tokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises a bare Exception for a bad file
+            raise CheckpointError(f"{path}: cannot be read as a tokenizer ({err})") from err
+        self.chat_template = chat_template
+        self._hf = None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    def apply_chat_template(self, conversation: list[dict], chat_template: str | None = None,
+                            add_generation_prompt: bool = True, **kwargs) -> str:
+        """The prompt text for ``conversation`` (a list of ``{"role", "content"}`` dicts)."""
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError("this tokenizer has no chat template (no 'chat_template' in tokenizer_config.json "
+                             "nor chat_template.jinja): pass chat_template=... to chat()")
+        if self._hf is None:
+            from transformers import PreTrainedTokenizerFast
+
+            self._hf = PreTrainedTokenizerFast(tokenizer_object=self._tok)
+        return self._hf.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                            add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+def _read_chat_template(folder: Path) -> str | None:
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    cfg = folder / "tokenizer_config.json"
+    if not cfg.is_file():
+        return None
+    try:
+        template = json.loads(cfg.read_text()).get("chat_template")
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{cfg} is not valid JSON: {err}") from err
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
+    return template
+
 
 def load_tokenizer(model_path: str | Path) -> Tokenizer | None:
-    """The tokenizer of a checkpoint folder, or ``None`` if it has no ``tokenizer.json``."""
-    path = Path(model_path) / "tokenizer.json"
-    return Tokenizer(path) if path.is_file() else None
+    """The tokenizer of a checkpoint folder (with its chat template), or ``None`` if it has no
+    ``tokenizer.json``. Accepts a Hub id whose files are in the local Hugging Face cache."""
+    from .models.hub import resolve_model_path
+
+    folder = resolve_model_path(model_path)
+    path = folder / "tokenizer.json"
+    return Tokenizer(path, _read_chat_template(folder)) if path.is_file() else None

@@ -18,6 +18,7 @@ from jax import lax
 
 from .batch import StepInputs
 from .kernels.metadata import AttentionMetadata
+from .sampling_features import NO_FEATURES, FeatureInputs, SamplerFeatures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,7 @@ class StepLayout:
     num_seqs: int
     width: int
     sampling_mode: str
+    features: SamplerFeatures = NO_FEATURES  # penalties / min_p / logprobs variant (sampling_features)
 
     def fields(self) -> tuple[tuple[str, tuple[int, ...], np.dtype], ...]:
         """``(name, shape, dtype)`` in buffer order."""
@@ -37,12 +39,14 @@ class StepLayout:
                 ("prev_index", (t,), i32), ("cu_q_lens", (s + 1,), i32), ("kv_lens", (s,), i32),
                 ("logits_indices", (s,), i32), ("temperature", (s,), f32), ("top_k", (s,), i32),
                 ("top_p", (s,), f32), ("seeds", (s,), u32), ("counters", (s,), i32),
-                ("block_tables", (s, self.width), i32))
+                ("block_tables", (s, self.width), i32)) + (self.features.fields(s) if self.features else ())
 
 
 def _flat_fields(inputs: StepInputs) -> dict[str, np.ndarray]:
     m = inputs.meta
-    return dict(token_ids=inputs.token_ids, positions=inputs.positions, slot_mapping=m.slot_mapping,
+    x = inputs.extras
+    extras = {f.name: getattr(x, f.name) for f in dataclasses.fields(x)} if x is not None else {}
+    return extras | dict(token_ids=inputs.token_ids, positions=inputs.positions, slot_mapping=m.slot_mapping,
                 prev_index=inputs.prev_index, cu_q_lens=m.cu_q_lens, kv_lens=m.kv_lens,
                 logits_indices=inputs.logits_indices, temperature=inputs.temperature, top_k=inputs.top_k,
                 top_p=inputs.top_p, seeds=inputs.seeds, counters=inputs.counters, block_tables=m.block_tables)
@@ -51,7 +55,7 @@ def _flat_fields(inputs: StepInputs) -> dict[str, np.ndarray]:
 def pack(inputs: StepInputs) -> tuple[np.ndarray, StepLayout]:
     """Host side: the step's numpy arrays as one ``i32[N]`` buffer, and its static layout."""
     t, (s, w) = inputs.token_ids.shape[0], inputs.meta.block_tables.shape
-    layout = StepLayout(t, s, w, inputs.sampling_mode)
+    layout = StepLayout(t, s, w, inputs.sampling_mode, inputs.features)
     arrays = _flat_fields(inputs)
     parts = []
     for name, shape, dtype in layout.fields():
@@ -72,4 +76,7 @@ def unpack(buffer: jax.Array, layout: StepLayout) -> StepInputs:
         start += size
     meta = AttentionMetadata(slot_mapping=out.pop("slot_mapping"), cu_q_lens=out.pop("cu_q_lens"),
                              kv_lens=out.pop("kv_lens"), block_tables=out.pop("block_tables"))
-    return StepInputs(meta=meta, sampling_mode=layout.sampling_mode, **out)
+    extras = None
+    if layout.features:
+        extras = FeatureInputs(**{f.name: out.pop(f.name) for f in dataclasses.fields(FeatureInputs)})
+    return StepInputs(meta=meta, sampling_mode=layout.sampling_mode, extras=extras, features=layout.features, **out)

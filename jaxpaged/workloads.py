@@ -87,6 +87,19 @@ def device_memory() -> dict:
     return {k: stats.get(k) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
 
 
+BENCHMARK_MODELS = ("qwen3-0.6b", "tiny")
+
+
+def benchmark_params(model: str) -> ModelParams:
+    """The benchmarks' ``--model``: ``qwen3-0.6b`` (full-size shapes, random bf16 weights) or ``tiny``
+    (the packaged tiny checkpoint, for CPU runs)."""
+    if model == "qwen3-0.6b":
+        return random_model(QWEN3_0_6B)
+    if model == "tiny":
+        return experiment_params(full=False)
+    raise ValueError(f"--model must be one of {BENCHMARK_MODELS}, got {model!r}")
+
+
 def output_divergence(reference: list[list[int]], other: list[list[int]]) -> dict:
     """How ``other``'s token lists differ from ``reference``'s, request by request: the number of
     requests that differ and, for each, the first position where they diverge."""

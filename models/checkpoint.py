@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from .config import QwenConfig, canonical_dtype
+from .hub import resolve_model_path
 from .convert import abstract_model, convert_tensors, read_hf_tensors, safetensors_files
 
 CONVERTER_VERSION = "1"
@@ -76,11 +77,12 @@ def restore_state(directory: Path, abstract_state: nnx.State) -> nnx.State:
 
 def load_params(path: str | Path, dtype: str | None = None, *, cache_dir: str | Path | None = None,
                 use_cache: bool = True) -> ModelParams:
-    """Loads a Qwen2 / Qwen2.5 / Qwen3 Hugging Face folder as params in ``dtype`` (default: checkpoint's).
+    """Loads a Qwen2 / Qwen2.5 / Qwen3 Hugging Face folder (or a Hub id already in the local Hugging
+    Face cache) as params in ``dtype`` (default: the checkpoint's).
 
     The first load converts the safetensors and saves an Orbax copy; later loads restore that copy.
     """
-    path = Path(path)
+    path = resolve_model_path(path)
     cfg = QwenConfig.from_pretrained(path)
     dtype = canonical_dtype(dtype or cfg.dtype)
     graphdef, abstract_state = abstract_model(cfg, dtype)

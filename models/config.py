@@ -21,6 +21,10 @@ class CheckpointError(ValueError):
     """A checkpoint folder or its contents cannot be used; the message says what and where."""
 
 
+_REQUIRED_INT = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_OPTIONAL_INT = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
 def canonical_dtype(dtype: Any) -> str:
     """Maps user spellings (``"bf16"``, ``jnp.bfloat16``, ...) to ``bfloat16`` / ``float16`` / ``float32``."""
     name = getattr(dtype, "name", None) or getattr(dtype, "__name__", None) or str(dtype)
@@ -78,14 +82,39 @@ class QwenConfig:
         return 2 * self.num_hidden_layers * self.kv_size * dtype_bytes
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "QwenConfig":
-        """Builds the config from a parsed config.json, refusing what jaxpaged cannot run."""
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "QwenConfig":
+        """Builds the config from a parsed config.json, refusing what jaxpaged cannot run.
+
+        Missing or mistyped fields are a ``CheckpointError`` naming ``source`` and the field."""
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        for key in _REQUIRED_INT:
+            if key not in raw:
+                raise CheckpointError(f"{source}: required field {key!r} is missing")
+        for key in _REQUIRED_INT + _OPTIONAL_INT:
+            if key in raw and raw[key] is not None and (not isinstance(raw[key], int) or isinstance(raw[key], bool)):
+                raise CheckpointError(f"{source}: field {key!r} must be an integer, got {raw[key]!r}")
+        for key in ("rms_norm_eps", "rope_theta"):
+            if key in raw and (not isinstance(raw[key], (int, float)) or isinstance(raw[key], bool)):
+                raise CheckpointError(f"{source}: field {key!r} must be a number, got {raw[key]!r}")
+        eos = raw.get("eos_token_id")
+        if eos is not None and not (isinstance(eos, int) or (isinstance(eos, list) and all(isinstance(e, int) for e in eos))):
+            raise CheckpointError(f"{source}: field 'eos_token_id' must be an int or a list of ints, got {eos!r}")
+        try:
+            return cls._from_dict(raw)
+        except CheckpointError as err:
+            raise CheckpointError(f"{source}: {err}") from None
+
+    @classmethod
+    def _from_dict(cls, raw: dict[str, Any]) -> "QwenConfig":
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise CheckpointError(
                 f"model_type {model_type!r} is not supported: jaxpaged runs Qwen2, Qwen2.5 "
                 f"(model_type 'qwen2') and Qwen3 ('qwen3')")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise CheckpointError(f"field 'rope_scaling' must be an object or null, got {rope!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
             raise CheckpointError(
@@ -98,6 +127,10 @@ class QwenConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         dtype = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+        try:
+            dtype = canonical_dtype(dtype)
+        except ValueError:
+            raise CheckpointError(f"field 'torch_dtype' / 'dtype' is {dtype!r}: use bfloat16, float16 or float32") from None
         if model_type == "qwen2":
             attention_bias, qk_norm = True, False
         else:
@@ -118,7 +151,7 @@ class QwenConfig:
             attention_bias=attention_bias,
             qk_norm=qk_norm,
             eos_token_id=eos_ids,
-            dtype=canonical_dtype(dtype),
+            dtype=dtype,
         )
 
     @classmethod
@@ -134,4 +167,4 @@ class QwenConfig:
             raw = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as err:
             raise CheckpointError(f"{cfg_file} is not valid JSON: {err}") from err
-        return cls.from_dict(raw)
+        return cls.from_dict(raw, str(cfg_file))

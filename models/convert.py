@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -87,8 +88,12 @@ def safetensors_files(path: Path) -> list[Path]:
     """The weight files of a checkpoint: those named by the index file, or every ``*.safetensors``."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({path / f for f in weight_map.values()})
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({path / f for f in weight_map.values()})
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"{index}: not a valid index (needs a 'weight_map' of tensor -> file): "
+                                  f"{type(err).__name__}: {err}") from None
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{index} names weight files that are missing: {missing}")
@@ -105,6 +110,14 @@ def read_hf_tensors(path: str | Path) -> dict[str, np.ndarray]:
     for f in safetensors_files(Path(path)):
         tensors.update(read_safetensors(f))
     return tensors
+
+
+def warn_non_finite(name: str, array: np.ndarray) -> None:
+    """Warns (once per tensor) if a weight holds NaN or infinity: outputs would be garbage."""
+    if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
+        bad = int(np.size(array) - np.isfinite(array).sum())
+        warnings.warn(f"checkpoint tensor {name!r} has {bad} NaN/inf values: outputs will be garbage",
+                      RuntimeWarning, stacklevel=3)
 
 
 def abstract_model(cfg: QwenConfig, dtype: str) -> tuple[nnx.GraphDef, nnx.State]:
@@ -126,7 +139,9 @@ def convert_tensors(cfg: QwenConfig, tensors: dict[str, np.ndarray], dtype: str)
             if tuple(tensors[name].shape) != shape:
                 raise CheckpointError(
                     f"tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {shape} from config.json")
-            parts.append(np.asarray(tensors[name]).astype(_NP_DTYPES[dtype]))
+            part = np.asarray(tensors[name]).astype(_NP_DTYPES[dtype])
+            warn_non_finite(name, part)
+            parts.append(part)
         node = pure
         for key in rule.path[:-1]:
             node = node[key]

@@ -22,6 +22,11 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 QWEN_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                     r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
+# ChatML, as Qwen2.5 / Qwen3 instruct checkpoints use (without their tool-calling branches).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
 _CORPUS = """\
 PagedAttention stores the key and value cache in fixed-size blocks, like pages of virtual memory.
 A block table maps each sequence's logical blocks to physical blocks in one shared pool.
@@ -109,7 +114,8 @@ def write_tiny_checkpoint(out_dir: str | Path, model_type: str = "qwen3", seed: 
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|endoftext|>",
         "pad_token": "<|endoftext|>", "bos_token": None, "model_max_length": raw["max_position_embeddings"],
-        "add_bos_token": False, "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+        "add_bos_token": False, "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE},
+        indent=2) + "\n")
     return out
 
 

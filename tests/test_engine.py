@@ -242,11 +242,14 @@ def test_async_and_sync_scheduling_agree_with_stops_and_sampling(qwen3, num_bloc
 SMALL = dict(dtype="float32", block_size=8, num_blocks=64, max_model_len=64)
 
 
-def test_abort_under_async_scheduling(qwen3):
-    """The aborted request's token still in flight is dropped, not returned (it used to raise KeyError)."""
-    params, _ = qwen3
-    engine = LLMEngine(params, EngineConfig(**SMALL, async_scheduling=True))
-    keep = engine.add_request([1, 2, 3, 4, 5], GREEDY)
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_abort_returns_an_abort_output(qwen3, async_scheduling):
+    """An aborted request comes back once, with finish_reason "abort" and only the tokens the host had
+    seen (under async scheduling its token still in flight is dropped, never a placeholder); its blocks
+    are freed and the other request is unaffected."""
+    params, ref = qwen3
+    engine = LLMEngine(params, EngineConfig(**SMALL, async_scheduling=async_scheduling))
+    keep = engine.add_request(fixture_prompts(ref)[0], GREEDY)
     gone = engine.add_request([6, 7, 8], GREEDY)
     engine.step()
     engine.step()
@@ -254,7 +257,11 @@ def test_abort_under_async_scheduling(qwen3):
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()
-    assert [o.request_id for o in outs] == [keep] and len(outs[0].outputs[0].token_ids) == GREEDY.max_tokens
+    assert [o.request_id for o in outs] == [gone, keep]
+    aborted = outs[0].outputs[0]
+    assert aborted.finish_reason == "abort" and outs[0].finished
+    assert len(aborted.token_ids) == (1 if async_scheduling else 2) and -1 not in aborted.token_ids
+    assert outs[1].outputs[0].token_ids == list(map(int, ref["greedy_0"]))
     assert engine.kv.num_used_blocks == 0
     engine.kv.check_invariants()
     with pytest.raises(KeyError, match="no unfinished request"):
@@ -329,3 +336,17 @@ def test_pool_dtype_defaults_to_the_weights(dtype):
     assert engine.kv_pool[0][0].dtype == np.dtype(dtype) and engine.stats()["kv_dtype"] == dtype
     assert LLMEngine(params, EngineConfig(block_size=8, num_blocks=16, max_model_len=64, dtype="float32")
                      ).kv_pool[0][0].dtype == np.float32
+
+
+def test_compiler_options_reach_the_step_and_key_the_runner(qwen3):
+    params, _ = qwen3
+    opts = (("xla_gpu_enable_triton_gemm", False),)
+    plain = LLMEngine(params, EngineConfig(**SMALL))
+    tuned = LLMEngine(params, EngineConfig(**SMALL, compiler_options=opts))
+    assert tuned.runner is not plain.runner and tuned.runner.compiler_options == dict(opts)
+    a = run_to_completion(plain, [[1, 2, 3]], GREEDY)[0].outputs[0].token_ids
+    b = run_to_completion(tuned, [[1, 2, 3]], GREEDY)[0].outputs[0].token_ids
+    assert a == b
+    with pytest.raises(Exception, match="no_such_option"):
+        run_to_completion(LLMEngine(params, EngineConfig(**SMALL, compiler_options=(("no_such_option", 1),))),
+                          [[1, 2, 3]], GREEDY)

@@ -1,0 +1,25 @@
+"""benchmarks/bench_sampling_params.py runs end to end in its tiny CPU mode and writes its report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_sampling_params_tiny(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_sampling_params",
+                                                  ROOT / "benchmarks" / "bench_sampling_params.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    report = mod.main(["--model", "tiny", "--num-seqs", "4", "--out", str(tmp_path),
+                       "--variants", ",".join(mod.VARIANTS)])
+    assert set(report["variants"]) == set(mod.VARIANTS)
+    tokens = {r["output_tokens"] for r in report["variants"].values()}
+    assert len(tokens) == 1 and tokens.pop() > 0  # ignore_eos: every variant generates the same count
+    assert report["variants"]["baseline2"]["new_shapes"] == 0  # nothing new to compile for the default step
+    assert report["variants"]["logprobs=5"]["new_shapes"] > 0  # a variant of its own
+    assert json.loads((tmp_path / "bench_sampling_params.json").read_text())["num_seqs"] == 4
+    assert capsys.readouterr().out.splitlines()[-6].startswith("variant")
