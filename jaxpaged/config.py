@@ -8,6 +8,7 @@ from .kv.allocator import check_block_size
 
 ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 RESERVATIONS = ("paged", "max_len")
+SCHEDULING_POLICIES = ("fcfs", "prefix_affinity")  # jaxpaged/scheduling_policy.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,10 @@ class EngineConfig:
     compiler_options: XLA options for the compiled step only, as ``((name, value), ...)`` (e.g.
       ``(("xla_gpu_enable_triton_gemm", False),)``); ``None`` = the engine's defaults
       (``runner.DEFAULT_COMPILER_OPTIONS``). Never a global flag.
+    scheduling_policy: the order waiting requests are admitted in: ``fcfs`` (arrival order) or
+      ``prefix_affinity`` (requests whose prefix is cached or being computed first, so shared prefixes
+      are computed once and reused before eviction; a request passed over in more than 8 steps goes
+      first, so nothing starves). See ``jaxpaged/scheduling_policy.py``.
     Precision: float32 weights mean IEEE float32 in every matmul and kernel dot (never TF32); bfloat16
     means bf16 storage and operands with fp32 accumulation.
     """
@@ -63,6 +68,7 @@ class EngineConfig:
     async_scheduling: bool = True  # schedule step N+1 while step N runs (see docstring)
     batch_invariant: bool = False  # bitwise batch-independent outputs, at a speed cost (docs/NUMERICS.md)
     compiler_options: tuple[tuple[str, object], ...] | None = None  # XLA options for the step (see docstring)
+    scheduling_policy: str = "fcfs"  # or "prefix_affinity" (see docstring)
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -78,6 +84,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
         if self.reservation not in RESERVATIONS:
             raise ValueError(f"reservation must be one of {RESERVATIONS}, got {self.reservation!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if not self.enable_chunked_prefill and self.max_model_len is not None \

@@ -120,7 +120,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len, eos_token_ids=cfg.eos_token_id,
-                                   enable_chunked_prefill=config.enable_chunked_prefill)
+                                   enable_chunked_prefill=config.enable_chunked_prefill,
+                                   scheduling_policy=config.scheduling_policy)
         self.kv_pool = init_kv_pool(cfg, self.num_blocks, config.block_size, self.kv_dtype)
         log.info("KV pool: %d blocks x %d tokens = %d tokens, %.2f GiB %s; max_model_len %d", self.num_blocks,
                  config.block_size, self.num_blocks * config.block_size,

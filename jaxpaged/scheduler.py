@@ -7,6 +7,10 @@ allow. A prefix-cache hit is decided at admission (``KVCacheManager.admit``): ca
 computed, so only the rest costs budget. When a running sequence needs a block and none is free, the
 newest running sequence is preempted: its blocks are freed (full ones stay in the prefix cache) and it
 goes back to the front of the queue, to be recomputed, usually mostly from cache, when re-admitted.
+
+Waiting requests are considered in arrival order (``fcfs``) or, with ``scheduling_policy=
+"prefix_affinity"``, in the order a :class:`jaxpaged.scheduling_policy.PrefixAffinityPolicy` gives
+(requests whose prefix is cached or being computed first, with a bounded wait).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import numpy as np
 
 from .batch import PLACEHOLDER
 from .kv import KVCacheManager
+from .scheduling_policy import make_policy
 from .sequence import Sequence, SequenceStatus
 
 ScheduledBatch = list[tuple[Sequence, int]]
@@ -34,13 +39,16 @@ class SchedulerCounters:
     decode_tokens: int = 0
     generated_tokens: int = 0
     deferred_admissions: int = 0  # admissions postponed to reuse a block another request is computing
+    reordered_admissions: int = 0  # prefix_affinity: admissions ahead of an earlier-arrived request
+    max_passes_observed: int = 0  # prefix_affinity: most steps one request was passed over
 
 
 class Scheduler:
     """Owns the waiting queue and running list; decides each step's ``(sequence, num_new_tokens)``."""
 
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...] = (), enable_chunked_prefill: bool = True):
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = (), enable_chunked_prefill: bool = True,
+                 scheduling_policy: str = "fcfs"):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -53,10 +61,13 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
+        self.policy = make_policy(scheduling_policy)  # None: fcfs, the queue order as is
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        if self.policy is not None:
+            self.policy.add(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -67,6 +78,8 @@ class Scheduler:
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
         self.counters.preemptions += 1
+        if self.policy is not None:
+            self.policy.requeue(seq)
 
     def schedule(self) -> ScheduledBatch:
         """Picks this step's work; allocates the blocks it needs (preempting if it must)."""
@@ -93,8 +106,14 @@ class Scheduler:
             i += 1
         # Admit new work only when nobody had to be preempted: a preemption means the pool is full.
         in_flight = self._prefill_frontiers() if self.kv.enable_prefix_caching and self.waiting else None
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        policy = self.policy
+        admitting = not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+        if policy is not None and admitting:
+            self.waiting = policy.order(self.waiting, self.kv.prefix_hit_blocks, self._frontier_key, in_flight)
+        admitted = []
+        i = 0  # under fcfs always 0: the head of the queue or nobody
+        while not preempted and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
             if not self.kv.can_admit(seq):
                 break
             if not self.enable_chunked_prefill and seq.num_tokens > budget:
@@ -103,6 +122,9 @@ class Scheduler:
                 # Its next block is being computed right now for another request: wait one step and
                 # take it from the cache instead of computing the same K/V twice.
                 self.counters.deferred_admissions += 1
+                if policy is not None and policy.skip_when_deferred(seq):
+                    i += 1  # prefix_affinity: let the requests behind it go meanwhile
+                    continue
                 break
             self.kv.admit(seq)
             if in_flight is not None:
@@ -111,11 +133,19 @@ class Scheduler:
                     in_flight.add(key)
             n = min(seq.num_uncomputed_tokens, budget)
             self.kv.append(seq, n)
-            self.waiting.popleft()
+            if i == 0:
+                self.waiting.popleft()
+            else:
+                del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
+            admitted.append(seq)
+        if policy is not None and admitted:
+            policy.after_admission(admitted, self.waiting)
+            self.counters.reordered_admissions = policy.reordered_admissions
+            self.counters.max_passes_observed = policy.max_observed_passes
         return scheduled
 
     def _frontier_key(self, seq: Sequence, num_cached_blocks: int) -> tuple | None:
@@ -227,6 +257,8 @@ class Scheduler:
                     self.running.remove(seq)
                 elif seq in self.waiting:  # preempted while its token was in flight
                     self.waiting.remove(seq)
+                    if self.policy is not None:
+                        self.policy.remove(seq)
                 seq.finish("stop", now)
                 finished.append(seq)
         return finished
@@ -262,4 +294,6 @@ class Scheduler:
             self.kv.free(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            if self.policy is not None:
+                self.policy.remove(seq)
         seq.finish("abort")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import jax
 from flax import nnx
 
 from .models.checkpoint import ModelParams
@@ -25,6 +26,15 @@ QWEN2_5_0_5B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, inte
                     num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                     max_position_embeddings=32768, eos_token_id=151645, architectures=["Qwen2ForCausalLM"])
+
+# Qwen2.5-7B(-Instruct)'s shapes: the design notes' "7B model" (random bf16 weights, ~15.2 GB, fit one H200).
+QWEN2_5_7B = dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                  num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  max_position_embeddings=32768, attention_bias=True, eos_token_id=151645,
+                  architectures=["Qwen2ForCausalLM"])
+# The experiments' --model choices: "tiny" is the packaged tiny Qwen3 checkpoint (fp32, CPU-friendly).
+EXPERIMENT_MODELS = {"tiny": None, "qwen3-0.6b": QWEN3_0_6B, "qwen2.5-7b": QWEN2_5_7B}
 
 
 def nano_vllm_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024,
@@ -45,15 +55,36 @@ def random_model(raw_config: dict, dtype: str = "bfloat16", seed: int = 0) -> Mo
     return ModelParams(cfg, graphdef, state, dtype)
 
 
-def experiment_params(full: bool) -> ModelParams:
-    """The experiments' model: Qwen3-0.6B shapes with random bf16 weights (``full``, for a GPU), else
-    the packaged tiny Qwen3 checkpoint in fp32 (CPU-friendly)."""
-    if full:
-        return random_model(QWEN3_0_6B)
+def experiment_params(full: bool, model: str | None = None) -> ModelParams:
+    """The experiments' model. ``model`` is a key of ``EXPERIMENT_MODELS``; ``None`` means
+    ``qwen3-0.6b`` when ``full`` (random bf16 weights at Qwen3-0.6B shapes, for a GPU), else ``tiny``
+    (the packaged tiny Qwen3 checkpoint in fp32, CPU-friendly)."""
+    model = model or ("qwen3-0.6b" if full else "tiny")
+    if model not in EXPERIMENT_MODELS:
+        raise ValueError(f"model must be one of {sorted(EXPERIMENT_MODELS)}, got {model!r}")
+    if model != "tiny":
+        return random_model(EXPERIMENT_MODELS[model])
     from .models.checkpoint import load_params
     from .models.tiny import tiny_checkpoint_path
 
     return load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+
+
+def params_bytes(params: ModelParams) -> int:
+    """Bytes of the weights (every array of the NNX state)."""
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(params.state) if hasattr(x, "dtype"))
+
+
+def device_memory() -> dict:
+    """JAX's allocator statistics for device 0: ``bytes_in_use``, ``peak_bytes_in_use`` (process-wide,
+    never reset) and ``bytes_limit``; each ``None`` where the backend keeps none (CPU).
+
+    The engine's KV pool is allocated whole when the engine is made (``num_blocks`` or
+    ``memory_fraction``), so these count the pool, not the KV a workload actually used: that comes
+    from the block counters (``engine.stats()``: ``peak_blocks_used``, ``peak_kv_bytes_in_use``).
+    """
+    stats = jax.devices()[0].memory_stats() or {}
+    return {k: stats.get(k) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
 
 
 BENCHMARK_MODELS = ("qwen3-0.6b", "tiny")
