@@ -38,6 +38,9 @@ class EngineConfig:
       Costs speed: the projections and LM head run a fixed-tile Pallas matmul (no split-K, tiles never
       chosen from the token count), RMSNorm a row kernel, attention one launch configuration for every
       step (no split-K for small decode batches). Off by default. See docs/NUMERICS.md.
+    tensor_parallel_size: devices the model is split over (heads, MLP columns, vocabulary, KV heads;
+      ``jaxpaged.sharding``); the weights must be loaded with the same ``tensor_parallel_size``. 1 =
+      one device, the plain step.
     Precision: float32 weights mean IEEE float32 in every matmul and kernel dot (never TF32); bfloat16
     means bf16 storage and operands with fp32 accumulation.
     """
@@ -58,6 +61,7 @@ class EngineConfig:
     compilation_cache: bool = True  # JAX's persistent compilation cache ($JAXPAGED_COMPILE_CACHE)
     async_scheduling: bool = True  # schedule step N+1 while step N runs (see docstring)
     batch_invariant: bool = False  # bitwise batch-independent outputs, at a speed cost (docs/NUMERICS.md)
+    tensor_parallel_size: int = 1  # devices the model is split over (jaxpaged.sharding)
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -71,6 +75,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.reservation not in RESERVATIONS:
             raise ValueError(f"reservation must be one of {RESERVATIONS}, got {self.reservation!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

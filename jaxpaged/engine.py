@@ -22,12 +22,12 @@ from .config import EngineConfig
 from .kv import KVCacheManager, PrefixDivergence, explain_prefix
 from .metrics import EngineMetrics, StepRecord
 from .models.checkpoint import ModelParams
-from .models.qwen import init_kv_pool
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .kernels.backend import resolve_backend
 from .runner import ModelRunner, enable_compilation_cache
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .sharding import kv_bytes_per_token_per_device, make_kv_pool, params_tp
 from .sequence import Sequence
 
 
@@ -39,19 +39,21 @@ def get_runner(params: ModelParams, backend: str, batch_invariant: bool = False)
     """
     key = ("runner", resolve_backend(backend), batch_invariant)
     if key not in params.derived:
-        params.derived[key] = ModelRunner(params.graphdef, backend, batch_invariant)
+        params.derived[key] = ModelRunner(params.graphdef, backend, batch_invariant, mesh=params.mesh)
     return params.derived[key]
 
 
 def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dtype: str) -> int:
-    """Blocks in the pool: ``num_blocks`` if given, else ``memory_fraction`` of free device memory."""
-    cfg = params.config
+    """Blocks in the pool: ``num_blocks`` if given, else ``memory_fraction`` of free device memory
+    (with tensor parallelism: of the device with the least free memory, per device's share of a block)."""
     bs = config.block_size
-    block_bytes = cfg.kv_bytes_per_token(jnp.dtype(dtype).itemsize) * bs
+    block_bytes = kv_bytes_per_token_per_device(params, jnp.dtype(dtype).itemsize) * bs
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
     else:
-        stats = jax.devices()[0].memory_stats() or {}
+        devices = [jax.devices()[0]] if params.mesh is None else list(params.mesh.devices.flat)
+        stats = min((d.memory_stats() or {} for d in devices),
+                    key=lambda st: st.get("bytes_limit", 0) - st.get("bytes_in_use", 0))
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
             num_blocks = int(free * config.memory_fraction // block_bytes)
@@ -72,10 +74,16 @@ class LLMEngine:
         config = config or EngineConfig()
         self.params, self.config, self.tokenizer = params, config, tokenizer
         cfg = params.config
+        if params_tp(params) != config.tensor_parallel_size:
+            raise ValueError(f"EngineConfig(tensor_parallel_size={config.tensor_parallel_size}) but the weights "
+                             f"were loaded for {params_tp(params)} device(s): load them with "
+                             f"load_params(path, tensor_parallel_size={config.tensor_parallel_size})")
         self.kv_dtype = config.dtype or params.dtype  # the pool's dtype: the weights' unless set
         self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)
         self.num_blocks = size_pool(params, config, self.max_model_len, self.kv_dtype)
-        self.bytes_per_token = cfg.kv_bytes_per_token(jnp.dtype(self.kv_dtype).itemsize)
+        # Over all devices (KV heads replicated when tp > num_key_value_heads count each time).
+        self.bytes_per_token = params_tp(params) * kv_bytes_per_token_per_device(
+            params, jnp.dtype(self.kv_dtype).itemsize)
         prefix_caching = config.enable_prefix_caching and config.reservation == "paged"
         self.kv = KVCacheManager(self.num_blocks, config.block_size, enable_prefix_caching=prefix_caching,
                                  reservation=config.reservation, max_model_len=self.max_model_len,
@@ -84,7 +92,7 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len, eos_token_ids=cfg.eos_token_id,
                                    enable_chunked_prefill=config.enable_chunked_prefill)
-        self.kv_pool = init_kv_pool(cfg, self.num_blocks, config.block_size, self.kv_dtype)
+        self.kv_pool = make_kv_pool(params, self.num_blocks, config.block_size, self.kv_dtype)
         self.compilation_cache_dir = enable_compilation_cache() if config.compilation_cache else None
         self.runner = get_runner(params, config.attention_backend, config.batch_invariant)
         # Compilations are counted per engine: steps compiled by an earlier engine are not ours.

@@ -49,7 +49,8 @@ class LLM:
     """vLLM-style entry point: ``LLM(path, **engine_config).generate(prompts, SamplingParams(...))``."""
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", cache_dir: str | None = None, **config):
-        self.params = load_params(model, dtype, cache_dir=cache_dir)
+        self.params = load_params(model, dtype, cache_dir=cache_dir,
+                                  tensor_parallel_size=config.get("tensor_parallel_size", 1))
         self.tokenizer = load_tokenizer(model)
         self.engine = LLMEngine(self.params, EngineConfig(**config), self.tokenizer)
 
