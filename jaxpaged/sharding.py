@@ -154,14 +154,14 @@ def shard_step(step: Callable, mesh: Mesh, treedef) -> Callable:
     previous tokens replicated; the sampled tokens come back replicated, the pool split."""
     leaf_specs = state_specs(treedef)
 
-    def sharded(leaves, kv_pool, packed, prev_tokens, layout):
+    def tp_step(leaves, kv_pool, packed, prev_tokens, layout):
         pool_specs = jax.tree.map(lambda _: POOL_SPEC, kv_pool)
         body = jax.shard_map(lambda lv, kv, pk, prev: step(lv, kv, pk, prev, layout), mesh=mesh,
                              in_specs=(leaf_specs, pool_specs, P(), P()), out_specs=(P(), pool_specs),
                              check_vma=False)  # tokens: every shard samples the same gathered logits
         return body(leaves, kv_pool, packed, prev_tokens)
 
-    return sharded
+    return tp_step
 
 
 # ---- arrays ------------------------------------------------------------------------------------------
