@@ -110,11 +110,13 @@ class ModelRunner:
         def step(leaves, kv_pool, packed, prev_tokens, layout):
             return fn(jax.tree.unflatten(treedef, leaves), kv_pool, unpack(packed, layout), prev_tokens)
 
+        shardings = {}
         if self.mesh is not None:
-            from .sharding import shard_step
+            from .sharding import shard_step, step_shardings
 
-            step = shard_step(step, self.mesh, treedef)
-        return jax.jit(step, donate_argnums=(1,), static_argnums=(4,), compiler_options=compiler_options or None)
+            step, shardings = shard_step(step, self.mesh, treedef), step_shardings(self.mesh, treedef)
+        return jax.jit(step, donate_argnums=(1,), static_argnums=(4,), compiler_options=compiler_options or None,
+                       **shardings)
 
     def set_jitted(self, state: nnx.State, jitted: Callable) -> None:
         """Replaces the jitted step for ``state``'s structure (experiments with compiler options)."""
@@ -139,6 +141,8 @@ class ModelRunner:
         if prev_tokens is None:
             prev_tokens = np.zeros(inputs.logits_indices.shape, np.int32)
         jitted, leaves = self._flat(state)
+        if self.mesh is not None:  # one executable for fresh and fed-back tokens (committed or not)
+            prev_tokens = self._replicate(prev_tokens)
         packed, layout = pack(inputs)
         shape_key = (layout, prev_tokens.shape, kv_pool[0][0].shape, kv_pool[0][0].dtype)
         if shape_key not in self._shapes_seen:
@@ -149,6 +153,14 @@ class ModelRunner:
             self._shapes_seen.add(shape_key)
             return tokens, kv_pool
         return jitted(leaves, kv_pool, packed, prev_tokens, layout)
+
+    def _replicate(self, x):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        sharding = NamedSharding(self.mesh, PartitionSpec())
+        if isinstance(x, jax.Array) and x.committed and x.sharding == sharding:
+            return x
+        return jax.device_put(x, sharding)
 
     @property
     def num_compiled_shapes(self) -> int:

@@ -164,6 +164,16 @@ def shard_step(step: Callable, mesh: Mesh, treedef) -> Callable:
     return tp_step
 
 
+def step_shardings(mesh: Mesh, treedef) -> dict:
+    """``jit`` keyword arguments fixing the step's argument and result shardings, so a first call
+    with fresh (uncommitted) inputs and later calls fed the previous step's replicated tokens share
+    one executable: weights as ``PARAM_SPECS``, pool by KV head, inputs and tokens replicated."""
+    replicated = NamedSharding(mesh, P())
+    leaves = [NamedSharding(mesh, spec) for spec in state_specs(treedef)]
+    pool = NamedSharding(mesh, POOL_SPEC)  # a prefix: every (k, v) of every layer
+    return dict(in_shardings=(leaves, pool, replicated, replicated), out_shardings=(replicated, pool))
+
+
 # ---- arrays ------------------------------------------------------------------------------------------
 def init_sharded_kv_pool(shard_cfg: QwenConfig, mesh: Mesh, num_blocks: int, block_size: int,
                          dtype: str | jnp.dtype) -> KVPool:
@@ -177,26 +187,31 @@ def init_sharded_kv_pool(shard_cfg: QwenConfig, mesh: Mesh, num_blocks: int, blo
 
 def random_sharded_state(shard_cfg: QwenConfig, mesh: Mesh, dtype: str, seed: int = 0):
     """``(graphdef, state)`` of random weights (normal * 0.02, norms one) created directly split
-    (``jit`` with ``out_shardings``): no device ever holds a whole matrix. ``graphdef`` is the
-    per-shard model."""
+    (``jit`` with ``out_shardings``; random bits are generated per shard): no device ever holds a
+    whole matrix. ``graphdef`` is the per-shard model, as ``load_params(..., tensor_parallel_size)``."""
     from .models.convert import abstract_model
 
     tp = mesh.shape[TP_AXIS]
     graphdef, abstract = abstract_model(shard_cfg, dtype)
     leaves, treedef = jax.tree.flatten(abstract)
-    specs = state_specs(treedef)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
+    makers: dict = {}  # one compiled initialiser per (shape, spec): layers share them
+
+    def maker(shape, spec, ones):
+        key = (shape, spec, ones)
+        if key not in makers:
+            out = NamedSharding(mesh, spec)
+            if ones:
+                makers[key] = jax.jit(lambda k: jnp.ones(shape, dtype), out_shardings=out)
+            else:
+                makers[key] = jax.jit(lambda k: (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(dtype),
+                                      out_shardings=out)
+        return makers[key]
+
     out = []
-    for i, (leaf, spec) in enumerate(zip(leaves, specs)):
-        shape = global_shape(leaf.shape, spec, tp)
-        sharding = NamedSharding(mesh, spec)
-        if len(shape) == 1 and spec == P():  # RMSNorm weights
-            make = jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=sharding)
-            out.append(make())
-        else:
-            make = jax.jit(lambda k, shape=shape: (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(dtype),
-                           out_shardings=sharding)
-            out.append(make(keys[i]))
+    for i, (leaf, spec) in enumerate(zip(leaves, state_specs(treedef))):
+        shape = global_shape(tuple(leaf.shape), spec, tp)
+        out.append(maker(shape, spec, len(shape) == 1 and spec == P())(keys[i]))  # 1-D replicated: RMSNorm
     return graphdef, jax.tree.unflatten(treedef, out)
 
 
