@@ -51,7 +51,8 @@ def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dty
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
     else:
-        devices = [jax.devices()[0]] if params.mesh is None else list(params.mesh.devices.flat)
+        devices = [jax.devices()[0]] if params.mesh is None else \
+            [d for d in params.mesh.devices.flat if d.process_index == jax.process_index()]
         stats = min((d.memory_stats() or {} for d in devices),
                     key=lambda st: st.get("bytes_limit", 0) - st.get("bytes_in_use", 0))
         if "bytes_limit" in stats:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from .config import CheckpointError, QwenConfig, canonical_dtype
@@ -85,7 +86,7 @@ def load_sharded_state(path: str | Path, cfg: QwenConfig, mesh: Mesh, dtype: str
     tp = mesh.shape[TP_AXIS]
     local_cfg = shard_config(cfg, tp)
     graphdef, state = abstract_model(local_cfg, dtype)
-    pure = state.to_pure_dict()
+    pure = nnx.to_pure_dict(state)
     tensors = read_hf_tensors(path)
     for rule in name_table(cfg):
         node = pure
@@ -101,5 +102,5 @@ def load_sharded_state(path: str | Path, cfg: QwenConfig, mesh: Mesh, dtype: str
             return out
 
         node[rule.path[-1]] = jax.make_array_from_callback(shape, NamedSharding(mesh, spec), block)
-    state.replace_by_pure_dict(pure)
+    nnx.replace_by_pure_dict(state, pure)
     return graphdef, state

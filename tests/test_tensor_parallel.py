@@ -174,3 +174,54 @@ def test_bench_tp_tiny_on_two_cpu_devices(tmp_path):
     assert max(two["kv_pool_gib_per_device"].values()) == 0.5 * max(one["kv_pool_gib_per_device"].values())
     assert summary["scaling_8b"]["throughput"] > 0
     assert "scaling efficiency" in res.stdout.splitlines()[-1]
+
+
+MULTI_PROCESS = r"""
+import sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+assert jax.device_count() == 2 and jax.local_device_count() == 1
+from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
+from jaxpaged.llm import run_to_completion
+from jaxpaged.models.tiny import tiny_checkpoint_path
+p = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False, tensor_parallel_size=2)
+assert {s.data.shape for s in p.state["embed_tokens"][...].addressable_shards} == {(256, 128)}  # this host's half
+e = LLMEngine(p, EngineConfig(dtype="float32", block_size=8, num_blocks=32, max_model_len=64,
+                              attention_backend="reference", max_num_batched_tokens=32, max_num_seqs=4,
+                              tensor_parallel_size=2, compilation_cache=False))
+out = run_to_completion(e, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [9, 8, 7], list(range(20, 45))],
+                        SamplingParams(temperature=0, max_tokens=6))
+print("TOKENS", [o.outputs[0].token_ids for o in out], flush=True)
+"""
+
+
+def test_two_processes_through_jax_distributed(tmp_path):
+    """Multi-host in miniature: two processes with one CPU device each (gloo collectives), one tp=2 mesh
+    across them; both run the same engine loop and get the one-device tokens."""
+    import socket
+
+    from jaxpaged import LLMEngine, SamplingParams, load_params
+    from jaxpaged.llm import run_to_completion
+    from jaxpaged.models.tiny import tiny_checkpoint_path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    procs = [subprocess.Popen([sys.executable, "-c", MULTI_PROCESS, address, str(i)], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = []
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=300)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, stderr[-3000:]
+        outs.append([line for line in stdout.splitlines() if line.startswith("TOKENS")][0])
+    one = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+    e = LLMEngine(one, EngineConfig(dtype="float32", block_size=8, num_blocks=32, max_model_len=64,
+                                    attention_backend="reference", max_num_batched_tokens=32, max_num_seqs=4))
+    want = run_to_completion(e, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [9, 8, 7], list(range(20, 45))],
+                             SamplingParams(temperature=0, max_tokens=6))
+    assert outs[0] == outs[1] == f"TOKENS {[o.outputs[0].token_ids for o in want]}"
