@@ -103,6 +103,14 @@ for name in ("qwen2", "qwen3"):
         assert len(colls) == len(reduces) + len(gathers), colls
         print("OK", name, tp, got[0])
 
+# The user entry point: LLM(..., tensor_parallel_size=2) loads split and runs split.
+from jaxpaged import LLM
+llm = LLM(tiny_checkpoint_path("qwen3"), dtype="float32", tensor_parallel_size=2, block_size=8, num_blocks=32,
+          max_model_len=64, max_num_batched_tokens=32, max_num_seqs=4, attention_backend="reference",
+          compilation_cache=False)
+assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == want
+assert llm.params.mesh.shape["tp"] == 2
+
 # The Pallas kernels (interpret mode here) run per shard too.
 p = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False, tensor_parallel_size=2)
 ref = tokens(engine(load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False), 1, "pallas"))
