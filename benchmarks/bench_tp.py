@@ -12,10 +12,13 @@ limit; a part that times out or fails is recorded as such and the others still r
                   tokens): tok/s, ITL at batch 1, memory per GPU.
 
 Every part writes ``part_<name>.json`` into ``--out``; with ``--resume`` a part already there is not run
-again, so the parts can run as separate commands into one folder (a device command may last 10 min):
+again. A device command may last 10 minutes, so run one part per command (2x H200, nvidia-h200-x2),
+then put the three part files in one folder and print the table without running anything:
 
-    python benchmarks/bench_tp.py --out /tmp/tp --parts 8b-tp1,8b-tp2      # 2x H200 (nvidia-h200-x2)
-    python benchmarks/bench_tp.py --out /tmp/tp --parts 72b-tp2 --resume && cp -r /tmp/tp $OUT/
+    python benchmarks/bench_tp.py --parts 8b-tp1 --out $OUT
+    python benchmarks/bench_tp.py --parts 8b-tp2 --out $OUT
+    python benchmarks/bench_tp.py --parts 72b-tp2 --out $OUT
+    python benchmarks/bench_tp.py --resume --out benchmarks/results/<date>-issue13   # table + tp.json
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/bench_tp.py --tiny --out /tmp/t
 
 ``--tiny``: the same parts with tiny shapes and a few short requests, on whatever devices there are
