@@ -47,6 +47,9 @@ class EngineConfig:
       ``prefix_affinity`` (requests whose prefix is cached or being computed first, so shared prefixes
       are computed once and reused before eviction; a request passed over in more than 8 steps goes
       first, so nothing starves). See ``jaxpaged/scheduling_policy.py``.
+    tensor_parallel_size: devices the model is split over (heads, MLP columns, vocabulary, KV heads;
+      ``jaxpaged.sharding``); the weights must be loaded with the same ``tensor_parallel_size``. 1 =
+      one device, the plain step.
     Precision: float32 weights mean IEEE float32 in every matmul and kernel dot (never TF32); bfloat16
     means bf16 storage and operands with fp32 accumulation.
     """
@@ -69,6 +72,7 @@ class EngineConfig:
     batch_invariant: bool = False  # bitwise batch-independent outputs, at a speed cost (docs/NUMERICS.md)
     compiler_options: tuple[tuple[str, object], ...] | None = None  # XLA options for the step (see docstring)
     scheduling_policy: str = "fcfs"  # or "prefix_affinity" (see docstring)
+    tensor_parallel_size: int = 1  # devices the model is split over (jaxpaged.sharding)
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -82,6 +86,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.reservation not in RESERVATIONS:
             raise ValueError(f"reservation must be one of {RESERVATIONS}, got {self.reservation!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -24,7 +24,6 @@ from .config import EngineConfig
 from .kv import KVCacheManager, PrefixDivergence, explain_prefix
 from .metrics import EngineMetrics, StepRecord
 from .models.checkpoint import ModelParams
-from .models.qwen import init_kv_pool
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .kernels.backend import resolve_backend
 from .inputs import broadcast_sampling_params, parse_prompt, parse_prompts
@@ -33,6 +32,7 @@ from .runner import DEFAULT_COMPILER_OPTIONS, ModelRunner, enable_compilation_ca
 from .sampling import SamplingParams
 from .sampling_features import prompt_logprob_positions
 from .scheduler import Scheduler
+from .sharding import kv_bytes_per_token_per_device, make_kv_pool, params_tp
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def get_runner(params: ModelParams, backend: str, batch_invariant: bool = False,
     options = DEFAULT_COMPILER_OPTIONS if compiler_options is None else tuple(compiler_options)
     key = ("runner", resolve_backend(backend), batch_invariant, options)
     if key not in params.derived:
-        params.derived[key] = ModelRunner(params.graphdef, backend, batch_invariant, dict(options))
+        params.derived[key] = ModelRunner(params.graphdef, backend, batch_invariant, dict(options), mesh=params.mesh)
     return params.derived[key]
 
 
@@ -73,14 +73,17 @@ def available_host_memory() -> int | None:
 
 def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dtype: str) -> int:
     """Blocks in the pool: ``num_blocks`` if given; on a GPU ``memory_fraction`` of the free device
-    memory; on a CPU ``CPU_POOL_FRACTION`` of the available host memory, at most ``CPU_POOL_CAP_BYTES``
+    memory (with tensor parallelism: of the device with the least free memory, per device's share of a
+    block); on a CPU ``CPU_POOL_FRACTION`` of the available host memory, at most ``CPU_POOL_CAP_BYTES``
     and at most what ``min(max_num_seqs, 16)`` full-length sequences need."""
-    cfg = params.config
     bs = config.block_size
-    block_bytes = cfg.kv_bytes_per_token(jnp.dtype(dtype).itemsize) * bs
+    block_bytes = kv_bytes_per_token_per_device(params, jnp.dtype(dtype).itemsize) * bs
     if config.num_blocks is not None:
         return config.num_blocks
-    stats = jax.devices()[0].memory_stats() or {}
+    devices = [jax.devices()[0]] if params.mesh is None else \
+        [d for d in params.mesh.devices.flat if d.process_index == jax.process_index()]
+    stats = min((d.memory_stats() or {} for d in devices),
+                key=lambda st: st.get("bytes_limit", 0) - st.get("bytes_in_use", 0))
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         return int(free * config.memory_fraction // block_bytes)
@@ -105,6 +108,10 @@ class LLMEngine:
         config = config or EngineConfig()
         self.params, self.config, self.tokenizer = params, config, tokenizer
         cfg = params.config
+        if params_tp(params) != config.tensor_parallel_size:
+            raise ValueError(f"EngineConfig(tensor_parallel_size={config.tensor_parallel_size}) but the weights "
+                             f"were loaded for {params_tp(params)} device(s): load them with "
+                             f"load_params(path, tensor_parallel_size={config.tensor_parallel_size})")
         self.kv_dtype = config.dtype or params.dtype  # the pool's dtype: the weights' unless set
         self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)
         self.num_blocks = size_pool(params, config, self.max_model_len, self.kv_dtype)
@@ -112,7 +119,9 @@ class LLMEngine:
             # The default max_model_len does not fit the pool (a small CPU host): use what fits.
             self.max_model_len = self.num_blocks * config.block_size
         check_pool(self.num_blocks, config.block_size, self.max_model_len)
-        self.bytes_per_token = cfg.kv_bytes_per_token(jnp.dtype(self.kv_dtype).itemsize)
+        # Over all devices (KV heads replicated when tp > num_key_value_heads count each time).
+        self.bytes_per_token = params_tp(params) * kv_bytes_per_token_per_device(
+            params, jnp.dtype(self.kv_dtype).itemsize)
         prefix_caching = config.enable_prefix_caching and config.reservation == "paged"
         self.kv = KVCacheManager(self.num_blocks, config.block_size, enable_prefix_caching=prefix_caching,
                                  reservation=config.reservation, max_model_len=self.max_model_len,
@@ -122,7 +131,7 @@ class LLMEngine:
                                    max_model_len=self.max_model_len, eos_token_ids=cfg.eos_token_id,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    scheduling_policy=config.scheduling_policy)
-        self.kv_pool = init_kv_pool(cfg, self.num_blocks, config.block_size, self.kv_dtype)
+        self.kv_pool = make_kv_pool(params, self.num_blocks, config.block_size, self.kv_dtype)
         log.info("KV pool: %d blocks x %d tokens = %d tokens, %.2f GiB %s; max_model_len %d", self.num_blocks,
                  config.block_size, self.num_blocks * config.block_size,
                  self.num_blocks * config.block_size * self.bytes_per_token / 2**30, self.kv_dtype, self.max_model_len)

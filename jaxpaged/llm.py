@@ -106,7 +106,8 @@ class LLM:
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", cache_dir: str | None = None, **config):
         self.model_path = resolve_model_path(model)
-        self.params = load_params(self.model_path, dtype, cache_dir=cache_dir)
+        self.params = load_params(self.model_path, dtype, cache_dir=cache_dir,
+                                  tensor_parallel_size=config.get("tensor_parallel_size", 1))
         self.tokenizer = load_tokenizer(self.model_path)
         self.engine = LLMEngine(self.params, EngineConfig(**config), self.tokenizer)
         self.default_sampling_params = default_sampling_params(self.model_path)

@@ -75,6 +75,9 @@ def make_step_fn(graphdef: nnx.GraphDef, attention_fn: Callable, write_kv_fn: Ca
 class ModelRunner:
     """Owns the jitted step for one model and attention backend; counts compilations.
 
+    ``mesh``: a tensor-parallel mesh (``jaxpaged.sharding``): ``graphdef`` is then the per-shard model
+    and the step body runs on every shard under ``shard_map``; ``None`` (one device) is the plain step.
+
     ``batch_invariant``: every token's result is bitwise independent of the batch it is computed in
     (fixed-tile Pallas matmuls and norms, one attention launch configuration, fixed-order sampler sums;
     docs/NUMERICS.md).
@@ -86,12 +89,18 @@ class ModelRunner:
     """
 
     def __init__(self, graphdef: nnx.GraphDef, attention_backend: str = "auto", batch_invariant: bool = False,
-                 compiler_options: dict | None = None):
+                 compiler_options: dict | None = None, mesh=None):
         self.attention_backend = resolve_backend(attention_backend)
         self.batch_invariant = batch_invariant
         self.compiler_options = dict(compiler_options or {})
+        self.mesh = mesh  # tensor parallelism: the step runs per shard under shard_map (jaxpaged.sharding)
+        ops = get_model_ops(batch_invariant)
+        if mesh is not None:
+            from .sharding import tp_model_ops
+
+            ops = tp_model_ops(ops)
         self._step_fn = make_step_fn(graphdef, get_attention_fn(attention_backend, batch_invariant), write_kv,
-                                     get_model_ops(batch_invariant), batch_invariant)
+                                     ops, batch_invariant)
         self._jitted: dict = {}  # state treedef -> jitted step over flat weight leaves
         self._state: nnx.State | None = None
         self._leaves: list[jax.Array] = []
@@ -107,7 +116,13 @@ class ModelRunner:
         def step(leaves, kv_pool, packed, prev_tokens, layout):
             return fn(jax.tree.unflatten(treedef, leaves), kv_pool, unpack(packed, layout), prev_tokens)
 
-        return jax.jit(step, donate_argnums=(1,), static_argnums=(4,), compiler_options=compiler_options or None)
+        shardings = {}
+        if self.mesh is not None:
+            from .sharding import shard_step, step_shardings
+
+            step, shardings = shard_step(step, self.mesh, treedef), step_shardings(self.mesh, treedef)
+        return jax.jit(step, donate_argnums=(1,), static_argnums=(4,), compiler_options=compiler_options or None,
+                       **shardings)
 
     def set_jitted(self, state: nnx.State, jitted: Callable) -> None:
         """Replaces the jitted step for ``state``'s structure (experiments with compiler options)."""
@@ -132,6 +147,8 @@ class ModelRunner:
         if prev_tokens is None:
             prev_tokens = np.zeros(inputs.logits_indices.shape, np.int32)
         jitted, leaves = self._flat(state)
+        if self.mesh is not None:  # one executable for fresh and fed-back tokens (committed or not)
+            prev_tokens = self._replicate(prev_tokens)
         packed, layout = pack(inputs)
         shape_key = (layout, prev_tokens.shape, kv_pool[0][0].shape, kv_pool[0][0].dtype)
         if shape_key not in self._shapes_seen:
@@ -142,6 +159,14 @@ class ModelRunner:
             self._shapes_seen.add(shape_key)
             return tokens, kv_pool
         return jitted(leaves, kv_pool, packed, prev_tokens, layout)
+
+    def _replicate(self, x):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        sharding = NamedSharding(self.mesh, PartitionSpec())
+        if isinstance(x, jax.Array) and x.committed and x.sharding == sharding:
+            return x
+        return jax.device_put(x, sharding)
 
     @property
     def num_compiled_shapes(self) -> int:

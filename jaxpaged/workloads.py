@@ -35,6 +35,13 @@ QWEN2_5_7B = dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, inter
                   architectures=["Qwen2ForCausalLM"])
 # The experiments' --model choices: "tiny" is the packaged tiny Qwen3 checkpoint (fp32, CPU-friendly).
 EXPERIMENT_MODELS = {"tiny": None, "qwen3-0.6b": QWEN3_0_6B, "qwen2.5-7b": QWEN2_5_7B}
+# Larger shapes for the tensor-parallel benchmark (benchmarks/bench_tp.py).
+QWEN3_8B = dict(QWEN3_0_6B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+QWEN2_5_72B = dict(model_type="qwen2", vocab_size=152064, hidden_size=8192, intermediate_size=29568,
+                   num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, rope_theta=1000000.0,
+                   rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=32768,
+                   eos_token_id=151645, architectures=["Qwen2ForCausalLM"])
 
 
 def nano_vllm_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024,
@@ -48,9 +55,19 @@ def nano_vllm_workload(num_seqs: int = 256, max_input_len: int = 1024, max_outpu
     return prompts, sps
 
 
-def random_model(raw_config: dict, dtype: str = "bfloat16", seed: int = 0) -> ModelParams:
-    """A randomly initialised model of the given Hugging Face config (no download needed)."""
+def random_model(raw_config: dict, dtype: str = "bfloat16", seed: int = 0,
+                 tensor_parallel_size: int = 1) -> ModelParams:
+    """A randomly initialised model of the given Hugging Face config (no download needed).
+
+    ``tensor_parallel_size > 1``: created directly split over that many devices
+    (``sharding.random_sharded_state``), never whole on one device."""
     cfg = QwenConfig.from_dict(raw_config)
+    if tensor_parallel_size > 1:
+        from .sharding import make_mesh, random_sharded_state, shard_config
+
+        mesh = make_mesh(tensor_parallel_size)
+        graphdef, state = random_sharded_state(shard_config(cfg, tensor_parallel_size), mesh, dtype, seed)
+        return ModelParams(cfg, graphdef, state, dtype, mesh=mesh)
     graphdef, state = nnx.split(Qwen(cfg, dtype, rngs=nnx.Rngs(seed)))
     return ModelParams(cfg, graphdef, state, dtype)
 

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -28,7 +29,11 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class ModelParams:
-    """Everything needed to run a model: architecture, NNX graph definition and weights (``state``)."""
+    """Everything needed to run a model: architecture, NNX graph definition and weights (``state``).
+
+    ``mesh``: set when the weights are split over a tensor-parallel mesh (``load_params(...,
+    tensor_parallel_size=N)``): ``state`` then holds global arrays split as ``jaxpaged.sharding``
+    says, and ``graphdef`` is the model one shard runs (``sharding.shard_config``)."""
 
     config: QwenConfig
     graphdef: nnx.GraphDef
@@ -36,6 +41,7 @@ class ModelParams:
     dtype: str
     path: Path | None = None
     from_cache: bool = False
+    mesh: Any = None
     # Things derived from these weights (the engine's compiled steps), released together with them.
     derived: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -76,15 +82,25 @@ def restore_state(directory: Path, abstract_state: nnx.State) -> nnx.State:
 
 
 def load_params(path: str | Path, dtype: str | None = None, *, cache_dir: str | Path | None = None,
-                use_cache: bool = True) -> ModelParams:
+                use_cache: bool = True, tensor_parallel_size: int = 1) -> ModelParams:
     """Loads a Qwen2 / Qwen2.5 / Qwen3 Hugging Face folder (or a Hub id already in the local Hugging
     Face cache) as params in ``dtype`` (default: the checkpoint's).
 
     The first load converts the safetensors and saves an Orbax copy; later loads restore that copy.
+    ``tensor_parallel_size > 1``: split over that many devices, each reading only its slices of the
+    safetensors (``models/sharded_load.py``; the Orbax cache is not used).
     """
     path = resolve_model_path(path)
     cfg = QwenConfig.from_pretrained(path)
     dtype = canonical_dtype(dtype or cfg.dtype)
+    if tensor_parallel_size > 1:
+        from jaxpaged.sharding import make_mesh
+
+        from .sharded_load import load_sharded_state
+
+        mesh = make_mesh(tensor_parallel_size)
+        graphdef, state = load_sharded_state(path, cfg, mesh, dtype)
+        return ModelParams(cfg, graphdef, state, dtype, path, from_cache=False, mesh=mesh)
     graphdef, abstract_state = abstract_model(cfg, dtype)
     cached = None
     if use_cache:

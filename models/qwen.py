@@ -73,6 +73,16 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float, separate_products: 
     return x * cos + rotated * sin
 
 
+def embed_rows(table: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """``table [V, H]``, ``token_ids i32[T]`` -> ``[T, H]`` (the embedding lookup)."""
+    return table[token_ids]
+
+
+def no_collective(x: jax.Array) -> jax.Array:
+    """One device: a row-parallel matmul's output is already complete, logits already whole."""
+    return x
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelOps:
     """The row-wise maths of the model, chosen by the caller like ``attention_fn``.
@@ -80,11 +90,20 @@ class ModelOps:
     matmul: ``(x [M, K], w, *, transpose_w=False, out_dtype=None) -> [M, N]``.
     rms_norm: ``(x [..., H], weight [H], eps) -> [..., H]`` (Hugging Face's Qwen RMSNorm).
     rotary: ``(x [T, H, D], positions i32[T], theta) -> [T, H, D]`` (RoPE).
+
+    The three points where tensor parallelism communicates (``jaxpaged.sharding.tp_model_ops``; on
+    one device they are the plain lookup and identities, so the traced program is unchanged):
+    embed: ``(table [V, H], token_ids i32[T]) -> [T, H]`` (vocabulary-parallel: masked lookup + psum).
+    all_reduce: ``[T, H] -> [T, H]`` after o_proj and down_proj (row-parallel partial sums: psum).
+    gather_vocab: ``logits [N, V_shard] -> [N, V]`` (all-gather of the vocabulary-parallel LM head).
     """
 
     matmul: Callable[..., jax.Array] = xla_matmul
     rms_norm: Callable[..., jax.Array] = rms_norm
     rotary: Callable[..., jax.Array] = rotary
+    embed: Callable[..., jax.Array] = embed_rows
+    all_reduce: Callable[..., jax.Array] = no_collective
+    gather_vocab: Callable[..., jax.Array] = no_collective
 
 
 DEFAULT_OPS = ModelOps()
@@ -128,7 +147,8 @@ class Attention(nnx.Module):
         k = ops.rotary(k, positions, cfg.rope_theta)
         k_cache, v_cache = write_kv_fn(kv[0], kv[1], k, v, meta.slot_mapping)
         out = attention_fn(q, k_cache, v_cache, meta.cu_q_lens, meta.kv_lens, meta.block_tables)
-        return ops.matmul(out.reshape(t, cfg.q_size).astype(x.dtype), self.o_proj[...]), (k_cache, v_cache)
+        out = ops.matmul(out.reshape(t, cfg.q_size).astype(x.dtype), self.o_proj[...])
+        return ops.all_reduce(out), (k_cache, v_cache)
 
 
 class MLP(nnx.Module):
@@ -140,7 +160,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array, ops: ModelOps = DEFAULT_OPS) -> jax.Array:
         gate, up = jnp.split(ops.matmul(x, self.gate_up_proj[...]), 2, axis=-1)
-        return ops.matmul(jax.nn.silu(gate) * up, self.down_proj[...])
+        return ops.all_reduce(ops.matmul(jax.nn.silu(gate) * up, self.down_proj[...]))
 
 
 class DecoderLayer(nnx.Module):
@@ -172,7 +192,7 @@ class Qwen(nnx.Module):
                  meta: AttentionMetadata, *, attention_fn: AttentionFn,
                  write_kv_fn: WriteKVFn, ops: ModelOps = DEFAULT_OPS) -> tuple[jax.Array, KVPool]:
         """``token_ids, positions i32[T]`` -> final hidden states ``[T, H]`` and the updated pool."""
-        x = self.embed_tokens[...][token_ids]
+        x = ops.embed(self.embed_tokens[...], token_ids)
         new_pool = []
         for layer, kv in zip(self.layers, kv_pool):
             x, kv = layer(x, positions, kv, meta, attention_fn, write_kv_fn, ops)
@@ -182,8 +202,10 @@ class Qwen(nnx.Module):
     def compute_logits(self, hidden: jax.Array, ops: ModelOps = DEFAULT_OPS) -> jax.Array:
         """``hidden [N, H]`` -> fp32 logits ``[N, vocab]`` (fp32 accumulation)."""
         if self.lm_head is None:  # tied: read the embedding [V, H] as it is
-            return ops.matmul(hidden, self.embed_tokens[...], transpose_w=True, out_dtype=jnp.float32)
-        return ops.matmul(hidden, self.lm_head[...], out_dtype=jnp.float32)
+            logits = ops.matmul(hidden, self.embed_tokens[...], transpose_w=True, out_dtype=jnp.float32)
+        else:
+            logits = ops.matmul(hidden, self.lm_head[...], out_dtype=jnp.float32)
+        return ops.gather_vocab(logits)
 
 
 def init_kv_pool(cfg: QwenConfig, num_blocks: int, block_size: int, dtype: str | jnp.dtype) -> KVPool:

@@ -1,0 +1,246 @@
+"""Tensor parallelism: a ``Mesh`` with one ``tp`` axis, what each parameter and the KV pool are split
+along, and the step run per shard under ``shard_map``.
+
+Megatron-style (as vLLM, sglang-jax): every device holds ``1/tp`` of the attention heads and of the MLP
+columns, and of the vocabulary (embedding rows, LM-head columns). Each device runs the same per-shard
+model (``shard_config``: heads, KV heads, intermediate size and vocabulary divided by ``tp``) on its
+own slices, and the shards meet at three points (``tp_model_ops``):
+
+  * embedding: masked lookup of the ids in this shard's vocabulary range, then ``psum`` ``[T, H]``;
+  * after ``o_proj`` and ``down_proj`` (row-parallel: each shard's partial product): ``psum`` ``[T, H]``;
+  * logits at the sampled rows: ``all_gather`` ``[S, V/tp] -> [S, V]``; every shard then samples the
+    same tokens from the same logits (replicated output, no further collective).
+
+The fused ``qkv_proj [H, q + 2 kv]`` and ``gate_up_proj [H, 2 I]`` keep their fused form but their
+columns are laid out per shard: ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` and ``[gate_0 up_0 | gate_1 up_1
+| ...]`` (``models/sharded_load.py`` builds them that way from the safetensors), so splitting the out
+dimension in ``tp`` equal pieces gives each device exactly its heads' fused block, and the model code
+(which splits its local ``qkv`` as ``[q | k | v]``) runs unchanged on every shard.
+
+KV heads: with ``tp <= num_key_value_heads`` each shard owns ``Hkv / tp`` of them; with more shards
+than KV heads each KV head is replicated on ``tp / Hkv`` consecutive shards (the ones whose query
+heads read it), so every shard holds exactly one. The pool is ``[num_blocks, block_size, tp *
+Hkv_shard, D]`` split on the head axis: one block table and one slot mapping address every shard's
+slice of the same blocks, so the host side (scheduler, block tables) is unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .models.config import QwenConfig
+from .models.qwen import KVPool, ModelOps
+
+TP_AXIS = "tp"
+POOL_SPEC = P(None, None, TP_AXIS, None)  # [num_blocks, block_size, Hkv, D]: split the KV heads
+
+# Parameter name (the last key of its path in the NNX state) -> how it is split. Anything else
+# (RMSNorm weights, q/k norms) is replicated.
+PARAM_SPECS = {
+    "embed_tokens": P(TP_AXIS, None),  # [V, H]: vocabulary rows
+    "lm_head": P(None, TP_AXIS),  # [H, V]: vocabulary columns
+    "qkv_proj": P(None, TP_AXIS),  # [H, tp * (q + 2 kv)_shard]: per-shard fused columns
+    "qkv_bias": P(TP_AXIS),
+    "o_proj": P(TP_AXIS, None),  # [q, H]: rows of this shard's heads; output psum'd
+    "gate_up_proj": P(None, TP_AXIS),  # [H, tp * 2 I_shard]: per-shard [gate | up]
+    "down_proj": P(TP_AXIS, None),  # [I, H]: rows; output psum'd
+}
+
+
+def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh ``("tp",)`` over the first ``tensor_parallel_size`` devices (of every process, so
+    under ``jax.distributed`` it spans hosts)."""
+    devices = list(devices if devices is not None else jax.devices())
+    if tensor_parallel_size > len(devices):
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} but only {len(devices)} devices are "
+                         f"visible ({jax.default_backend()}); on CPU set "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={tensor_parallel_size}")
+    return Mesh(np.array(devices[:tensor_parallel_size]), (TP_AXIS,))
+
+
+def check_divisible(cfg: QwenConfig, tp: int) -> None:
+    """Raises ``ValueError`` naming the field when ``cfg`` cannot be split ``tp`` ways."""
+    hkv = cfg.num_key_value_heads
+    problems = [f"{name} ({getattr(cfg, name)})" for name in
+                ("num_attention_heads", "intermediate_size", "vocab_size") if getattr(cfg, name) % tp]
+    if hkv % tp and tp % hkv:
+        problems.append(f"num_key_value_heads ({hkv}: neither a multiple nor a divisor of tp)")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide {', '.join(problems)}")
+
+
+def shard_config(cfg: QwenConfig, tp: int) -> QwenConfig:
+    """The model one shard runs: ``Hq/tp`` query heads, ``max(Hkv/tp, 1)`` KV heads, ``I/tp``, ``V/tp``."""
+    check_divisible(cfg, tp)
+    if tp == 1:
+        return cfg
+    return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
+                               num_key_value_heads=max(cfg.num_key_value_heads // tp, 1),
+                               intermediate_size=cfg.intermediate_size // tp, vocab_size=cfg.vocab_size // tp)
+
+
+def kv_heads_of_shard(cfg: QwenConfig, tp: int, shard: int) -> range:
+    """The global KV heads shard ``shard`` holds (one replicated head when ``tp > Hkv``)."""
+    hkv = cfg.num_key_value_heads
+    if hkv >= tp:
+        per = hkv // tp
+        return range(shard * per, (shard + 1) * per)
+    head = shard // (tp // hkv)
+    return range(head, head + 1)
+
+
+def param_spec(path: tuple) -> P:
+    """The ``PartitionSpec`` of the parameter at ``path`` (keys of the NNX state)."""
+    names = [getattr(key, "key", getattr(key, "name", key)) for key in path]
+    names = [n for n in names if isinstance(n, str) and n != "value"]  # "value": an NNX Variable's field
+    return PARAM_SPECS.get(names[-1], P()) if names else P()
+
+
+def state_specs(treedef) -> list[P]:
+    """One ``PartitionSpec`` per leaf of a state with structure ``treedef`` (in leaf order)."""
+    placeholder = jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(placeholder)[0]]
+    return [param_spec(path) for path in paths]
+
+
+def global_shape(local_shape: tuple[int, ...], spec: P, tp: int) -> tuple[int, ...]:
+    """The global shape of a parameter whose shards are ``local_shape``, split as ``spec``."""
+    return tuple(n * tp if i < len(spec) and spec[i] == TP_AXIS else n for i, n in enumerate(local_shape))
+
+
+def shard_index(index: tuple[slice, ...], spec: P, local_shape: tuple[int, ...]) -> int:
+    """Which shard the global slice ``index`` (from ``make_array_from_callback``) is."""
+    for dim, axis in enumerate(spec):
+        if axis == TP_AXIS:
+            return (index[dim].start or 0) // local_shape[dim]
+    return 0
+
+
+# ---- the communication points (inside shard_map) ---------------------------------------------------
+def vocab_parallel_embed(table: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """``table [V/tp, H]`` (this shard's vocabulary rows), ``token_ids i32[T]`` (global) -> ``[T, H]``:
+    rows of ids outside this shard's range are zero, and the psum adds the one shard that has each."""
+    rows = table.shape[0]
+    local = token_ids - jax.lax.axis_index(TP_AXIS) * rows
+    mine = (local >= 0) & (local < rows)
+    x = jnp.where(mine[:, None], table[jnp.clip(local, 0, rows - 1)], jnp.zeros((), table.dtype))
+    return jax.lax.psum(x, TP_AXIS)
+
+
+def tp_all_reduce(x: jax.Array) -> jax.Array:
+    """Sum of the shards' partial ``o_proj`` / ``down_proj`` products ``[T, H]``."""
+    return jax.lax.psum(x, TP_AXIS)
+
+
+def gather_vocab(logits: jax.Array) -> jax.Array:
+    """``logits [N, V/tp]`` per shard -> ``[N, V]`` on every shard (vocabulary order)."""
+    return jax.lax.all_gather(logits, TP_AXIS, axis=1, tiled=True)
+
+
+def tp_model_ops(ops: ModelOps) -> ModelOps:
+    """``ops`` with the tensor-parallel embedding, all-reduce and logits gather."""
+    return dataclasses.replace(ops, embed=vocab_parallel_embed, all_reduce=tp_all_reduce, gather_vocab=gather_vocab)
+
+
+def shard_step(step: Callable, mesh: Mesh, treedef) -> Callable:
+    """Wraps ``step(leaves, kv_pool, packed, prev_tokens, layout)`` (``ModelRunner``'s jitted body) in
+    ``shard_map``: weight leaves split by ``PARAM_SPECS``, the pool by KV head, the packed inputs and
+    previous tokens replicated; the sampled tokens come back replicated, the pool split."""
+    leaf_specs = state_specs(treedef)
+
+    def tp_step(leaves, kv_pool, packed, prev_tokens, layout):
+        pool_specs = jax.tree.map(lambda _: POOL_SPEC, kv_pool)
+        body = jax.shard_map(lambda lv, kv, pk, prev: step(lv, kv, pk, prev, layout), mesh=mesh,
+                             in_specs=(leaf_specs, pool_specs, P(), P()), out_specs=(P(), pool_specs),
+                             check_vma=False)  # tokens: every shard samples the same gathered logits
+        return body(leaves, kv_pool, packed, prev_tokens)
+
+    return tp_step
+
+
+def step_shardings(mesh: Mesh, treedef) -> dict:
+    """``jit`` keyword arguments fixing the step's argument and result shardings, so a first call
+    with fresh (uncommitted) inputs and later calls fed the previous step's replicated tokens share
+    one executable: weights as ``PARAM_SPECS``, pool by KV head, inputs and tokens replicated."""
+    replicated = NamedSharding(mesh, P())
+    leaves = [NamedSharding(mesh, spec) for spec in state_specs(treedef)]
+    pool = NamedSharding(mesh, POOL_SPEC)  # a prefix: every (k, v) of every layer
+    return dict(in_shardings=(leaves, pool, replicated, replicated), out_shardings=(replicated, pool))
+
+
+# ---- arrays ------------------------------------------------------------------------------------------
+def init_sharded_kv_pool(shard_cfg: QwenConfig, mesh: Mesh, num_blocks: int, block_size: int,
+                         dtype: str | jnp.dtype) -> KVPool:
+    """A zero pool, per layer ``(k, v)`` of global shape ``[num_blocks, block_size, tp * Hkv_shard, D]``,
+    created directly split over KV heads (each device allocates only its slice)."""
+    tp = mesh.shape[TP_AXIS]
+    shape = (num_blocks, block_size, tp * shard_cfg.num_key_value_heads, shard_cfg.head_dim)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, POOL_SPEC))
+    return tuple((zeros(), zeros()) for _ in range(shard_cfg.num_hidden_layers))
+
+
+def random_sharded_state(shard_cfg: QwenConfig, mesh: Mesh, dtype: str, seed: int = 0):
+    """``(graphdef, state)`` of random weights (normal * 0.02, norms one) created directly split
+    (``jit`` with ``out_shardings``; random bits are generated per shard): no device ever holds a
+    whole matrix. ``graphdef`` is the per-shard model, as ``load_params(..., tensor_parallel_size)``."""
+    from .models.convert import abstract_model
+
+    tp = mesh.shape[TP_AXIS]
+    graphdef, abstract = abstract_model(shard_cfg, dtype)
+    leaves, treedef = jax.tree.flatten(abstract)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    makers: dict = {}  # one compiled initialiser per (shape, spec): layers share them
+
+    def maker(shape, spec, ones):
+        key = (shape, spec, ones)
+        if key not in makers:
+            out = NamedSharding(mesh, spec)
+            if ones:
+                makers[key] = jax.jit(lambda k: jnp.ones(shape, dtype), out_shardings=out)
+            else:
+                makers[key] = jax.jit(lambda k: (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(dtype),
+                                      out_shardings=out)
+        return makers[key]
+
+    out = []
+    for i, (leaf, spec) in enumerate(zip(leaves, state_specs(treedef))):
+        shape = global_shape(tuple(leaf.shape), spec, tp)
+        out.append(maker(shape, spec, len(shape) == 1 and spec == P())(keys[i]))  # 1-D replicated: RMSNorm
+    return graphdef, jax.tree.unflatten(treedef, out)
+
+
+def per_device_bytes(tree: Any) -> dict[str, int]:
+    """Bytes each device holds of the arrays in ``tree`` (its addressable shards), by device."""
+    used: dict[str, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            key = str(shard.device)
+            used[key] = used.get(key, 0) + shard.data.nbytes
+    return used
+
+
+# ---- what the engine asks --------------------------------------------------------------------------
+def params_tp(params) -> int:
+    """The tensor-parallel size ``params`` (a ``ModelParams``) were loaded for (1: one device)."""
+    return 1 if params.mesh is None else params.mesh.shape[TP_AXIS]
+
+
+def kv_bytes_per_token_per_device(params, itemsize: int) -> int:
+    """Bytes of K and V one token occupies on each device (all layers, this device's KV heads)."""
+    return shard_config(params.config, params_tp(params)).kv_bytes_per_token(itemsize)
+
+
+def make_kv_pool(params, num_blocks: int, block_size: int, dtype) -> KVPool:
+    """The engine's pool: ``init_kv_pool`` on one device, split over KV heads on a mesh."""
+    from .models.qwen import init_kv_pool
+
+    if params.mesh is None:
+        return init_kv_pool(params.config, num_blocks, block_size, dtype)
+    return init_sharded_kv_pool(shard_config(params.config, params_tp(params)), params.mesh, num_blocks,
+                                block_size, dtype)

@@ -1,0 +1,235 @@
+"""Tensor parallelism on CPU devices: the same greedy tokens as one device, weights and pool really split,
+and a step whose only collectives are the all-reduces of activations and the gather of the logits.
+
+The multi-device checks run in a subprocess with ``--xla_force_host_platform_device_count`` (this
+pytest process has already started JAX with one CPU device). Both tiny checkpoints have 4 query heads
+and 2 KV heads, so tp=2 splits the KV heads and tp=4 replicates each one on two devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxpaged import EngineConfig
+from jaxpaged.models.config import QwenConfig
+from jaxpaged.sharding import check_divisible, kv_heads_of_shard, param_spec, shard_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = r"""
+import re
+import jax, numpy as np
+from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
+from jaxpaged.batch import build_step_inputs
+from jaxpaged.llm import run_to_completion
+from jaxpaged.models.tiny import tiny_checkpoint_path
+from jaxpaged.sharding import per_device_bytes
+
+assert jax.device_count() == 4
+prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [9, 8, 7], list(range(20, 45)), [3] * 17]
+sp = SamplingParams(temperature=0, max_tokens=6)
+
+
+def engine(params, tp, backend="reference"):
+    return LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=32, max_model_len=64,
+                                          max_num_batched_tokens=32, max_num_seqs=4, attention_backend=backend,
+                                          tensor_parallel_size=tp, compilation_cache=False))
+
+
+def tokens(e):
+    return [o.outputs[0].token_ids for o in run_to_completion(e, prompts, sp)]
+
+
+for name in ("qwen2", "qwen3"):
+    one = load_params(tiny_checkpoint_path(name), "float32", use_cache=False)
+    cfg = one.config
+    want = tokens(engine(one, 1))
+    for tp in (2, 4):
+        p = load_params(tiny_checkpoint_path(name), "float32", use_cache=False, tensor_parallel_size=tp)
+        e = engine(p, tp)
+        got = tokens(e)
+        assert got == want, (name, tp, got, want)
+        jitted = e.runner._jitted[e.runner._treedef]
+        compiled = jitted._cache_size()
+        assert tokens(e) == want and jitted._cache_size() == compiled  # fed-back tokens: no new executable
+
+        # Weights split: each device holds 1/tp of every split matrix (and only that).
+        layer = p.state["layers"][0]
+        qkv_cols = tp * (cfg.num_attention_heads // tp + 2 * max(cfg.num_key_value_heads // tp, 1)) * cfg.head_dim
+        for arr, shard_shape in [(layer["attn"]["qkv_proj"][...], (cfg.hidden_size, qkv_cols // tp)),
+                                 (layer["attn"]["o_proj"][...], (cfg.q_size // tp, cfg.hidden_size)),
+                                 (layer["mlp"]["gate_up_proj"][...], (cfg.hidden_size, 2 * cfg.intermediate_size // tp)),
+                                 (layer["mlp"]["down_proj"][...], (cfg.intermediate_size // tp, cfg.hidden_size)),
+                                 (p.state["embed_tokens"][...], (cfg.vocab_size // tp, cfg.hidden_size))]:
+            assert len(arr.sharding.device_set) == tp
+            assert {s.data.shape for s in arr.addressable_shards} == {shard_shape}, (arr.shape, shard_shape)
+        # Shard s's fused qkv block is [q_s | k_s | v_s] of the one-device weight (KV heads replicated at tp=4).
+        w1 = np.asarray(one.state["layers"][0]["attn"]["qkv_proj"][...])
+        d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        for s, shard in enumerate(sorted(layer["attn"]["qkv_proj"][...].addressable_shards, key=lambda x: x.index[1].start)):
+            kv = s * hkv // tp if hkv >= tp else s // (tp // hkv)
+            nkv = max(hkv // tp, 1)
+            q = w1[:, s * hq // tp * d:(s + 1) * hq // tp * d]
+            k = w1[:, cfg.q_size + kv * d: cfg.q_size + (kv + nkv) * d]
+            v = w1[:, cfg.q_size + cfg.kv_size + kv * d: cfg.q_size + cfg.kv_size + (kv + nkv) * d]
+            np.testing.assert_array_equal(np.asarray(shard.data), np.concatenate([q, k, v], axis=1))
+
+        # Pool split over KV heads: one head per device at tp=2 and (replicated) at tp=4.
+        k0 = e.kv_pool[0][0]
+        assert {s.data.shape for s in k0.addressable_shards} == {(32, 8, 1, d)} and len(k0.sharding.device_set) == tp
+        assert k0.shape == (32, 8, max(hkv, tp), d)
+        sizes = per_device_bytes((p.state, e.kv_pool))
+        assert len(sizes) == tp and len(set(sizes.values())) == 1, sizes
+
+        # The compiled step: pool aliased; collectives only all-reduce [T, H] and all-gather of logits [S, V].
+        e.add_request([1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=4))
+        e.add_request([9, 8, 7], SamplingParams(max_tokens=4))
+        inputs = build_step_inputs(e.scheduler.schedule(), e.kv.tables, 8)
+        hlo = e.runner.lower_text(p.state, e.kv_pool, inputs)
+        header = hlo.splitlines()[0]
+        assert len(re.findall(r"\{\d+\}: \(\d+, \{\}, (?:may|must)-alias\)", header)) == 2 * cfg.num_hidden_layers
+        t, s_rows = inputs.token_ids.shape[0], inputs.logits_indices.shape[0]
+        colls = [l for l in hlo.splitlines() if re.search(r"= \S+ (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\(", l)]
+        reduces = [l for l in colls if " all-reduce" in l]
+        gathers = [l for l in colls if " all-gather" in l]
+        assert len(reduces) == 1 + 2 * cfg.num_hidden_layers, colls
+        assert all(f"f32[{t},{cfg.hidden_size}]" in l for l in reduces), reduces
+        assert len(gathers) == 1 and f"f32[{s_rows},{cfg.vocab_size}]" in gathers[0], gathers
+        assert len(colls) == len(reduces) + len(gathers), colls
+        print("OK", name, tp, got[0])
+
+# The user entry point: LLM(..., tensor_parallel_size=2) loads split and runs split.
+from jaxpaged import LLM
+llm = LLM(tiny_checkpoint_path("qwen3"), dtype="float32", tensor_parallel_size=2, block_size=8, num_blocks=32,
+          max_model_len=64, max_num_batched_tokens=32, max_num_seqs=4, attention_backend="reference",
+          compilation_cache=False)
+assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == want
+assert llm.params.mesh.shape["tp"] == 2
+
+# The Pallas kernels (interpret mode here) run per shard too.
+p = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False, tensor_parallel_size=2)
+ref = tokens(engine(load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False), 1, "pallas"))
+assert tokens(engine(p, 2, "pallas")) == ref
+print("OK pallas")
+
+try:
+    engine(load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False), 2)
+except ValueError as err:
+    assert "tensor_parallel_size=2" in str(err)
+else:
+    raise AssertionError("a one-device model under tensor_parallel_size=2 must be refused")
+print("DONE")
+"""
+
+
+def run_forced(script: str, devices: int, timeout: int = 600) -> str:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout,
+                         cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    return res.stdout
+
+
+def test_tensor_parallel_engine_on_four_cpu_devices():
+    out = run_forced(SCRIPT, 4)
+    assert out.count("OK ") == 5 and "DONE" in out, out
+
+
+def test_shard_config_and_kv_head_replication():
+    cfg = QwenConfig(model_type="qwen3", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                     num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+    assert shard_config(cfg, 1) is cfg
+    local = shard_config(cfg, 4)
+    assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size, local.vocab_size) == (2, 1, 64, 128)
+    # tp=4 > 2 KV heads: shards 0,1 read KV head 0 (their q heads 0-3), shards 2,3 KV head 1.
+    assert [list(kv_heads_of_shard(cfg, 4, s)) for s in range(4)] == [[0], [0], [1], [1]]
+    assert [list(kv_heads_of_shard(cfg, 2, s)) for s in range(2)] == [[0], [1]]
+    assert [list(kv_heads_of_shard(dataclasses.replace(cfg, num_key_value_heads=4), 2, s)) for s in range(2)] == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        check_divisible(dataclasses.replace(cfg, num_key_value_heads=8, num_attention_heads=24), 3)
+    with pytest.raises(ValueError, match="vocab_size"):
+        check_divisible(dataclasses.replace(cfg, vocab_size=510), 4)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=0)
+    assert str(param_spec(("layers", 0, "attn", "qkv_proj"))) == str(param_spec(("lm_head",)))
+    assert param_spec(("layers", 0, "input_layernorm", "weight")) == param_spec(("norm", "weight"))
+
+
+def test_bench_tp_tiny_on_two_cpu_devices(tmp_path):
+    """benchmarks/bench_tp.py's parts (each its own process) on 2 forced CPU devices, tiny shapes."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_tp.py"), "--tiny", "--out",
+                          str(tmp_path)], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    import json
+
+    summary = json.loads((tmp_path / "tp.json").read_text())
+    parts = summary["parts"]
+    assert set(parts) == {"8b-tp1", "8b-tp2", "72b-tp2"}
+    for r in parts.values():
+        assert "error" not in r, r
+        assert r["output_tokens"] == 24 and r["tok_per_s"] > 0 and r["itl_b1_p50_ms"] > 0
+        assert len(r["weights_gib_per_device"]) == r["tp"] == len(r["kv_pool_gib_per_device"])
+    one, two = parts["8b-tp1"], parts["8b-tp2"]
+    # Split weights: each device holds half of every matrix (only the small norms are replicated).
+    w1, w2 = max(one["weights_gib_per_device"].values()), max(two["weights_gib_per_device"].values())
+    assert 0.5 * w1 <= w2 < 0.51 * w1
+    assert max(two["kv_pool_gib_per_device"].values()) == 0.5 * max(one["kv_pool_gib_per_device"].values())
+    assert summary["scaling_8b"]["throughput"] > 0
+    assert "scaling efficiency" in res.stdout.splitlines()[-1]
+
+
+MULTI_PROCESS = r"""
+import sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+assert jax.device_count() == 2 and jax.local_device_count() == 1
+from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
+from jaxpaged.llm import run_to_completion
+from jaxpaged.models.tiny import tiny_checkpoint_path
+p = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False, tensor_parallel_size=2)
+assert {s.data.shape for s in p.state["embed_tokens"][...].addressable_shards} == {(256, 128)}  # this host's half
+e = LLMEngine(p, EngineConfig(dtype="float32", block_size=8, num_blocks=32, max_model_len=64,
+                              attention_backend="reference", max_num_batched_tokens=32, max_num_seqs=4,
+                              tensor_parallel_size=2, compilation_cache=False))
+out = run_to_completion(e, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [9, 8, 7], list(range(20, 45))],
+                        SamplingParams(temperature=0, max_tokens=6))
+print("TOKENS", [o.outputs[0].token_ids for o in out], flush=True)
+"""
+
+
+def test_two_processes_through_jax_distributed(tmp_path):
+    """Multi-host in miniature: two processes with one CPU device each (gloo collectives), one tp=2 mesh
+    across them; both run the same engine loop and get the one-device tokens."""
+    import socket
+
+    from jaxpaged import LLMEngine, SamplingParams, load_params
+    from jaxpaged.llm import run_to_completion
+    from jaxpaged.models.tiny import tiny_checkpoint_path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    procs = [subprocess.Popen([sys.executable, "-c", MULTI_PROCESS, address, str(i)], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = []
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=300)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, stderr[-3000:]
+        outs.append([line for line in stdout.splitlines() if line.startswith("TOKENS")][0])
+    one = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+    e = LLMEngine(one, EngineConfig(dtype="float32", block_size=8, num_blocks=32, max_model_len=64,
+                                    attention_backend="reference", max_num_batched_tokens=32, max_num_seqs=4))
+    want = run_to_completion(e, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [9, 8, 7], list(range(20, 45))],
+                             SamplingParams(temperature=0, max_tokens=6))
+    assert outs[0] == outs[1] == f"TOKENS {[o.outputs[0].token_ids for o in want]}"
