@@ -68,9 +68,9 @@ def part_setup(name: str, tiny: bool, num_seqs: int):
     if tiny:  # same structure, tiny numbers (ids < 10,000 as in nano-vllm's workload)
         raw = dict(raw, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, vocab_size=10240)
-        prompts = [p[:24] for p in prompts[:4]]
-        sps = [dataclasses.replace(sp, max_tokens=6) for sp in sps[:4]]
-        engine = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, num_blocks=64)
+        prompts = [p[:20] for p in prompts[:4]]
+        sps = [dataclasses.replace(sp, max_tokens=4) for sp in sps[:4]]
+        engine = dict(max_model_len=48, max_num_seqs=4, max_num_batched_tokens=32, num_blocks=64)
     return raw, tp, prompts, sps, engine
 
 
@@ -116,9 +116,10 @@ def run_part(name: str, args) -> dict:
 
     lat = _latency_module()
     rng = np.random.default_rng(0)
-    itl_sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=6 if args.tiny else 64)
-    lat.run_batch(engine, [rng.integers(0, 10000, 32).tolist()], itl_sp)  # warm
-    runs = [lat.run_batch(engine, [rng.integers(0, 10000, 32).tolist()], itl_sp) for _ in range(3)]
+    itl_sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=4 if args.tiny else 64)
+    prompt_len = 16 if args.tiny else 32
+    lat.run_batch(engine, [rng.integers(0, 10000, prompt_len).tolist()], itl_sp)  # warm
+    runs = [lat.run_batch(engine, [rng.integers(0, 10000, prompt_len).tolist()], itl_sp) for _ in range(3)]
     itl = lat.summarise(runs)
     return dict(part=name, tp=tp, device_kind=devices[0].device_kind, num_devices=len(devices),
                 params_b=sum(x.size for x in jax.tree.leaves(params.state)) / 1e9, load_s=load_s,

@@ -94,6 +94,7 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         self.compiler_options = dict(compiler_options or {})
         self.mesh = mesh  # tensor parallelism: the step runs per shard under shard_map (jaxpaged.sharding)
+        self._replicated = None  # the mesh's replicated sharding, made on first use
         ops = get_model_ops(batch_invariant)
         if mesh is not None:
             from .sharding import tp_model_ops
@@ -161,12 +162,14 @@ class ModelRunner:
         return jitted(leaves, kv_pool, packed, prev_tokens, layout)
 
     def _replicate(self, x):
-        from jax.sharding import NamedSharding, PartitionSpec
+        """``x`` committed to every device of the mesh (a no-op for the previous step's tokens)."""
+        if self._replicated is None:
+            from jax.sharding import NamedSharding, PartitionSpec
 
-        sharding = NamedSharding(self.mesh, PartitionSpec())
-        if isinstance(x, jax.Array) and x.committed and x.sharding == sharding:
+            self._replicated = NamedSharding(self.mesh, PartitionSpec())
+        if isinstance(x, jax.Array) and x.committed and x.sharding == self._replicated:
             return x
-        return jax.device_put(x, sharding)
+        return jax.device_put(x, self._replicated)
 
     @property
     def num_compiled_shapes(self) -> int:

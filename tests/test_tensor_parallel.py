@@ -45,11 +45,11 @@ def tokens(e):
     return [o.outputs[0].token_ids for o in run_to_completion(e, prompts, sp)]
 
 
-for name in ("qwen2", "qwen3"):
+for name, tps in (("qwen2", (2,)), ("qwen3", (2, 4))):  # qwen3 at 4: KV heads replicated
     one = load_params(tiny_checkpoint_path(name), "float32", use_cache=False)
     cfg = one.config
     want = tokens(engine(one, 1))
-    for tp in (2, 4):
+    for tp in tps:
         p = load_params(tiny_checkpoint_path(name), "float32", use_cache=False, tensor_parallel_size=tp)
         e = engine(p, tp)
         got = tokens(e)
@@ -112,6 +112,7 @@ assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False
 assert llm.params.mesh.shape["tp"] == 2
 
 # The Pallas kernels (interpret mode here) run per shard too.
+prompts, sp = prompts[:2], SamplingParams(temperature=0, max_tokens=3)
 p = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False, tensor_parallel_size=2)
 ref = tokens(engine(load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False), 1, "pallas"))
 assert tokens(engine(p, 2, "pallas")) == ref
@@ -137,7 +138,7 @@ def run_forced(script: str, devices: int, timeout: int = 600) -> str:
 
 def test_tensor_parallel_engine_on_four_cpu_devices():
     out = run_forced(SCRIPT, 4)
-    assert out.count("OK ") == 5 and "DONE" in out, out
+    assert out.count("OK ") == 4 and "DONE" in out, out
 
 
 def test_shard_config_and_kv_head_replication():
@@ -173,7 +174,7 @@ def test_bench_tp_tiny_on_two_cpu_devices(tmp_path):
     assert set(parts) == {"8b-tp1", "8b-tp2", "72b-tp2"}
     for r in parts.values():
         assert "error" not in r, r
-        assert r["output_tokens"] == 24 and r["tok_per_s"] > 0 and r["itl_b1_p50_ms"] > 0
+        assert r["output_tokens"] == 16 and r["tok_per_s"] > 0 and r["itl_b1_p50_ms"] > 0
         assert len(r["weights_gib_per_device"]) == r["tp"] == len(r["kv_pool_gib_per_device"])
     one, two = parts["8b-tp1"], parts["8b-tp2"]
     # Split weights: each device holds half of every matrix (only the small norms are replicated).
