@@ -30,6 +30,7 @@ from .inputs import broadcast_sampling_params, parse_prompt, parse_prompts
 from .output_processor import OutputProcessor, RequestState, make_detokenizer
 from .runner import DEFAULT_COMPILER_OPTIONS, ModelRunner, enable_compilation_cache
 from .sampling import SamplingParams
+from .sampling_params import RequestOutputKind
 from .sampling_features import prompt_logprob_positions
 from .scheduler import Scheduler
 from .sharding import kv_bytes_per_token_per_device, make_kv_pool, params_tp
@@ -101,6 +102,12 @@ def check_pool(num_blocks: int, bs: int, max_model_len: int) -> None:
             f"lower max_model_len")
 
 
+def detokenize_token(seq: Sequence) -> str | None:
+    """The scheduler's per-token hook: grows the detokenized text, returns a stop string it ended on."""
+    d = seq.detokenizer
+    return None if d is None else d.add_token(seq.token_ids)
+
+
 class LLMEngine:
     """Continuous-batching engine over one model and one paged KV pool."""
 
@@ -149,7 +156,7 @@ class LLMEngine:
         self._aborted: list[RequestState] = []  # aborted since the last step (their outputs are due)
         self._num_feature_requests = 0  # unfinished requests using penalties / min_p / logprobs / ...
         self._outputs = OutputProcessor(tokenizer)
-        self.scheduler.on_token = self._on_token
+        self.scheduler.on_token = detokenize_token  # a plain function: no cycle back to the engine
         # Async scheduling: the step in flight (its placeholders) and its device output.
         self._pending: tuple | None = None  # (samples, tokens, aux, prompt logprob rows)
         self._pending_rows: dict[int, int] | None = None
@@ -376,15 +383,13 @@ class LLMEngine:
                 seq.prompt_logprobs.setdefault(pos, (float(plp["token"][j]), int(plp["rank"][j]), plp["ids"][j],
                                                      plp["values"][j]))
 
-    def _on_token(self, seq: Sequence) -> str | None:
-        """The scheduler's per-token hook: grows the detokenized text, returns a stop string it ended on."""
-        d = seq.detokenizer
-        return None if d is None else d.add_token(seq.token_ids)
-
     def _make_outputs(self, touched: list[Sequence]) -> list[RequestOutput]:
         """Outputs for the requests whose sequences got tokens or finished this step, in order."""
         outs, seen = [], set()
+        final_only = RequestOutputKind.FINAL_ONLY
         for seq in touched:
+            if seq.sampling_params.output_kind is final_only and not seq.is_finished:
+                continue  # the common case: nothing to send until this sample ends (O(1), no lookups)
             state = seq.parent
             if id(state) in seen or state.request_id not in self._requests or self._requests[state.request_id] is not state:
                 continue

@@ -350,3 +350,22 @@ def test_compiler_options_reach_the_step_and_key_the_runner(qwen3):
     with pytest.raises(Exception, match="no_such_option"):
         run_to_completion(LLMEngine(params, EngineConfig(**SMALL, compiler_options=(("no_such_option", 1),))),
                           [[1, 2, 3]], GREEDY)
+
+
+def test_a_dropped_engine_frees_its_pool_at_once(qwen3):
+    """No reference cycle through the engine: its KV pool (most of the device memory) is released when
+    the last reference goes, not at the next garbage collection (a second engine in the same process
+    would otherwise size its pool from what the first one still holds)."""
+    import gc
+    import weakref
+
+    params, _ = qwen3
+    engine = LLMEngine(params, EngineConfig(**SMALL))
+    run_to_completion(engine, [[1, 2, 3], [4, 5]], GREEDY)
+    pool, ref = weakref.ref(engine.kv_pool[0][0]), weakref.ref(engine)
+    gc.disable()
+    try:
+        del engine
+        assert ref() is None and pool() is None
+    finally:
+        gc.enable()
