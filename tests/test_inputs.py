@@ -202,7 +202,7 @@ def test_cpu_pool_is_sized_from_host_memory_with_a_cap():
     qwen3_06b = QwenConfig(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                            num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                            max_position_embeddings=40960)
-    params = types.SimpleNamespace(config=qwen3_06b)
+    params = types.SimpleNamespace(config=qwen3_06b, mesh=None)
     blocks = size_pool(params, EngineConfig(), 8192, "bfloat16")
     pool_bytes = blocks * 16 * qwen3_06b.kv_bytes_per_token(2)
     assert pool_bytes <= CPU_POOL_CAP_BYTES  # was 14 GiB (8192 blocks of a max_model_len 8192 pool)
