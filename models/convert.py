@@ -126,6 +126,16 @@ def abstract_model(cfg: QwenConfig, dtype: str) -> tuple[nnx.GraphDef, nnx.State
     return nnx.split(model)
 
 
+def checked_tensor(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """``tensors[name]``, or a ``CheckpointError`` naming it if it is missing or not ``shape``."""
+    if name not in tensors:
+        raise CheckpointError(f"tensor {name!r} is missing from the checkpoint")
+    if tuple(tensors[name].shape) != shape:
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {shape} "
+                              "from config.json")
+    return tensors[name]
+
+
 def convert_tensors(cfg: QwenConfig, tensors: dict[str, np.ndarray], dtype: str) -> nnx.State:
     """Builds our state from HF tensors, checking every name and shape; arrays land on the default device."""
     dtype = canonical_dtype(dtype)
@@ -134,12 +144,7 @@ def convert_tensors(cfg: QwenConfig, tensors: dict[str, np.ndarray], dtype: str)
     for rule in name_table(cfg):
         parts = []
         for name, shape in rule.sources:
-            if name not in tensors:
-                raise CheckpointError(f"tensor {name!r} is missing from the checkpoint")
-            if tuple(tensors[name].shape) != shape:
-                raise CheckpointError(
-                    f"tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {shape} from config.json")
-            part = np.asarray(tensors[name]).astype(_NP_DTYPES[dtype])
+            part = np.asarray(checked_tensor(tensors, name, shape)).astype(_NP_DTYPES[dtype])
             warn_non_finite(name, part)
             parts.append(part)
         node = pure

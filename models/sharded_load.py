@@ -27,8 +27,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from .config import CheckpointError, QwenConfig, canonical_dtype
-from .convert import _NP_DTYPES, abstract_model, name_table, read_hf_tensors
+from .config import QwenConfig, canonical_dtype
+from .convert import _NP_DTYPES, abstract_model, checked_tensor, name_table, read_hf_tensors
 
 
 def _source_slice(name: str, cfg: QwenConfig, tp: int, shard: int) -> tuple[int, slice] | None:
@@ -63,13 +63,8 @@ def shard_block(rule, tensors: dict[str, np.ndarray], cfg: QwenConfig, tp: int, 
     """Shard ``shard``'s block of the parameter ``rule`` describes (shape-checked sources)."""
     parts = []
     for name, shape in rule.sources:
-        if name not in tensors:
-            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint")
-        if tuple(tensors[name].shape) != shape:
-            raise CheckpointError(
-                f"tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {shape} from config.json")
+        t = checked_tensor(tensors, name, shape)
         cut = _source_slice(name, cfg, tp, shard) if tp > 1 else None
-        t = tensors[name]
         if cut is not None:
             axis, sl = cut
             t = t[sl] if axis == 0 else t[:, sl]
