@@ -18,7 +18,7 @@ class EngineConfig:
     block_size: tokens per KV block (a power of two).
     num_blocks: KV pool size in blocks; ``None`` sizes it from ``memory_fraction`` of the device
       memory left after the weights (on a CPU: a quarter of the available host memory, at most 4 GiB,
-      ``engine.size_pool``).
+      ``pool_size.size_pool``).
     max_num_seqs: sequences in one step (decode batch size).
     max_num_batched_tokens: new tokens in one step (the prefill budget; long prompts are chunked).
     max_model_len: prompt + generated tokens per request; ``None`` = the model's

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-import os
 import time
 from typing import Sequence as SequenceT
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -24,10 +21,11 @@ from .config import EngineConfig
 from .kv import KVCacheManager, PrefixDivergence, explain_prefix
 from .metrics import EngineMetrics, StepRecord
 from .models.checkpoint import ModelParams
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .outputs import RequestOutput
 from .kernels.backend import resolve_backend
 from .inputs import broadcast_sampling_params, parse_prompt, parse_prompts
 from .output_processor import OutputProcessor, RequestState, make_detokenizer
+from .pool_size import check_pool, size_pool
 from .runner import DEFAULT_COMPILER_OPTIONS, ModelRunner, enable_compilation_cache
 from .sampling import SamplingParams
 from .sampling_params import RequestOutputKind
@@ -51,55 +49,6 @@ def get_runner(params: ModelParams, backend: str, batch_invariant: bool = False,
     if key not in params.derived:
         params.derived[key] = ModelRunner(params.graphdef, backend, batch_invariant, dict(options), mesh=params.mesh)
     return params.derived[key]
-
-
-CPU_POOL_FRACTION = 0.25  # of the host memory available when the engine starts
-CPU_POOL_CAP_BYTES = 4 << 30  # never more than this on a CPU without num_blocks
-
-
-def available_host_memory() -> int | None:
-    """Bytes of host memory available now (``MemAvailable`` on Linux), or None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dtype: str) -> int:
-    """Blocks in the pool: ``num_blocks`` if given; on a GPU ``memory_fraction`` of the free device
-    memory (with tensor parallelism: of the device with the least free memory, per device's share of a
-    block); on a CPU ``CPU_POOL_FRACTION`` of the available host memory, at most ``CPU_POOL_CAP_BYTES``
-    and at most what ``min(max_num_seqs, 16)`` full-length sequences need."""
-    bs = config.block_size
-    block_bytes = kv_bytes_per_token_per_device(params, jnp.dtype(dtype).itemsize) * bs
-    if config.num_blocks is not None:
-        return config.num_blocks
-    devices = [jax.devices()[0]] if params.mesh is None else \
-        [d for d in params.mesh.devices.flat if d.process_index == jax.process_index()]
-    stats = min((d.memory_stats() or {} for d in devices),
-                key=lambda st: st.get("bytes_limit", 0) - st.get("bytes_in_use", 0))
-    if "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        return int(free * config.memory_fraction // block_bytes)
-    enough = math.ceil(max_model_len / bs) * min(config.max_num_seqs, 16)
-    host = available_host_memory()
-    budget = CPU_POOL_CAP_BYTES if host is None else min(int(host * CPU_POOL_FRACTION), CPU_POOL_CAP_BYTES)
-    return max(1, min(enough, budget // block_bytes))
-
-
-def check_pool(num_blocks: int, bs: int, max_model_len: int) -> None:
-    if num_blocks * bs < max_model_len:
-        raise ValueError(
-            f"the KV pool ({num_blocks} blocks x {bs} tokens = {num_blocks * bs} tokens) cannot hold one "
-            f"sequence of max_model_len={max_model_len} tokens: raise num_blocks / memory_fraction or "
-            f"lower max_model_len")
 
 
 def detokenize_token(seq: Sequence) -> str | None:

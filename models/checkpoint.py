@@ -15,7 +15,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
