@@ -14,6 +14,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .kernels.shapes import next_pow2
 from .sampling_params import RequestOutputKind, SamplingParams  # noqa: F401  (re-exported)
@@ -76,9 +77,8 @@ def sampling_mode(temperature: Sequence[float], top_k: Sequence[int], top_p: Seq
     round trips (XLA copies a ``cond``'s predicate to the host and waits for it mid-step). Greedy rows
     need no variant of their own: they take the argmax of the logits in either.
     """
-    if any(t > 0 and (k > 0 or p < 1.0) for t, k, p in zip(temperature, top_k, top_p)):
-        return "filtered"
-    return "random"
+    t, k, p = np.asarray(temperature), np.asarray(top_k), np.asarray(top_p)
+    return "filtered" if bool(np.any((t > 0) & ((k > 0) | (p < 1.0)))) else "random"  # vectorised: per step
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
