@@ -32,6 +32,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_throughput import parse_xla_options  # noqa: E402
+from jaxpaged.metrics import percentile  # noqa: E402
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from jaxpaged.workloads import BENCHMARK_MODELS, benchmark_params  # noqa: E402
 
@@ -39,10 +40,6 @@ MODELS = BENCHMARK_MODELS
 
 
 load_params = benchmark_params
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
 
 
 def run_batch(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams) -> dict:

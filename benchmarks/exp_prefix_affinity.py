@@ -30,6 +30,7 @@ import time
 
 import jax
 
+from jaxpaged.metrics import percentile
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.workloads import EXPERIMENT_MODELS, experiment_params, output_divergence, outputs_guaranteed_identical
 
@@ -63,11 +64,6 @@ def paced(engine: LLMEngine, prompts, sp: SamplingParams, per_step: int):
         for out in engine.step():
             outs[index[out.request_id]] = out
     return [outs[i] for i in range(len(prompts))]
-
-
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
 def run(params, s: dict, policy: str, prompts, sp, max_model_len: int) -> dict:

@@ -47,6 +47,7 @@ import time
 import jax
 
 import jaxpaged
+from jaxpaged.metrics import percentile
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.llm import run_to_completion
 from jaxpaged.workloads import EXPERIMENT_MODELS, experiment_params, output_divergence, outputs_guaranteed_identical
@@ -269,11 +270,6 @@ def closed_loop(engine: LLMEngine, prompts, sp: SamplingParams, concurrency: int
                 i, p = todo.pop()
                 rid_index[engine.add_request(p, sp)] = i
     return [outs[i] for i in range(len(prompts))]
-
-
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
 def sweep_point(params, cfg: EngineConfig, prompts, sp, concurrency: int) -> dict:

@@ -9,6 +9,14 @@ from __future__ import annotations
 import dataclasses
 
 
+def percentile(values, q: float) -> float | None:
+    """The ``q``-th percentile (0-100) of ``values`` by nearest rank (an observed value); None if empty."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
     """One engine step: batch composition, pool occupancy after the step, wall time."""
