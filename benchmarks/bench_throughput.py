@@ -129,6 +129,7 @@ def main() -> None:
         del params
         result["hf_subset"] = run_hf(QWEN3_0_6B, prompts[:n], sps[:n])
         print("hf subset:", json.dumps(result["hf_subset"]), flush=True)
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "throughput.json"), "w") as f:
         json.dump(result, f, indent=2)
     print(f"\n{'run':28s} {'requests':>8s} {'out tokens':>10s} {'seconds':>8s} {'tok/s':>9s}")

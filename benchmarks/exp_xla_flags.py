@@ -7,6 +7,7 @@ Then, for each variant, the same step function is jitted with that variant's ``c
 * ``compile s``: first call (compile + one run);
 * ``replay ms``: the captured step re-run with device-resident inputs, blocking after each call (launch +
   device time, no scheduler) and ``pipelined ms``: N calls back to back, one block at the end;
+  ``dispatch ms``: in that loop, the host time per call to enqueue it (what launching costs the host);
 * ``engine ms``: real ``engine.step()`` walls with this variant installed, measured in interleaved rounds
   across variants so every variant sees the same (slowly growing) context;
 * from a short profiler trace of replayed steps: kernels, device busy time and H2D / D2H copies per step
@@ -111,8 +112,9 @@ def replay(engine, jitted, leaves, inputs, prev, n: int, pipelined: bool, annota
         t0 = time.perf_counter()
         for _ in range(n):
             tokens, engine.kv_pool = jitted(leaves, engine.kv_pool, inputs[0], prev, inputs[1])
+        dispatched = time.perf_counter()
         tokens.block_until_ready()
-        return [(time.perf_counter() - t0) / n]
+        return [(time.perf_counter() - t0) / n, (dispatched - t0) / n]
     for i in range(n):
         t0 = time.perf_counter()
         if annotate:
@@ -184,7 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
             lat = replay(engine, jitted, leaves, inputs, prev, args.steps, pipelined=False)
             r["replay_ms"] = statistics.median(lat) * 1e3
             r["replay_min_ms"] = min(lat) * 1e3
-            r["pipelined_ms"] = replay(engine, jitted, leaves, inputs, prev, args.steps, pipelined=True)[0] * 1e3
+            pipelined, dispatch = replay(engine, jitted, leaves, inputs, prev, args.steps, pipelined=True)
+            r["pipelined_ms"], r["dispatch_ms"] = pipelined * 1e3, dispatch * 1e3
             jitted_by_name[name] = jitted
             trace_dir = os.path.join(args.out if args.keep_traces else scratch, "traces", name.replace("+", "plus_"))
             jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
                                   kernel_ms=a["kernel_us_per_step"] / 1e3, busy_ms=a["busy_us_per_step"] / 1e3,
                                   copies=a["copies"], top=a["top"][:10])
             print(f"{name}: compile {r['compile_s']:.1f} s, replay {r['replay_ms']:.3f} ms, "
-                  f"pipelined {r['pipelined_ms']:.3f} ms", flush=True)
+                  f"pipelined {r['pipelined_ms']:.3f} ms, dispatch {r['dispatch_ms']:.3f} ms", flush=True)
         except Exception as err:  # a bad option fails at compile time: record it, go on
             r["error"] = f"{type(err).__name__}: {err}"[:2000]
             print(f"{name}: FAILED {r['error'][:300]}", flush=True)
@@ -229,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     f3 = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     print(f"\nXLA options per executable: decode step, model {args.model}, batch {args.batch}, ctx ~{args.ctx}, "
           f"{out['device']}, jax {jax.__version__}, backend {runner.attention_backend}")
-    print(f"{'variant':28s} {'compile s':>9s} {'replay ms':>9s} {'pipelined':>9s} {'engine ms':>9s} "
+    print(f"{'variant':28s} {'compile s':>9s} {'replay ms':>9s} {'pipelined':>9s} {'dispatch':>8s} {'engine ms':>9s} "
           f"{'kernels':>7s} {'busy ms':>8s} {'H2D':>4s} {'D2H':>4s}")
     base = results.get("default", {}).get("replay_ms")
     for name, r in results.items():
@@ -239,11 +242,11 @@ def main(argv: list[str] | None = None) -> dict:
         tr = r.get("trace") or {}
         cp = tr.get("copies", {})
         rel = f"  ({r['replay_ms'] / base:.2f}x)" if base else ""
-        print(f"{name:28s} {r['compile_s']:9.1f} {r['replay_ms']:9.3f} {r['pipelined_ms']:9.3f} "
+        print(f"{name:28s} {r['compile_s']:9.1f} {r['replay_ms']:9.3f} {r['pipelined_ms']:9.3f} {r['dispatch_ms']:8.3f} "
               f"{f3(r.get('engine_ms')):>9s} {tr.get('kernels_per_step', 0):7.0f} {tr.get('busy_ms', 0):8.3f} "
               f"{cp.get('h2d', {}).get('count_per_step', 0):4.0f} {cp.get('d2h', {}).get('count_per_step', 0):4.0f}{rel}")
     print("replay: the captured step re-run with device inputs, blocked each call; pipelined: back to back; "
-          "engine: engine.step() wall (scheduling + H2D + step + readback)")
+          "dispatch: host time per call to enqueue it (pipelined loop); engine: engine.step() wall (scheduling + H2D + step + readback)")
     return out
 
 
