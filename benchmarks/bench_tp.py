@@ -138,7 +138,7 @@ def launch(name: str, args, out: Path) -> dict:
     path = out / f"part_{name}.json"
     if args.resume and path.exists():
         return json.loads(path.read_text())
-    cmd = [sys.executable, __file__, "--run-part", name, "--out", str(out), "--num-seqs", str(args.num_seqs),
+    cmd = [sys.executable, "-X", "faulthandler", __file__, "--run-part", name, "--out", str(out), "--num-seqs", str(args.num_seqs),
            "--backend", args.backend] + (["--tiny"] if args.tiny else [])
     env = dict(os.environ)
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # room for the 72B's weights and a KV pool
@@ -153,7 +153,7 @@ def launch(name: str, args, out: Path) -> dict:
     else:
         if res.returncode == 0 and path.exists():
             return json.loads(path.read_text())
-        result = dict(part=name, error=f"exit code {res.returncode}", log_tail=res.stderr[-3000:])
+        result = dict(part=name, error=f"exit code {res.returncode}", log_tail=(res.stdout + res.stderr)[-3000:])
     result["wall_s"] = time.perf_counter() - t0
     path.write_text(json.dumps(result, indent=2))
     return result

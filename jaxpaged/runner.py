@@ -8,6 +8,7 @@ sampled positions, and sampling. The graph definition and the attention function
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -29,6 +30,22 @@ from .transfer import pack, unpack
 # XLA options the engine compiles its step with (per executable, never a global flag). Empty until a
 # whole-workload measurement shows an option helps (benchmarks/RESULTS.md, exp_xla_flags.py).
 DEFAULT_COMPILER_OPTIONS: tuple[tuple[str, object], ...] = ()
+
+
+def gspmd_partitioner():
+    """A context in which jit partitions with GSPMD instead of Shardy (the tensor-parallel step only).
+
+    Why: on the H200 machine (jax 0.11.2, CUDA 13, 2026-11-29) XLA's GPU compiler segfaults while
+    compiling the tensor-parallel step (shard_map over the ``tp`` mesh) when Shardy partitions it, at
+    every size, with either attention backend and with command buffers, Triton GEMMs, autotuning or
+    the latency-hiding scheduler off; with GSPMD it compiles and runs (``bench_tp.py``, RESULTS.md).
+    Scoped to the step's trace and compile, never set globally; it is part of jit's cache key, so every
+    call of the step runs inside it.
+    """
+    from jax._src import config as jax_config  # the State behind jax_use_shardy_partitioner
+
+    state = getattr(jax_config, "use_shardy_partitioner", None)
+    return state(False) if state is not None else contextlib.nullcontext()
 
 
 def enable_compilation_cache(cache_dir: str | Path | None = None) -> str | None:
@@ -152,14 +169,19 @@ class ModelRunner:
             prev_tokens = self._replicate(prev_tokens)
         packed, layout = pack(inputs)
         shape_key = (layout, prev_tokens.shape, kv_pool[0][0].shape, kv_pool[0][0].dtype)
-        if shape_key not in self._shapes_seen:
-            t0 = time.perf_counter()
-            tokens, kv_pool = jitted(leaves, kv_pool, packed, prev_tokens, layout)
-            jax.block_until_ready(tokens)
-            self.compile_seconds += time.perf_counter() - t0
-            self._shapes_seen.add(shape_key)
-            return tokens, kv_pool
-        return jitted(leaves, kv_pool, packed, prev_tokens, layout)
+        with self._partitioner():
+            if shape_key not in self._shapes_seen:
+                t0 = time.perf_counter()
+                tokens, kv_pool = jitted(leaves, kv_pool, packed, prev_tokens, layout)
+                jax.block_until_ready(tokens)
+                self.compile_seconds += time.perf_counter() - t0
+                self._shapes_seen.add(shape_key)
+                return tokens, kv_pool
+            return jitted(leaves, kv_pool, packed, prev_tokens, layout)
+
+    def _partitioner(self):
+        """GSPMD for the tensor-parallel step (see :func:`gspmd_partitioner`); nothing on one device."""
+        return gspmd_partitioner() if self.mesh is not None else contextlib.nullcontext()
 
     def _replicate(self, x):
         """``x`` committed to every device of the mesh (a no-op for the previous step's tokens)."""
@@ -180,4 +202,5 @@ class ModelRunner:
         jitted, leaves = self._flat(state)
         prev_tokens = np.zeros(inputs.logits_indices.shape, np.int32)
         packed, layout = pack(inputs)
-        return jitted.lower(leaves, kv_pool, packed, prev_tokens, layout).compile().as_text()
+        with self._partitioner():
+            return jitted.lower(leaves, kv_pool, packed, prev_tokens, layout).compile().as_text()
