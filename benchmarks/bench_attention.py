@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.kernels.kv_write import write_kv
+from jaxpaged.kernels.kv_write import pool_from_caches, pool_shape, write_kv
 from jaxpaged.kernels.paged_attention import AttentionConfig, choose_config, paged_attention
 from jaxpaged.kernels.reference import paged_attention_reference
 
@@ -116,7 +116,7 @@ def make_case(rng, q_lens, kv_lens, bs, hq, hkv, d, dtype, num_blocks):
     t = sum(q_lens) + 3
     q = rng.standard_normal((t, hq, d)).astype(np.float32)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(cu),
+    return (jnp.asarray(q, dtype), pool_from_caches(jnp.asarray(k, dtype), jnp.asarray(v, dtype)), 0, jnp.asarray(cu),
             jnp.asarray(np.array(kv_lens, np.int32)), jnp.asarray(perm))
 
 
@@ -156,8 +156,8 @@ def decode_inputs(key, b, ctx, pool_blocks, rotations):
 def bench_decode(args, pool, pool_hm, ceiling, smoke, interpret):
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
-    k_cache, v_cache = pool
-    pool_blocks = k_cache.shape[0]
+    kv = pool  # [1, N, bs, 2, Hkv, D]
+    pool_blocks = kv.shape[1]
     batches = [1, 8] if smoke else [int(x) for x in args.batches.split(",")]
     ctxs = [32, 64] if smoke else [int(x) for x in args.ctxs.split(",")]
     for b in batches:
@@ -167,7 +167,7 @@ def bench_decode(args, pool, pool_hm, ceiling, smoke, interpret):
             rot = max(1, min(args.chain, pool_blocks // (b * nb), math.ceil(256e6 / kv_bytes)))
             q, tables, cu, kv_lens = decode_inputs(jax.random.key(b + ctx), b, ctx, pool_blocks, rot)
             row = dict(batch=b, ctx=ctx, kv_MB=kv_bytes / 1e6, rotations=rot)
-            ref = reference_hi(q, k_cache, v_cache, cu, kv_lens, tables[0])
+            ref = reference_hi(q, kv, 0, cu, kv_lens, tables[0])
             configs = {"default": None}
             if args.sweep and (b, ctx) in ((256, 1024), (8, 4096), (1, 4096)) and not smoke:
                 d = choose_config(b, b, HQ, HKV, BS, ctx)
@@ -183,12 +183,12 @@ def bench_decode(args, pool, pool_hm, ceiling, smoke, interpret):
                 try:
                     t0 = time.perf_counter()
                     out = jax.block_until_ready(paged_attention(
-                        q, k_cache, v_cache, cu, kv_lens, tables[0], config=cfg, interpret=interpret))
+                        q, kv, 0, cu, kv_lens, tables[0], config=cfg, interpret=interpret))
                     c = time.perf_counter() - t0
                     err = rel_err(out, ref)
                     _, t = chain_time(lambda qq, cs, tb, cfg=cfg: paged_attention(
-                        qq, *cs, tb, config=cfg, interpret=interpret),
-                        q, (k_cache, v_cache, cu, kv_lens), tables, args.reps, args.chain)
+                        qq, cs[0], 0, *cs[1:], tb, config=cfg, interpret=interpret),
+                        q, (kv, cu, kv_lens), tables, args.reps, args.chain)
                     rec = dict(time_us=t * 1e6, TBps=kv_bytes / t / 1e12, frac=kv_bytes / t / ceiling,
                                compile_s=c, rel_err=err)
                     if name == "default":
@@ -223,8 +223,8 @@ def bench_decode(args, pool, pool_hm, ceiling, smoke, interpret):
                     log(f"jax_deprecated ppcb={ppcb} ks={ks} FAILED {type(e).__name__}: {str(e)[:200]}")
             row["jax_deprecated"] = best
             try:
-                c, t = chain_time(lambda qq, cs, tb: paged_attention_reference(qq, *cs, tb), q,
-                                  (k_cache, v_cache, cu, kv_lens), tables, max(3, args.reps // 3),
+                c, t = chain_time(lambda qq, cs, tb: paged_attention_reference(qq, cs[0], 0, *cs[1:], tb), q,
+                                  (kv, cu, kv_lens), tables, max(3, args.reps // 3),
                                   args.chain)
                 row["xla_reference"] = dict(time_us=t * 1e6, TBps=kv_bytes / t / 1e12, compile_s=c)
             except Exception as e:
@@ -250,6 +250,7 @@ def bench_prefill(args, smoke, interpret):
         kq, kk, kv_ = jax.random.split(key, 3)
         k_cache = jax.random.normal(kk, (num_blocks, BS, HKV, D), jnp.bfloat16)
         v_cache = jax.random.normal(kv_, (num_blocks, BS, HKV, D), jnp.bfloat16)
+        kv = pool_from_caches(k_cache, v_cache)
         table = jnp.asarray(rng.permutation(num_blocks)[:nb].reshape(1, nb).astype(np.int32))
         q = jax.random.normal(kq, (q_len, HQ, D), jnp.bfloat16)
         cu = jnp.array([0, q_len], jnp.int32)
@@ -261,7 +262,7 @@ def bench_prefill(args, smoke, interpret):
         refs = []
         for a in range(0, q_len, chunk):
             refs.append(reference_hi(
-                q[a:a + chunk], k_cache, v_cache, jnp.array([0, chunk], jnp.int32),
+                q[a:a + chunk], kv, 0, jnp.array([0, chunk], jnp.int32),
                 jnp.array([prefix + a + chunk], jnp.int32), table))
         ref = jnp.concatenate(refs)
         configs = {"default": None}
@@ -272,12 +273,12 @@ def bench_prefill(args, smoke, interpret):
             try:
                 t0 = time.perf_counter()
                 out = jax.block_until_ready(paged_attention(
-                    q, k_cache, v_cache, cu, kv_lens, table, config=cfg, interpret=interpret))
+                    q, kv, 0, cu, kv_lens, table, config=cfg, interpret=interpret))
                 c = time.perf_counter() - t0
                 err = rel_err(out, ref)
                 _, t = chain_time(lambda qq, cs, tb, cfg=cfg: paged_attention(
-                    qq, *cs, tb, config=cfg, interpret=interpret),
-                    q, (k_cache, v_cache, cu, kv_lens), [table], args.reps, args.chain)
+                    qq, cs[0], 0, *cs[1:], tb, config=cfg, interpret=interpret),
+                    q, (kv, cu, kv_lens), [table], args.reps, args.chain)
                 rec = dict(time_us=t * 1e6, TFLOPs=flops / t / 1e12, compile_s=c, rel_err=err)
                 if name == "default":
                     row.update(ours=rec, ours_config=str(choose_config(q_len, 1, HQ, HKV, BS, nb * BS)))
@@ -315,22 +316,23 @@ def _chain_simple(fn, q, kc, vc, chain):
 
 
 def bench_kv_write(args, smoke):
-    """28 layers x 256 tokens written into donated per-layer pools: HLO copy check and time."""
+    """28 layers x 256 tokens written into one donated ``[L, N, bs, 2, Hkv, D]`` pool: HLO copy check
+    and time."""
     layers, tokens = (2, 8) if smoke else (28, 256)
     nblk = 64 if smoke else 4096
-    shape = (nblk, BS, HKV, D)
-    pools = tuple((jnp.zeros(shape, jnp.bfloat16) + 1, jnp.zeros(shape, jnp.bfloat16) + 1)
-                  for _ in range(layers))
+    pools = jnp.zeros(pool_shape(layers, nblk, BS, HKV, D), jnp.bfloat16) + 1
     k = jax.random.normal(jax.random.key(3), (tokens, HKV, D), jnp.bfloat16)
     slots = jnp.asarray(np.random.default_rng(0).permutation(nblk * BS)[:tokens].astype(np.int32))
     slots = slots.at[-1].set(-1)
 
     def step(pools, k, slots):
-        return tuple(write_kv(kc, vc, k, k, slots) for kc, vc in pools)
+        for layer in range(layers):
+            pools = write_kv(pools, layer, k, k, slots)
+        return pools
 
     fn = jax.jit(step, donate_argnums=0)
     hlo = fn.lower(pools, k, slots).compile().as_text()
-    pool_str = f"bf16[{nblk},{BS},{HKV},{D}]"
+    pool_str = "bf16[" + ",".join(map(str, pools.shape)) + "]"
     copies = [ln for ln in hlo.splitlines() if pool_str in ln.split("=")[-1][:60] and " copy(" in ln]
     pools = fn(pools, k, slots)
     jax.block_until_ready(pools)
@@ -340,20 +342,19 @@ def bench_kv_write(args, smoke):
         pools = fn(pools, k, slots)
         jax.block_until_ready(pools)
         times.append(time.perf_counter() - t)
-    ok = bool(np.array_equal(np.asarray(pools[0][0][slots[0] // BS, slots[0] % BS]), np.asarray(k[0])))
+    ok = bool(np.array_equal(np.asarray(pools[0, slots[0] // BS, slots[0] % BS, 0]), np.asarray(k[0])))
     RESULTS["kv_write"] = dict(layers=layers, tokens=tokens, pool_copies_in_hlo=len(copies),
                                time_ms=float(np.median(times)) * 1e3, written_ok=ok)
     log("kv_write", RESULTS["kv_write"])
 
 
 def attention_hlo_copies(pool):
-    k_cache, v_cache = pool
     q = jnp.zeros((256, HQ, D), jnp.bfloat16)
     cu = jnp.arange(257, dtype=jnp.int32)
     kl = jnp.full((256,), 1024, jnp.int32)
     tb = jnp.zeros((256, 64), jnp.int32)
-    hlo = paged_attention.lower(q, k_cache, v_cache, cu, kl, tb).compile().as_text()
-    pool_str = "bf16[" + ",".join(map(str, k_cache.shape)) + "]"
+    hlo = paged_attention.lower(q, pool, 0, cu, kl, tb).compile().as_text()
+    pool_str = "bf16[" + ",".join(map(str, pool.shape)) + "]"
     return sum(1 for ln in hlo.splitlines() if " copy(" in ln and pool_str in ln)
 
 
@@ -419,9 +420,11 @@ def main():
     pool = None
     if "decode" in only:
         kk, kv_ = jax.random.split(jax.random.key(0))
-        pool = (jax.random.normal(kk, (pool_blocks, BS, HKV, D), jnp.bfloat16),
-                jax.random.normal(kv_, (pool_blocks, BS, HKV, D), jnp.bfloat16))
-        pool_hm = tuple(jnp.transpose(p, (2, 0, 1, 3)) for p in pool)  # [Hkv, N, bs, D], once
+        caches = (jax.random.normal(kk, (pool_blocks, BS, HKV, D), jnp.bfloat16),
+                  jax.random.normal(kv_, (pool_blocks, BS, HKV, D), jnp.bfloat16))
+        pool_hm = tuple(jnp.transpose(p, (2, 0, 1, 3)) for p in caches)  # [Hkv, N, bs, D], once
+        pool = pool_from_caches(*caches)  # ours: [1, N, bs, 2, Hkv, D]
+        del caches
         steps.append(("decode", lambda: bench_decode(args, pool, pool_hm, ceiling, smoke, interpret)))
         if not smoke:
             steps.append(("decode", lambda: RESULTS.__setitem__("attn_copies", attention_hlo_copies(pool))))

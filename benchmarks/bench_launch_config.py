@@ -53,8 +53,7 @@ def main(argv=None) -> dict:
     interpret = jax.default_backend() != "gpu"
     rng = np.random.default_rng(0)
     num_blocks = 256 * 2048 // BS if not interpret else 64
-    k = jnp.asarray(rng.standard_normal((num_blocks, BS, HKV, D)), jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal((num_blocks, BS, HKV, D)), jnp.bfloat16)
+    pool = jnp.asarray(rng.standard_normal((1, num_blocks, BS, 2, HKV, D)), jnp.bfloat16)  # one layer
     cases = {  # name: (q_lens, cached context per sequence, slots, padded tokens)
         "1 x 512 new, ctx 0": ([512], [0], 256, 512),
         "1 x 512 new, ctx 1024": ([512], [1024], 256, 512),
@@ -71,10 +70,10 @@ def main(argv=None) -> dict:
         res = {}
         outs = {}
         for label, hint in (("padded guess", None), ("what the step holds", real_decode)):
-            fn = lambda q, k, v, cu, kl, t, hint=hint: paged_attention(q, k, v, cu, kl, t, decode=hint,  # noqa: E731
+            fn = lambda q, pool, cu, kl, t, hint=hint: paged_attention(q, pool, 0, cu, kl, t, decode=hint,  # noqa: E731
                                                                      interpret=interpret)
-            outs[label] = np.asarray(jax.jit(fn)(q, k, v, cu, kl, tables), np.float32)
-            _, sec = timed(fn, (q, k, v, cu, kl, tables), 3 if interpret else args.reps)
+            outs[label] = np.asarray(jax.jit(fn)(q, pool, cu, kl, tables), np.float32)
+            _, sec = timed(fn, (q, pool, cu, kl, tables), 3 if interpret else args.reps)
             res[label] = sec * 1e6
         n = sum(q_lens)
         err = float(np.max(np.abs(outs["padded guess"][:n] - outs["what the step holds"][:n])))

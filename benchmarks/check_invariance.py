@@ -42,6 +42,7 @@ from bench_throughput import run_ours  # noqa: E402
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params  # noqa: E402
 from jaxpaged.kernels.matmul import matmul  # noqa: E402
+from jaxpaged.kernels.kv_write import pool_from_caches  # noqa: E402
 from jaxpaged.kernels.paged_attention import paged_attention  # noqa: E402
 from jaxpaged.llm import run_to_completion  # noqa: E402
 from jaxpaged.models.tiny import tiny_checkpoint_path  # noqa: E402
@@ -81,7 +82,8 @@ def check_precision(tiny: bool) -> dict:
     pad = nblk * bs - length
     k_cache = np.pad(kk, ((0, pad), (0, 0), (0, 0))).reshape(nblk, bs, hkv, d)
     v_cache = np.pad(vv, ((0, pad), (0, 0), (0, 0))).reshape(nblk, bs, hkv, d)
-    args = (jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray([0, length], jnp.int32),
+    args = (jnp.asarray(q), pool_from_caches(jnp.asarray(k_cache), jnp.asarray(v_cache)), 0,
+            jnp.asarray([0, length], jnp.int32),
             jnp.asarray([length], jnp.int32), jnp.arange(nblk, dtype=jnp.int32)[None])
     g = hq // hkv
     k64 = np.repeat(kk, g, axis=1).astype(np.float64)

@@ -57,7 +57,7 @@ def our_logits(cfg, tensors, ids, dtype, backend):
     attn = get_attention_fn(backend)
     nblocks = -(-len(ids) // BLOCK_SIZE) + 4
     pool = init_kv_pool(cfg, nblocks + 8, BLOCK_SIZE, dtype)
-    pool = tuple((jnp.full_like(k, jnp.nan), jnp.full_like(v, jnp.nan)) for k, v in pool)
+    pool = jnp.full_like(pool, jnp.nan)
     table = list(np.random.default_rng(0).permutation(nblocks + 8)[:nblocks])
     chunks = [(0, SPLIT), (SPLIT, len(ids) - DECODE)] + [(p, p + 1) for p in range(len(ids) - DECODE, len(ids))]
     logits = []

@@ -1,6 +1,6 @@
 """LLMEngine: the loop over one model and one paged KV pool (entry points for users: ``llm.py``).
 
-One engine owns one KV pool (a tuple of per-layer ``(k_cache, v_cache)`` arrays on the device), the
+One engine owns one KV pool (one ``[L, num_blocks, block_size, 2, Hkv, D]`` array on the device), the
 host-side ``KVCacheManager`` that hands out its blocks, the ``Scheduler`` and the jitted step. Each
 ``step()``: schedule -> build padded inputs -> run the donated step -> append tokens, cache full
 blocks, free finished requests.

@@ -168,7 +168,7 @@ class ModelRunner:
         if self.mesh is not None:  # one executable for fresh and fed-back tokens (committed or not)
             prev_tokens = self._replicate(prev_tokens)
         packed, layout = pack(inputs)
-        shape_key = (layout, prev_tokens.shape, kv_pool[0][0].shape, kv_pool[0][0].dtype)
+        shape_key = (layout, prev_tokens.shape, kv_pool.shape, kv_pool.dtype)
         with self._partitioner():
             if shape_key not in self._shapes_seen:
                 t0 = time.perf_counter()

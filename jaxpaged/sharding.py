@@ -38,7 +38,7 @@ from .models.config import QwenConfig
 from .models.qwen import KVPool, ModelOps
 
 TP_AXIS = "tp"
-POOL_SPEC = P(None, None, TP_AXIS, None)  # [num_blocks, block_size, Hkv, D]: split the KV heads
+POOL_SPEC = P(None, None, None, None, TP_AXIS, None)  # [L, N, bs, 2, Hkv, D]: split the KV heads
 
 # Parameter name (the last key of its path in the NNX state) -> how it is split. Anything else
 # (RMSNorm weights, q/k norms) is replicated.
@@ -155,9 +155,8 @@ def shard_step(step: Callable, mesh: Mesh, treedef) -> Callable:
     leaf_specs = state_specs(treedef)
 
     def tp_step(leaves, kv_pool, packed, prev_tokens, layout):
-        pool_specs = jax.tree.map(lambda _: POOL_SPEC, kv_pool)
         body = jax.shard_map(lambda lv, kv, pk, prev: step(lv, kv, pk, prev, layout), mesh=mesh,
-                             in_specs=(leaf_specs, pool_specs, P(), P()), out_specs=(P(), pool_specs),
+                             in_specs=(leaf_specs, POOL_SPEC, P(), P()), out_specs=(P(), POOL_SPEC),
                              check_vma=False)  # tokens: every shard samples the same gathered logits
         return body(leaves, kv_pool, packed, prev_tokens)
 
@@ -170,19 +169,21 @@ def step_shardings(mesh: Mesh, treedef) -> dict:
     one executable: weights as ``PARAM_SPECS``, pool by KV head, inputs and tokens replicated."""
     replicated = NamedSharding(mesh, P())
     leaves = [NamedSharding(mesh, spec) for spec in state_specs(treedef)]
-    pool = NamedSharding(mesh, POOL_SPEC)  # a prefix: every (k, v) of every layer
+    pool = NamedSharding(mesh, POOL_SPEC)
     return dict(in_shardings=(leaves, pool, replicated, replicated), out_shardings=(replicated, pool))
 
 
 # ---- arrays ------------------------------------------------------------------------------------------
 def init_sharded_kv_pool(shard_cfg: QwenConfig, mesh: Mesh, num_blocks: int, block_size: int,
                          dtype: str | jnp.dtype) -> KVPool:
-    """A zero pool, per layer ``(k, v)`` of global shape ``[num_blocks, block_size, tp * Hkv_shard, D]``,
-    created directly split over KV heads (each device allocates only its slice)."""
+    """A zero pool of global shape ``[L, num_blocks, block_size, 2, tp * Hkv_shard, D]``, created
+    directly split over KV heads (each device allocates only its slice)."""
+    from .kernels.kv_write import pool_shape
+
     tp = mesh.shape[TP_AXIS]
-    shape = (num_blocks, block_size, tp * shard_cfg.num_key_value_heads, shard_cfg.head_dim)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, POOL_SPEC))
-    return tuple((zeros(), zeros()) for _ in range(shard_cfg.num_hidden_layers))
+    shape = pool_shape(shard_cfg.num_hidden_layers, num_blocks, block_size, tp * shard_cfg.num_key_value_heads,
+                       shard_cfg.head_dim)
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, POOL_SPEC))()
 
 
 def random_sharded_state(shard_cfg: QwenConfig, mesh: Mesh, dtype: str, seed: int = 0):

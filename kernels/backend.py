@@ -3,8 +3,8 @@
 ``get_attention_fn(backend)`` returns a function with the signature of
 :func:`jaxpaged.kernels.reference.paged_attention_reference`::
 
-    fn(q[T, Hq, D], k_cache, v_cache, cu_q_lens i32[S+1], kv_lens i32[S], block_tables i32[S, W],
-       *, scale=None) -> [T, Hq, D]
+    fn(q[T, Hq, D], kv_pool[L, N, bs, 2, Hkv, D], layer (int), cu_q_lens i32[S+1], kv_lens i32[S],
+       block_tables i32[S, W], *, scale=None) -> [T, Hq, D]
 
 ``backend``: ``"pallas"`` (the Pallas-Triton kernels of :mod:`jaxpaged.kernels.paged_attention`; on a
 machine without a GPU they run in interpret mode, slowly, which is only useful in tests), ``"reference"``

@@ -1,15 +1,17 @@
-"""Writes a step's new K/V rows into the paged pool: one XLA scatter per cache, in place when donated.
+"""Writes a step's new K/V rows into the paged pool: one XLA scatter per layer, in place when donated.
 
-Pool layout (one layer): ``k_cache, v_cache: [num_blocks, block_size, Hkv, D]``. Slot ``s`` is
+Pool layout (the whole model, one array): ``kv_pool: [L, num_blocks, block_size, 2, Hkv, D]``; index
+``[layer, block, offset, 0]`` holds a token's keys and ``[..., 1]`` its values, so one token's K and V
+of one layer are one contiguous row and a layer's write is a single scatter. Slot ``s`` is
 ``block_id * block_size + offset``; ``-1`` marks a padding token and writes nothing.
 
-Why a scatter and not a Pallas kernel: on the H200 (``shared/GPU.md``, 2026-11-29) one scatter
-``pool.at[blk, off].set(kv)`` per layer into a *donated* pool runs in place (28 layers x 256 tokens in
-0.30-0.35 ms in all), while slicing a layer out of a bigger array and setting it back copies the whole
-pool (22.7 ms) and the same scatter without donation copies it too (7.6 ms). So: keep each layer's pool
-a separate array (the engine's tuple of per-layer pairs), write with :func:`write_kv` inside the jitted
-step whose pool arguments are donated, or call :func:`write_kv_donated` on its own.
-``benchmarks/bench_attention.py`` checks the compiled HLO for a copy of the pool and times the write.
+Why one array for every layer: launching a jitted call costs the host about 8 us per donated array on
+the H200 (``benchmarks/bench_dispatch.py``): 56 per-layer K and V arrays cost 0.45 ms a step, a third
+of a whole batch-1 decode step. Why a scatter into the whole array and not a slice of it: a scatter
+``pool.at[layer, blk, off].set(kv)`` into a *donated* pool runs in place, while slicing a layer out and
+setting it back copies the whole pool (22.7 ms measured). The attention kernels read the layer they
+need from the same array (a static index, no slice). ``tests/test_runner.py`` checks the compiled step
+for a copy of the pool.
 """
 
 from __future__ import annotations
@@ -20,40 +22,54 @@ import jax
 import jax.numpy as jnp
 
 
-def _validate(k_cache, v_cache, k, v, slot_mapping):
-    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, Hkv, D]; got "
-                         f"{k_cache.shape} and {v_cache.shape}")
-    hkv, d = k_cache.shape[2:]
+def pool_shape(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+               head_dim: int) -> tuple[int, ...]:
+    """``(L, num_blocks, block_size, 2, Hkv, D)``: the shape of a KV pool."""
+    return (num_layers, num_blocks, block_size, 2, num_kv_heads, head_dim)
+
+
+def pool_from_caches(k_cache: jax.Array, v_cache: jax.Array) -> jax.Array:
+    """One layer's ``k_cache, v_cache [N, bs, Hkv, D]`` as a one-layer pool ``[1, N, bs, 2, Hkv, D]``
+    (a copy: for tests and benchmarks that build caches by hand)."""
+    return jnp.stack([k_cache, v_cache], axis=2)[None]
+
+
+def check_pool(kv_pool: jax.Array, layer: int) -> None:
+    """Raises a ValueError naming the problem if ``kv_pool`` is not ``[L, N, bs, 2, Hkv, D]`` or
+    ``layer`` is not one of its layers."""
+    if kv_pool.ndim != 6 or kv_pool.shape[3] != 2:
+        raise ValueError(f"kv_pool must be [L, num_blocks, block_size, 2, Hkv, D]; got {kv_pool.shape}")
+    if not isinstance(layer, int) or not 0 <= layer < kv_pool.shape[0]:
+        raise ValueError(f"layer must be a Python int in [0, {kv_pool.shape[0]}), got {layer!r}")
+
+
+def write_kv(
+    kv_pool: jax.Array,
+    layer: int,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+) -> jax.Array:
+    """Scatters ``k, v [T, Hkv, D]`` into slots ``slot_mapping i32[T]`` of layer ``layer`` of
+    ``kv_pool [L, N, bs, 2, Hkv, D]``.
+
+    Traceable (call it inside the model's jitted step). Padding slots (``-1``) point one block past the
+    end and are dropped. Returns the updated pool; in place when the pool is donated.
+    """
+    check_pool(kv_pool, layer)
+    num_blocks, block_size, _, hkv, d = kv_pool.shape[1:]
     if k.ndim != 3 or k.shape != v.shape or k.shape[1:] != (hkv, d):
         raise ValueError(f"k and v must both be [T, {hkv}, {d}]; got {k.shape} and {v.shape}")
     if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != jnp.int32:
         raise ValueError(f"slot_mapping must be i32[{k.shape[0]}], got {slot_mapping.dtype}"
                          f"{list(slot_mapping.shape)}")
-
-
-def write_kv(
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    slot_mapping: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
-    """Scatters ``k, v [T, Hkv, D]`` into slots ``slot_mapping i32[T]`` of ``[N, bs, Hkv, D]`` caches.
-
-    Traceable (call it inside the model's jitted step). Padding slots (``-1``) point one block past the
-    end and are dropped. Returns the updated ``(k_cache, v_cache)``; in place when the caches are donated.
-    """
-    _validate(k_cache, v_cache, k, v, slot_mapping)
-    num_blocks, block_size = k_cache.shape[:2]
     blk = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
     off = jnp.where(slot_mapping < 0, 0, slot_mapping % block_size)
-    k_cache = k_cache.at[blk, off].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[blk, off].set(v.astype(v_cache.dtype), mode="drop")
-    return k_cache, v_cache
+    rows = jnp.stack([k, v], axis=1).astype(kv_pool.dtype)  # [T, 2, Hkv, D]
+    return kv_pool.at[layer, blk, off].set(rows, mode="drop")
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def write_kv_donated(k_cache, v_cache, k, v, slot_mapping):
-    """:func:`write_kv` as its own jitted call with both caches donated (in place)."""
-    return write_kv(k_cache, v_cache, k, v, slot_mapping)
+@functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(0,))
+def write_kv_donated(kv_pool, layer, k, v, slot_mapping):
+    """:func:`write_kv` as its own jitted call with the pool donated (in place)."""
+    return write_kv(kv_pool, layer, k, v, slot_mapping)

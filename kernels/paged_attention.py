@@ -2,8 +2,9 @@
 
 Same contract as :func:`jaxpaged.kernels.reference.paged_attention_reference` (read its module
 docstring): ``q[T, Hq, D]`` new tokens of ``S`` sequences (``cu_q_lens``), ``kv_lens`` including the new
-tokens, pool ``[num_blocks, block_size, Hkv, D]`` read through ``block_tables[S, W]``; causal; padding
-tokens give zeros; keys at or past ``kv_lens`` are never used (stale NaN cannot leak).
+tokens, layer ``layer`` of the pool ``[L, num_blocks, block_size, 2, Hkv, D]`` (one array for every
+layer, see ``kv_write.py``) read through ``block_tables[S, W]``; causal; padding tokens give zeros; keys
+at or past ``kv_lens`` are never used (stale NaN cannot leak).
 
 How the work is cut (the scheme of vLLM's Triton "unified attention", written for Pallas):
   * A *query tile* is ``block_q`` consecutive new tokens of one sequence times the ``G = Hq // Hkv``
@@ -49,6 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxpaged.kernels.kv_write import check_pool
 from jaxpaged.kernels.shapes import next_pow2
 from jaxpaged.kernels.matmul import kernel_dot_precision
 
@@ -83,18 +85,18 @@ def _dot(a, b, b_contract: int, precision):
 
 
 def _ragged_attention_kernel(
-    cu_ref, kv_lens_ref, tables_ref, q_ref, k_ref, v_ref, *out_refs,
-    scale_log2: float, block_m: int, group: int, block_k: int, num_splits: int,
+    cu_ref, kv_lens_ref, tables_ref, q_ref, kv_ref, *out_refs,
+    layer: int, scale_log2: float, block_m: int, group: int, block_k: int, num_splits: int,
     reverse_tiles: bool, mask_all: bool, precision,
 ):
     """One program: KV head ``program_id(0)``, query tile ``program_id(1)``, split ``program_id(2)``.
 
     Refs: ``cu_ref i32[S+1]``, ``kv_lens_ref i32[S]``, ``tables_ref i32[S, W]``, ``q_ref [T, Hq, D]``,
-    ``k_ref, v_ref [N, bs, Hkv, D]``; outputs ``o_ref [T, Hq, D]`` (one split) or
+    ``kv_ref [L, N, bs, 2, Hkv, D]`` (read at the static ``layer``); outputs ``o_ref [T, Hq, D]`` (one split) or
     ``o_ref f32[splits, T, Hq, D]`` and ``lse_ref f32[splits, T, Hq]`` (base-2 log-sum-exp).
     """
     num_tokens, _, head_dim = q_ref.shape
-    block_size = k_ref.shape[1]
+    block_size = kv_ref.shape[2]
     num_seqs = kv_lens_ref.shape[0]
     width = tables_ref.shape[1]
     block_q = block_m // group
@@ -145,8 +147,8 @@ def _ragged_attention_kernel(
         blk = jnp.minimum(pos // block_size, width - 1)
         phys = tables_ref[seq_c, blk]  # [block_k] physical block ids
         off = pos % block_size
-        k = k_ref[phys[:, None], off[:, None], h, dims]  # [block_k, D]
-        v = v_ref[phys[:, None], off[:, None], h, dims]
+        k = kv_ref[layer, phys[:, None], off[:, None], 0, h, dims]  # [block_k, D]
+        v = kv_ref[layer, phys[:, None], off[:, None], 1, h, dims]
         if masked:
             kv_ok = (pos < kv_end)[:, None]
             k = jnp.where(kv_ok, k, jnp.zeros_like(k))
@@ -182,11 +184,11 @@ def _ragged_attention_kernel(
         plgpu.store(lse_ref.at[split, row_tok, head_ix[:, 0]], lse, mask=row_ok)
 
 
-def _ragged_attention_call(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables, *, scale: float,
+def _ragged_attention_call(q, kv_pool, layer: int, cu_q_lens, kv_lens, block_tables, *, scale: float,
                            config: AttentionConfig, interpret: bool):
     """pallas_call wrapper. Returns ``[T, Hq, D]`` (one split) or ``(o f32[P,T,Hq,D], lse f32[P,T,Hq])``."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = kv_pool.shape[4]
     num_seqs = kv_lens.shape[0]
     group = num_q_heads // num_kv_heads
     block_q = config.block_m // group
@@ -200,9 +202,9 @@ def _ragged_attention_call(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables
             jax.ShapeDtypeStruct((splits, num_tokens, num_q_heads), jnp.float32),
         )
     kernel = functools.partial(
-        _ragged_attention_kernel, scale_log2=scale * LOG2E, block_m=config.block_m, group=group,
+        _ragged_attention_kernel, layer=layer, scale_log2=scale * LOG2E, block_m=config.block_m, group=group,
         block_k=config.block_k, num_splits=splits, reverse_tiles=config.reverse_tiles,
-        mask_all=config.mask_all, precision=kernel_dot_precision(k_cache.dtype),
+        mask_all=config.mask_all, precision=kernel_dot_precision(kv_pool.dtype),
     )
     return pl.pallas_call(
         kernel,
@@ -211,7 +213,7 @@ def _ragged_attention_call(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name=f"ragged_paged_attention_m{config.block_m}_k{config.block_k}_p{splits}",
-    )(cu_q_lens, kv_lens, block_tables, q, k_cache, v_cache)
+    )(cu_q_lens, kv_lens, block_tables, q, kv_pool)
 
 
 def merge_splits(o: jax.Array, lse: jax.Array, dtype) -> jax.Array:
@@ -265,16 +267,12 @@ def invariant_config(num_q_heads: int, num_kv_heads: int, block_size: int) -> At
                            num_warps=4, num_stages=3, reverse_tiles=True, mask_all=True)
 
 
-def _validate(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables):
+def _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables):
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
-    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, Hkv, D]; got "
-                         f"{k_cache.shape} and {v_cache.shape}")
-    if k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"k_cache and v_cache dtypes differ: {k_cache.dtype} vs {v_cache.dtype}")
+    check_pool(kv_pool, layer)
     num_q_heads, head_dim = q.shape[1:]
-    _, block_size, num_kv_heads, d = k_cache.shape
+    _, _, block_size, _, num_kv_heads, d = kv_pool.shape
     if d != head_dim:
         raise ValueError(f"head_dim of q ({head_dim}) != head_dim of the pool ({d})")
     if num_q_heads % num_kv_heads:
@@ -292,11 +290,12 @@ def _validate(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables):
             raise ValueError(f"{name} must be int32, got {a.dtype}")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "decode", "batch_invariant"))
+@functools.partial(jax.jit, static_argnames=("layer", "scale", "interpret", "config", "decode",
+                                             "batch_invariant"))
 def paged_attention(
     q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
+    kv_pool: jax.Array,
+    layer: int,
     cu_q_lens: jax.Array,
     kv_lens: jax.Array,
     block_tables: jax.Array,
@@ -310,7 +309,8 @@ def paged_attention(
     """Ragged paged attention (decode and prefill with cached prefix) with Pallas on GPU.
 
     Args:
-      q: ``[T, Hq, D]``; k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` (bf16 or fp32);
+      q: ``[T, Hq, D]``; kv_pool: ``[L, num_blocks, block_size, 2, Hkv, D]`` (bf16 or fp32), read at
+        layer ``layer`` (a Python int);
       cu_q_lens ``i32[S+1]``, kv_lens ``i32[S]``, block_tables ``i32[S, W]``: as in the reference.
       scale: softmax scale, default ``1/sqrt(D)``.
       interpret: run the kernel in Pallas interpret mode (CPU tests).
@@ -320,9 +320,9 @@ def paged_attention(
         each token's output is bitwise independent of the batch and of prefill chunking.
     Returns ``[T, Hq, D]`` in ``q.dtype``; zeros for padding tokens.
     """
-    _validate(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables)
+    _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables)
     num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    _, _, block_size, _, num_kv_heads, _ = kv_pool.shape
     if scale is None:
         scale = head_dim**-0.5
     if config is None and batch_invariant:
@@ -337,7 +337,7 @@ def paged_attention(
             config.block_k & (config.block_k - 1):
         raise ValueError(f"block_k={config.block_k} must be a power of two multiple of "
                          f"block_size={block_size} and >= 16")
-    res = _ragged_attention_call(q, k_cache, v_cache, cu_q_lens, kv_lens, block_tables,
+    res = _ragged_attention_call(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables,
                                  scale=float(scale), config=config, interpret=interpret)
     if config.num_splits == 1:
         return res

@@ -1,10 +1,10 @@
 """Pure-jnp reference kernels: the ground truth every Pallas kernel is tested against.
 
-KV pool layout (one layer): ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``.
-The engine's pool is a tuple of per-layer ``(k_cache, v_cache)`` pairs, so each layer's attention
-kernel receives a whole array (no slice of a bigger pool, which XLA would have to copy before a
-custom call) and each layer's K/V write is one in-place scatter into a donated buffer
-(:func:`jaxpaged.kernels.kv_write.write_kv`, the one K/V write every backend uses).
+KV pool layout: one array for the whole model, ``kv_pool: [L, num_blocks, block_size, 2, Hkv, D]``
+(``[..., 0, :, :]`` keys, ``[..., 1, :, :]`` values); attention reads layer ``layer`` (a static index:
+never a slice of the pool, which XLA would copy) and each layer's K/V write is one in-place scatter
+into the donated pool (:func:`jaxpaged.kernels.kv_write.write_kv`, the one K/V write every backend
+uses; why one array: see that module).
 
 A ragged batch of ``S`` sequences carries ``T`` query tokens (padding included):
   * ``cu_q_lens i32[S+1]``: token ``t`` in ``[cu_q_lens[i], cu_q_lens[i+1])`` belongs to sequence ``i``;
@@ -45,8 +45,8 @@ def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> t
 
 def paged_attention_reference(
     q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
+    kv_pool: jax.Array,
+    layer: int,
     cu_q_lens: jax.Array,
     kv_lens: jax.Array,
     block_tables: jax.Array,
@@ -58,21 +58,23 @@ def paged_attention_reference(
     Args:
       q: ``[T, Hq, D]`` queries of the new tokens (``Hq`` a multiple of ``Hkv``; query head ``h``
         reads KV head ``h // (Hq // Hkv)``, Hugging Face's ``repeat_kv`` order).
-      k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, already holding the new tokens' K/V.
+      kv_pool: ``[L, num_blocks, block_size, 2, Hkv, D]``, layer ``layer`` already holding the new
+        tokens' K/V.
       cu_q_lens, kv_lens, block_tables: see the module docstring.
       scale: softmax scale, default ``1/sqrt(D)``.
     Returns ``[T, Hq, D]`` in ``q.dtype``; scores, max and sum in fp32; padding tokens give zeros.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    _, _, block_size, _, num_kv_heads, _ = kv_pool.shape
     group = num_q_heads // num_kv_heads
     if scale is None:
         scale = head_dim**-0.5
     seq_ids, positions, valid = token_layout(cu_q_lens, kv_lens, num_tokens)
     tables = block_tables[seq_ids]  # [T, W]
     width = tables.shape[1]
-    keys = k_cache[tables].reshape(num_tokens, width * block_size, num_kv_heads, head_dim)
-    values = v_cache[tables].reshape(num_tokens, width * block_size, num_kv_heads, head_dim)
+    rows = kv_pool[layer, tables]  # [T, W, bs, 2, Hkv, D]: a gather, never a copy of the layer
+    keys = rows[:, :, :, 0].reshape(num_tokens, width * block_size, num_kv_heads, head_dim)
+    values = rows[:, :, :, 1].reshape(num_tokens, width * block_size, num_kv_heads, head_dim)
     key_pos = jnp.arange(width * block_size, dtype=jnp.int32)
     mask = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] < kv_lens[seq_ids][:, None])
     mask = mask & valid[:, None]  # [T, K]

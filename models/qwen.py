@@ -1,9 +1,10 @@
 """Flax NNX Qwen2 / Qwen2.5 / Qwen3 decoder whose attention reads and writes the paged KV pool.
 
 One forward call processes a ragged batch of new tokens (prefill chunks and decodes mixed), given as
-flat ``token_ids i32[T]`` and ``positions i32[T]``. Each layer writes its new K/V into the pool at
-``slot_mapping`` and attends through ``attention_fn`` (the Pallas kernel or the jnp reference, same
-signature), so the same model code runs every backend. The matmuls, RMSNorms and RoPE go through
+flat ``token_ids i32[T]`` and ``positions i32[T]``. Each layer writes its new K/V into its layer of the
+pool (one ``[L, num_blocks, block_size, 2, Hkv, D]`` array, ``kernels/kv_write.py``) at ``slot_mapping``
+and attends through ``attention_fn`` (the Pallas kernel or the jnp reference, same signature), so the
+same model code runs every backend. The matmuls, RMSNorms and RoPE go through
 ``ops`` (:class:`ModelOps`), passed in the same way: the default is XLA (``x @ w``, IEEE fp32 for
 float32 weights); the batch-invariant mode passes fixed-tile Pallas kernels
 (``kernels.backend.get_model_ops``).
@@ -27,9 +28,9 @@ from ..kernels.matmul import dot_precision
 from ..kernels.metadata import AttentionMetadata
 from .config import QwenConfig
 
-KVPool = tuple[tuple[jax.Array, jax.Array], ...]  # per layer (k_cache, v_cache) [B, bs, Hkv, D]
-AttentionFn = Callable[..., jax.Array]
-WriteKVFn = Callable[..., tuple[jax.Array, jax.Array]]
+KVPool = jax.Array  # [L, num_blocks, block_size, 2, Hkv, D]: keys at [..., 0, :, :], values at [..., 1, :, :]
+AttentionFn = Callable[..., jax.Array]  # (q, kv_pool, layer, cu_q_lens, kv_lens, block_tables) -> out
+WriteKVFn = Callable[..., jax.Array]  # (kv_pool, layer, k, v, slot_mapping) -> kv_pool
 
 
 def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, std: float = 0.02) -> nnx.Param:
@@ -130,7 +131,7 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
-    def __call__(self, x: jax.Array, positions: jax.Array, kv: tuple[jax.Array, jax.Array],
+    def __call__(self, x: jax.Array, positions: jax.Array, kv_pool: KVPool, layer: int,
                  meta: AttentionMetadata, attention_fn: AttentionFn, write_kv_fn: WriteKVFn,
                  ops: ModelOps = DEFAULT_OPS):
         cfg = self.cfg
@@ -145,10 +146,10 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q, ops), self.k_norm(k, ops)
         q = ops.rotary(q, positions, cfg.rope_theta)
         k = ops.rotary(k, positions, cfg.rope_theta)
-        k_cache, v_cache = write_kv_fn(kv[0], kv[1], k, v, meta.slot_mapping)
-        out = attention_fn(q, k_cache, v_cache, meta.cu_q_lens, meta.kv_lens, meta.block_tables)
+        kv_pool = write_kv_fn(kv_pool, layer, k, v, meta.slot_mapping)
+        out = attention_fn(q, kv_pool, layer, meta.cu_q_lens, meta.kv_lens, meta.block_tables)
         out = ops.matmul(out.reshape(t, cfg.q_size).astype(x.dtype), self.o_proj[...])
-        return ops.all_reduce(out), (k_cache, v_cache)
+        return ops.all_reduce(out), kv_pool
 
 
 class MLP(nnx.Module):
@@ -170,11 +171,13 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, positions, kv, meta, attention_fn, write_kv_fn, ops: ModelOps = DEFAULT_OPS):
-        h, kv = self.attn(self.input_layernorm(x, ops), positions, kv, meta, attention_fn, write_kv_fn, ops)
+    def __call__(self, x, positions, kv_pool, layer: int, meta, attention_fn, write_kv_fn,
+                 ops: ModelOps = DEFAULT_OPS):
+        h, kv_pool = self.attn(self.input_layernorm(x, ops), positions, kv_pool, layer, meta, attention_fn,
+                               write_kv_fn, ops)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x, ops), ops)
-        return x, kv
+        return x, kv_pool
 
 
 class Qwen(nnx.Module):
@@ -193,11 +196,9 @@ class Qwen(nnx.Module):
                  write_kv_fn: WriteKVFn, ops: ModelOps = DEFAULT_OPS) -> tuple[jax.Array, KVPool]:
         """``token_ids, positions i32[T]`` -> final hidden states ``[T, H]`` and the updated pool."""
         x = ops.embed(self.embed_tokens[...], token_ids)
-        new_pool = []
-        for layer, kv in zip(self.layers, kv_pool):
-            x, kv = layer(x, positions, kv, meta, attention_fn, write_kv_fn, ops)
-            new_pool.append(kv)
-        return self.norm(x, ops), tuple(new_pool)
+        for i, layer in enumerate(self.layers):
+            x, kv_pool = layer(x, positions, kv_pool, i, meta, attention_fn, write_kv_fn, ops)
+        return self.norm(x, ops), kv_pool
 
     def compute_logits(self, hidden: jax.Array, ops: ModelOps = DEFAULT_OPS) -> jax.Array:
         """``hidden [N, H]`` -> fp32 logits ``[N, vocab]`` (fp32 accumulation)."""
@@ -209,6 +210,8 @@ class Qwen(nnx.Module):
 
 
 def init_kv_pool(cfg: QwenConfig, num_blocks: int, block_size: int, dtype: str | jnp.dtype) -> KVPool:
-    """A fresh pool: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, Hkv, D]``."""
-    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_hidden_layers))
+    """A fresh pool: one ``[L, num_blocks, block_size, 2, Hkv, D]`` array of zeros."""
+    from ..kernels.kv_write import pool_shape
+
+    shape = pool_shape(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    return jnp.zeros(shape, dtype)

@@ -85,4 +85,19 @@ def test_exp_xla_flags_tiny(tmp_path):
     assert out["option_probe"]["xla_gpu_enable_command_buffer"] == "accepted"
     for name in ("default", "cmdbuf_off"):
         v = out["variants"][name]
-        assert "error" not in v and v["replay_ms"] > 0 and v["engine_ms"] > 0
+        assert "error" not in v and v["replay_ms"] > 0 and v["engine_ms"] > 0 and v["dispatch_ms"] > 0
+
+
+def test_bench_dispatch_runs(tmp_path):
+    rows = load("bench_dispatch").main(["--calls", "3", "--out", str(tmp_path)])
+    assert [(r["args"], r["donated"]) for r in rows] == [(4, 0), (4, 2), (311, 0), (4, 56), (311, 56)]
+    assert all(r["dispatch_us"] > 0 for r in rows) and (tmp_path / "dispatch.json").is_file()
+
+
+def test_check_step_hlo_tiny(tmp_path):
+    """The compiled step of a decode-like and a prefill step: one aliased pool, no copy, no layer slice."""
+    rows = load("check_step_hlo").main(["--model", "tiny", "--out", str(tmp_path)])
+    assert [r["step"] for r in rows] == ["decode-like", "prefill"]
+    for r in rows:
+        assert r["pool_aliased"] == 1 and r["pool_copies"] == 0 and r["layer_slices"] == 0, r
+

@@ -333,9 +333,9 @@ def test_runners_belong_to_their_weights(qwen3):
 def test_pool_dtype_defaults_to_the_weights(dtype):
     params = load_params(tiny_checkpoint_path("qwen2"), dtype, use_cache=False)
     engine = LLMEngine(params, EngineConfig(block_size=8, num_blocks=16, max_model_len=64, compilation_cache=False))
-    assert engine.kv_pool[0][0].dtype == np.dtype(dtype) and engine.stats()["kv_dtype"] == dtype
+    assert engine.kv_pool.dtype == np.dtype(dtype) and engine.stats()["kv_dtype"] == dtype
     assert LLMEngine(params, EngineConfig(block_size=8, num_blocks=16, max_model_len=64, dtype="float32")
-                     ).kv_pool[0][0].dtype == np.float32
+                     ).kv_pool.dtype == np.float32
 
 
 def test_compiler_options_reach_the_step_and_key_the_runner(qwen3):
@@ -362,7 +362,7 @@ def test_a_dropped_engine_frees_its_pool_at_once(qwen3):
     params, _ = qwen3
     engine = LLMEngine(params, EngineConfig(**SMALL))
     run_to_completion(engine, [[1, 2, 3], [4, 5]], GREEDY)
-    pool, ref = weakref.ref(engine.kv_pool[0][0]), weakref.ref(engine)
+    pool, ref = weakref.ref(engine.kv_pool), weakref.ref(engine)
     gc.disable()
     try:
         del engine

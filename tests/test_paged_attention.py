@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.kernels import backend
-from jaxpaged.kernels.kv_write import write_kv, write_kv_donated
+from jaxpaged.kernels.kv_write import pool_from_caches, write_kv, write_kv_donated
 from jaxpaged.kernels.paged_attention import AttentionConfig, choose_config, invariant_config, paged_attention
 from jaxpaged.kernels.reference import paged_attention_reference
 from test_reference import random_batch
@@ -23,8 +23,10 @@ TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, at
 def run_case(seed, q_lens, kv_lens, bs, hq, hkv, d, dtype, config=None):
     rng = np.random.default_rng(seed)
     q, k, v, cu, kl, tables = random_batch(rng, q_lens, kv_lens, bs, hq, hkv, d)
-    args = (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(cu),
-            jnp.asarray(kl), jnp.asarray(tables))
+    # The layer under test sits between two NaN layers: reading any other layer poisons the output.
+    layer = pool_from_caches(jnp.asarray(k, dtype), jnp.asarray(v, dtype))
+    pool = jnp.concatenate([jnp.full_like(layer, jnp.nan), layer, jnp.full_like(layer, jnp.nan)])
+    args = (jnp.asarray(q, dtype), pool, 1, jnp.asarray(cu), jnp.asarray(kl), jnp.asarray(tables))
     out = np.asarray(paged_attention(*args, interpret=True, config=config), np.float32)
     ref = np.asarray(paged_attention_reference(*args), np.float32)
     assert np.all(np.isfinite(out)), "NaN or inf in the output (stale slot read?)"
@@ -96,46 +98,49 @@ def test_only_padding_and_empty_sequences():
 
 def test_invalid_inputs_raise():
     q = jnp.ones((4, 8, 64), jnp.float32)
-    kc = jnp.ones((10, 16, 4, 64), jnp.float32)
+    kc = jnp.ones((2, 10, 16, 2, 4, 64), jnp.float32)  # pool [L, N, bs, 2, Hkv, D]
     cu, kl, bt = jnp.array([0, 4], jnp.int32), jnp.array([4], jnp.int32), jnp.zeros((1, 2), jnp.int32)
     with pytest.raises(ValueError, match="multiple"):
-        paged_attention(jnp.ones((4, 6, 64)), kc, kc, cu, kl, bt, interpret=True)
+        paged_attention(jnp.ones((4, 6, 64)), kc, 0, cu, kl, bt, interpret=True)
     with pytest.raises(ValueError, match="head_dim"):
-        paged_attention(jnp.ones((4, 8, 32)), kc, kc, cu, kl, bt, interpret=True)
+        paged_attention(jnp.ones((4, 8, 32)), kc, 0, cu, kl, bt, interpret=True)
     with pytest.raises(ValueError, match="int32"):
-        paged_attention(q, kc, kc, cu.astype(jnp.float32), kl, bt, interpret=True)
+        paged_attention(q, kc, 0, cu.astype(jnp.float32), kl, bt, interpret=True)
     with pytest.raises(ValueError, match="S\\+1"):
-        paged_attention(q, kc, kc, jnp.array([0, 2, 4], jnp.int32), kl, bt, interpret=True)
+        paged_attention(q, kc, 0, jnp.array([0, 2, 4], jnp.int32), kl, bt, interpret=True)
+    with pytest.raises(ValueError, match="layer"):
+        paged_attention(q, kc, 2, cu, kl, bt, interpret=True)
+    with pytest.raises(ValueError, match="kv_pool"):
+        paged_attention(q, kc[0], 0, cu, kl, bt, interpret=True)
     with pytest.raises(ValueError, match="block_k"):
-        paged_attention(q, kc, kc, cu, kl, bt, interpret=True,
+        paged_attention(q, kc, 0, cu, kl, bt, interpret=True,
                         config=AttentionConfig(16, 8, 1, 4, 2))
     with pytest.raises(ValueError, match="block_m"):
-        paged_attention(q, kc, kc, cu, kl, bt, interpret=True,
+        paged_attention(q, kc, 0, cu, kl, bt, interpret=True,
                         config=AttentionConfig(24, 16, 1, 4, 2))
 
 
 def test_write_kv_matches_numpy_and_drops_padding():
     rng = np.random.default_rng(11)
-    nb, bs, hkv, d, t = 7, 16, 2, 64, 12
-    kc_np, vc_np = rng.standard_normal((2, nb, bs, hkv, d)).astype(np.float32)
+    nl, nb, bs, hkv, d, t = 3, 7, 16, 2, 64, 12
+    pool_np = rng.standard_normal((nl, nb, bs, 2, hkv, d)).astype(np.float32)
     k, v = (jnp.asarray(x, jnp.bfloat16) for x in rng.standard_normal((2, t, hkv, d)))
     slots = rng.permutation(nb * bs)[:t].astype(np.int32)
     slots[[0, 5]] = -1
-    ek, ev = kc_np.copy(), vc_np.copy()
+    expected = pool_np.copy()  # only layer 1 changes
     for i, s in enumerate(slots):
         if s >= 0:
-            ek[s // bs, s % bs] = np.asarray(k[i], np.float32)
-            ev[s // bs, s % bs] = np.asarray(v[i], np.float32)
-    expected = (ek, ev)
-    kc, vc, slots = jnp.asarray(kc_np), jnp.asarray(vc_np), jnp.asarray(slots)
-    got = jax.jit(write_kv)(kc, vc, k, v, slots)
-    for a, b in zip(got, expected):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    donated = write_kv_donated(kc + 0, vc + 0, k, v, slots)
-    for a, b in zip(donated, expected):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            expected[1, s // bs, s % bs, 0] = np.asarray(k[i], np.float32)
+            expected[1, s // bs, s % bs, 1] = np.asarray(v[i], np.float32)
+    pool, slots = jnp.asarray(pool_np), jnp.asarray(slots)
+    got = jax.jit(write_kv, static_argnums=1)(pool, 1, k, v, slots)
+    np.testing.assert_array_equal(np.asarray(got), expected)
+    donated = write_kv_donated(pool + 0, 1, k, v, slots)
+    np.testing.assert_array_equal(np.asarray(donated), expected)
     with pytest.raises(ValueError, match="slot_mapping"):
-        write_kv(kc, vc, k, v, slots[:-1])
+        write_kv(pool, 1, k, v, slots[:-1])
+    with pytest.raises(ValueError, match="layer"):
+        write_kv(pool, 3, k, v, slots)
 
 
 def test_backend_switch():
@@ -147,8 +152,9 @@ def test_backend_switch():
     rng = np.random.default_rng(5)
     q, k, v, cu, kl, tables = (jnp.asarray(x) for x in random_batch(rng, [1, 3], [9, 3], 8, 4, 2, 64))
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    out = backend.get_attention_fn("pallas")(q, k, v, cu, kl, tables)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_fn(q, k, v, cu, kl, tables)), rtol=1e-5,
+    pool = pool_from_caches(k, v)
+    out = backend.get_attention_fn("pallas")(q, pool, 0, cu, kl, tables)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_fn(q, pool, 0, cu, kl, tables)), rtol=1e-5,
                                atol=1e-5)
 
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpaged.kernels.kv_write import pool_from_caches
 from jaxpaged.kernels.reference import paged_attention_reference, token_layout
 
 
@@ -72,8 +73,8 @@ def test_reference_matches_dense_numpy(q_lens, kv_lens, bs, hq, hkv, d):
     q, k, v, cu, kl, tables = random_batch(rng, q_lens, kv_lens, bs, hq, hkv, d)
     expected = dense_expected(q, k, v, cu, kl, tables)
     f32 = lambda x: jnp.asarray(x, jnp.float32)
-    out = paged_attention_reference(f32(q), f32(k), f32(v), jnp.asarray(cu), jnp.asarray(kl),
-                                    jnp.asarray(tables))
+    out = paged_attention_reference(f32(q), pool_from_caches(f32(k), f32(v)), 0, jnp.asarray(cu),
+                                    jnp.asarray(kl), jnp.asarray(tables))
     out = np.asarray(out)
     assert np.all(np.isfinite(out)), "NaN from stale slots reached the output"
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)

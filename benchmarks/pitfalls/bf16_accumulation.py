@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.kernels.kv_write import pool_from_caches
 from jaxpaged.kernels.reference import paged_attention_reference
 
 HEADS, DIM, TILE = 8, 128, 16
@@ -59,7 +60,7 @@ def fp32_reference(q, k, v):
     pool_k = k.reshape(-1, TILE, HEADS, DIM)
     pool_v = v.reshape(-1, TILE, HEADS, DIM)
     table = jnp.arange(pool_k.shape[0], dtype=jnp.int32)[None]
-    return paged_attention_reference(q[None], pool_k, pool_v, jnp.array([0, 1], jnp.int32),
+    return paged_attention_reference(q[None], pool_from_caches(pool_k, pool_v), 0, jnp.array([0, 1], jnp.int32),
                                      jnp.array([length], jnp.int32), table)[0]
 
 

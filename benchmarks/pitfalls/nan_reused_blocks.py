@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 from _common import tiny_engine  # noqa: E402
 
 from jaxpaged import SamplingParams  # noqa: E402
+from jaxpaged.kernels.kv_write import pool_from_caches  # noqa: E402
 from jaxpaged.kernels.reference import paged_attention_reference  # noqa: E402
 from jaxpaged.llm import run_to_completion  # noqa: E402
 
@@ -50,14 +51,15 @@ def kernel_demo() -> dict:
     v[2, 4:] = np.nan
     table = np.array([1, 2], np.int32)
     q = rng.standard_normal((heads, dim)).astype(np.float32)
-    ours = paged_attention_reference(jnp.asarray(q[None]), jnp.asarray(k), jnp.asarray(v), jnp.array([0, 1], jnp.int32),
+    ours = paged_attention_reference(jnp.asarray(q[None]), pool_from_caches(jnp.asarray(k), jnp.asarray(v)), 0,
+                                     jnp.array([0, 1], jnp.int32),
                                      jnp.array([kv_len], jnp.int32), jnp.asarray(table[None]))[0]
     naive = naive_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), kv_len, jnp.asarray(table))
     return dict(ours_finite=bool(jnp.all(jnp.isfinite(ours))), naive_finite=bool(jnp.all(jnp.isfinite(naive))))
 
 
 def poison(pool):
-    return tuple((jnp.full_like(k, jnp.nan), jnp.full_like(v, jnp.nan)) for k, v in pool)
+    return jnp.full_like(pool, jnp.nan)
 
 
 def engine_demo() -> dict:
