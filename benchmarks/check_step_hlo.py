@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 
 import numpy as np
@@ -20,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from jaxpaged.batch import build_step_inputs  # noqa: E402
+from jaxpaged.runner import pool_hlo_report  # noqa: E402
 from jaxpaged.transfer import pack  # noqa: E402
 from jaxpaged.workloads import BENCHMARK_MODELS, benchmark_params  # noqa: E402
 
@@ -38,19 +38,12 @@ def check(engine: LLMEngine, prompts: list[list[int]]) -> dict:
     prev = np.zeros(inputs.logits_indices.shape, np.int32)
     with runner._partitioner():
         compiled = jitted.lower(leaves, engine.kv_pool, packed, prev, layout).compile()
-    hlo = compiled.as_text()
-    shape = engine.kv_pool.shape
-    dtype = {"bfloat16": "bf16", "float32": "f32"}[str(engine.kv_pool.dtype)]
-    pool_str = f"{dtype}[{','.join(map(str, shape))}]"
-    layer_str = f"{dtype}[{','.join(map(str, shape[1:]))}]"
-    lines = hlo.splitlines()
+    report = pool_hlo_report(compiled.as_text(), engine.kv_pool.shape)
     mem = compiled.memory_analysis()
     for seq, _ in scheduled:  # leave the engine empty for the next check
         engine.abort_request(seq.parent.request_id)
     return dict(tokens=int(inputs.token_ids.shape[0]), seqs=len(scheduled),
-                pool_aliased=len(re.findall(r"\{\d+\}: \(\d+, \{\}, (?:may|must)-alias\)", lines[0])),
-                pool_copies=sum(1 for ln in lines if pool_str in ln and re.search(r"\bcopy(-start)?\(", ln)),
-                layer_slices=sum(1 for ln in lines if re.search(rf"= {re.escape(layer_str)}\S* ", ln)),
+                pool_aliased=report["aliased"], pool_copies=report["copies"], layer_slices=report["slices"],
                 pool_gib=engine.kv_pool.nbytes / 2**30,
                 argument_gib=mem.argument_size_in_bytes / 2**30, output_gib=mem.output_size_in_bytes / 2**30,
                 alias_gib=mem.alias_size_in_bytes / 2**30, temp_gib=mem.temp_size_in_bytes / 2**30)

@@ -107,6 +107,11 @@ def capture_step_inputs(engine) -> tuple:
 
 
 def replay(engine, jitted, leaves, inputs, prev, n: int, pipelined: bool, annotate: bool = False) -> list[float]:
+    with engine.runner._partitioner():  # the step's jit cache key includes the partitioner (tensor parallel)
+        return _replay(engine, jitted, leaves, inputs, prev, n, pipelined, annotate)
+
+
+def _replay(engine, jitted, leaves, inputs, prev, n: int, pipelined: bool, annotate: bool) -> list[float]:
     walls = []
     if pipelined:
         t0 = time.perf_counter()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from pathlib import Path
 from typing import Callable
@@ -30,6 +31,27 @@ from .transfer import pack, unpack
 # XLA options the engine compiles its step with (per executable, never a global flag). Empty until a
 # whole-workload measurement shows an option helps (benchmarks/RESULTS.md, exp_xla_flags.py).
 DEFAULT_COMPILER_OPTIONS: tuple[tuple[str, object], ...] = ()
+
+
+def pool_hlo_report(hlo: str, pool_shape: tuple[int, ...]) -> dict:
+    """How a compiled step (``hlo``: its text) treats the pool ``[L, N, bs, 2, Hkv, D]``.
+
+    ``aliased``: parameters aliased to outputs (the donated pool: 1). ``copies``: copies of the whole
+    pool. ``slices``: values holding part of the pool, i.e. any array with the pool's ``N, bs`` axes that
+    is not the pool itself (a layer, ``[1, N, ...]``, keys only, ...): XLA copies a slice before a custom
+    call, so the step must index the pool, never slice it. Both must be 0.
+    """
+    lines = hlo.splitlines()
+    dims = ",".join(map(str, pool_shape))
+    n, bs = pool_shape[1], pool_shape[2]
+    copies = sum(1 for ln in lines if re.search(rf"\w+\[{dims}\]", ln) and re.search(r"\bcopy(-start)?\(", ln))
+    slices = 0
+    for ln in lines:
+        m = re.search(r"= \w+\[([\d,]+)\]", ln)
+        if m and m.group(1) != dims and re.search(rf"(^|,){n},{bs}(,|$)", m.group(1)):
+            slices += 1
+    return dict(aliased=len(re.findall(r"\{\d+\}: \(\d+, \{\}, (?:may|must)-alias\)", lines[0])),
+                copies=copies, slices=slices)
 
 
 def gspmd_partitioner():

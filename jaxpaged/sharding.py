@@ -19,8 +19,8 @@ dimension in ``tp`` equal pieces gives each device exactly its heads' fused bloc
 
 KV heads: with ``tp <= num_key_value_heads`` each shard owns ``Hkv / tp`` of them; with more shards
 than KV heads each KV head is replicated on ``tp / Hkv`` consecutive shards (the ones whose query
-heads read it), so every shard holds exactly one. The pool is ``[num_blocks, block_size, tp *
-Hkv_shard, D]`` split on the head axis: one block table and one slot mapping address every shard's
+heads read it), so every shard holds exactly one. The pool is ``[L, num_blocks, block_size, 2, tp *
+Hkv_shard, D]`` split on the head axis (axis 4): one block table and one slot mapping address every shard's
 slice of the same blocks, so the host side (scheduler, block tables) is unchanged.
 """
 

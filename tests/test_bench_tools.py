@@ -90,7 +90,7 @@ def test_exp_xla_flags_tiny(tmp_path):
 
 def test_bench_dispatch_runs(tmp_path):
     rows = load("bench_dispatch").main(["--calls", "3", "--out", str(tmp_path)])
-    assert [(r["args"], r["donated"]) for r in rows] == [(4, 0), (4, 2), (311, 0), (4, 56), (311, 56)]
+    assert [(r["args"], r["donated"]) for r in rows] == [(4, 0), (4, 2), (311, 0), (4, 56), (311, 56), (311, 1)]
     assert all(r["dispatch_us"] > 0 for r in rows) and (tmp_path / "dispatch.json").is_file()
 
 
@@ -101,3 +101,9 @@ def test_check_step_hlo_tiny(tmp_path):
     for r in rows:
         assert r["pool_aliased"] == 1 and r["pool_copies"] == 0 and r["layer_slices"] == 0, r
 
+
+
+def test_bench_attention_big_pool_check_interpret():
+    """The GPU check of a many-layer pool read at its last layer from its highest blocks (tiny here)."""
+    rec = load("bench_attention").big_pool_check(interpret=True)
+    assert rec["ok"] and rec["layer"] == 2, rec

@@ -33,7 +33,7 @@ from jaxpaged.llm import run_to_completion  # noqa: E402
 
 def naive_attention(q, k_cache, v_cache, kv_len: int, block_table):
     """Decode attention for one sequence that masks *after* the softmax: ``p * mask @ V``.
-    ``q [Hq, D]``, pool ``[B, bs, Hkv, D]`` (Hq == Hkv here). Stale NaN values leak through."""
+    ``q [Hq, D]``, one layer's caches ``[B, bs, Hkv, D]`` (Hq == Hkv here). Stale NaN values leak through."""
     keys = k_cache[block_table].reshape(-1, *k_cache.shape[2:])  # [W*bs, H, D]
     values = v_cache[block_table].reshape(-1, *v_cache.shape[2:])
     mask = jnp.arange(keys.shape[0]) < kv_len
