@@ -20,7 +20,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from jaxpaged.batch import build_step_inputs  # noqa: E402
 from jaxpaged.runner import pool_hlo_report  # noqa: E402
-from jaxpaged.transfer import pack  # noqa: E402
 from jaxpaged.workloads import BENCHMARK_MODELS, benchmark_params  # noqa: E402
 
 
@@ -32,12 +31,7 @@ def check(engine: LLMEngine, prompts: list[list[int]]) -> dict:
     inputs = build_step_inputs(scheduled, engine.kv.tables, engine.config.block_size, width=engine._table_width,
                                max_seqs=engine.config.max_num_seqs,
                                eos_token_ids=engine.params.config.eos_token_id)
-    runner = engine.runner
-    jitted, leaves = runner._flat(engine.params.state)
-    packed, layout = pack(inputs)
-    prev = np.zeros(inputs.logits_indices.shape, np.int32)
-    with runner._partitioner():
-        compiled = jitted.lower(leaves, engine.kv_pool, packed, prev, layout).compile()
+    compiled = engine.runner.compiled(engine.params.state, engine.kv_pool, inputs)
     report = pool_hlo_report(compiled.as_text(), engine.kv_pool.shape)
     mem = compiled.memory_analysis()
     for seq, _ in scheduled:  # leave the engine empty for the next check

@@ -219,10 +219,15 @@ class ModelRunner:
     def num_compiled_shapes(self) -> int:
         return len(self._shapes_seen)
 
-    def lower_text(self, state: nnx.State, kv_pool: KVPool, inputs: StepInputs) -> str:
-        """Compiled HLO of the step for ``inputs``' shapes (to check that the pool is never copied)."""
+    def compiled(self, state: nnx.State, kv_pool: KVPool, inputs: StepInputs):
+        """The step compiled for ``inputs``' shapes (``jax.stages.Compiled``: its HLO text and XLA's memory
+        analysis, to check that the pool is never copied). Runs nothing."""
         jitted, leaves = self._flat(state)
         prev_tokens = np.zeros(inputs.logits_indices.shape, np.int32)
         packed, layout = pack(inputs)
         with self._partitioner():
-            return jitted.lower(leaves, kv_pool, packed, prev_tokens, layout).compile().as_text()
+            return jitted.lower(leaves, kv_pool, packed, prev_tokens, layout).compile()
+
+    def lower_text(self, state: nnx.State, kv_pool: KVPool, inputs: StepInputs) -> str:
+        """Compiled HLO text of the step for ``inputs``' shapes."""
+        return self.compiled(state, kv_pool, inputs).as_text()
