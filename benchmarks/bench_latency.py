@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sync-scheduling", dest="async_scheduling", action="store_false",
                     help="read each step's tokens back before dispatching the next (default: async)")
     ap.add_argument("--xla-option", action="append", help="name=value, repeatable: EngineConfig.compiler_options")
+    ap.add_argument("--no-decode-gemv", dest="decode_gemv", action="store_false",
+                    help="EngineConfig(decode_gemv=False): XLA for the few-row matmuls too")
+    ap.add_argument("--no-fused-qkv", dest="fused_qkv", action="store_false",
+                    help="EngineConfig(fused_qkv=False): XLA's kernels from the qkv projection to the KV write")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     batches = [int(x) for x in args.batches.split(",")]
@@ -121,7 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
     config = EngineConfig(block_size=bs, num_blocks=max(batches) * (max_model_len // bs) + 1,
                           max_num_seqs=max(batches), max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=max_model_len, attention_backend=args.backend, dtype=params.dtype,
-                          async_scheduling=args.async_scheduling, compiler_options=parse_xla_options(args.xla_option))
+                          async_scheduling=args.async_scheduling, compiler_options=parse_xla_options(args.xla_option),
+                          decode_gemv=args.decode_gemv, fused_qkv=args.fused_qkv)
     engine = LLMEngine(params, config)
     setup_s = time.perf_counter() - t_load
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

@@ -23,8 +23,9 @@ from jaxpaged.runner import pool_hlo_report  # noqa: E402
 from jaxpaged.workloads import BENCHMARK_MODELS, benchmark_params  # noqa: E402
 
 
-def check(engine: LLMEngine, prompts: list[list[int]]) -> dict:
-    """Schedules ``prompts`` (one step), compiles that step and inspects it."""
+def check(engine: LLMEngine, prompts: list[list[int]], dump: str | None = None) -> dict:
+    """Schedules ``prompts`` (one step), compiles that step and inspects it; ``dump``: also write the
+    compiled (optimised) HLO text there, to see which fusion or kernel each op became."""
     for p in prompts:
         engine.add_request(p, SamplingParams(max_tokens=2))
     scheduled = engine.scheduler.schedule()
@@ -32,7 +33,11 @@ def check(engine: LLMEngine, prompts: list[list[int]]) -> dict:
                                max_seqs=engine.config.max_num_seqs,
                                eos_token_ids=engine.params.config.eos_token_id)
     compiled = engine.runner.compiled(engine.params.state, engine.kv_pool, inputs)
-    report = pool_hlo_report(compiled.as_text(), engine.kv_pool.shape)
+    text = compiled.as_text()
+    if dump:
+        with open(dump, "w") as f:
+            f.write(text)
+    report = pool_hlo_report(text, engine.kv_pool.shape)
     mem = compiled.memory_analysis()
     for seq, _ in scheduled:  # leave the engine empty for the next check
         engine.abort_request(seq.parent.request_id)
@@ -47,22 +52,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=BENCHMARK_MODELS, default="qwen3-0.6b")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--decode-batches", default="256", help="comma list: a decode-like step per batch size")
+    ap.add_argument("--dump-hlo", action="store_true", help="write each step's compiled HLO to --out")
+    ap.add_argument("--no-fused", dest="fused", action="store_false", help="decode_gemv=False, fused_qkv=False")
     args = ap.parse_args(argv)
     tiny = args.model == "tiny"
     engine = LLMEngine(benchmark_params(args.model), EngineConfig(
         block_size=16, max_model_len=512 if tiny else 2048, max_num_seqs=16 if tiny else 256,
-        max_num_batched_tokens=128 if tiny else 8192, **(dict(num_blocks=256) if tiny else {})))
+        max_num_batched_tokens=128 if tiny else 8192, decode_gemv=args.fused, fused_qkv=args.fused,
+        **(dict(num_blocks=256) if tiny else {})))
     rng = np.random.default_rng(0)
-    n_dec, n_pre, plen = (4, 2, 64) if tiny else (256, 8, 1024)
-    rows = [dict(step="decode-like", **check(engine, [list(rng.integers(1, 500, 1)) for _ in range(n_dec)])),
-            dict(step="prefill", **check(engine, [list(rng.integers(1, 500, plen)) for _ in range(n_pre)]))]
+    n_pre, plen = (2, 64) if tiny else (8, 1024)
+    decode_batches = [4] if tiny else [int(b) for b in args.decode_batches.split(",")]
     os.makedirs(args.out, exist_ok=True)
+    dump = (lambda name: os.path.join(args.out, f"{name}.hlo.txt")) if args.dump_hlo else (lambda name: None)
+    rows = [dict(step=f"decode-like b{n}", **check(engine, [list(rng.integers(1, 500, 1)) for _ in range(n)],
+                                                   dump(f"decode_b{n}"))) for n in decode_batches]
+    rows.append(dict(step="prefill", **check(engine, [list(rng.integers(1, 500, plen)) for _ in range(n_pre)],
+                                             dump("prefill"))))
     with open(os.path.join(args.out, "step_hlo.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    print(f"{'step':12s} {'tokens':>6s} {'seqs':>4s} {'aliased':>7s} {'copies':>6s} {'slices':>6s} "
+    print(f"{'step':16s} {'tokens':>6s} {'seqs':>4s} {'aliased':>7s} {'copies':>6s} {'slices':>6s} "
           f"{'pool GiB':>8s} {'args GiB':>8s} {'out GiB':>8s} {'alias GiB':>9s} {'temp GiB':>8s}")
     for r in rows:
-        print(f"{r['step']:12s} {r['tokens']:6d} {r['seqs']:4d} {r['pool_aliased']:7d} {r['pool_copies']:6d} "
+        print(f"{r['step']:16s} {r['tokens']:6d} {r['seqs']:4d} {r['pool_aliased']:7d} {r['pool_copies']:6d} "
               f"{r['layer_slices']:6d} {r['pool_gib']:8.2f} {r['argument_gib']:8.2f} {r['output_gib']:8.2f} "
               f"{r['alias_gib']:9.2f} {r['temp_gib']:8.2f}")
     return rows

@@ -53,13 +53,15 @@ load_params = benchmark_params
 
 def build_engine(params, *, batch: int, max_model_len: int, block_size: int = 16,
                  max_num_batched_tokens: int = 8192, backend: str = "auto",
-                 async_scheduling: bool = True, prefix_caching: bool = True) -> LLMEngine:
+                 async_scheduling: bool = True, prefix_caching: bool = True, decode_gemv: bool = True,
+                 fused_qkv: bool = True) -> LLMEngine:
     """An engine whose pool holds exactly ``batch`` sequences of ``max_model_len`` tokens (+1 block)."""
     blocks_per_seq = -(-max_model_len // block_size)
     config = EngineConfig(block_size=block_size, num_blocks=batch * blocks_per_seq + 1, max_num_seqs=batch,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                           attention_backend=backend, dtype=params.dtype, async_scheduling=async_scheduling,
-                          enable_prefix_caching=prefix_caching)
+                          enable_prefix_caching=prefix_caching, decode_gemv=decode_gemv,
+                          fused_qkv=fused_qkv)
     return LLMEngine(params, config)
 
 
@@ -118,6 +120,41 @@ def timed_steps(engine: LLMEngine, n: int, annotate: bool = False) -> dict:
                 host_s_per_step=(m.host_seconds - h0) / n, device_wait_s_per_step=(m.device_seconds - d0) / n,
                 recompiles=engine.runner.num_compiled_shapes - shapes0,
                 compile_s=engine.runner.compile_seconds - c0)
+
+
+def first_token_requests(engine: LLMEngine, n: int, ctx: int, rng: np.random.Generator,
+                         annotate: bool = False) -> dict:
+    """``--ttft``: ``n`` requests one after the other, each a fresh random ``ctx``-token prompt (no
+    prefix-cache hit) with ``max_tokens=1``: the window from ``add_request`` to its finished output
+    is the prefill step plus everything around it (scheduling, input build, launch, read-back)."""
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    walls, parts, steps = [], [], 0
+    c0, shapes0 = engine.runner.compile_seconds, engine.runner.num_compiled_shapes
+    for i, prompt in enumerate(random_prompts(rng, engine.params.config.vocab_size, n, ctx)):
+        t0 = time.perf_counter()
+        ctx_mgr = jax.profiler.TraceAnnotation(f"profile_step:engine.step #{i}") if annotate else None
+        if ctx_mgr:
+            ctx_mgr.__enter__()
+        engine.add_request(prompt, sp)
+        t1 = time.perf_counter()
+        h0 = engine.metrics.host_seconds
+        done = engine.step()  # schedules, builds and dispatches the prefill
+        t2 = time.perf_counter()
+        first_host = engine.metrics.host_seconds - h0
+        steps += 1
+        while not done:
+            done = engine.step()
+            steps += 1
+        if ctx_mgr:
+            ctx_mgr.__exit__(None, None, None)
+        t3 = time.perf_counter()
+        walls.append(t3 - t0)
+        parts.append((t1 - t0, first_host, t2 - t1 - first_host, t3 - t2))
+    med = [statistics.median(p[j] for p in parts) for j in range(4)]
+    return dict(wall_s=walls, wall_median_s=statistics.median(walls), wall_min_s=min(walls),
+                add_request_median_s=med[0], first_step_host_median_s=med[1], first_step_launch_median_s=med[2],
+                until_output_median_s=med[3], steps_per_request=steps / n, host_s_per_step=float("nan"), device_wait_s_per_step=float("nan"),
+                recompiles=engine.runner.num_compiled_shapes - shapes0, compile_s=engine.runner.compile_seconds - c0)
 
 
 # ---- trace parsing ----------------------------------------------------------------------------
@@ -286,7 +323,7 @@ def _bytes(e: dict) -> int:
 def print_report(r: dict, top: int) -> None:
     a, u, t = r["trace"], r["untraced"], r["traced"]
     ms = 1e3
-    print(f"\n== decode step: model {r['model']}, batch {r['batch']}, ctx ~{r['ctx']}, {r['steps']} steps, "
+    print(f"\n== {r.get('mode', 'decode')} step: model {r['model']}, batch {r['batch']}, ctx ~{r['ctx']}, {r['steps']} steps, "
           f"backend {r['backend']}, device {r['device']} ==")
     print(f"steady state after {r['steady']['prefill_steps']} prefill/mixed steps "
           f"({r['steady']['seconds']:.1f} s, compile {r['steady']['compile_seconds']:.1f} s)")
@@ -352,7 +389,16 @@ def main(argv: list[str] | None = None) -> dict:
                     help="read each step's tokens back before dispatching the next (default: async)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--trace-dir", default=None, help="where the profiler writes (default: --out/trace)")
+    ap.add_argument("--no-decode-gemv", dest="decode_gemv", action="store_false",
+                    help="EngineConfig(decode_gemv=False): XLA for the few-row matmuls too")
+    ap.add_argument("--no-fused-qkv", dest="fused_qkv", action="store_false",
+                    help="EngineConfig(fused_qkv=False): XLA's kernels from the qkv projection to the KV write")
+    ap.add_argument("--ttft", action="store_true",
+                    help="profile first tokens instead of decode steps: --steps requests of --ctx tokens, one "
+                         "at a time, max_tokens=1; a 'step' is then a request's add_request..finished window")
     args = ap.parse_args(argv)
+    if args.ttft:
+        return main_ttft(args)
 
     os.makedirs(args.out, exist_ok=True)
     params = load_params(args.model)
@@ -364,7 +410,7 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{params.config.max_position_embeddings} positions")
     engine = build_engine(params, batch=args.batch, max_model_len=max_model_len, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend,
-                          async_scheduling=args.async_scheduling)
+                          async_scheduling=args.async_scheduling, decode_gemv=args.decode_gemv, fused_qkv=args.fused_qkv)
     steady = reach_steady_decode(engine, batch=args.batch, ctx=args.ctx, max_tokens=gen,
                                  temperature=args.temperature, warmup_steps=args.warmup_steps)
     untraced = timed_steps(engine, args.steps)
@@ -392,6 +438,42 @@ def main(argv: list[str] | None = None) -> dict:
             d2h_per_step=analysis["copies"].get("d2h", {}).get("count_per_step", 0.0))
     with open(os.path.join(args.out, "profile_step.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
+    print_report(result, args.top)
+    return result
+
+
+def main_ttft(args) -> dict:
+    os.makedirs(args.out, exist_ok=True)
+    params = load_params(args.model)
+    engine = build_engine(params, batch=1, max_model_len=args.ctx + 8, block_size=args.block_size,
+                          max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend,
+                          async_scheduling=args.async_scheduling, decode_gemv=args.decode_gemv, fused_qkv=args.fused_qkv)
+    rng = np.random.default_rng(0)
+    t0, c0 = time.perf_counter(), engine.runner.compile_seconds
+    first_token_requests(engine, args.warmup_steps, args.ctx, rng)  # compiles the prefill shape
+    steady = dict(prefill_steps=0, seconds=time.perf_counter() - t0, compile_seconds=engine.runner.compile_seconds - c0)
+    untraced = first_token_requests(engine, args.steps, args.ctx, rng)
+    trace_dir = args.trace_dir or os.path.join(args.out, "trace")
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    try:
+        traced = first_token_requests(engine, args.steps, args.ctx, rng, annotate=True)
+    finally:
+        jax.profiler.stop_trace()
+    path = find_trace_file(trace_dir)
+    analysis = analyse_trace(load_trace(path), args.steps, top=args.top) if path else None
+    result = dict(model=args.model, batch=1, ctx=args.ctx, steps=args.steps, args=vars(args), mode="ttft",
+                  device=str(jax.devices()[0]), jax=jax.__version__, backend=engine.runner.attention_backend,
+                  compiled_shapes=engine.runner.num_compiled_shapes, compile_seconds=engine.runner.compile_seconds,
+                  steady=steady, untraced=untraced, traced=traced, trace_file=path, trace=analysis)
+    with open(os.path.join(args.out, "profile_step.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    print(f"\n== first token: {args.ctx}-token prompt alone, max_tokens=1, {args.steps} requests; "
+          f"{untraced['steps_per_request']:.1f} engine steps per request ==")
+    print(f"add_request -> finished output, untraced: median {untraced['wall_median_s'] * 1e3:.3f} ms "
+          f"(min {untraced['wall_min_s'] * 1e3:.3f}): add_request {untraced['add_request_median_s'] * 1e3:.3f}, "
+          f"first step's host work {untraced['first_step_host_median_s'] * 1e3:.3f} + launch "
+          f"{untraced['first_step_launch_median_s'] * 1e3:.3f}, then until the output "
+          f"{untraced['until_output_median_s'] * 1e3:.3f} ms (medians)")
     print_report(result, args.top)
     return result
 

@@ -40,6 +40,13 @@ class EngineConfig:
       Costs speed: the projections and LM head run a fixed-tile Pallas matmul (no split-K, tiles never
       chosen from the token count), RMSNorm a row kernel, attention one launch configuration for every
       step (no split-K for small decode batches). Off by default. See docs/NUMERICS.md.
+    decode_gemv: on a GPU, matmuls of at most 16 rows (decode steps of up to 16 sequences, their LM
+      head) with bf16/fp16 weights run the split-K Pallas GEMV (``kernels/gemv.py``) instead of XLA's
+      GEMM fusions, which read these small weights at under half the HBM rate. Off: XLA everywhere.
+      Ignored with ``batch_invariant`` (its fixed-tile matmul) and on a CPU.
+    fused_qkv: on a GPU, each layer's stretch from the qkv projection to the KV write (bias, q/k
+      RMSNorm, RoPE, the K/V scatter) runs as one Pallas kernel (``kernels/qkv_epilogue.py``) instead
+      of four to five XLA kernels. Ignored with ``batch_invariant`` and on a CPU.
     compiler_options: XLA options for the compiled step only, as ``((name, value), ...)`` (e.g.
       ``(("xla_gpu_enable_triton_gemm", False),)``); ``None`` = the engine's defaults
       (``runner.DEFAULT_COMPILER_OPTIONS``). Never a global flag.
@@ -70,6 +77,8 @@ class EngineConfig:
     compilation_cache: bool = True  # JAX's persistent compilation cache ($JAXPAGED_COMPILE_CACHE)
     async_scheduling: bool = True  # schedule step N+1 while step N runs (see docstring)
     batch_invariant: bool = False  # bitwise batch-independent outputs, at a speed cost (docs/NUMERICS.md)
+    decode_gemv: bool = True  # Pallas split-K GEMV for <= 16-row bf16 matmuls on GPU (see docstring)
+    fused_qkv: bool = True  # one Pallas kernel from the qkv projection to the KV write on GPU (see docstring)
     compiler_options: tuple[tuple[str, object], ...] | None = None  # XLA options for the step (see docstring)
     scheduling_policy: str = "fcfs"  # or "prefix_affinity" (see docstring)
     tensor_parallel_size: int = 1  # devices the model is split over (jaxpaged.sharding)

@@ -17,18 +17,21 @@ place when the step donates the pool).
 ``batch_invariant=True`` (``EngineConfig.batch_invariant``, docs/NUMERICS.md): the Pallas attention
 runs one fixed launch configuration for every step (:func:`paged_attention.invariant_config`), and
 :func:`get_model_ops` gives the model fixed-tile Pallas matmuls and a row-kernel RMSNorm instead of
-XLA's shape-dependent ones; the default returns the plain XLA ops.
+XLA's shape-dependent ones. Otherwise, on a GPU, matmuls of at most 16 rows with 16-bit weights (decode
+steps up to batch 16 and their LM head) go to the split-K Pallas GEMV (:mod:`jaxpaged.kernels.gemv`),
+the rest to XLA (``decode_gemv=False``: XLA for all).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
 import jax
 
-from jaxpaged.kernels import matmul, paged_attention, reference, rms_norm
-from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps, rotary
+from jaxpaged.kernels import gemv, matmul, paged_attention, qkv_epilogue, reference, rms_norm
+from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps, rope_cos_sin, rotary, xla_matmul
 
 BACKENDS = ("pallas", "reference", "auto")
 
@@ -62,13 +65,45 @@ def get_attention_fn(backend: str = "auto", batch_invariant: bool = False) -> Ca
                              batch_invariant=batch_invariant)
 
 
+def gemv_or_xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=None,
+                       interpret: bool = False) -> jax.Array:
+    """``x @ w`` by the Pallas GEMV when it supports the operands (``gemv.supported``: at most 16 rows,
+    bf16/fp16), else by XLA. Chosen at trace time from static shapes: each compiled step has one path."""
+    if gemv.supported(x, w, transpose_w):
+        return gemv.gemv(x, w, transpose_w=transpose_w, out_dtype=out_dtype, interpret=interpret)
+    return xla_matmul(x, w, transpose_w=transpose_w, out_dtype=out_dtype)
+
+
+def fused_qkv(x: jax.Array, w: jax.Array, bias, q_norm, k_norm, positions: jax.Array, kv_pool: jax.Array,
+              layer: int, slot_mapping: jax.Array, *, eps: float, theta: float, gemv_ok: bool = True,
+              interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The model's ``ModelOps.qkv_epilogue``: the qkv projection (the GEMV's unsummed partials when it
+    applies and ``gemv_ok``, else XLA's product), then :func:`qkv_epilogue.qkv_epilogue` (bias, q/k
+    norm, RoPE, KV write in one kernel). ``x [T, H]`` -> ``(q [T, Hq, D], kv_pool)``."""
+    if gemv_ok and gemv.supported(x, w):
+        parts = gemv.gemv_partials(x, w, interpret=interpret)
+    else:
+        parts = xla_matmul(x, w)[None]
+    cos, sin = rope_cos_sin(positions, kv_pool.shape[-1], theta, x.dtype)
+    return qkv_epilogue.qkv_epilogue(parts, bias, q_norm, k_norm, cos, sin, kv_pool, layer, slot_mapping,
+                                     eps=eps, dtype=x.dtype, interpret=interpret)
+
+
 @functools.cache
-def get_model_ops(batch_invariant: bool = False) -> ModelOps:
-    """The model's matmul and RMSNorm: XLA's (default: ``x @ w``, IEEE fp32 for float32 weights), or
-    the fixed-tile Pallas matmul and row-kernel RMSNorm whose per-row results never depend on the
-    number of rows (``batch_invariant``; interpret mode off the GPU)."""
+def get_model_ops(batch_invariant: bool = False, decode_gemv: bool = True, fused_qkv_epilogue: bool = True) -> ModelOps:
+    """The model's matmul and RMSNorm: XLA's (``x @ w``, IEEE fp32 for float32 weights) with, on a GPU
+    and with ``decode_gemv``, the Pallas GEMV for few-row bf16 matmuls; or the fixed-tile Pallas matmul
+    and row-kernel RMSNorm whose per-row results never depend on the number of rows
+    (``batch_invariant``; interpret mode off the GPU)."""
     if not batch_invariant:
-        return DEFAULT_OPS
+        if not _on_gpu():
+            return DEFAULT_OPS
+        ops = DEFAULT_OPS
+        if decode_gemv:
+            ops = dataclasses.replace(ops, matmul=gemv_or_xla_matmul)
+        if fused_qkv_epilogue:
+            ops = dataclasses.replace(ops, qkv_epilogue=functools.partial(fused_qkv, gemv_ok=decode_gemv))
+        return ops
     interpret = not _on_gpu()
     return ModelOps(matmul=functools.partial(matmul.matmul, interpret=interpret),
                     rms_norm=functools.partial(rms_norm.rms_norm, interpret=interpret),

@@ -54,18 +54,23 @@ def xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dty
     return jnp.matmul(x, w, preferred_element_type=out_dtype, precision=precision)
 
 
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
+    """RoPE's ``cos, sin [T, D]`` at ``positions i32[T]`` (rotate-half layout: the ``D/2`` frequencies
+    twice), computed in fp32 and rounded to ``dtype``."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
 def rotary(x: jax.Array, positions: jax.Array, theta: float, separate_products: bool = False) -> jax.Array:
     """RoPE, rotate-half convention. ``x [T, H, D]``, ``positions i32[T]``; cos/sin built in fp32.
 
     ``separate_products``: round ``x * cos`` and ``rotated * sin`` before adding them (an optimisation
     barrier keeps the compiler from fusing one product and the add into an FMA, which XLA was seen to
     do for some step shapes and not others: a float32 token's K then depended on the batch)."""
-    head_dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    cos = jnp.cos(emb).astype(x.dtype)[:, None, :]
-    sin = jnp.sin(emb).astype(x.dtype)[:, None, :]
+    cos, sin = rope_cos_sin(positions, x.shape[-1], theta, x.dtype)
+    cos, sin = cos[:, None, :], sin[:, None, :]
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     if separate_products:
@@ -97,6 +102,12 @@ class ModelOps:
     embed: ``(table [V, H], token_ids i32[T]) -> [T, H]`` (vocabulary-parallel: masked lookup + psum).
     all_reduce: ``[T, H] -> [T, H]`` after o_proj and down_proj (row-parallel partial sums: psum).
     gather_vocab: ``logits [N, V_shard] -> [N, V]`` (all-gather of the vocabulary-parallel LM head).
+
+    qkv_epilogue: ``None`` (the steps above, then ``write_kv_fn``), or one function for the whole
+    stretch from the qkv matmul to the KV write: ``(x [T, H], w_qkv, bias | None, q_norm | None,
+    k_norm | None, positions, kv_pool, layer, slot_mapping, *, eps, theta) -> (q [T, Hq, D], kv_pool)``
+    (``kernels.backend.fused_qkv``: the GEMV's partials, bias, q/k norm, RoPE and the KV write in
+    one kernel).
     """
 
     matmul: Callable[..., jax.Array] = xla_matmul
@@ -105,6 +116,7 @@ class ModelOps:
     embed: Callable[..., jax.Array] = embed_rows
     all_reduce: Callable[..., jax.Array] = no_collective
     gather_vocab: Callable[..., jax.Array] = no_collective
+    qkv_epilogue: Callable[..., tuple[jax.Array, jax.Array]] | None = None
 
 
 DEFAULT_OPS = ModelOps()
@@ -136,6 +148,13 @@ class Attention(nnx.Module):
                  ops: ModelOps = DEFAULT_OPS):
         cfg = self.cfg
         t = x.shape[0]
+        if ops.qkv_epilogue is not None:
+            q, kv_pool = ops.qkv_epilogue(
+                x, self.qkv_proj[...], None if self.qkv_bias is None else self.qkv_bias[...],
+                None if self.q_norm is None else self.q_norm.weight[...],
+                None if self.k_norm is None else self.k_norm.weight[...],
+                positions, kv_pool, layer, meta.slot_mapping, eps=cfg.rms_norm_eps, theta=cfg.rope_theta)
+            return self._attend(q, x.dtype, kv_pool, layer, meta, attention_fn, ops)
         qkv = ops.matmul(x, self.qkv_proj[...])
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
@@ -147,8 +166,13 @@ class Attention(nnx.Module):
         q = ops.rotary(q, positions, cfg.rope_theta)
         k = ops.rotary(k, positions, cfg.rope_theta)
         kv_pool = write_kv_fn(kv_pool, layer, k, v, meta.slot_mapping)
+        return self._attend(q, x.dtype, kv_pool, layer, meta, attention_fn, ops)
+
+    def _attend(self, q, dtype, kv_pool, layer, meta, attention_fn, ops):
+        """Attention over the pool (this token's K/V already written), then o_proj (+ all-reduce)."""
+        t = q.shape[0]
         out = attention_fn(q, kv_pool, layer, meta.cu_q_lens, meta.kv_lens, meta.block_tables)
-        out = ops.matmul(out.reshape(t, cfg.q_size).astype(x.dtype), self.o_proj[...])
+        out = ops.matmul(out.reshape(t, -1).astype(dtype), self.o_proj[...])
         return ops.all_reduce(out), kv_pool
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -13,6 +14,8 @@ from jaxpaged.models.qwen import init_kv_pool
 from jaxpaged.models.tiny import tiny_checkpoint_path
 from jaxpaged.batch import build_chunk_step
 from jaxpaged.models.paged_forward import forward_all_logits
+from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps
+from jaxpaged.kernels.backend import fused_qkv
 
 FIXTURES = Path(__file__).parent / "fixtures"
 BLOCK_SIZE = 8
@@ -36,13 +39,13 @@ def poisoned_pool(cfg):
     return jnp.full_like(pool, jnp.nan)
 
 
-def run_chunks(cfg, graphdef, state, prompt, chunk_sizes, table):
+def run_chunks(cfg, graphdef, state, prompt, chunk_sizes, table, ops=DEFAULT_OPS):
     pool = poisoned_pool(cfg)
     logits, start = [], 0
     for size in chunk_sizes:
         ids = prompt[start:start + size]
         step = build_chunk_step([(ids, start, table)], BLOCK_SIZE, width=NUM_BLOCKS)  # padded to buckets
-        out, pool = forward_all_logits(graphdef, state, pool, step.token_ids, step.positions, step.meta)
+        out, pool = forward_all_logits(graphdef, state, pool, step.token_ids, step.positions, step.meta, ops=ops)
         logits.append(np.asarray(out)[:size])
         start += size
     return np.concatenate(logits)
@@ -67,6 +70,17 @@ def test_two_chunks_match_hf(model):
     prompt = ref["prompt_2"]
     split = 2 * BLOCK_SIZE + 3
     ours = run_chunks(cfg, graphdef, state, prompt, [split, len(prompt) - split], random_table(5, 7))
+    assert rel_err(ours, ref["logits_2"]) < 1e-4
+
+
+def test_fused_qkv_epilogue_matches_hf(model):
+    """The GPU path's fused qkv epilogue (one Pallas kernel: bias, q/k norm, RoPE, KV write; interpret
+    mode here) gives Hugging Face's logits too: a prefix chunk, then token-by-token decode."""
+    cfg, graphdef, state, ref = model
+    ops = ModelOps(qkv_epilogue=functools.partial(fused_qkv, interpret=True))
+    prompt = ref["prompt_2"]
+    split = BLOCK_SIZE + 3
+    ours = run_chunks(cfg, graphdef, state, prompt, [split] + [1] * (len(prompt) - split), random_table(5, 3), ops)
     assert rel_err(ours, ref["logits_2"]) < 1e-4
 
 

@@ -1,0 +1,133 @@
+"""The attention block's epilogue of the qkv projection as one kernel (Pallas, Triton lowering): sum the
+projection's split-K partials, add the bias, RMSNorm q and k per head, rotate both (RoPE), write k and
+v into the pool, return q.
+
+Why: XLA runs this stretch of every layer as four to five small kernels (the q norm, the k norm, the
+q rotation, the k rotation fused into the KV scatter, and the GEMV's partial sums); at decode batch
+sizes each is ~1.3-2.5 us of launch-bound GPU time, ~7 us a layer, ~0.2 ms of a Qwen3-0.6B step on
+the H200 (``benchmarks/profile_step.py``, ``benchmarks/RESULTS.md``). Here program ``(token, head)``
+does it all for one q head or one KV head (``T * (Hq + Hkv)`` programs of one warp: a decode step of
+a few tokens still spreads over the SMs).
+
+Same math as the model's XLA path (``models/qwen.py``: ``rms_norm``, ``rotary`` with
+``separate_products``): the projection rounded to the model dtype, bias added in it, the norm in fp32
+(``weight * (x * rsqrt(mean(x^2) + eps)).astype(dtype)``), ``cos``/``sin`` given (computed by the
+caller in fp32 and rounded, as in ``rotary``), ``round(x*cos) + round(rotated*sin)`` rounded once
+more. The pool is updated in place (``input_output_aliases``): a token with slot ``-1`` (padding)
+writes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .kv_write import check_pool
+
+
+def _kernel(parts_ref, bias_ref, qw_ref, kw_ref, cos_ref, sin_ref, slot_ref, pool_in_ref, q_out_ref, pool_ref, *,
+            layer: int, num_q_heads: int, num_kv_heads: int, eps: float, has_bias: bool, has_norm: bool):
+    """Program ``(t, j)``: token ``t``; head ``j`` of q (``j < Hq``: normed, rotated, stored to
+    ``q_out``) or KV head ``j - Hq`` (k normed and rotated, v as it is, both written to the pool)."""
+    del pool_in_ref  # the same buffer as pool_ref (aliased)
+    num_parts = parts_ref.shape[0]
+    head_dim = cos_ref.shape[1]
+    block_size = pool_ref.shape[2]
+    dtype = q_out_ref.dtype
+    t = pl.program_id(0)
+    j = pl.program_id(1)
+    is_q = j < num_q_heads
+    kv_head = j - num_q_heads
+    dims = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
+    half = head_dim // 2
+    rot_dims = (dims + half) % head_dim  # rotate-half partner of each column
+    sign = jnp.where(dims < half, -1.0, 1.0).astype(jnp.float32)
+    cos = plgpu.load(cos_ref.at[t, dims]).astype(jnp.float32)  # [1, D], already rounded to the model dtype
+    sin = plgpu.load(sin_ref.at[t, dims]).astype(jnp.float32)
+
+    def load_head(first_col, cols, mask=None):
+        """Columns ``first_col + cols`` of token ``t``: partials summed in order, rounded to the model
+        dtype, bias added (rounded again); returned as fp32 values."""
+        col = first_col + cols
+        kw = {} if mask is None else dict(mask=mask, other=0)
+        acc = plgpu.load(parts_ref.at[0, t, col], **kw).astype(jnp.float32)
+        for p in range(1, num_parts):
+            acc = acc + plgpu.load(parts_ref.at[p, t, col], **kw).astype(jnp.float32)
+        x = acc.astype(dtype)
+        if has_bias:
+            x = (x.astype(jnp.float32) + plgpu.load(bias_ref.at[col], **kw).astype(jnp.float32)).astype(dtype)
+        return x.astype(jnp.float32)
+
+    # q head j or k head (j - Hq): both start at column j * D of the projection.
+    first = j * head_dim
+    x = load_head(first, dims)
+    xr = load_head(first, rot_dims)
+    if has_norm:
+        inv = lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / head_dim + eps)  # same for x and xr
+        w = jnp.where(is_q, plgpu.load(qw_ref.at[dims]), plgpu.load(kw_ref.at[dims])).astype(jnp.float32)
+        wr = jnp.where(is_q, plgpu.load(qw_ref.at[rot_dims]), plgpu.load(kw_ref.at[rot_dims])).astype(jnp.float32)
+        x = (w * (x * inv).astype(dtype).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+        xr = (wr * (xr * inv).astype(dtype).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+    a = (x * cos).astype(dtype).astype(jnp.float32)
+    b = (sign * xr * sin).astype(dtype).astype(jnp.float32)
+    out = (a + b).astype(dtype)
+
+    head = jnp.minimum(j, num_q_heads - 1) + jnp.zeros_like(dims)
+    plgpu.store(q_out_ref.at[t, head, dims], out, mask=is_q & (dims >= 0))
+
+    slot = slot_ref[t]
+    write = (~is_q) & (slot >= 0) & (dims >= 0)
+    blk = jnp.maximum(slot, 0) // block_size
+    off = jnp.maximum(slot, 0) % block_size
+    kvh = jnp.maximum(kv_head, 0) + jnp.zeros_like(dims)
+    v = load_head((num_q_heads + num_kv_heads) * head_dim + jnp.maximum(kv_head, 0) * head_dim, dims,
+                  mask=(~is_q) & (dims >= 0))
+    plgpu.store(pool_ref.at[layer, blk, off, 0, kvh, dims], out.astype(pool_ref.dtype), mask=write)
+    plgpu.store(pool_ref.at[layer, blk, off, 1, kvh, dims], v.astype(pool_ref.dtype), mask=write)
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "eps", "dtype", "interpret"))
+def qkv_epilogue(parts: jax.Array, bias: jax.Array | None, q_norm: jax.Array | None, k_norm: jax.Array | None,
+                 cos: jax.Array, sin: jax.Array, kv_pool: jax.Array, layer: int, slot_mapping: jax.Array, *,
+                 eps: float, dtype, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """``parts [P, T, (Hq + 2 Hkv) * D]`` (the qkv projection as ``P`` partial sums, fp32 or the model
+    dtype; ``P = 1`` for a finished product), ``bias [N]`` or None, ``q_norm, k_norm [D]`` or None
+    (Qwen3's per-head norms, both or neither), ``cos, sin [T, D]`` (the rotation at each token's
+    position, in ``dtype``), ``kv_pool [L, N, bs, 2, Hkv, D]``, ``slot_mapping i32[T]`` ->
+    ``(q [T, Hq, D] in dtype, kv_pool with k and v written at layer ``layer``)``. The head counts
+    come from the shapes (``Hkv`` from the pool), so a tensor-parallel shard passes its own."""
+    check_pool(kv_pool, layer)
+    num_parts, num_tokens, width = parts.shape
+    num_kv_heads, head_dim = kv_pool.shape[4], kv_pool.shape[5]
+    num_q_heads = width // head_dim - 2 * num_kv_heads
+    if num_q_heads < num_kv_heads or width % head_dim:
+        raise ValueError(f"qkv width {width} does not fit Hkv={num_kv_heads} heads of D={head_dim} "
+                         f"(pool {kv_pool.shape})")
+    if cos.shape != (num_tokens, head_dim) or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin must be [{num_tokens}, {head_dim}], got {cos.shape} and {sin.shape}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm go together")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be [{num_tokens}], got {slot_mapping.shape}")
+    dtype = jnp.dtype(dtype)
+    has_bias, has_norm = bias is not None, q_norm is not None
+    dummy = jnp.zeros((head_dim,), dtype)
+    kernel = functools.partial(_kernel, layer=layer, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                               eps=float(eps), has_bias=has_bias, has_norm=has_norm)
+    q, pool = pl.pallas_call(
+        kernel,
+        grid=(num_tokens, num_q_heads + num_kv_heads),
+        out_shape=(jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), dtype),
+                   jax.ShapeDtypeStruct(kv_pool.shape, kv_pool.dtype)),
+        input_output_aliases={7: 1},
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+        name="qkv_epilogue",
+    )(parts, bias if has_bias else dummy, q_norm if has_norm else dummy, k_norm if has_norm else dummy,
+      cos.astype(dtype), sin.astype(dtype), slot_mapping.astype(jnp.int32), kv_pool)
+    return q, pool

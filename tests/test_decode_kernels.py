@@ -1,0 +1,136 @@
+"""The decode-path kernels (interpret mode) against the model's own XLA ops: the split-K GEMV
+(``kernels/gemv.py``) and the fused qkv epilogue (``kernels/qkv_epilogue.py``: partial sums, bias,
+q/k RMSNorm, RoPE, KV write), and the model run with them against the model run without."""
+
+from __future__ import annotations
+
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged.kernels.backend import fused_qkv, gemv_or_xla_matmul
+from jaxpaged.kernels.gemv import GemvConfig, gemv, gemv_config, gemv_partials, supported
+from jaxpaged.kernels.kv_write import write_kv
+from jaxpaged.kernels.qkv_epilogue import qkv_epilogue
+from jaxpaged.models.qwen import rms_norm, rope_cos_sin, rotary
+
+
+def rand(rng, shape, dtype=jnp.float32, scale=1.0):
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * scale, dtype)
+
+
+# ---- GEMV ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("transpose_w", [False, True])
+@pytest.mark.parametrize("m,k,n,splits", [(1, 256, 96, 1), (3, 512, 64, 2), (16, 512, 200, 4)])
+def test_gemv_matches_fp32_product(m, k, n, splits, transpose_w):
+    rng = np.random.default_rng(m + k + n)
+    x = rand(rng, (m, k), jnp.bfloat16)
+    w = rand(rng, (n, k) if transpose_w else (k, n), jnp.bfloat16)
+    cfg = GemvConfig(block_n=32, block_k=64, splits=splits)
+    ref = np.asarray(x, np.float32) @ np.asarray(w.T if transpose_w else w, np.float32)
+    out = gemv(x, w, transpose_w=transpose_w, config=cfg, interpret=True)
+    assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=1e-2, atol=0.1)
+    parts = gemv_partials(x, w, transpose_w=transpose_w, config=cfg, interpret=True)
+    assert parts.shape == (splits, m, n) and parts.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(parts).sum(0), ref, rtol=1e-4, atol=1e-3)
+    # The summed partials, rounded once, are what gemv returns.
+    total = parts[0]
+    for s in range(1, splits):
+        total = total + parts[s]
+    np.testing.assert_array_equal(np.asarray(total.astype(jnp.bfloat16), np.float32), np.asarray(out, np.float32))
+
+
+def test_gemv_supported_shapes_and_config():
+    x, w = jnp.zeros((16, 1024), jnp.bfloat16), jnp.zeros((1024, 4096), jnp.bfloat16)
+    assert supported(x, w) and not supported(jnp.zeros((17, 1024), jnp.bfloat16), w)
+    assert not supported(x.astype(jnp.float32), w.astype(jnp.float32))  # float32 stays on XLA's IEEE dot
+    cfg = gemv_config(1024, 4096)
+    assert 1024 % (cfg.splits * cfg.block_k) == 0 and (4096 // cfg.block_n) * cfg.splits >= 256
+    assert gemv_config(1024, 4096) == gemv_config(1024, 4096)  # never a function of M
+    with pytest.raises(ValueError, match="gemv cannot"):
+        gemv(jnp.zeros((20, 256), jnp.bfloat16), jnp.zeros((256, 64), jnp.bfloat16), interpret=True)
+
+
+def test_gemv_or_xla_matmul_falls_back():
+    rng = np.random.default_rng(1)
+    x32, w32 = rand(rng, (4, 64)), rand(rng, (64, 48))
+    np.testing.assert_allclose(np.asarray(gemv_or_xla_matmul(x32, w32)),
+                               np.asarray(x32) @ np.asarray(w32), rtol=1e-5, atol=1e-5)
+
+
+# ---- qkv epilogue -------------------------------------------------------------------------------
+def xla_epilogue(qkv, bias, qn, kn, positions, pool, layer, slots, hq, hkv, d, eps, theta):
+    """The model's XLA path for the same stretch (``models/qwen.Attention``), per-op rounding."""
+    t = qkv.shape[0]
+    if bias is not None:
+        qkv = qkv + bias
+    q = qkv[:, : hq * d].reshape(t, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].reshape(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
+    if qn is not None:
+        q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
+    q = rotary(q, positions, theta, separate_products=True)
+    k = rotary(k, positions, theta, separate_products=True)
+    return q, write_kv(pool, layer, k, v, slots)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("num_parts", [1, 3])
+def test_qkv_epilogue_matches_xla_path(dtype, family, num_parts):
+    rng = np.random.default_rng(7 + num_parts)
+    hq, hkv, d, t, layers, blocks, bs = 6, 2, 32, 9, 3, 8, 4  # 6 q heads: masked to a power of two
+    width = (hq + 2 * hkv) * d
+    parts = rand(rng, (num_parts, t, width), jnp.float32 if num_parts > 1 else dtype)
+    qkv = parts[0].astype(jnp.float32)
+    for p in range(1, num_parts):
+        qkv = qkv + parts[p].astype(jnp.float32)
+    qkv = qkv.astype(dtype)
+    bias = rand(rng, (width,), dtype, 0.5) if family == "qwen2" else None
+    qn, kn = (rand(rng, (d,), dtype, 0.3) + 1, rand(rng, (d,), dtype, 0.3) + 1) if family == "qwen3" else (None, None)
+    positions = jnp.asarray(rng.integers(0, 5000, t), jnp.int32)
+    slots = jnp.asarray(rng.permutation(blocks * bs)[:t], jnp.int32).at[3].set(-1)  # one padding token
+    pool = rand(rng, (layers, blocks, bs, 2, hkv, d), dtype)
+    want_q, want_pool = xla_epilogue(qkv, bias, qn, kn, positions, pool, 1, slots, hq, hkv, d, 1e-6, 1e6)
+    cos, sin = rope_cos_sin(positions, d, 1e6, dtype)
+    q, new_pool = qkv_epilogue(parts, bias, qn, kn, cos, sin, pool, 1, slots, eps=1e-6, dtype=dtype, interpret=True)
+    assert q.shape == (t, hq, d) and q.dtype == dtype and new_pool.shape == pool.shape
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(q, np.float32), np.asarray(want_q, np.float32), **tol)
+    np.testing.assert_allclose(np.asarray(new_pool, np.float32), np.asarray(want_pool, np.float32), **tol)
+    # Nothing but the written slots of layer 1 changed; the padding token wrote nothing.
+    changed = np.any(np.asarray(new_pool, np.float32) != np.asarray(pool, np.float32), axis=(3, 4, 5))
+    written = np.zeros_like(changed)
+    for s in np.asarray(slots):
+        if s >= 0:
+            written[1, s // bs, s % bs] = True
+    assert not np.any(changed & ~written)
+
+
+def test_qkv_epilogue_rejects_bad_shapes():
+    pool = jnp.zeros((1, 2, 4, 2, 2, 32), jnp.float32)
+    cos = sin = jnp.zeros((3, 32), jnp.float32)
+    with pytest.raises(ValueError, match="q_norm and k_norm"):
+        qkv_epilogue(jnp.zeros((1, 3, 8 * 32)), None, jnp.ones(32), None, cos, sin, pool, 0,
+                     jnp.zeros(3, jnp.int32), eps=1e-6, dtype=jnp.float32, interpret=True)
+    with pytest.raises(ValueError, match="cos and sin"):
+        qkv_epilogue(jnp.zeros((1, 3, 8 * 32)), None, None, None, cos[:2], sin, pool, 0,
+                     jnp.zeros(3, jnp.int32), eps=1e-6, dtype=jnp.float32, interpret=True)
+
+
+def test_fused_qkv_matches_model_path_with_gemv():
+    """``fused_qkv`` (GEMV partials -> epilogue) against XLA matmul -> the model's ops, bf16."""
+    rng = np.random.default_rng(3)
+    hq, hkv, d, h, t = 4, 2, 64, 256, 5
+    width = (hq + 2 * hkv) * d
+    x, w = rand(rng, (t, h), jnp.bfloat16, 0.5), rand(rng, (h, width), jnp.bfloat16, 0.1)
+    qn, kn = rand(rng, (d,), jnp.bfloat16, 0.1) + 1, rand(rng, (d,), jnp.bfloat16, 0.1) + 1
+    positions = jnp.arange(t, dtype=jnp.int32) + 40
+    slots = jnp.arange(t, dtype=jnp.int32) + 2
+    pool = jnp.zeros((2, 4, 4, 2, hkv, d), jnp.bfloat16)
+    q, new_pool = fused_qkv(x, w, None, qn, kn, positions, pool, 0, slots, eps=1e-6, theta=1e4, interpret=True)
+    want_q, want_pool = xla_epilogue(jnp.matmul(x, w), None, qn, kn, positions, pool, 0, slots, hq, hkv, d, 1e-6, 1e4)
+    np.testing.assert_allclose(np.asarray(q, np.float32), np.asarray(want_q, np.float32), rtol=3e-2, atol=3e-2)
+    np.testing.assert_allclose(np.asarray(new_pool, np.float32), np.asarray(want_pool, np.float32), rtol=3e-2, atol=3e-2)
