@@ -34,6 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from bench_attention import hbm_read_ceiling  # noqa: E402
 from jaxpaged.kernels.gemv import GemvConfig, gemv, gemv_config, supported  # noqa: E402
+from jaxpaged.models.qwen import rms_norm  # noqa: E402
 from jaxpaged.workloads import QWEN2_5_7B, QWEN3_0_6B, QWEN3_8B  # noqa: E402
 from profile_step import analyse_trace, find_trace_file, load_trace  # noqa: E402
 
@@ -113,6 +114,8 @@ def main(argv=None):
     ap.add_argument("--models", default="qwen3-0.6b")
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--prologue", action="store_true",
+                    help="also XLA's dot with an RMSNorm producing x (the model's shape of it): matmul kernels only")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
@@ -149,6 +152,9 @@ def main(argv=None):
                 if not interpret:
                     cases = {"xla": (xla, None),
                              "gemv": (chain(lambda x, w: gemv(x, w, transpose_w=transpose)), kernel_prefix(default))}
+                    if args.prologue and not transpose:  # as in the model: an RMSNorm produces x
+                        g = jnp.ones((k,), jnp.bfloat16)
+                        cases["xla_norm"] = (chain(lambda x, w: jnp.matmul(rms_norm(x, g, 1e-6), w)), None)
                     if args.sweep and m == rows[0]:
                         for cfg in sweep_configs(k, n, transpose):
                             if cfg != default:
@@ -161,6 +167,8 @@ def main(argv=None):
                         print(f"  sweep failed ({type(e).__name__}: {str(e)[:150]}); default only", flush=True)
                         times = kernel_times({c: cases[c] for c in ("xla", "gemv")}, x, r, weights, args.reps)
                     row["xla_us"], row["gemv_us"] = times.pop("xla"), times.pop("gemv")
+                    if "xla_norm" in times:
+                        row["xla_norm_us"] = times.pop("xla_norm")
                     swept = {c: t for c, t in times.items() if t}
                     if swept:
                         best = min(swept, key=swept.get)
@@ -180,6 +188,8 @@ def main(argv=None):
         ratio = f"{gu / xu:8.2f}" if xu and gu else f"{'-':>8s}"
         eff = f"{r['floor_us'] / gu:10.2f}" if gu else f"{'-':>10s}"
         best = f"  {r['best_sweep']} {r['best_sweep_us']:.2f} us" if r.get("best_sweep") else ""
+        if r.get("xla_norm_us"):
+            best += f"  xla with norm prologue {r['xla_norm_us']:.2f} us"
         print(f"{r['model']:11s} {r['name']:8s} {r['M']:3d} {r['floor_us']:9.2f} "
               f"{(f'{xu:8.2f}' if xu else '       -')} {(f'{gu:8.2f}' if gu else '       -')} {ratio} {eff} "
               f"{r.get('rel_err', float('nan')):8.1e}{best}")

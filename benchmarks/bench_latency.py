@@ -105,8 +105,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sync-scheduling", dest="async_scheduling", action="store_false",
                     help="read each step's tokens back before dispatching the next (default: async)")
     ap.add_argument("--xla-option", action="append", help="name=value, repeatable: EngineConfig.compiler_options")
-    ap.add_argument("--no-decode-gemv", dest="decode_gemv", action="store_false",
-                    help="EngineConfig(decode_gemv=False): XLA for the few-row matmuls too")
+    ap.add_argument("--decode-gemv", action="store_true",
+                    help="EngineConfig(decode_gemv=True): the Pallas GEMV for <= 16-row matmuls")
+    ap.add_argument("--fuse-matmul-inputs", action="store_true",
+                    help="EngineConfig(fuse_matmul_inputs=True): XLA may fuse a matmul's producer into its GEMM")
     ap.add_argument("--no-fused-qkv", dest="fused_qkv", action="store_false",
                     help="EngineConfig(fused_qkv=False): XLA's kernels from the qkv projection to the KV write")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -126,7 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
                           max_num_seqs=max(batches), max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=max_model_len, attention_backend=args.backend, dtype=params.dtype,
                           async_scheduling=args.async_scheduling, compiler_options=parse_xla_options(args.xla_option),
-                          decode_gemv=args.decode_gemv, fused_qkv=args.fused_qkv)
+                          decode_gemv=args.decode_gemv, fused_qkv=args.fused_qkv,
+                          fuse_matmul_inputs=args.fuse_matmul_inputs)
     engine = LLMEngine(params, config)
     setup_s = time.perf_counter() - t_load
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

@@ -54,12 +54,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--decode-batches", default="256", help="comma list: a decode-like step per batch size")
     ap.add_argument("--dump-hlo", action="store_true", help="write each step's compiled HLO to --out")
-    ap.add_argument("--no-fused", dest="fused", action="store_false", help="decode_gemv=False, fused_qkv=False")
+    ap.add_argument("--no-fused", dest="fused", action="store_false",
+                    help="fused_qkv=False, fuse_matmul_inputs=True: XLA's own kernels and fusions")
     args = ap.parse_args(argv)
     tiny = args.model == "tiny"
     engine = LLMEngine(benchmark_params(args.model), EngineConfig(
         block_size=16, max_model_len=512 if tiny else 2048, max_num_seqs=16 if tiny else 256,
-        max_num_batched_tokens=128 if tiny else 8192, decode_gemv=args.fused, fused_qkv=args.fused,
+        max_num_batched_tokens=128 if tiny else 8192, fused_qkv=args.fused, fuse_matmul_inputs=not args.fused,
         **(dict(num_blocks=256) if tiny else {})))
     rng = np.random.default_rng(0)
     n_pre, plen = (2, 64) if tiny else (8, 1024)

@@ -53,15 +53,15 @@ load_params = benchmark_params
 
 def build_engine(params, *, batch: int, max_model_len: int, block_size: int = 16,
                  max_num_batched_tokens: int = 8192, backend: str = "auto",
-                 async_scheduling: bool = True, prefix_caching: bool = True, decode_gemv: bool = True,
-                 fused_qkv: bool = True) -> LLMEngine:
+                 async_scheduling: bool = True, prefix_caching: bool = True, decode_gemv: bool = False,
+                 fused_qkv: bool = True, fuse_matmul_inputs: bool = False) -> LLMEngine:
     """An engine whose pool holds exactly ``batch`` sequences of ``max_model_len`` tokens (+1 block)."""
     blocks_per_seq = -(-max_model_len // block_size)
     config = EngineConfig(block_size=block_size, num_blocks=batch * blocks_per_seq + 1, max_num_seqs=batch,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                           attention_backend=backend, dtype=params.dtype, async_scheduling=async_scheduling,
                           enable_prefix_caching=prefix_caching, decode_gemv=decode_gemv,
-                          fused_qkv=fused_qkv)
+                          fused_qkv=fused_qkv, fuse_matmul_inputs=fuse_matmul_inputs)
     return LLMEngine(params, config)
 
 
@@ -389,8 +389,10 @@ def main(argv: list[str] | None = None) -> dict:
                     help="read each step's tokens back before dispatching the next (default: async)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--trace-dir", default=None, help="where the profiler writes (default: --out/trace)")
-    ap.add_argument("--no-decode-gemv", dest="decode_gemv", action="store_false",
-                    help="EngineConfig(decode_gemv=False): XLA for the few-row matmuls too")
+    ap.add_argument("--decode-gemv", action="store_true",
+                    help="EngineConfig(decode_gemv=True): the Pallas GEMV for <= 16-row matmuls")
+    ap.add_argument("--fuse-matmul-inputs", action="store_true",
+                    help="EngineConfig(fuse_matmul_inputs=True): XLA may fuse a matmul's producer into its GEMM")
     ap.add_argument("--no-fused-qkv", dest="fused_qkv", action="store_false",
                     help="EngineConfig(fused_qkv=False): XLA's kernels from the qkv projection to the KV write")
     ap.add_argument("--ttft", action="store_true",
@@ -410,7 +412,8 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{params.config.max_position_embeddings} positions")
     engine = build_engine(params, batch=args.batch, max_model_len=max_model_len, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend,
-                          async_scheduling=args.async_scheduling, decode_gemv=args.decode_gemv, fused_qkv=args.fused_qkv)
+                          async_scheduling=args.async_scheduling, decode_gemv=args.decode_gemv, fused_qkv=args.fused_qkv,
+                          fuse_matmul_inputs=args.fuse_matmul_inputs)
     steady = reach_steady_decode(engine, batch=args.batch, ctx=args.ctx, max_tokens=gen,
                                  temperature=args.temperature, warmup_steps=args.warmup_steps)
     untraced = timed_steps(engine, args.steps)
@@ -447,7 +450,8 @@ def main_ttft(args) -> dict:
     params = load_params(args.model)
     engine = build_engine(params, batch=1, max_model_len=args.ctx + 8, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend,
-                          async_scheduling=args.async_scheduling, decode_gemv=args.decode_gemv, fused_qkv=args.fused_qkv)
+                          async_scheduling=args.async_scheduling, decode_gemv=args.decode_gemv, fused_qkv=args.fused_qkv,
+                          fuse_matmul_inputs=args.fuse_matmul_inputs)
     rng = np.random.default_rng(0)
     t0, c0 = time.perf_counter(), engine.runner.compile_seconds
     first_token_requests(engine, args.warmup_steps, args.ctx, rng)  # compiles the prefill shape

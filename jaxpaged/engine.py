@@ -38,18 +38,19 @@ log = logging.getLogger(__name__)
 
 
 def get_runner(params: ModelParams, backend: str, batch_invariant: bool = False,
-               compiler_options: tuple | None = None, decode_gemv: bool = True,
-               fused_qkv: bool = True) -> ModelRunner:
+               compiler_options: tuple | None = None, decode_gemv: bool = False,
+               fused_qkv: bool = True, fuse_matmul_inputs: bool = False) -> ModelRunner:
     """One runner (one jitted step, its compiled shapes) per weights object, backend and numerics mode.
 
     Kept in ``params.derived``, so engines over the same weights share compiled steps, and dropping
     the weights releases the runner (and its executables) with them.
     """
     options = DEFAULT_COMPILER_OPTIONS if compiler_options is None else tuple(compiler_options)
-    key = ("runner", resolve_backend(backend), batch_invariant, options, decode_gemv, fused_qkv)
+    key = ("runner", resolve_backend(backend), batch_invariant, options, decode_gemv, fused_qkv, fuse_matmul_inputs)
     if key not in params.derived:
         params.derived[key] = ModelRunner(params.graphdef, backend, batch_invariant, dict(options), mesh=params.mesh,
-                                          decode_gemv=decode_gemv, fused_qkv=fused_qkv)
+                                          decode_gemv=decode_gemv, fused_qkv=fused_qkv,
+                                          fuse_matmul_inputs=fuse_matmul_inputs)
     return params.derived[key]
 
 
@@ -95,7 +96,7 @@ class LLMEngine:
                  self.num_blocks * config.block_size * self.bytes_per_token / 2**30, self.kv_dtype, self.max_model_len)
         self.compilation_cache_dir = enable_compilation_cache() if config.compilation_cache else None
         self.runner = get_runner(params, config.attention_backend, config.batch_invariant, config.compiler_options,
-                                 config.decode_gemv, config.fused_qkv)
+                                 config.decode_gemv, config.fused_qkv, config.fuse_matmul_inputs)
         # Compilations are counted per engine: steps compiled by an earlier engine are not ours.
         self._compile_base = (self.runner.compile_seconds, self.runner.num_compiled_shapes)
         # Pallas reads block tables only up to each kv_len: one fixed width, fewer compilations.

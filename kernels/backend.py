@@ -31,7 +31,7 @@ from typing import Callable
 import jax
 
 from jaxpaged.kernels import gemv, matmul, paged_attention, qkv_epilogue, reference, rms_norm
-from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps, rope_cos_sin, rotary, xla_matmul
+from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps, rope_cos_sin, rotary, xla_matmul, xla_matmul_unfused_input
 
 BACKENDS = ("pallas", "reference", "auto")
 
@@ -66,7 +66,7 @@ def get_attention_fn(backend: str = "auto", batch_invariant: bool = False) -> Ca
 
 
 def gemv_or_xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=None,
-                       interpret: bool = False) -> jax.Array:
+                       interpret: bool = False, xla_matmul=xla_matmul_unfused_input) -> jax.Array:
     """``x @ w`` by the Pallas GEMV when it supports the operands (``gemv.supported``: at most 16 rows,
     bf16/fp16), else by XLA. Chosen at trace time from static shapes: each compiled step has one path."""
     if gemv.supported(x, w, transpose_w):
@@ -76,7 +76,7 @@ def gemv_or_xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
 
 def fused_qkv(x: jax.Array, w: jax.Array, bias, q_norm, k_norm, positions: jax.Array, kv_pool: jax.Array,
               layer: int, slot_mapping: jax.Array, *, eps: float, theta: float, gemv_ok: bool = True,
-              interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+              interpret: bool = False, xla_matmul=xla_matmul_unfused_input) -> tuple[jax.Array, jax.Array]:
     """The model's ``ModelOps.qkv_epilogue``: the qkv projection (the GEMV's unsummed partials when it
     applies and ``gemv_ok``, else XLA's product), then :func:`qkv_epilogue.qkv_epilogue` (bias, q/k
     norm, RoPE, KV write in one kernel). ``x [T, H]`` -> ``(q [T, Hq, D], kv_pool)``."""
@@ -90,7 +90,8 @@ def fused_qkv(x: jax.Array, w: jax.Array, bias, q_norm, k_norm, positions: jax.A
 
 
 @functools.cache
-def get_model_ops(batch_invariant: bool = False, decode_gemv: bool = True, fused_qkv_epilogue: bool = True) -> ModelOps:
+def get_model_ops(batch_invariant: bool = False, decode_gemv: bool = False, fused_qkv_epilogue: bool = True,
+                  fuse_matmul_inputs: bool = False) -> ModelOps:
     """The model's matmul and RMSNorm: XLA's (``x @ w``, IEEE fp32 for float32 weights) with, on a GPU
     and with ``decode_gemv``, the Pallas GEMV for few-row bf16 matmuls; or the fixed-tile Pallas matmul
     and row-kernel RMSNorm whose per-row results never depend on the number of rows
@@ -98,11 +99,13 @@ def get_model_ops(batch_invariant: bool = False, decode_gemv: bool = True, fused
     if not batch_invariant:
         if not _on_gpu():
             return DEFAULT_OPS
-        ops = DEFAULT_OPS
+        base = xla_matmul if fuse_matmul_inputs else xla_matmul_unfused_input
+        ops = dataclasses.replace(DEFAULT_OPS, matmul=base)
         if decode_gemv:
-            ops = dataclasses.replace(ops, matmul=gemv_or_xla_matmul)
+            ops = dataclasses.replace(ops, matmul=functools.partial(gemv_or_xla_matmul, xla_matmul=base))
         if fused_qkv_epilogue:
-            ops = dataclasses.replace(ops, qkv_epilogue=functools.partial(fused_qkv, gemv_ok=decode_gemv))
+            ops = dataclasses.replace(ops, qkv_epilogue=functools.partial(fused_qkv, gemv_ok=decode_gemv,
+                                                                          xla_matmul=base))
         return ops
     interpret = not _on_gpu()
     return ModelOps(matmul=functools.partial(matmul.matmul, interpret=interpret),

@@ -96,10 +96,11 @@ def test_bench_dispatch_runs(tmp_path):
 
 def test_check_step_hlo_tiny(tmp_path):
     """The compiled step of a decode-like and a prefill step: one aliased pool, no copy, no layer slice."""
-    rows = load("check_step_hlo").main(["--model", "tiny", "--out", str(tmp_path)])
-    assert [r["step"] for r in rows] == ["decode-like", "prefill"]
+    rows = load("check_step_hlo").main(["--model", "tiny", "--out", str(tmp_path), "--dump-hlo"])
+    assert [r["step"] for r in rows] == ["decode-like b4", "prefill"]
     for r in rows:
         assert r["pool_aliased"] == 1 and r["pool_copies"] == 0 and r["layer_slices"] == 0, r
+    assert "ENTRY" in (tmp_path / "decode_b4.hlo.txt").read_text()
 
 
 
