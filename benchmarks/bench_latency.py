@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sync-scheduling", dest="async_scheduling", action="store_false",
                     help="read each step's tokens back before dispatching the next (default: async)")
     ap.add_argument("--xla-option", action="append", help="name=value, repeatable: EngineConfig.compiler_options")
-    ap.add_argument("--decode-gemv", action="store_true",
-                    help="EngineConfig(decode_gemv=True): the Pallas GEMV for <= 16-row matmuls")
+    ap.add_argument("--no-decode-gemv", dest="decode_gemv", action="store_false",
+                    help="EngineConfig(decode_gemv=False): XLA's GEMMs for the <= 16-row matmuls too")
     ap.add_argument("--fuse-matmul-inputs", action="store_true",
                     help="EngineConfig(fuse_matmul_inputs=True): XLA may fuse a matmul's producer into its GEMM")
     ap.add_argument("--no-fused-qkv", dest="fused_qkv", action="store_false",

@@ -53,7 +53,7 @@ load_params = benchmark_params
 
 def build_engine(params, *, batch: int, max_model_len: int, block_size: int = 16,
                  max_num_batched_tokens: int = 8192, backend: str = "auto",
-                 async_scheduling: bool = True, prefix_caching: bool = True, decode_gemv: bool = False,
+                 async_scheduling: bool = True, prefix_caching: bool = True, decode_gemv: bool = True,
                  fused_qkv: bool = True, fuse_matmul_inputs: bool = False) -> LLMEngine:
     """An engine whose pool holds exactly ``batch`` sequences of ``max_model_len`` tokens (+1 block)."""
     blocks_per_seq = -(-max_model_len // block_size)
@@ -389,8 +389,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="read each step's tokens back before dispatching the next (default: async)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--trace-dir", default=None, help="where the profiler writes (default: --out/trace)")
-    ap.add_argument("--decode-gemv", action="store_true",
-                    help="EngineConfig(decode_gemv=True): the Pallas GEMV for <= 16-row matmuls")
+    ap.add_argument("--no-decode-gemv", dest="decode_gemv", action="store_false",
+                    help="EngineConfig(decode_gemv=False): XLA's GEMMs for the <= 16-row matmuls too")
     ap.add_argument("--fuse-matmul-inputs", action="store_true",
                     help="EngineConfig(fuse_matmul_inputs=True): XLA may fuse a matmul's producer into its GEMM")
     ap.add_argument("--no-fused-qkv", dest="fused_qkv", action="store_false",

@@ -42,9 +42,10 @@ class EngineConfig:
       step (no split-K for small decode batches). Off by default. See docs/NUMERICS.md.
     decode_gemv: on a GPU, matmuls of at most 16 rows (decode steps of up to 16 sequences, their LM
       head) with bf16/fp16 weights run the split-K Pallas GEMV (``kernels/gemv.py``) instead of XLA's
-      GEMM. Off by default: once XLA's GEMMs no longer fuse their input's producer (below), they are
-      faster at these sizes on the H200 (``benchmarks/RESULTS.md``). Ignored with ``batch_invariant``
-      (its fixed-tile matmul) and on a CPU.
+      GEMM. Inside the batch-1 step on the H200 the four GEMVs and the LM head took 564 us against
+      XLA's 662 us (its GEMMs plus their split-K reductions; ``benchmarks/RESULTS.md``, session 4),
+      although a lone XLA GEMM of the same shape is faster than the GEMV. Off: XLA everywhere.
+      Ignored with ``batch_invariant`` (its fixed-tile matmul) and on a CPU.
     fuse_matmul_inputs: let XLA fuse the op producing a matmul's input (RMSNorm, SiLU * up) into its
       GEMM kernel. Off by default on a GPU (an optimisation barrier keeps them apart): such fused
       GEMMs ran about 2x slower at decode sizes on the H200. Ignored on a CPU.
@@ -81,7 +82,7 @@ class EngineConfig:
     compilation_cache: bool = True  # JAX's persistent compilation cache ($JAXPAGED_COMPILE_CACHE)
     async_scheduling: bool = True  # schedule step N+1 while step N runs (see docstring)
     batch_invariant: bool = False  # bitwise batch-independent outputs, at a speed cost (docs/NUMERICS.md)
-    decode_gemv: bool = False  # Pallas split-K GEMV for <= 16-row bf16 matmuls on GPU (see docstring)
+    decode_gemv: bool = True  # Pallas split-K GEMV for <= 16-row bf16 matmuls on GPU (see docstring)
     fuse_matmul_inputs: bool = False  # let XLA fuse a matmul's producer into its GEMM (see docstring)
     fused_qkv: bool = True  # one Pallas kernel from the qkv projection to the KV write on GPU (see docstring)
     compiler_options: tuple[tuple[str, object], ...] | None = None  # XLA options for the step (see docstring)

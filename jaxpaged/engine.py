@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 
 def get_runner(params: ModelParams, backend: str, batch_invariant: bool = False,
-               compiler_options: tuple | None = None, decode_gemv: bool = False,
+               compiler_options: tuple | None = None, decode_gemv: bool = True,
                fused_qkv: bool = True, fuse_matmul_inputs: bool = False) -> ModelRunner:
     """One runner (one jitted step, its compiled shapes) per weights object, backend and numerics mode.
 

@@ -128,7 +128,7 @@ class ModelRunner:
     """
 
     def __init__(self, graphdef: nnx.GraphDef, attention_backend: str = "auto", batch_invariant: bool = False,
-                 compiler_options: dict | None = None, mesh=None, decode_gemv: bool = False,
+                 compiler_options: dict | None = None, mesh=None, decode_gemv: bool = True,
                  fused_qkv: bool = True, fuse_matmul_inputs: bool = False):
         self.attention_backend = resolve_backend(attention_backend)
         self.batch_invariant = batch_invariant

@@ -12,14 +12,18 @@ machine without a GPU they run in interpret mode, slowly, which is only useful i
 (Hopper) backend can be added here under its own name without touching the model.
 
 Every backend writes K/V with the same XLA scatter (:func:`jaxpaged.kernels.kv_write.write_kv`, in
-place when the step donates the pool).
+place when the step donates the pool), except on a GPU with ``fused_qkv`` (below), where the fused
+qkv epilogue kernel writes them in place itself.
 
 ``batch_invariant=True`` (``EngineConfig.batch_invariant``, docs/NUMERICS.md): the Pallas attention
 runs one fixed launch configuration for every step (:func:`paged_attention.invariant_config`), and
 :func:`get_model_ops` gives the model fixed-tile Pallas matmuls and a row-kernel RMSNorm instead of
-XLA's shape-dependent ones. Otherwise, on a GPU, matmuls of at most 16 rows with 16-bit weights (decode
-steps up to batch 16 and their LM head) go to the split-K Pallas GEMV (:mod:`jaxpaged.kernels.gemv`),
-the rest to XLA (``decode_gemv=False``: XLA for all).
+XLA's shape-dependent ones. Otherwise, on a GPU, :func:`get_model_ops` gives the model the decode-path
+kernels (``EngineConfig`` ``decode_gemv``, ``fused_qkv``, ``fuse_matmul_inputs``; docs/DECISIONS.md):
+matmuls of at most 16 rows with 16-bit weights go to the split-K Pallas GEMV
+(:mod:`jaxpaged.kernels.gemv`), the stretch from the qkv projection to the KV write is one Pallas
+kernel (:mod:`jaxpaged.kernels.qkv_epilogue`), and XLA's GEMMs get their input through an
+optimisation barrier (no producer fused into the GEMM). On a CPU the model runs XLA's ops.
 """
 
 from __future__ import annotations
@@ -90,12 +94,13 @@ def fused_qkv(x: jax.Array, w: jax.Array, bias, q_norm, k_norm, positions: jax.A
 
 
 @functools.cache
-def get_model_ops(batch_invariant: bool = False, decode_gemv: bool = False, fused_qkv_epilogue: bool = True,
+def get_model_ops(batch_invariant: bool = False, decode_gemv: bool = True, fused_qkv_epilogue: bool = True,
                   fuse_matmul_inputs: bool = False) -> ModelOps:
-    """The model's matmul and RMSNorm: XLA's (``x @ w``, IEEE fp32 for float32 weights) with, on a GPU
-    and with ``decode_gemv``, the Pallas GEMV for few-row bf16 matmuls; or the fixed-tile Pallas matmul
-    and row-kernel RMSNorm whose per-row results never depend on the number of rows
-    (``batch_invariant``; interpret mode off the GPU)."""
+    """The model's row-wise ops. ``batch_invariant``: the fixed-tile Pallas matmul and row-kernel RMSNorm
+    whose per-row results never depend on the number of rows (interpret mode off the GPU). Otherwise
+    XLA's (``x @ w``, IEEE fp32 for float32 weights), and on a GPU: the Pallas GEMV for few-row 16-bit
+    matmuls (``decode_gemv``), the fused qkv epilogue (``fused_qkv_epilogue``), XLA's GEMMs without
+    prologue fusion unless ``fuse_matmul_inputs``."""
     if not batch_invariant:
         if not _on_gpu():
             return DEFAULT_OPS
