@@ -86,21 +86,24 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: ScheduledBatch = []
         preempted = False
+        kv = self.kv
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if n < seq.num_uncomputed_tokens and not self.enable_chunked_prefill:
+            uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+            n = min(uncomputed, budget)
+            if n < uncomputed and not self.enable_chunked_prefill:
                 break
-            while not self.kv.can_append(seq, n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
+            if not kv.has_room(seq, n):  # needs new blocks (the fast path: it already has them)
+                while not kv.can_append(seq, n):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+                if seq.status is SequenceStatus.PREEMPTED:
                     break
-            if seq.status is SequenceStatus.PREEMPTED:
-                break
-            self.kv.append(seq, n)
+                kv.append(seq, n)
             scheduled.append((seq, n))
             budget -= n
             i += 1

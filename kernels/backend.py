@@ -35,7 +35,9 @@ from typing import Callable
 import jax
 
 from jaxpaged.kernels import gemv, matmul, paged_attention, qkv_epilogue, reference, rms_norm
+from jaxpaged.kernels.kv_write import write_kv
 from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps, rope_cos_sin, rotary, xla_matmul, xla_matmul_unfused_input
+from jaxpaged.models.qwen import rms_norm as xla_rms_norm
 
 BACKENDS = ("pallas", "reference", "auto")
 
@@ -78,17 +80,40 @@ def gemv_or_xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
     return xla_matmul(x, w, transpose_w=transpose_w, out_dtype=out_dtype)
 
 
+def xla_qkv_epilogue(qkv: jax.Array, bias, q_norm, k_norm, positions: jax.Array, kv_pool: jax.Array, layer: int,
+                     slot_mapping: jax.Array, *, eps: float, theta: float) -> tuple[jax.Array, jax.Array]:
+    """What :func:`qkv_epilogue.qkv_epilogue` computes, with the model's XLA ops (``rms_norm``,
+    ``rotary``, ``write_kv``): ``qkv [T, (Hq + 2 Hkv) * D]`` -> ``(q [T, Hq, D], kv_pool)``."""
+    t = qkv.shape[0]
+    hkv, d = kv_pool.shape[4], kv_pool.shape[5]
+    hq = qkv.shape[1] // d - 2 * hkv
+    if bias is not None:
+        qkv = qkv + bias
+    q = qkv[:, : hq * d].reshape(t, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].reshape(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
+    if q_norm is not None:
+        q, k = xla_rms_norm(q, q_norm, eps), xla_rms_norm(k, k_norm, eps)
+    q, k = rotary(q, positions, theta), rotary(k, positions, theta)
+    return q, write_kv(kv_pool, layer, k, v, slot_mapping)
+
+
 def fused_qkv(x: jax.Array, w: jax.Array, bias, q_norm, k_norm, positions: jax.Array, kv_pool: jax.Array,
               layer: int, slot_mapping: jax.Array, *, eps: float, theta: float, gemv_ok: bool = True,
               interpret: bool = False, xla_matmul=xla_matmul_unfused_input) -> tuple[jax.Array, jax.Array]:
     """The model's ``ModelOps.qkv_epilogue``: the qkv projection (the GEMV's unsummed partials when it
     applies and ``gemv_ok``, else XLA's product), then :func:`qkv_epilogue.qkv_epilogue` (bias, q/k
     norm, RoPE, KV write in one kernel). ``x [T, H]`` -> ``(q [T, Hq, D], kv_pool)``."""
+    head_dim = kv_pool.shape[-1]
+    if head_dim & (head_dim - 1):  # not a Triton tile: the model's XLA ops for this stretch
+        return xla_qkv_epilogue(xla_matmul(x, w), bias, q_norm, k_norm, positions, kv_pool, layer, slot_mapping,
+                                eps=eps, theta=theta)
     if gemv_ok and gemv.supported(x, w):
         parts = gemv.gemv_partials(x, w, interpret=interpret)
     else:
         parts = xla_matmul(x, w)[None]
-    cos, sin = rope_cos_sin(positions, kv_pool.shape[-1], theta, x.dtype)
+    # The same cos/sin in every layer of a step: XLA computes them once (common-subexpression elimination).
+    cos, sin = rope_cos_sin(positions, head_dim, theta, x.dtype)
     return qkv_epilogue.qkv_epilogue(parts, bias, q_norm, k_norm, cos, sin, kv_pool, layer, slot_mapping,
                                      eps=eps, dtype=x.dtype, interpret=interpret)
 

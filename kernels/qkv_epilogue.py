@@ -9,12 +9,16 @@ the H200 (``benchmarks/profile_step.py``, ``benchmarks/RESULTS.md``). Here progr
 does it all for one q head or one KV head (``T * (Hq + Hkv)`` programs of one warp: a decode step of
 a few tokens still spreads over the SMs).
 
-Same math as the model's XLA path (``models/qwen.py``: ``rms_norm``, ``rotary`` with
-``separate_products``): the projection rounded to the model dtype, bias added in it, the norm in fp32
-(``weight * (x * rsqrt(mean(x^2) + eps)).astype(dtype)``), ``cos``/``sin`` given (computed by the
-caller in fp32 and rounded, as in ``rotary``), ``round(x*cos) + round(rotated*sin)`` rounded once
-more. The pool is updated in place (``input_output_aliases``): a token with slot ``-1`` (padding)
-writes nothing.
+Same math as the model's XLA path (``models/qwen.py``: ``rms_norm``, ``rotary``, ``write_kv``): the
+projection rounded to the model dtype, bias added in it, the norm in fp32 (``weight * (x *
+rsqrt(mean(x^2) + eps)).astype(dtype)``), ``cos``/``sin`` given (computed by the caller in fp32 and
+rounded, as in ``rotary``), then ``x*cos + rotated*sin``. For 16-bit dtypes each product is rounded
+before the add (``rotary(separate_products=True)``; bitwise equal to it in the interpret-mode tests);
+in float32 the compiler may contract the second product and the add into one FMA, so values can
+differ from XLA's in the last bit, as XLA's own fusions of ``rotary`` do between step shapes. The pool
+is updated in place (``input_output_aliases``): a token with slot ``-1`` (padding), or a slot past the
+pool, writes nothing. ``head_dim`` must be a power of two (a Triton tile); ``kernels.backend.fused_qkv``
+takes the XLA path otherwise.
 """
 
 from __future__ import annotations
@@ -81,7 +85,8 @@ def _kernel(parts_ref, bias_ref, qw_ref, kw_ref, cos_ref, sin_ref, slot_ref, poo
     plgpu.store(q_out_ref.at[t, head, dims], out, mask=is_q & (dims >= 0))
 
     slot = slot_ref[t]
-    write = (~is_q) & (slot >= 0) & (dims >= 0)
+    num_slots = pool_ref.shape[1] * block_size
+    write = (~is_q) & (slot >= 0) & (slot < num_slots) & (dims >= 0)  # as write_kv's mode="drop"
     blk = jnp.maximum(slot, 0) // block_size
     off = jnp.maximum(slot, 0) % block_size
     kvh = jnp.maximum(kv_head, 0) + jnp.zeros_like(dims)
@@ -112,6 +117,11 @@ def qkv_epilogue(parts: jax.Array, bias: jax.Array | None, q_norm: jax.Array | N
         raise ValueError(f"cos and sin must be [{num_tokens}, {head_dim}], got {cos.shape} and {sin.shape}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm go together")
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim {head_dim} must be a power of two (a Triton tile)")
+    for name, vec, size in (("bias", bias, width), ("q_norm", q_norm, head_dim), ("k_norm", k_norm, head_dim)):
+        if vec is not None and vec.shape != (size,):
+            raise ValueError(f"{name} must be [{size}], got {vec.shape}")
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping must be [{num_tokens}], got {slot_mapping.shape}")
     dtype = jnp.dtype(dtype)

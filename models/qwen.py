@@ -116,7 +116,8 @@ class ModelOps:
     stretch from the qkv matmul to the KV write: ``(x [T, H], w_qkv, bias | None, q_norm | None,
     k_norm | None, positions, kv_pool, layer, slot_mapping, *, eps, theta) -> (q [T, Hq, D], kv_pool)``
     (``kernels.backend.fused_qkv``: the GEMV's partials, bias, q/k norm, RoPE and the KV write in
-    one kernel).
+    one kernel). When set, that stretch does not call ``matmul``, ``rms_norm``, ``rotary`` or the
+    model's ``write_kv_fn``: the function owns all of it.
     """
 
     matmul: Callable[..., jax.Array] = xla_matmul

@@ -108,3 +108,11 @@ def test_bench_attention_big_pool_check_interpret():
     """The GPU check of a many-layer pool read at its last layer from its highest blocks (tiny here)."""
     rec = load("bench_attention").big_pool_check(interpret=True)
     assert rec["ok"] and rec["layer"] == 2, rec
+
+
+def test_bench_engine_host_tiny(tmp_path):
+    """The host-cost benchmark runs the engine with a stub step: every request decodes, outputs flow."""
+    rows = load("bench_engine_host").main(["--batches", "1,4", "--steps", "5", "--warmup", "3", "--profile",
+                                           "--out", str(tmp_path)])
+    assert [r["batch"] for r in rows] == [1, 4] and all(r["median_us"] > 0 for r in rows)
+    assert rows[1]["top"] and (tmp_path / "engine_host.json").exists()

@@ -119,6 +119,25 @@ ref = tokens(engine(load_params(tiny_checkpoint_path("qwen3"), "float32", use_ca
 assert tokens(engine(p, 2, "pallas")) == ref
 print("OK pallas")
 
+# The GPU's fused qkv epilogue (interpret mode here) per shard: its own q heads, KV heads and pool half,
+# the Qwen2 bias split with them, and KV heads replicated at tp=4.
+import dataclasses, functools
+import jaxpaged.runner as runner_module
+from jaxpaged.kernels.backend import fused_qkv
+from jaxpaged.models.qwen import DEFAULT_OPS
+fused_ops = dataclasses.replace(DEFAULT_OPS, qkv_epilogue=functools.partial(fused_qkv, interpret=True))
+plain_get_model_ops = runner_module.get_model_ops
+for name, tp in (("qwen2", 2), ("qwen3", 4)):
+    ref = tokens(engine(load_params(tiny_checkpoint_path(name), "float32", use_cache=False), 1))
+    runner_module.get_model_ops = lambda *a, **k: fused_ops
+    try:
+        got = tokens(engine(load_params(tiny_checkpoint_path(name), "float32", use_cache=False,
+                                        tensor_parallel_size=tp), tp))
+    finally:
+        runner_module.get_model_ops = plain_get_model_ops
+    assert got == ref, (name, tp, got, ref)
+print("OK fused qkv epilogue")
+
 try:
     engine(load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False), 2)
 except ValueError as err:
@@ -139,7 +158,7 @@ def run_forced(script: str, devices: int, timeout: int = 600) -> str:
 
 def test_tensor_parallel_engine_on_four_cpu_devices():
     out = run_forced(SCRIPT, 4)
-    assert out.count("OK ") == 4 and "DONE" in out, out
+    assert out.count("OK ") == 5 and "DONE" in out, out
 
 
 def test_shard_config_and_kv_head_replication():

@@ -178,14 +178,15 @@ class KVCacheManager:
             self._check_fits(seq, required)
         return have, missing
 
-    def _has_room(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Fast path: the new tokens fit in the blocks ``seq`` already holds."""
+    def has_room(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """The new tokens fit in the blocks ``seq`` already holds (then ``append`` has nothing to do):
+        the scheduler's fast path for decoding sequences."""
         required = seq.num_computed_tokens + num_new_tokens
         return required <= self.tables.lengths[seq.block_table_row] * self.block_size and required <= self._token_cap
 
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         """True if ``num_new_tokens`` more tokens of ``seq`` can get slots now."""
-        if self._has_room(seq, num_new_tokens):
+        if self.has_room(seq, num_new_tokens):
             return True
         have, missing = self._missing_blocks(seq, num_new_tokens)
         return missing <= 0 or self.policy.can_grow(seq, have, missing)
@@ -199,7 +200,7 @@ class KVCacheManager:
         rid = seq.request_id
         if self._seqs.get(rid) is not seq:
             raise BlockStateError(f"request {rid!r} is not admitted")
-        if self._has_room(seq, num_new_tokens):
+        if self.has_room(seq, num_new_tokens):
             return []
         have, missing = self._missing_blocks(seq, num_new_tokens)
         if missing <= 0:
@@ -218,6 +219,8 @@ class KVCacheManager:
         Covers prompt and generated tokens alike; call it after advancing ``num_computed_tokens``.
         O(1) when no block filled since the last call. Returns the newly cached block ids.
         """
+        if not self.policy.has_new_full_blocks(seq):  # the usual decode step: skip the row lookup
+            return []
         return self.policy.cache_full_blocks(seq, self.tables.table[seq.block_table_row])
 
     # ---- release -------------------------------------------------------------------------------
@@ -243,8 +246,8 @@ class KVCacheManager:
     def filled_slots(self) -> int:
         """Token slots of held blocks that hold (or are about to hold) a token; a block shared by
         several tables counts once. O(admitted sequences)."""
-        bs, lengths = self.block_size, self.tables.lengths
-        filled = sum(min(s.num_tokens, int(lengths[s.block_table_row]) * bs) for s in self._seqs.values())
+        bs, lengths = self.block_size, self.tables.lengths.tolist()  # Python ints: no numpy scalar per row
+        filled = sum(min(len(s.token_ids), lengths[s.block_table_row] * bs) for s in self._seqs.values())
         return filled - bs * self.policy.num_shared_references  # shared blocks are full
 
     def block_utilisation(self) -> float:

@@ -189,6 +189,9 @@ class MaxLenReservation:
 
     grow = can_grow
 
+    def has_new_full_blocks(self, seq: Sequence) -> bool:
+        return False
+
     def cache_full_blocks(self, seq: Sequence, block_table: list[int]) -> list[int]:
         return []
 

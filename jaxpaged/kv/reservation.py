@@ -49,6 +49,8 @@ class ReservationPolicy(Protocol):
         """True if a table of ``num_blocks`` can get ``missing`` more blocks now."""
     def grow(self, seq: Sequence, num_blocks: int, missing: int) -> list[int]:
         """``missing`` new block ids; ``OutOfBlocksError`` (nothing changed) if there are none."""
+    def has_new_full_blocks(self, seq: Sequence) -> bool:
+        """True if ``cache_full_blocks`` has something to register for ``seq`` (a cheap check)."""
     def cache_full_blocks(self, seq: Sequence, block_table: list[int]) -> list[int]:
         """Registers the blocks of ``seq`` full of computed K/V; returns the newly cached ids."""
     def release(self, seq: Sequence, block_table: list[int]) -> None:
@@ -148,6 +150,9 @@ class PagedReservation:
         return self.allocator.allocate(missing)
 
     # ---- caching ---------------------------------------------------------------------------------
+    def has_new_full_blocks(self, seq: Sequence) -> bool:
+        return self.trie is not None and seq.num_computed_tokens // self.block_size > self._cursors[seq.request_id][0]
+
     def cache_full_blocks(self, seq: Sequence, block_table) -> list[int]:
         """O(1) when no block filled since the last call. ``block_table``: the row (list or array view)."""
         if self.trie is None:
