@@ -148,7 +148,7 @@ class LLMEngine:
         if not ids:
             raise ValueError(f"request {rid!r}: prompt is empty")
         vocab = self.params.config.vocab_size
-        bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < vocab]
+        bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < vocab] if min(ids) < 0 or max(ids) >= vocab else []
         if bad:
             raise ValueError(f"request {rid!r}: prompt token id {bad[0][1]} at position {bad[0][0]} is outside "
                              f"the vocabulary [0, {vocab})")

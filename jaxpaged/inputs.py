@@ -38,6 +38,8 @@ def _token_list(value: Any, where: str) -> list[int]:
         return [int(t) for t in value]
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"{where}: token ids must be a list of ints, got {type(value).__name__}")
+    if all(type(t) is int for t in value) and (not value or min(value) >= 0):
+        return list(value)  # the usual case, without a per-token isinstance (bool is not type int)
     for pos, t in enumerate(value):
         if not _is_token(t):
             raise TypeError(f"{where}: token id at position {pos} is {type(t).__name__} {t!r}, not an int")
