@@ -5,7 +5,8 @@ Python and numpy work that must hide behind the GPU's step (async scheduling ove
 while the host is the shorter). Tiny checkpoint (the model does not matter here), greedy, every
 request decoding: ``--batch`` requests of ``--prompt-len`` tokens, timed over ``--steps`` steps after
 ``--warmup`` steps. Reports the median and mean microseconds per step, and with ``--profile`` the
-top functions by own time (cProfile inflates the absolute numbers).
+top functions by own time (cProfile inflates the absolute numbers); then the median time of
+``add_request`` for prompts of ``--add-request-lens`` tokens (part of every TTFT).
 
     python benchmarks/bench_engine_host.py [--batches 1,64,256] [--steps 200] [--profile]
 """
@@ -79,6 +80,22 @@ def measure(batch: int, prompt_len: int, steps: int, warmup: int, profile: bool)
     return row
 
 
+def measure_add_request(prompt_len: int, reps: int = 200) -> float:
+    """Median microseconds of ``add_request`` for a ``prompt_len``-token prompt (then aborted)."""
+    engine = stub_engine(1, prompt_len, 8)
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    rng = np.random.default_rng(1)
+    times = []
+    for _ in range(reps):
+        prompt = rng.integers(1, 500, prompt_len).tolist()
+        t0 = time.perf_counter()
+        rid = engine.add_request(prompt, sp)
+        times.append(time.perf_counter() - t0)
+        engine.abort_request(rid)
+        engine.step()
+    return statistics.median(times) * 1e6
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,64,256")
@@ -86,13 +103,15 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--add-request-lens", default="32,960", help="prompt lengths for the add_request timing ('' = none)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args(argv)
     rows = [measure(int(b), args.prompt_len, args.steps, args.warmup, args.profile) for b in args.batches.split(",")]
+    adds = {int(n): measure_add_request(int(n)) for n in args.add_request_lens.split(",") if n}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "engine_host.json"), "w") as f:
-            json.dump(dict(cpu=platform.processor() or platform.machine(), rows=rows), f, indent=1)
+            json.dump(dict(cpu=platform.processor() or platform.machine(), rows=rows, add_request_us=adds), f, indent=1)
     for r in rows:
         for t in r.get("top", []):
             print(f"  b{r['batch']:<4d} {t['own_s'] * 1e3:8.1f} ms own {t['cum_s'] * 1e3:8.1f} ms cum x{t['calls']:<7d} {t['function']}")
@@ -100,6 +119,8 @@ def main(argv=None) -> list[dict]:
     print(f"{'batch':>5s} {'median us':>10s} {'mean us':>9s}")
     for r in rows:
         print(f"{r['batch']:5d} {r['median_us']:10.1f} {r['mean_us']:9.1f}")
+    for n, us in adds.items():
+        print(f"add_request, {n}-token prompt: median {us:.1f} us")
     return rows
 
 
