@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from bench_throughput import parse_xla_options  # noqa: E402
 from jaxpaged.metrics import percentile  # noqa: E402
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from jaxpaged.workloads import BENCHMARK_MODELS, benchmark_params  # noqa: E402
+from jaxpaged.workloads import BENCHMARK_MODELS, add_decode_path_flags, benchmark_params, decode_path_config  # noqa: E402
 
 MODELS = BENCHMARK_MODELS
 
@@ -105,12 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sync-scheduling", dest="async_scheduling", action="store_false",
                     help="read each step's tokens back before dispatching the next (default: async)")
     ap.add_argument("--xla-option", action="append", help="name=value, repeatable: EngineConfig.compiler_options")
-    ap.add_argument("--no-decode-gemv", dest="decode_gemv", action="store_false",
-                    help="EngineConfig(decode_gemv=False): XLA's GEMMs for the <= 16-row matmuls too")
-    ap.add_argument("--fuse-matmul-inputs", action="store_true",
-                    help="EngineConfig(fuse_matmul_inputs=True): XLA may fuse a matmul's producer into its GEMM")
-    ap.add_argument("--no-fused-qkv", dest="fused_qkv", action="store_false",
-                    help="EngineConfig(fused_qkv=False): XLA's kernels from the qkv projection to the KV write")
+    add_decode_path_flags(ap)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     batches = [int(x) for x in args.batches.split(",")]
@@ -128,8 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
                           max_num_seqs=max(batches), max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=max_model_len, attention_backend=args.backend, dtype=params.dtype,
                           async_scheduling=args.async_scheduling, compiler_options=parse_xla_options(args.xla_option),
-                          decode_gemv=args.decode_gemv, fused_qkv=args.fused_qkv,
-                          fuse_matmul_inputs=args.fuse_matmul_inputs)
+                          **decode_path_config(args))
     engine = LLMEngine(params, config)
     setup_s = time.perf_counter() - t_load
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

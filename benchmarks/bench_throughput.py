@@ -22,7 +22,7 @@ import jax
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.llm import run_to_completion
-from jaxpaged.workloads import QWEN3_0_6B, nano_vllm_workload, random_model
+from jaxpaged.workloads import QWEN3_0_6B, add_decode_path_flags, decode_path_config, nano_vllm_workload, random_model
 
 
 
@@ -44,7 +44,7 @@ def run_ours(params, prompts, sps, args):
                           max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.backend,
                           memory_fraction=0.9, async_scheduling=args.async_scheduling,
                           batch_invariant=getattr(args, "batch_invariant", False),
-                          decode_gemv=getattr(args, "decode_gemv", True), fuse_matmul_inputs=getattr(args, "fuse_matmul_inputs", False), fused_qkv=getattr(args, "fused_qkv", True),
+                          **decode_path_config(args),
                           compiler_options=parse_xla_options(getattr(args, "xla_option", None)))
     engine = LLMEngine(params, config)
     compile_s = engine.warmup(use_tqdm=False)
@@ -103,12 +103,7 @@ def main() -> None:
     ap.add_argument("--sync-scheduling", dest="async_scheduling", action="store_false",
                     help="read each step's tokens back before dispatching the next (default: async)")
     ap.add_argument("--batch-invariant", action="store_true", help="EngineConfig(batch_invariant=True)")
-    ap.add_argument("--no-decode-gemv", dest="decode_gemv", action="store_false",
-                    help="EngineConfig(decode_gemv=False): XLA's GEMMs for the <= 16-row matmuls too")
-    ap.add_argument("--fuse-matmul-inputs", action="store_true",
-                    help="EngineConfig(fuse_matmul_inputs=True): XLA may fuse a matmul's producer into its GEMM")
-    ap.add_argument("--no-fused-qkv", dest="fused_qkv", action="store_false",
-                    help="EngineConfig(fused_qkv=False): XLA's kernels from the qkv projection to the KV write")
+    add_decode_path_flags(ap)
     ap.add_argument("--xla-option", action="append", help="name=value, repeatable: EngineConfig.compiler_options")
     ap.add_argument("--compare-xla-option", action="append",
                     help="name=value, repeatable: also run the full workload with these compiler options")

@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from jaxpaged.workloads import BENCHMARK_MODELS, benchmark_params  # noqa: E402
+from jaxpaged.workloads import BENCHMARK_MODELS, add_decode_path_flags, benchmark_params, decode_path_config  # noqa: E402
 
 MODELS = BENCHMARK_MODELS
 # Lines the profiler derives from the streams (or from the host): never counted as device work.
@@ -389,12 +389,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="read each step's tokens back before dispatching the next (default: async)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--trace-dir", default=None, help="where the profiler writes (default: --out/trace)")
-    ap.add_argument("--no-decode-gemv", dest="decode_gemv", action="store_false",
-                    help="EngineConfig(decode_gemv=False): XLA's GEMMs for the <= 16-row matmuls too")
-    ap.add_argument("--fuse-matmul-inputs", action="store_true",
-                    help="EngineConfig(fuse_matmul_inputs=True): XLA may fuse a matmul's producer into its GEMM")
-    ap.add_argument("--no-fused-qkv", dest="fused_qkv", action="store_false",
-                    help="EngineConfig(fused_qkv=False): XLA's kernels from the qkv projection to the KV write")
+    add_decode_path_flags(ap)
     ap.add_argument("--ttft", action="store_true",
                     help="profile first tokens instead of decode steps: --steps requests of --ctx tokens, one "
                          "at a time, max_tokens=1; a 'step' is then a request's add_request..finished window")
@@ -412,8 +407,7 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{params.config.max_position_embeddings} positions")
     engine = build_engine(params, batch=args.batch, max_model_len=max_model_len, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend,
-                          async_scheduling=args.async_scheduling, decode_gemv=args.decode_gemv, fused_qkv=args.fused_qkv,
-                          fuse_matmul_inputs=args.fuse_matmul_inputs)
+                          async_scheduling=args.async_scheduling, **decode_path_config(args))
     steady = reach_steady_decode(engine, batch=args.batch, ctx=args.ctx, max_tokens=gen,
                                  temperature=args.temperature, warmup_steps=args.warmup_steps)
     untraced = timed_steps(engine, args.steps)
@@ -450,8 +444,7 @@ def main_ttft(args) -> dict:
     params = load_params(args.model)
     engine = build_engine(params, batch=1, max_model_len=args.ctx + 8, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend,
-                          async_scheduling=args.async_scheduling, decode_gemv=args.decode_gemv, fused_qkv=args.fused_qkv,
-                          fuse_matmul_inputs=args.fuse_matmul_inputs)
+                          async_scheduling=args.async_scheduling, **decode_path_config(args))
     rng = np.random.default_rng(0)
     t0, c0 = time.perf_counter(), engine.runner.compile_seconds
     first_token_requests(engine, args.warmup_steps, args.ctx, rng)  # compiles the prefill shape

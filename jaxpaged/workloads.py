@@ -132,3 +132,22 @@ def outputs_guaranteed_identical(dtype: str, batch_invariant: bool) -> bool:
     ``batch_invariant`` always; in float32 too (IEEE dots: measured 0 changes on the H200, though
     only ``batch_invariant`` makes it bitwise by construction). Default bf16 is not (docs/NUMERICS.md)."""
     return batch_invariant or str(dtype) == "float32"
+
+
+DECODE_PATH_FIELDS = ("decode_gemv", "fused_qkv", "fuse_matmul_inputs")
+
+
+def add_decode_path_flags(ap) -> None:
+    """The benchmarks' switches for the GPU's decode-path kernels (``EngineConfig`` fields of the same names)."""
+    ap.add_argument("--no-decode-gemv", dest="decode_gemv", action="store_false",
+                    help="EngineConfig(decode_gemv=False): XLA's GEMMs for the <= 16-row matmuls too")
+    ap.add_argument("--fuse-matmul-inputs", action="store_true",
+                    help="EngineConfig(fuse_matmul_inputs=True): XLA may fuse a matmul's producer into its GEMM")
+    ap.add_argument("--no-fused-qkv", dest="fused_qkv", action="store_false",
+                    help="EngineConfig(fused_qkv=False): XLA's kernels from the qkv projection to the KV write")
+
+
+def decode_path_config(args) -> dict:
+    """``EngineConfig`` keyword arguments from :func:`add_decode_path_flags`' flags (defaults when absent)."""
+    defaults = dict(decode_gemv=True, fused_qkv=True, fuse_matmul_inputs=False)
+    return {k: getattr(args, k, v) for k, v in defaults.items()}

@@ -81,9 +81,11 @@ def gemv_or_xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
 
 
 def xla_qkv_epilogue(qkv: jax.Array, bias, q_norm, k_norm, positions: jax.Array, kv_pool: jax.Array, layer: int,
-                     slot_mapping: jax.Array, *, eps: float, theta: float) -> tuple[jax.Array, jax.Array]:
+                     slot_mapping: jax.Array, *, eps: float, theta: float,
+                     separate_products: bool = False) -> tuple[jax.Array, jax.Array]:
     """What :func:`qkv_epilogue.qkv_epilogue` computes, with the model's XLA ops (``rms_norm``,
-    ``rotary``, ``write_kv``): ``qkv [T, (Hq + 2 Hkv) * D]`` -> ``(q [T, Hq, D], kv_pool)``."""
+    ``rotary``, ``write_kv``): ``qkv [T, (Hq + 2 Hkv) * D]`` -> ``(q [T, Hq, D], kv_pool)``.
+    ``separate_products``: ``rotary``'s per-product rounding (the kernel's, for bitwise comparisons)."""
     t = qkv.shape[0]
     hkv, d = kv_pool.shape[4], kv_pool.shape[5]
     hq = qkv.shape[1] // d - 2 * hkv
@@ -94,7 +96,8 @@ def xla_qkv_epilogue(qkv: jax.Array, bias, q_norm, k_norm, positions: jax.Array,
     v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
     if q_norm is not None:
         q, k = xla_rms_norm(q, q_norm, eps), xla_rms_norm(k, k_norm, eps)
-    q, k = rotary(q, positions, theta), rotary(k, positions, theta)
+    q = rotary(q, positions, theta, separate_products=separate_products)
+    k = rotary(k, positions, theta, separate_products=separate_products)
     return q, write_kv(kv_pool, layer, k, v, slot_mapping)
 
 

@@ -9,11 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.kernels.backend import fused_qkv, gemv_or_xla_matmul
+from jaxpaged.kernels.backend import fused_qkv, gemv_or_xla_matmul, xla_qkv_epilogue
 from jaxpaged.kernels.gemv import GemvConfig, gemv, gemv_config, gemv_partials, supported
-from jaxpaged.kernels.kv_write import write_kv
 from jaxpaged.kernels.qkv_epilogue import qkv_epilogue
-from jaxpaged.models.qwen import rms_norm, rope_cos_sin, rotary
+from jaxpaged.models.qwen import rope_cos_sin
 
 
 def rand(rng, shape, dtype=jnp.float32, scale=1.0):
@@ -62,18 +61,10 @@ def test_gemv_or_xla_matmul_falls_back():
 
 # ---- qkv epilogue -------------------------------------------------------------------------------
 def xla_epilogue(qkv, bias, qn, kn, positions, pool, layer, slots, hq, hkv, d, eps, theta):
-    """The model's XLA path for the same stretch (``models/qwen.Attention``), per-op rounding."""
-    t = qkv.shape[0]
-    if bias is not None:
-        qkv = qkv + bias
-    q = qkv[:, : hq * d].reshape(t, hq, d)
-    k = qkv[:, hq * d: (hq + hkv) * d].reshape(t, hkv, d)
-    v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
-    if qn is not None:
-        q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
-    q = rotary(q, positions, theta, separate_products=True)
-    k = rotary(k, positions, theta, separate_products=True)
-    return q, write_kv(pool, layer, k, v, slots)
+    """The model's XLA path for the same stretch, per-op rounding (``rotary(separate_products=True)``)."""
+    del hq, hkv, d  # from the shapes
+    return xla_qkv_epilogue(qkv, bias, qn, kn, positions, pool, layer, slots, eps=eps, theta=theta,
+                            separate_products=True)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
