@@ -36,8 +36,8 @@ import jax
 
 from jaxpaged.kernels import gemv, matmul, paged_attention, qkv_epilogue, reference, rms_norm
 from jaxpaged.kernels.kv_write import write_kv
-from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps, rope_cos_sin, rotary, xla_matmul, xla_matmul_unfused_input
-from jaxpaged.models.qwen import rms_norm as xla_rms_norm
+from jaxpaged.models.qwen import (DEFAULT_OPS, ModelOps, qkv_epilogue_ops, rope_cos_sin, rotary, xla_matmul,
+                                  xla_matmul_unfused_input)
 
 BACKENDS = ("pallas", "reference", "auto")
 
@@ -80,27 +80,6 @@ def gemv_or_xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
     return xla_matmul(x, w, transpose_w=transpose_w, out_dtype=out_dtype)
 
 
-def xla_qkv_epilogue(qkv: jax.Array, bias, q_norm, k_norm, positions: jax.Array, kv_pool: jax.Array, layer: int,
-                     slot_mapping: jax.Array, *, eps: float, theta: float,
-                     separate_products: bool = False) -> tuple[jax.Array, jax.Array]:
-    """What :func:`qkv_epilogue.qkv_epilogue` computes, with the model's XLA ops (``rms_norm``,
-    ``rotary``, ``write_kv``): ``qkv [T, (Hq + 2 Hkv) * D]`` -> ``(q [T, Hq, D], kv_pool)``.
-    ``separate_products``: ``rotary``'s per-product rounding (the kernel's, for bitwise comparisons)."""
-    t = qkv.shape[0]
-    hkv, d = kv_pool.shape[4], kv_pool.shape[5]
-    hq = qkv.shape[1] // d - 2 * hkv
-    if bias is not None:
-        qkv = qkv + bias
-    q = qkv[:, : hq * d].reshape(t, hq, d)
-    k = qkv[:, hq * d: (hq + hkv) * d].reshape(t, hkv, d)
-    v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
-    if q_norm is not None:
-        q, k = xla_rms_norm(q, q_norm, eps), xla_rms_norm(k, k_norm, eps)
-    q = rotary(q, positions, theta, separate_products=separate_products)
-    k = rotary(k, positions, theta, separate_products=separate_products)
-    return q, write_kv(kv_pool, layer, k, v, slot_mapping)
-
-
 def fused_qkv(x: jax.Array, w: jax.Array, bias, q_norm, k_norm, positions: jax.Array, kv_pool: jax.Array,
               layer: int, slot_mapping: jax.Array, *, eps: float, theta: float, gemv_ok: bool = True,
               interpret: bool = False, xla_matmul=xla_matmul_unfused_input) -> tuple[jax.Array, jax.Array]:
@@ -109,8 +88,8 @@ def fused_qkv(x: jax.Array, w: jax.Array, bias, q_norm, k_norm, positions: jax.A
     norm, RoPE, KV write in one kernel). ``x [T, H]`` -> ``(q [T, Hq, D], kv_pool)``."""
     head_dim = kv_pool.shape[-1]
     if head_dim & (head_dim - 1):  # not a Triton tile: the model's XLA ops for this stretch
-        return xla_qkv_epilogue(xla_matmul(x, w), bias, q_norm, k_norm, positions, kv_pool, layer, slot_mapping,
-                                eps=eps, theta=theta)
+        return qkv_epilogue_ops(xla_matmul(x, w), bias, q_norm, k_norm, positions, kv_pool, layer, slot_mapping,
+                                eps=eps, theta=theta, ops=DEFAULT_OPS, write_kv_fn=write_kv)
     if gemv_ok and gemv.supported(x, w):
         parts = gemv.gemv_partials(x, w, interpret=interpret)
     else:

@@ -9,7 +9,8 @@ the H200 (``benchmarks/profile_step.py``, ``benchmarks/RESULTS.md``). Here progr
 does it all for one q head or one KV head (``T * (Hq + Hkv)`` programs of one warp: a decode step of
 a few tokens still spreads over the SMs).
 
-Same math as the model's XLA path (``models/qwen.py``: ``rms_norm``, ``rotary``, ``write_kv``): the
+Same math as the model's XLA path (``models/qwen.qkv_epilogue_ops`` with ``rms_norm``, ``rotary``,
+``write_kv``): the
 projection rounded to the model dtype, bias added in it, the norm in fp32 (``weight * (x *
 rsqrt(mean(x^2) + eps)).astype(dtype)``), ``cos``/``sin`` given (computed by the caller in fp32 and
 rounded, as in ``rotary``), then ``x*cos + rotated*sin``. For 16-bit dtypes each product is rounded

@@ -132,6 +132,27 @@ class ModelOps:
 DEFAULT_OPS = ModelOps()
 
 
+def qkv_epilogue_ops(qkv: jax.Array, bias, q_norm, k_norm, positions: jax.Array, kv_pool: KVPool, layer: int,
+                     slot_mapping: jax.Array, *, eps: float, theta: float, ops: ModelOps,
+                     write_kv_fn: WriteKVFn) -> tuple[jax.Array, KVPool]:
+    """The stretch after the qkv projection with ``ops``' RMSNorm and RoPE and ``write_kv_fn``: bias,
+    split into heads, q/k norm (Qwen3), RoPE, K/V written at ``layer``. ``qkv [T, (Hq + 2 Hkv) * D]``
+    -> ``(q [T, Hq, D], kv_pool)``; head counts from the shapes (``Hkv, D`` from the pool), so a
+    tensor-parallel shard passes its own. The reference for ``kernels/qkv_epilogue.py``."""
+    t = qkv.shape[0]
+    hkv, d = kv_pool.shape[4], kv_pool.shape[5]
+    hq = qkv.shape[1] // d - 2 * hkv
+    if bias is not None:
+        qkv = qkv + bias
+    q = qkv[:, : hq * d].reshape(t, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].reshape(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
+    if q_norm is not None:
+        q, k = ops.rms_norm(q, q_norm, eps), ops.rms_norm(k, k_norm, eps)
+    q, k = ops.rotary(q, positions, theta), ops.rotary(k, positions, theta)
+    return q, write_kv_fn(kv_pool, layer, k, v, slot_mapping)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, size: int, eps: float, dtype: jnp.dtype):
         self.weight = nnx.Param(jnp.ones((size,), dtype))
@@ -157,7 +178,6 @@ class Attention(nnx.Module):
                  meta: AttentionMetadata, attention_fn: AttentionFn, write_kv_fn: WriteKVFn,
                  ops: ModelOps = DEFAULT_OPS):
         cfg = self.cfg
-        t = x.shape[0]
         if ops.qkv_epilogue is not None:
             q, kv_pool = ops.qkv_epilogue(
                 x, self.qkv_proj[...], None if self.qkv_bias is None else self.qkv_bias[...],
@@ -165,17 +185,12 @@ class Attention(nnx.Module):
                 None if self.k_norm is None else self.k_norm.weight[...],
                 positions, kv_pool, layer, meta.slot_mapping, eps=cfg.rms_norm_eps, theta=cfg.rope_theta)
             return self._attend(q, x.dtype, kv_pool, layer, meta, attention_fn, ops)
-        qkv = ops.matmul(x, self.qkv_proj[...])
-        if self.qkv_bias is not None:
-            qkv = qkv + self.qkv_bias[...]
-        q = qkv[:, : cfg.q_size].reshape(t, cfg.num_attention_heads, cfg.head_dim)
-        k = qkv[:, cfg.q_size: cfg.q_size + cfg.kv_size].reshape(t, cfg.num_key_value_heads, cfg.head_dim)
-        v = qkv[:, cfg.q_size + cfg.kv_size:].reshape(t, cfg.num_key_value_heads, cfg.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q, ops), self.k_norm(k, ops)
-        q = ops.rotary(q, positions, cfg.rope_theta)
-        k = ops.rotary(k, positions, cfg.rope_theta)
-        kv_pool = write_kv_fn(kv_pool, layer, k, v, meta.slot_mapping)
+        q, kv_pool = qkv_epilogue_ops(
+            ops.matmul(x, self.qkv_proj[...]), None if self.qkv_bias is None else self.qkv_bias[...],
+            None if self.q_norm is None else self.q_norm.weight[...],
+            None if self.k_norm is None else self.k_norm.weight[...],
+            positions, kv_pool, layer, meta.slot_mapping, eps=cfg.rms_norm_eps, theta=cfg.rope_theta, ops=ops,
+            write_kv_fn=write_kv_fn)
         return self._attend(q, x.dtype, kv_pool, layer, meta, attention_fn, ops)
 
     def _attend(self, q, dtype, kv_pool, layer, meta, attention_fn, ops):

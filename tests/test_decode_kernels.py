@@ -4,15 +4,18 @@ q/k RMSNorm, RoPE, KV write), and the model run with them against the model run 
 
 from __future__ import annotations
 
+import functools
+
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.kernels.backend import fused_qkv, gemv_or_xla_matmul, xla_qkv_epilogue
+from jaxpaged.kernels.backend import fused_qkv, gemv_or_xla_matmul
+from jaxpaged.kernels.kv_write import write_kv
 from jaxpaged.kernels.gemv import GemvConfig, gemv, gemv_config, gemv_partials, supported
 from jaxpaged.kernels.qkv_epilogue import qkv_epilogue
-from jaxpaged.models.qwen import rope_cos_sin
+from jaxpaged.models.qwen import ModelOps, qkv_epilogue_ops, rope_cos_sin, rotary
 
 
 def rand(rng, shape, dtype=jnp.float32, scale=1.0):
@@ -63,8 +66,9 @@ def test_gemv_or_xla_matmul_falls_back():
 def xla_epilogue(qkv, bias, qn, kn, positions, pool, layer, slots, hq, hkv, d, eps, theta):
     """The model's XLA path for the same stretch, per-op rounding (``rotary(separate_products=True)``)."""
     del hq, hkv, d  # from the shapes
-    return xla_qkv_epilogue(qkv, bias, qn, kn, positions, pool, layer, slots, eps=eps, theta=theta,
-                            separate_products=True)
+    ops = ModelOps(rotary=functools.partial(rotary, separate_products=True))
+    return qkv_epilogue_ops(qkv, bias, qn, kn, positions, pool, layer, slots, eps=eps, theta=theta, ops=ops,
+                            write_kv_fn=write_kv)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
