@@ -32,6 +32,7 @@ def tokens(params, prompts, max_tokens, *, tp=1, fused=True, dtype="float32", ma
     engine = LLMEngine(params, EngineConfig(
         dtype=dtype, block_size=8, num_blocks=64, max_model_len=max_model_len, max_num_batched_tokens=64,
         max_num_seqs=4, tensor_parallel_size=tp, decode_gemv=fused, fused_qkv=fused, fuse_matmul_inputs=not fused,
+        fused_residual=fused,
         compilation_cache=False))
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return [o.outputs[0].token_ids for o in run_to_completion(engine, prompts, sp)]

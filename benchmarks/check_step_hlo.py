@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     engine = LLMEngine(benchmark_params(args.model), EngineConfig(
         block_size=16, max_model_len=512 if tiny else 2048, max_num_seqs=16 if tiny else 256,
         max_num_batched_tokens=128 if tiny else 8192, fused_qkv=args.fused, fuse_matmul_inputs=not args.fused,
+        fused_residual=args.fused,
         **(dict(num_blocks=256) if tiny else {})))
     rng = np.random.default_rng(0)
     n_pre, plen = (2, 64) if tiny else (8, 1024)

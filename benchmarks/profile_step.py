@@ -54,14 +54,16 @@ load_params = benchmark_params
 def build_engine(params, *, batch: int, max_model_len: int, block_size: int = 16,
                  max_num_batched_tokens: int = 8192, backend: str = "auto",
                  async_scheduling: bool = True, prefix_caching: bool = True, decode_gemv: bool = True,
-                 fused_qkv: bool = True, fuse_matmul_inputs: bool = False) -> LLMEngine:
+                 fused_qkv: bool = True, fuse_matmul_inputs: bool = False, fused_residual: bool = True,
+                 min_token_bucket: int = 16) -> LLMEngine:
     """An engine whose pool holds exactly ``batch`` sequences of ``max_model_len`` tokens (+1 block)."""
     blocks_per_seq = -(-max_model_len // block_size)
     config = EngineConfig(block_size=block_size, num_blocks=batch * blocks_per_seq + 1, max_num_seqs=batch,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                           attention_backend=backend, dtype=params.dtype, async_scheduling=async_scheduling,
                           enable_prefix_caching=prefix_caching, decode_gemv=decode_gemv,
-                          fused_qkv=fused_qkv, fuse_matmul_inputs=fuse_matmul_inputs)
+                          fused_qkv=fused_qkv, fuse_matmul_inputs=fuse_matmul_inputs, fused_residual=fused_residual,
+                          min_token_bucket=min_token_bucket)
     return LLMEngine(params, config)
 
 

@@ -72,7 +72,7 @@ def slot_mapping_batch(block_tables: np.ndarray, seq_indices: np.ndarray, positi
 def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables, block_size: int, *,
                       width: int | None = None, max_seqs: int | None = None,
                       prev_rows: dict[int, int] | None = None, eos_token_ids=(),
-                      maybe_features: bool = True) -> StepInputs:
+                      maybe_features: bool = True, min_tokens: int = MIN_TOKENS) -> StepInputs:
     """Numpy arrays for ``scheduled`` (host side, no per-token Python loops), padded to buckets.
 
     ``tables``: the KV manager's block tables; each scheduled sequence's row is gathered.
@@ -86,6 +86,7 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
     token is still a ``PLACEHOLDER`` (the device fills it in from that output). ``eos_token_ids``: the
     tokens min_tokens masks (with each request's stop_token_ids). ``maybe_features=False``: the caller
     knows no request uses penalties / min_p / min_tokens / logprobs (skips even looking).
+    ``min_tokens``: the smallest padded token count (``EngineConfig.min_token_bucket``).
     """
     seqs = [s for s, _ in scheduled]
     new_list = [n for _, n in scheduled]
@@ -93,7 +94,7 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
     num_new = np.array(new_list, np.int32)
     start = np.array(start_list, np.int32)
     num_tokens, num_seqs = int(num_new.sum()), len(seqs)
-    t_pad = bucket(num_tokens, MIN_TOKENS)
+    t_pad = bucket(num_tokens, min_tokens)
     s_pad = bucket(num_seqs, MIN_SEQS) if max_seqs is None else min(t_pad, bucket(max_seqs, MIN_SEQS))
     rows = np.fromiter((s.block_table_row for s in seqs), np.int64, count=num_seqs)
     longest = int(tables.lengths[rows].max()) if num_seqs else 1

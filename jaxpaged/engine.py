@@ -16,7 +16,7 @@ from typing import Sequence as SequenceT
 import jax.numpy as jnp
 import numpy as np
 
-from .batch import MIN_SEQS, MIN_TOKENS, PLACEHOLDER, bucket, build_step_inputs, padding_step_inputs
+from .batch import MIN_SEQS, PLACEHOLDER, bucket, build_step_inputs, padding_step_inputs
 from .config import EngineConfig
 from .kv import KVCacheManager, PrefixDivergence, explain_prefix
 from .metrics import EngineMetrics, StepRecord
@@ -39,18 +39,19 @@ log = logging.getLogger(__name__)
 
 def get_runner(params: ModelParams, backend: str, batch_invariant: bool = False,
                compiler_options: tuple | None = None, decode_gemv: bool = True,
-               fused_qkv: bool = True, fuse_matmul_inputs: bool = False) -> ModelRunner:
+               fused_qkv: bool = True, fuse_matmul_inputs: bool = False, fused_residual: bool = True) -> ModelRunner:
     """One runner (one jitted step, its compiled shapes) per weights object, backend and numerics mode.
 
     Kept in ``params.derived``, so engines over the same weights share compiled steps, and dropping
     the weights releases the runner (and its executables) with them.
     """
     options = DEFAULT_COMPILER_OPTIONS if compiler_options is None else tuple(compiler_options)
-    key = ("runner", resolve_backend(backend), batch_invariant, options, decode_gemv, fused_qkv, fuse_matmul_inputs)
+    key = ("runner", resolve_backend(backend), batch_invariant, options, decode_gemv, fused_qkv, fuse_matmul_inputs,
+           fused_residual)
     if key not in params.derived:
         params.derived[key] = ModelRunner(params.graphdef, backend, batch_invariant, dict(options), mesh=params.mesh,
                                           decode_gemv=decode_gemv, fused_qkv=fused_qkv,
-                                          fuse_matmul_inputs=fuse_matmul_inputs)
+                                          fuse_matmul_inputs=fuse_matmul_inputs, fused_residual=fused_residual)
     return params.derived[key]
 
 
@@ -96,7 +97,7 @@ class LLMEngine:
                  self.num_blocks * config.block_size * self.bytes_per_token / 2**30, self.kv_dtype, self.max_model_len)
         self.compilation_cache_dir = enable_compilation_cache() if config.compilation_cache else None
         self.runner = get_runner(params, config.attention_backend, config.batch_invariant, config.compiler_options,
-                                 config.decode_gemv, config.fused_qkv, config.fuse_matmul_inputs)
+                                 config.decode_gemv, config.fused_qkv, config.fuse_matmul_inputs, config.fused_residual)
         # Compilations are counted per engine: steps compiled by an earlier engine are not ours.
         self._compile_base = (self.runner.compile_seconds, self.runner.num_compiled_shapes)
         # Pallas reads block tables only up to each kv_len: one fixed width, fewer compilations.
@@ -269,7 +270,8 @@ class LLMEngine:
         inputs = build_step_inputs(scheduled, self.kv.tables, self.config.block_size, width=self._table_width,
                                    max_seqs=self.config.max_num_seqs, prev_rows=self._pending_rows,
                                    eos_token_ids=self.params.config.eos_token_id,
-                                   maybe_features=self._num_feature_requests > 0)
+                                   maybe_features=self._num_feature_requests > 0,
+                                   min_tokens=self.config.min_token_bucket)
         prompt_rows = prompt_logprob_positions(scheduled) if inputs.features.prompt_logprobs >= 0 else []
         t1 = time.perf_counter()
         tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs, self._prev_tokens)
@@ -365,9 +367,9 @@ class LLMEngine:
         max_blocks = -(-self.max_model_len // self.config.block_size)
         width = self._table_width or bucket(max_blocks, 1)
         sizes = []
-        t = MIN_TOKENS
+        t = self.config.min_token_bucket
         s_max = bucket(self.config.max_num_seqs, MIN_SEQS)
-        while t < bucket(self.config.max_num_batched_tokens, MIN_TOKENS) * 2:
+        while t < bucket(self.config.max_num_batched_tokens, self.config.min_token_bucket) * 2:
             sizes.append(t)
             t *= 2
         t0 = time.perf_counter()

@@ -129,13 +129,13 @@ class ModelRunner:
 
     def __init__(self, graphdef: nnx.GraphDef, attention_backend: str = "auto", batch_invariant: bool = False,
                  compiler_options: dict | None = None, mesh=None, decode_gemv: bool = True,
-                 fused_qkv: bool = True, fuse_matmul_inputs: bool = False):
+                 fused_qkv: bool = True, fuse_matmul_inputs: bool = False, fused_residual: bool = True):
         self.attention_backend = resolve_backend(attention_backend)
         self.batch_invariant = batch_invariant
         self.compiler_options = dict(compiler_options or {})
         self.mesh = mesh  # tensor parallelism: the step runs per shard under shard_map (jaxpaged.sharding)
         self._replicated = None  # the mesh's replicated sharding, made on first use
-        ops = get_model_ops(batch_invariant, decode_gemv, fused_qkv, fuse_matmul_inputs)
+        ops = get_model_ops(batch_invariant, decode_gemv, fused_qkv, fuse_matmul_inputs, fused_residual)
         if mesh is not None:
             from .sharding import tp_model_ops
 

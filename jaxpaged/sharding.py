@@ -144,8 +144,10 @@ def gather_vocab(logits: jax.Array) -> jax.Array:
 
 
 def tp_model_ops(ops: ModelOps) -> ModelOps:
-    """``ops`` with the tensor-parallel embedding, all-reduce and logits gather."""
-    return dataclasses.replace(ops, embed=vocab_parallel_embed, all_reduce=tp_all_reduce, gather_vocab=gather_vocab)
+    """``ops`` with the tensor-parallel embedding, all-reduce and logits gather. Products stay summed
+    per shard before their all-reduce (no ``matmul_parts`` / ``add_rms_norm`` residual fusion)."""
+    return dataclasses.replace(ops, embed=vocab_parallel_embed, all_reduce=tp_all_reduce, gather_vocab=gather_vocab,
+                               matmul_parts=None, silu_mul_matmul_parts=None, add_rms_norm=None)
 
 
 def shard_step(step: Callable, mesh: Mesh, treedef) -> Callable:

@@ -134,7 +134,7 @@ def outputs_guaranteed_identical(dtype: str, batch_invariant: bool) -> bool:
     return batch_invariant or str(dtype) == "float32"
 
 
-DECODE_PATH_FIELDS = ("decode_gemv", "fused_qkv", "fuse_matmul_inputs")
+DECODE_PATH_FIELDS = ("decode_gemv", "fused_qkv", "fuse_matmul_inputs", "fused_residual", "min_token_bucket")
 
 
 def add_decode_path_flags(ap) -> None:
@@ -145,9 +145,14 @@ def add_decode_path_flags(ap) -> None:
                     help="EngineConfig(fuse_matmul_inputs=True): XLA may fuse a matmul's producer into its GEMM")
     ap.add_argument("--no-fused-qkv", dest="fused_qkv", action="store_false",
                     help="EngineConfig(fused_qkv=False): XLA's kernels from the qkv projection to the KV write")
+    ap.add_argument("--no-fused-residual", dest="fused_residual", action="store_false",
+                    help="EngineConfig(fused_residual=False): XLA's kernels for the residual adds and RMSNorms")
+    ap.add_argument("--min-token-bucket", type=int, default=16,
+                    help="EngineConfig(min_token_bucket=N): the smallest padded token count of a step")
 
 
 def decode_path_config(args) -> dict:
     """``EngineConfig`` keyword arguments from :func:`add_decode_path_flags`' flags (defaults when absent)."""
-    defaults = dict(decode_gemv=True, fused_qkv=True, fuse_matmul_inputs=False)
+    defaults = dict(decode_gemv=True, fused_qkv=True, fuse_matmul_inputs=False, fused_residual=True,
+                    min_token_bucket=16)
     return {k: getattr(args, k, v) for k, v in defaults.items()}

@@ -34,7 +34,7 @@ from typing import Callable
 
 import jax
 
-from jaxpaged.kernels import gemv, matmul, paged_attention, qkv_epilogue, reference, rms_norm
+from jaxpaged.kernels import add_rms_norm, gemv, matmul, paged_attention, qkv_epilogue, reference, rms_norm
 from jaxpaged.kernels.kv_write import write_kv
 from jaxpaged.models.qwen import (DEFAULT_OPS, ModelOps, qkv_epilogue_ops, rope_cos_sin, rotary, xla_matmul,
                                   xla_matmul_unfused_input)
@@ -80,6 +80,45 @@ def gemv_or_xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
     return xla_matmul(x, w, transpose_w=transpose_w, out_dtype=out_dtype)
 
 
+def matmul_parts(x: jax.Array, w: jax.Array, *, interpret: bool = False,
+                 xla_matmul=xla_matmul_unfused_input) -> jax.Array:
+    """``ModelOps.matmul_parts``: the GEMV's split-K partials ``f32[S, M, N]`` when it supports the
+    operands, else XLA's product as ``[1, M, N]``."""
+    if gemv.supported(x, w):
+        return gemv.gemv_partials(x, w, interpret=interpret)
+    return xla_matmul(x, w)[None]
+
+
+def sum_parts(parts: jax.Array, dtype) -> jax.Array:
+    """``parts [P, M, N]`` summed in order 0, 1, ... in fp32 and rounded to ``dtype`` (as ``gemv``)."""
+    acc = parts[0].astype(jax.numpy.float32)
+    for p in range(1, parts.shape[0]):
+        acc = acc + parts[p].astype(jax.numpy.float32)
+    return acc.astype(dtype)
+
+
+def silu_mul_matmul_parts(gate_up: jax.Array, w: jax.Array, *, interpret: bool = False,
+                          xla_matmul=xla_matmul_unfused_input) -> jax.Array:
+    """``ModelOps.silu_mul_matmul_parts``: ``silu(gate) * up @ w`` from the gate/up product's partials
+    ``[P, M, 2I]``. Up to ``gemv.SILU_MUL_MAX_ROWS`` rows the GEMV forms the activation itself (no kernel
+    of its own); otherwise XLA's elementwise fusion, then :func:`matmul_parts`."""
+    m = gate_up.shape[1]
+    x_like = jax.ShapeDtypeStruct((m, w.shape[0]), w.dtype)
+    if m <= gemv.SILU_MUL_MAX_ROWS and gemv.supported(x_like, w):
+        return gemv.gemv_silu_mul_partials(gate_up, w, interpret=interpret)
+    gate, up = jax.numpy.split(sum_parts(gate_up, w.dtype), 2, axis=-1)
+    return matmul_parts(jax.nn.silu(gate) * up, w, interpret=interpret, xla_matmul=xla_matmul)
+
+
+def fused_add_rms_norm(parts: jax.Array, residual: jax.Array, weight: jax.Array, eps: float, *,
+                       interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """``ModelOps.add_rms_norm``: the residual add and RMSNorm kernel (:mod:`kernels.add_rms_norm`) for
+    16-bit models; a float32 model keeps XLA's ops (the numerics its guarantees were checked with)."""
+    if residual.dtype == jax.numpy.float32:
+        return add_rms_norm.add_rms_norm_ops(parts, residual, weight, eps, DEFAULT_OPS.rms_norm)
+    return add_rms_norm.add_rms_norm(parts, residual, weight, eps, interpret=interpret)
+
+
 def fused_qkv(x: jax.Array, w: jax.Array, bias, q_norm, k_norm, positions: jax.Array, kv_pool: jax.Array,
               layer: int, slot_mapping: jax.Array, *, eps: float, theta: float, gemv_ok: bool = True,
               interpret: bool = False, xla_matmul=xla_matmul_unfused_input) -> tuple[jax.Array, jax.Array]:
@@ -102,7 +141,7 @@ def fused_qkv(x: jax.Array, w: jax.Array, bias, q_norm, k_norm, positions: jax.A
 
 @functools.cache
 def get_model_ops(batch_invariant: bool = False, decode_gemv: bool = True, fused_qkv_epilogue: bool = True,
-                  fuse_matmul_inputs: bool = False) -> ModelOps:
+                  fuse_matmul_inputs: bool = False, fused_residual: bool = True) -> ModelOps:
     """The model's row-wise ops. ``batch_invariant``: the fixed-tile Pallas matmul and row-kernel RMSNorm
     whose per-row results never depend on the number of rows (interpret mode off the GPU). Otherwise
     XLA's (``x @ w``, IEEE fp32 for float32 weights), and on a GPU: the Pallas GEMV for few-row 16-bit
@@ -118,6 +157,10 @@ def get_model_ops(batch_invariant: bool = False, decode_gemv: bool = True, fused
         if fused_qkv_epilogue:
             ops = dataclasses.replace(ops, qkv_epilogue=functools.partial(fused_qkv, gemv_ok=decode_gemv,
                                                                           xla_matmul=base))
+        if fused_residual and decode_gemv:
+            ops = dataclasses.replace(ops, matmul_parts=functools.partial(matmul_parts, xla_matmul=base),
+                                      silu_mul_matmul_parts=functools.partial(silu_mul_matmul_parts, xla_matmul=base),
+                                      add_rms_norm=fused_add_rms_norm)
         return ops
     interpret = not _on_gpu()
     return ModelOps(matmul=functools.partial(matmul.matmul, interpret=interpret),

@@ -118,6 +118,14 @@ class ModelOps:
     (``kernels.backend.fused_qkv``: the GEMV's partials, bias, q/k norm, RoPE and the KV write in
     one kernel). When set, that stretch does not call ``matmul``, ``rms_norm``, ``rotary`` or the
     model's ``write_kv_fn``: the function owns all of it.
+
+    The residual stream with unsummed products (``kernels.backend.get_model_ops`` on a GPU, one
+    device; all three set or none): ``matmul_parts: (x [M, K], w [K, N]) -> [P, M, N]`` (a product as
+    ``P`` split-K partial sums in fp32, or ``P = 1`` finished product in the model dtype) for o_proj and
+    gate_up; ``silu_mul_matmul_parts: (gate_up [P, M, 2I], w_down [I, H]) -> [P, M, H]`` (the MLP's
+    activation and down projection); ``add_rms_norm: (parts [P, T, H], residual [T, H], weight [H], eps)
+    -> (normed, residual + product)``. The layer then hands its last product to the next layer's input
+    norm instead of adding it itself (the add is the same; it runs inside the norm's kernel).
     """
 
     matmul: Callable[..., jax.Array] = xla_matmul
@@ -127,6 +135,14 @@ class ModelOps:
     all_reduce: Callable[..., jax.Array] = no_collective
     gather_vocab: Callable[..., jax.Array] = no_collective
     qkv_epilogue: Callable[..., tuple[jax.Array, jax.Array]] | None = None
+    matmul_parts: Callable[..., jax.Array] | None = None
+    silu_mul_matmul_parts: Callable[..., jax.Array] | None = None
+    add_rms_norm: Callable[..., tuple[jax.Array, jax.Array]] | None = None
+
+    def __post_init__(self):
+        hooks = (self.matmul_parts, self.silu_mul_matmul_parts, self.add_rms_norm)
+        if any(h is None for h in hooks) and any(h is not None for h in hooks):
+            raise ValueError("matmul_parts, silu_mul_matmul_parts and add_rms_norm go together (all or none)")
 
 
 DEFAULT_OPS = ModelOps()
@@ -160,6 +176,12 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array, ops: ModelOps = DEFAULT_OPS) -> jax.Array:
         return ops.rms_norm(x, self.weight[...], self.eps)
+
+    def add_norm(self, parts: jax.Array | None, x: jax.Array, ops: ModelOps) -> tuple[jax.Array, jax.Array]:
+        """``x + sum(parts)`` normalised, and that sum (``ops.add_rms_norm``); ``parts`` None: ``x`` normalised."""
+        if parts is None:
+            return self(x, ops), x
+        return ops.add_rms_norm(parts, x, self.weight[...], self.eps)
 
 
 class Attention(nnx.Module):
@@ -197,8 +219,10 @@ class Attention(nnx.Module):
         """Attention over the pool (this token's K/V already written), then o_proj (+ all-reduce)."""
         t = q.shape[0]
         out = attention_fn(q, kv_pool, layer, meta.cu_q_lens, meta.kv_lens, meta.block_tables)
-        out = ops.matmul(out.reshape(t, -1).astype(dtype), self.o_proj[...])
-        return ops.all_reduce(out), kv_pool
+        out = out.reshape(t, -1).astype(dtype)
+        if ops.matmul_parts is not None:  # o_proj's partials, added to the residual by the next norm
+            return ops.matmul_parts(out, self.o_proj[...]), kv_pool
+        return ops.all_reduce(ops.matmul(out, self.o_proj[...])), kv_pool
 
 
 class MLP(nnx.Module):
@@ -209,6 +233,8 @@ class MLP(nnx.Module):
         self.down_proj = _init(rngs, (cfg.intermediate_size, cfg.hidden_size), dtype)
 
     def __call__(self, x: jax.Array, ops: ModelOps = DEFAULT_OPS) -> jax.Array:
+        if ops.matmul_parts is not None:  # down_proj's partials, added to the residual by the next norm
+            return ops.silu_mul_matmul_parts(ops.matmul_parts(x, self.gate_up_proj[...]), self.down_proj[...])
         gate, up = jnp.split(ops.matmul(x, self.gate_up_proj[...]), 2, axis=-1)
         return ops.all_reduce(ops.matmul(jax.nn.silu(gate) * up, self.down_proj[...]))
 
@@ -221,12 +247,19 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype, rngs)
 
     def __call__(self, x, positions, kv_pool, layer: int, meta, attention_fn, write_kv_fn,
-                 ops: ModelOps = DEFAULT_OPS):
-        h, kv_pool = self.attn(self.input_layernorm(x, ops), positions, kv_pool, layer, meta, attention_fn,
-                               write_kv_fn, ops)
-        x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x, ops), ops)
-        return x, kv_pool
+                 ops: ModelOps = DEFAULT_OPS, pending: jax.Array | None = None):
+        """``x [T, H]``: the residual stream; ``pending``: the previous layer's MLP output as partials
+        not yet added to it (``ops.add_rms_norm`` set), else None. Returns ``(x, pending, kv_pool)``."""
+        if ops.add_rms_norm is None:
+            h, kv_pool = self.attn(self.input_layernorm(x, ops), positions, kv_pool, layer, meta, attention_fn,
+                                   write_kv_fn, ops)
+            x = x + h
+            x = x + self.mlp(self.post_attention_layernorm(x, ops), ops)
+            return x, None, kv_pool
+        h, x = self.input_layernorm.add_norm(pending, x, ops)
+        parts, kv_pool = self.attn(h, positions, kv_pool, layer, meta, attention_fn, write_kv_fn, ops)
+        h, x = self.post_attention_layernorm.add_norm(parts, x, ops)
+        return x, self.mlp(h, ops), kv_pool
 
 
 class Qwen(nnx.Module):
@@ -245,9 +278,10 @@ class Qwen(nnx.Module):
                  write_kv_fn: WriteKVFn, ops: ModelOps = DEFAULT_OPS) -> tuple[jax.Array, KVPool]:
         """``token_ids, positions i32[T]`` -> final hidden states ``[T, H]`` and the updated pool."""
         x = ops.embed(self.embed_tokens[...], token_ids)
+        pending = None
         for i, layer in enumerate(self.layers):
-            x, kv_pool = layer(x, positions, kv_pool, i, meta, attention_fn, write_kv_fn, ops)
-        return self.norm(x, ops), kv_pool
+            x, pending, kv_pool = layer(x, positions, kv_pool, i, meta, attention_fn, write_kv_fn, ops, pending)
+        return self.norm.add_norm(pending, x, ops)[0], kv_pool
 
     def compute_logits(self, hidden: jax.Array, ops: ModelOps = DEFAULT_OPS) -> jax.Array:
         """``hidden [N, H]`` -> fp32 logits ``[N, vocab]`` (fp32 accumulation)."""

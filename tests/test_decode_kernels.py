@@ -1,6 +1,7 @@
 """The decode-path kernels (interpret mode) against the model's own XLA ops: the split-K GEMV
-(``kernels/gemv.py``) and the fused qkv epilogue (``kernels/qkv_epilogue.py``: partial sums, bias,
-q/k RMSNorm, RoPE, KV write), and the model run with them against the model run without."""
+(``kernels/gemv.py``, also with its SiLU * up prologue), the fused qkv epilogue
+(``kernels/qkv_epilogue.py``: partial sums, bias, q/k RMSNorm, RoPE, KV write) and the residual add +
+RMSNorm kernel (``kernels/add_rms_norm.py``), and the model run with them against the model run without."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.kernels.backend import fused_qkv, gemv_or_xla_matmul
+import jax
+
+from jaxpaged.kernels.add_rms_norm import add_rms_norm, add_rms_norm_ops
+from jaxpaged.kernels.backend import fused_qkv, gemv_or_xla_matmul, matmul_parts, silu_mul_matmul_parts, sum_parts
 from jaxpaged.kernels.kv_write import write_kv
-from jaxpaged.kernels.gemv import GemvConfig, gemv, gemv_config, gemv_partials, supported
+from jaxpaged.kernels.gemv import GemvConfig, gemv, gemv_config, gemv_partials, gemv_silu_mul_partials, supported
 from jaxpaged.kernels.qkv_epilogue import qkv_epilogue
-from jaxpaged.models.qwen import ModelOps, qkv_epilogue_ops, rope_cos_sin, rotary
+from jaxpaged.models.qwen import ModelOps, qkv_epilogue_ops, rms_norm, rope_cos_sin, rotary
 
 
 def rand(rng, shape, dtype=jnp.float32, scale=1.0):
@@ -163,3 +167,78 @@ def test_fused_qkv_matches_model_path_with_gemv():
                                      hq, hkv, d, 1e-6, 1e4)
     np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(want_q, np.float32))
     np.testing.assert_array_equal(np.asarray(new_pool, np.float32), np.asarray(want_pool, np.float32))
+
+
+# ---- GEMV with the MLP's activation as its prologue -------------------------------------------------
+@pytest.mark.parametrize("m,num_parts", [(1, 4), (3, 1), (16, 2)])
+def test_gemv_silu_mul_matches_xla_activation(m, num_parts):
+    """Partials of gate/up in, ``silu(gate) * up @ w`` partials out: the same values as XLA's
+    activation (``jax.nn.silu`` on the rounded product) fed to the plain GEMV, bitwise (bf16)."""
+    rng = np.random.default_rng(11 * m + num_parts)
+    k, n = 256, 96
+    dtype = jnp.float32 if num_parts > 1 else jnp.bfloat16
+    gate_up = rand(rng, (num_parts, m, 2 * k), dtype, 2.0)
+    w = rand(rng, (k, n), jnp.bfloat16, 0.1)
+    cfg = GemvConfig(block_n=32, block_k=64, splits=2)
+    got = gemv_silu_mul_partials(gate_up, w, config=cfg, interpret=True)
+    gate, up = jnp.split(sum_parts(gate_up, jnp.bfloat16), 2, axis=-1)
+    act = jax.nn.silu(gate) * up
+    want = gemv_partials(act, w, config=cfg, interpret=True)
+    assert got.shape == (2, m, n) and got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_gemv_silu_mul_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="gemv_silu_mul cannot"):
+        gemv_silu_mul_partials(jnp.zeros((1, 2, 100), jnp.float32), jnp.zeros((64, 32), jnp.bfloat16),
+                               interpret=True)
+    with pytest.raises(ValueError, match="gemv_silu_mul cannot"):  # 17 rows
+        gemv_silu_mul_partials(jnp.zeros((1, 17, 512), jnp.float32), jnp.zeros((256, 32), jnp.bfloat16),
+                               interpret=True)
+
+
+def test_silu_mul_matmul_parts_both_paths_agree():
+    """Up to ``SILU_MUL_MAX_ROWS`` rows the fused GEMV, above it XLA's activation + GEMV: same sums."""
+    rng = np.random.default_rng(2)
+    k, n = 512, 128
+    w = rand(rng, (k, n), jnp.bfloat16, 0.1)
+    for m in (2, 9):
+        gate_up = rand(rng, (2, m, 2 * k), jnp.float32, 2.0)
+        got = sum_parts(silu_mul_matmul_parts(gate_up, w, interpret=True), jnp.float32)
+        gate, up = jnp.split(sum_parts(gate_up, jnp.bfloat16), 2, axis=-1)
+        want = np.asarray(jax.nn.silu(gate) * up, np.float32) @ np.asarray(w, np.float32)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-3)
+    # float32 weights: XLA's product, one "part"
+    x32, w32 = rand(rng, (3, 64)), rand(rng, (64, 48))
+    parts = matmul_parts(x32, w32, interpret=True)
+    assert parts.shape == (1, 3, 48)
+    np.testing.assert_allclose(np.asarray(parts[0]), np.asarray(x32) @ np.asarray(w32), rtol=1e-5, atol=1e-5)
+
+
+# ---- residual add + RMSNorm ------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("t,h,num_parts", [(1, 64, 4), (13, 96, 1), (20, 128, 3)])
+def test_add_rms_norm_matches_xla_path(dtype, t, h, num_parts):
+    rng = np.random.default_rng(t * h + num_parts)
+    parts = rand(rng, (num_parts, t, h), jnp.float32 if num_parts > 1 else dtype)
+    residual = rand(rng, (t, h), dtype, 3.0)
+    weight = rand(rng, (h,), dtype, 0.2) + 1
+    normed, res = add_rms_norm(parts, residual, weight, 1e-6, interpret=True)
+    want_normed, want_res = add_rms_norm_ops(parts, residual, weight, 1e-6, rms_norm)
+    assert normed.dtype == res.dtype == dtype and normed.shape == res.shape == (t, h)
+    np.testing.assert_array_equal(np.asarray(res, np.float32), np.asarray(want_res, np.float32))  # same op order
+    # The norm's row sum may be ordered differently from XLA's: at most the last bit of a value.
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(normed, np.float32), np.asarray(want_normed, np.float32), **tol)
+
+
+def test_add_rms_norm_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="parts must be"):
+        add_rms_norm(jnp.zeros((2, 3, 8)), jnp.zeros((4, 8)), jnp.ones(8), 1e-6, interpret=True)
+    with pytest.raises(ValueError, match="weight"):
+        add_rms_norm(jnp.zeros((2, 3, 8)), jnp.zeros((3, 8)), jnp.ones(7), 1e-6, interpret=True)
+
+
+def test_model_ops_residual_hooks_go_together():
+    with pytest.raises(ValueError, match="go together"):
+        ModelOps(add_rms_norm=add_rms_norm)
