@@ -22,20 +22,9 @@ import jax
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.llm import run_to_completion
-from jaxpaged.workloads import QWEN3_0_6B, add_decode_path_flags, decode_path_config, nano_vllm_workload, random_model
+from jaxpaged.workloads import (QWEN3_0_6B, add_decode_path_flags, decode_path_config, nano_vllm_workload,  # noqa: E402
+                                parse_xla_options, random_model)
 
-
-
-def parse_xla_options(items: list[str] | None) -> tuple | None:
-    """``["name=value", ...]`` -> ``(("name", value), ...)`` for ``EngineConfig.compiler_options``
-    (True/False become bools, digits ints); ``None`` keeps the engine's defaults."""
-    if not items:
-        return None
-    out = []
-    for item in items:
-        name, _, value = item.partition("=")
-        out.append((name, {"True": True, "False": False}.get(value, int(value) if value.lstrip("-").isdigit() else value)))
-    return tuple(out)
 
 
 def run_ours(params, prompts, sps, args):

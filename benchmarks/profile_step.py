@@ -39,7 +39,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from jaxpaged.workloads import BENCHMARK_MODELS, add_decode_path_flags, benchmark_params, decode_path_config  # noqa: E402
+from jaxpaged.workloads import (BENCHMARK_MODELS, add_decode_path_flags, benchmark_params,  # noqa: E402
+                                decode_path_config, parse_xla_options)
 
 MODELS = BENCHMARK_MODELS
 # Lines the profiler derives from the streams (or from the host): never counted as device work.
@@ -55,7 +56,7 @@ def build_engine(params, *, batch: int, max_model_len: int, block_size: int = 16
                  max_num_batched_tokens: int = 8192, backend: str = "auto",
                  async_scheduling: bool = True, prefix_caching: bool = True, decode_gemv: bool = True,
                  fused_qkv: bool = True, fuse_matmul_inputs: bool = False, fused_residual: bool = True,
-                 min_token_bucket: int = 16) -> LLMEngine:
+                 min_token_bucket: int = 16, compiler_options: tuple | None = None) -> LLMEngine:
     """An engine whose pool holds exactly ``batch`` sequences of ``max_model_len`` tokens (+1 block)."""
     blocks_per_seq = -(-max_model_len // block_size)
     config = EngineConfig(block_size=block_size, num_blocks=batch * blocks_per_seq + 1, max_num_seqs=batch,
@@ -63,7 +64,7 @@ def build_engine(params, *, batch: int, max_model_len: int, block_size: int = 16
                           attention_backend=backend, dtype=params.dtype, async_scheduling=async_scheduling,
                           enable_prefix_caching=prefix_caching, decode_gemv=decode_gemv,
                           fused_qkv=fused_qkv, fuse_matmul_inputs=fuse_matmul_inputs, fused_residual=fused_residual,
-                          min_token_bucket=min_token_bucket)
+                          min_token_bucket=min_token_bucket, compiler_options=compiler_options)
     return LLMEngine(params, config)
 
 
@@ -392,6 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--trace-dir", default=None, help="where the profiler writes (default: --out/trace)")
     add_decode_path_flags(ap)
+    ap.add_argument("--xla-option", action="append", help="name=value, repeatable: EngineConfig.compiler_options")
     ap.add_argument("--ttft", action="store_true",
                     help="profile first tokens instead of decode steps: --steps requests of --ctx tokens, one "
                          "at a time, max_tokens=1; a 'step' is then a request's add_request..finished window")
@@ -409,7 +411,8 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{params.config.max_position_embeddings} positions")
     engine = build_engine(params, batch=args.batch, max_model_len=max_model_len, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend,
-                          async_scheduling=args.async_scheduling, **decode_path_config(args))
+                          async_scheduling=args.async_scheduling, **decode_path_config(args),
+                          compiler_options=parse_xla_options(args.xla_option))
     steady = reach_steady_decode(engine, batch=args.batch, ctx=args.ctx, max_tokens=gen,
                                  temperature=args.temperature, warmup_steps=args.warmup_steps)
     untraced = timed_steps(engine, args.steps)
@@ -446,7 +449,8 @@ def main_ttft(args) -> dict:
     params = load_params(args.model)
     engine = build_engine(params, batch=1, max_model_len=args.ctx + 8, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend,
-                          async_scheduling=args.async_scheduling, **decode_path_config(args))
+                          async_scheduling=args.async_scheduling, **decode_path_config(args),
+                          compiler_options=parse_xla_options(args.xla_option))
     rng = np.random.default_rng(0)
     t0, c0 = time.perf_counter(), engine.runner.compile_seconds
     first_token_requests(engine, args.warmup_steps, args.ctx, rng)  # compiles the prefill shape

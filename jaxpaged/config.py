@@ -52,11 +52,11 @@ class EngineConfig:
     fused_qkv: on a GPU, each layer's stretch from the qkv projection to the KV write (bias, q/k
       RMSNorm, RoPE, the K/V scatter) runs as one Pallas kernel (``kernels/qkv_epilogue.py``) instead
       of four to five XLA kernels. Ignored with ``batch_invariant`` and on a CPU.
-    fused_residual: on a GPU with ``decode_gemv``, o_proj and down_proj hand their products to the next
-      RMSNorm unsummed, and one Pallas kernel adds them to the residual stream and normalises
-      (``kernels/add_rms_norm.py``); at up to 4 rows the down projection's GEMV forms SiLU(gate) * up
-      itself. One kernel instead of three to five per norm at decode sizes. bf16/fp16 models only (a
-      float32 model keeps XLA's norm); ignored with ``batch_invariant``, tensor parallelism and on a CPU.
+    fused_residual: on a GPU with ``decode_gemv``, o_proj and down_proj hand their GEMV's split-K
+      partials to the next RMSNorm unsummed, and one Pallas kernel sums them, adds them to the
+      residual stream and normalises (``kernels/add_rms_norm.py``): one kernel instead of two to three
+      per norm in steps of at most 16 tokens. Larger steps (XLA's GEMMs) keep XLA's fusions, as do
+      float32 models; ignored with ``batch_invariant``, tensor parallelism and on a CPU.
     min_token_bucket: a step's tokens are padded to a power of two of at least this many (one compiled
       step per size). Smaller buckets mean less padding work in small decode steps (a batch-1 step
       computes ``min_token_bucket`` rows in every projection) and more compiled shapes.

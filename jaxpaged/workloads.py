@@ -156,3 +156,15 @@ def decode_path_config(args) -> dict:
     defaults = dict(decode_gemv=True, fused_qkv=True, fuse_matmul_inputs=False, fused_residual=True,
                     min_token_bucket=16)
     return {k: getattr(args, k, v) for k, v in defaults.items()}
+
+
+def parse_xla_options(items: list[str] | None) -> tuple | None:
+    """``["name=value", ...]`` -> ``(("name", value), ...)`` for ``EngineConfig.compiler_options``
+    (True/False become bools, digits ints); ``None`` keeps the engine's defaults."""
+    if not items:
+        return None
+    out = []
+    for item in items:
+        name, _, value = item.partition("=")
+        out.append((name, {"True": True, "False": False}.get(value, int(value) if value.lstrip("-").isdigit() else value)))
+    return tuple(out)

@@ -100,21 +100,21 @@ def sum_parts(parts: jax.Array, dtype) -> jax.Array:
 def silu_mul_matmul_parts(gate_up: jax.Array, w: jax.Array, *, interpret: bool = False,
                           xla_matmul=xla_matmul_unfused_input) -> jax.Array:
     """``ModelOps.silu_mul_matmul_parts``: ``silu(gate) * up @ w`` from the gate/up product's partials
-    ``[P, M, 2I]``. Up to ``gemv.SILU_MUL_MAX_ROWS`` rows the GEMV forms the activation itself (no kernel
-    of its own); otherwise XLA's elementwise fusion, then :func:`matmul_parts`."""
-    m = gate_up.shape[1]
-    x_like = jax.ShapeDtypeStruct((m, w.shape[0]), w.dtype)
-    if m <= gemv.SILU_MUL_MAX_ROWS and gemv.supported(x_like, w):
-        return gemv.gemv_silu_mul_partials(gate_up, w, interpret=interpret)
+    ``[P, M, 2I]``: the partials' sum and the activation in one XLA fusion, then :func:`matmul_parts`.
+    (A GEMV that formed the activation itself, per depth tile, measured 19 us a call instead of ~5.5 us
+    for the fusion + GEMV on the H200 at batch 1: ``benchmarks/RESULTS.md``, session 5.)"""
     gate, up = jax.numpy.split(sum_parts(gate_up, w.dtype), 2, axis=-1)
     return matmul_parts(jax.nn.silu(gate) * up, w, interpret=interpret, xla_matmul=xla_matmul)
 
 
 def fused_add_rms_norm(parts: jax.Array, residual: jax.Array, weight: jax.Array, eps: float, *,
                        interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """``ModelOps.add_rms_norm``: the residual add and RMSNorm kernel (:mod:`kernels.add_rms_norm`) for
-    16-bit models; a float32 model keeps XLA's ops (the numerics its guarantees were checked with)."""
-    if residual.dtype == jax.numpy.float32:
+    """``ModelOps.add_rms_norm``: the residual add and RMSNorm kernel (:mod:`kernels.add_rms_norm`) when
+    the product comes as the GEMV's split-K partials (``P > 1``). A finished product (XLA's GEMM,
+    ``P = 1``) keeps XLA's ops: XLA fuses its GEMM's own split-K reduction into the residual add, which
+    the kernel would split off again (batch 256 on the H200: +70 us a step; RESULTS.md, session 5); a
+    float32 model keeps XLA's ops too (the numerics its guarantees were checked with)."""
+    if parts.shape[0] == 1 or residual.dtype == jax.numpy.float32:
         return add_rms_norm.add_rms_norm_ops(parts, residual, weight, eps, DEFAULT_OPS.rms_norm)
     return add_rms_norm.add_rms_norm(parts, residual, weight, eps, interpret=interpret)
 

@@ -73,12 +73,8 @@ def supported(x: jax.Array, w: jax.Array, transpose_w: bool = False, config: Gem
     return k % (cfg.splits * cfg.block_k) == 0
 
 
-def _gemv_kernel(x_ref, w_ref, o_ref, *, cfg: GemvConfig, transpose_w: bool, silu_mul_dtype=None):
-    """Program ``(j, s)``: output columns ``j`` of split ``s``. ``silu_mul_dtype``: ``x_ref`` holds the
-    gate/up projection's partials ``[P, M, 2K]`` and the input is ``silu(gate) * up`` in that dtype,
-    computed per depth tile (see :func:`gemv_silu_mul_partials`)."""
-    k = w_ref.shape[1] if transpose_w else w_ref.shape[0]
-    m = x_ref.shape[-2]
+def _gemv_kernel(x_ref, w_ref, o_ref, *, cfg: GemvConfig, transpose_w: bool):
+    m, k = x_ref.shape
     n = w_ref.shape[0] if transpose_w else w_ref.shape[1]
     bn, bk = cfg.block_n, cfg.block_k
     depth_per_split = k // cfg.splits
@@ -90,28 +86,9 @@ def _gemv_kernel(x_ref, w_ref, o_ref, *, cfg: GemvConfig, transpose_w: bool, sil
     depth = lax.broadcasted_iota(jnp.int32, (bk,), 0)
     k0 = split * depth_per_split
 
-    def load_x(ks):
-        if silu_mul_dtype is None:
-            return plgpu.load(x_ref.at[rows[:, None], ks[None, :]], mask=row_ok[:, None], other=0)
-        dt = silu_mul_dtype
-
-        def product(first):  # the projection's columns first + ks, partials summed in order, rounded
-            idx = (rows[:, None], first + ks[None, :])
-            acc = plgpu.load(x_ref.at[(0, *idx)], mask=row_ok[:, None], other=0).astype(jnp.float32)
-            for p in range(1, x_ref.shape[0]):
-                acc = acc + plgpu.load(x_ref.at[(p, *idx)], mask=row_ok[:, None], other=0).astype(jnp.float32)
-            return acc.astype(dt).astype(jnp.float32)
-
-        def rnd(v):  # each op of jax.nn.silu(gate) * up rounds to the model dtype, as XLA runs it
-            return v.astype(dt).astype(jnp.float32)
-
-        gate, up = product(0), product(k)
-        act = rnd(gate * rnd(1.0 / rnd(1.0 + rnd(jnp.exp(-gate)))))  # silu = x * (1 / (1 + exp(-x)))
-        return (act * up).astype(dt)
-
     def body(step, acc):
         ks = k0 + step * bk + depth
-        x = load_x(ks)
+        x = plgpu.load(x_ref.at[rows[:, None], ks[None, :]], mask=row_ok[:, None], other=0)
         if transpose_w:
             w = plgpu.load(w_ref.at[cols[:, None], ks[None, :]], mask=col_ok[:, None], other=0)
             dims = (((1,), (1,)), ((), ()))
@@ -159,37 +136,3 @@ def gemv(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=Non
     for s in range(1, partials.shape[0]):  # fixed order; XLA fuses these adds into the consumer
         total = total + partials[s]
     return total.astype(out_dtype or x.dtype)
-
-
-SILU_MUL_MAX_ROWS = 4  # above it the prologue's re-reads of the partials cost more than the kernel it saves
-
-
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def gemv_silu_mul_partials(gate_up: jax.Array, w: jax.Array, *, config: GemvConfig | None = None,
-                           interpret: bool = False) -> jax.Array:
-    """``silu(gate) * up @ w`` as split-K partials ``f32[splits, M, N]``, where ``gate_up [P, M, 2K]`` is
-    the gate/up projection as ``P`` partial sums (:func:`gemv_partials`, or ``P = 1`` finished product)
-    and ``w [K, N]`` the down projection (``M <= 16``, bf16/fp16).
-
-    Why: the MLP's activation is then never a kernel of its own. Each program forms the activation
-    for its depth tiles itself: the partials summed in order and rounded to ``w.dtype`` (what
-    :func:`gemv` returns), ``jax.nn.silu(gate) * up`` with each op rounded to ``w.dtype`` as XLA
-    evaluates it (negate, exp, add, divide, multiply). The ``N / block_n`` column tiles each re-read the partials of their depths (from L2),
-    which grows with ``M``: ``kernels.backend`` uses it up to :data:`SILU_MUL_MAX_ROWS` rows."""
-    num_parts, m, width = gate_up.shape
-    k, n = w.shape
-    cfg = config or gemv_config(k, n)
-    x_like = jax.ShapeDtypeStruct((m, k), w.dtype)
-    if width != 2 * k or not supported(x_like, w, False, cfg):
-        raise ValueError(f"gemv_silu_mul cannot compute silu*mul of gate_up {gate_up.shape} @ w {w.shape} {w.dtype} "
-                         f"({cfg}): needs gate_up [P, M, 2K], M <= {ROWS}, bf16/fp16 w, K a multiple of "
-                         f"splits*block_k")
-    partials = pl.pallas_call(
-        functools.partial(_gemv_kernel, cfg=cfg, transpose_w=False, silu_mul_dtype=jnp.dtype(w.dtype)),
-        grid=(pl.cdiv(n, cfg.block_n), cfg.splits),
-        out_shape=jax.ShapeDtypeStruct((cfg.splits * m, n), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=interpret,
-        name=f"gemv_silu_n{cfg.block_n}_k{cfg.block_k}_s{cfg.splits}_w{cfg.num_warps}_p{cfg.num_stages}",
-    )(gate_up, w)
-    return partials.reshape(cfg.splits, m, n)

@@ -17,7 +17,7 @@ import jax
 from jaxpaged.kernels.add_rms_norm import add_rms_norm, add_rms_norm_ops
 from jaxpaged.kernels.backend import fused_qkv, gemv_or_xla_matmul, matmul_parts, silu_mul_matmul_parts, sum_parts
 from jaxpaged.kernels.kv_write import write_kv
-from jaxpaged.kernels.gemv import GemvConfig, gemv, gemv_config, gemv_partials, gemv_silu_mul_partials, supported
+from jaxpaged.kernels.gemv import GemvConfig, gemv, gemv_config, gemv_partials, supported
 from jaxpaged.kernels.qkv_epilogue import qkv_epilogue
 from jaxpaged.models.qwen import ModelOps, qkv_epilogue_ops, rms_norm, rope_cos_sin, rotary
 
@@ -169,46 +169,24 @@ def test_fused_qkv_matches_model_path_with_gemv():
     np.testing.assert_array_equal(np.asarray(new_pool, np.float32), np.asarray(want_pool, np.float32))
 
 
-# ---- GEMV with the MLP's activation as its prologue -------------------------------------------------
-@pytest.mark.parametrize("m,num_parts", [(1, 4), (3, 1), (16, 2)])
-def test_gemv_silu_mul_matches_xla_activation(m, num_parts):
-    """Partials of gate/up in, ``silu(gate) * up @ w`` partials out: the same values as XLA's
-    activation (``jax.nn.silu`` on the rounded product) fed to the plain GEMV, bitwise (bf16)."""
-    rng = np.random.default_rng(11 * m + num_parts)
-    k, n = 256, 96
-    dtype = jnp.float32 if num_parts > 1 else jnp.bfloat16
-    gate_up = rand(rng, (num_parts, m, 2 * k), dtype, 2.0)
-    w = rand(rng, (k, n), jnp.bfloat16, 0.1)
-    cfg = GemvConfig(block_n=32, block_k=64, splits=2)
-    got = gemv_silu_mul_partials(gate_up, w, config=cfg, interpret=True)
-    gate, up = jnp.split(sum_parts(gate_up, jnp.bfloat16), 2, axis=-1)
-    act = jax.nn.silu(gate) * up
-    want = gemv_partials(act, w, config=cfg, interpret=True)
-    assert got.shape == (2, m, n) and got.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
-def test_gemv_silu_mul_rejects_bad_shapes():
-    with pytest.raises(ValueError, match="gemv_silu_mul cannot"):
-        gemv_silu_mul_partials(jnp.zeros((1, 2, 100), jnp.float32), jnp.zeros((64, 32), jnp.bfloat16),
-                               interpret=True)
-    with pytest.raises(ValueError, match="gemv_silu_mul cannot"):  # 17 rows
-        gemv_silu_mul_partials(jnp.zeros((1, 17, 512), jnp.float32), jnp.zeros((256, 32), jnp.bfloat16),
-                               interpret=True)
-
-
-def test_silu_mul_matmul_parts_both_paths_agree():
-    """Up to ``SILU_MUL_MAX_ROWS`` rows the fused GEMV, above it XLA's activation + GEMV: same sums."""
+# ---- the residual stream's product hooks ----------------------------------------------------------
+def test_matmul_parts_and_silu_mul_matmul_parts():
+    """GEMV partials (bf16 weights) or XLA's product as one part (float32); the MLP's activation from
+    gate/up partials: the sums equal the plain products."""
     rng = np.random.default_rng(2)
     k, n = 512, 128
     w = rand(rng, (k, n), jnp.bfloat16, 0.1)
-    for m in (2, 9):
+    for m in (1, 9):
         gate_up = rand(rng, (2, m, 2 * k), jnp.float32, 2.0)
         got = sum_parts(silu_mul_matmul_parts(gate_up, w, interpret=True), jnp.float32)
         gate, up = jnp.split(sum_parts(gate_up, jnp.bfloat16), 2, axis=-1)
         want = np.asarray(jax.nn.silu(gate) * up, np.float32) @ np.asarray(w, np.float32)
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-3)
-    # float32 weights: XLA's product, one "part"
+    x = rand(rng, (3, k), jnp.bfloat16)
+    parts = matmul_parts(x, w, interpret=True)
+    assert parts.shape[0] == gemv_config(k, n).splits and parts.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(sum_parts(parts, jnp.bfloat16), np.float32),
+                                  np.asarray(gemv(x, w, interpret=True), np.float32))
     x32, w32 = rand(rng, (3, 64)), rand(rng, (64, 48))
     parts = matmul_parts(x32, w32, interpret=True)
     assert parts.shape == (1, 3, 48)

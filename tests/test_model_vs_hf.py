@@ -139,9 +139,9 @@ def test_tokenizer_matches_hf(model):
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_fused_residual_bf16_matches_unfused_gemv_path(family):
-    """bf16, the GPU's decode path in interpret mode (GEMV partials into the add + RMSNorm kernel, the
-    SiLU * up prologue at <= 4 rows) against the same GEMVs with the model's own adds and norms: a
-    3-token decode-like step (4 rows: the prologue) and a 16-token chunk. Not bitwise: inside jit XLA
+    """bf16, the GPU's decode path in interpret mode (GEMV partials into the add + RMSNorm kernel)
+    against the same GEMVs with the model's own adds and norms: a 3-token decode-like step (4 rows)
+    and a 16-token chunk. Not bitwise: inside jit XLA
     may skip the bf16 rounding between fused ops (``xla_allow_excess_precision``, on by default), while
     the kernel rounds where the ops do (eagerly the two agree bitwise); measured ~1% relative logit
     difference, the same argmax."""
