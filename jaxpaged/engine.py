@@ -13,10 +13,11 @@ import logging
 import time
 from typing import Sequence as SequenceT
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .batch import MIN_SEQS, PLACEHOLDER, bucket, build_step_inputs, padding_step_inputs
+from .batch import MIN_SEQS, MIN_TOKENS, PLACEHOLDER, bucket, build_step_inputs, padding_step_inputs
 from .config import EngineConfig
 from .kv import KVCacheManager, PrefixDivergence, explain_prefix
 from .metrics import EngineMetrics, StepRecord
@@ -96,6 +97,7 @@ class LLMEngine:
                  config.block_size, self.num_blocks * config.block_size,
                  self.num_blocks * config.block_size * self.bytes_per_token / 2**30, self.kv_dtype, self.max_model_len)
         self.compilation_cache_dir = enable_compilation_cache() if config.compilation_cache else None
+        self.min_token_bucket = config.min_token_bucket or (1 if jax.default_backend() == "gpu" else MIN_TOKENS)
         self.runner = get_runner(params, config.attention_backend, config.batch_invariant, config.compiler_options,
                                  config.decode_gemv, config.fused_qkv, config.fuse_matmul_inputs, config.fused_residual)
         # Compilations are counted per engine: steps compiled by an earlier engine are not ours.
@@ -271,7 +273,7 @@ class LLMEngine:
                                    max_seqs=self.config.max_num_seqs, prev_rows=self._pending_rows,
                                    eos_token_ids=self.params.config.eos_token_id,
                                    maybe_features=self._num_feature_requests > 0,
-                                   min_tokens=self.config.min_token_bucket)
+                                   min_tokens=self.min_token_bucket)
         prompt_rows = prompt_logprob_positions(scheduled) if inputs.features.prompt_logprobs >= 0 else []
         t1 = time.perf_counter()
         tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs, self._prev_tokens)
@@ -367,9 +369,9 @@ class LLMEngine:
         max_blocks = -(-self.max_model_len // self.config.block_size)
         width = self._table_width or bucket(max_blocks, 1)
         sizes = []
-        t = self.config.min_token_bucket
+        t = self.min_token_bucket
         s_max = bucket(self.config.max_num_seqs, MIN_SEQS)
-        while t < bucket(self.config.max_num_batched_tokens, self.config.min_token_bucket) * 2:
+        while t < bucket(self.config.max_num_batched_tokens, self.min_token_bucket) * 2:
             sizes.append(t)
             t *= 2
         t0 = time.perf_counter()

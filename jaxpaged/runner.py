@@ -25,7 +25,7 @@ from .kernels.backend import get_attention_fn, get_model_ops, resolve_backend
 from .kernels.kv_write import write_kv
 from .models.qwen import DEFAULT_OPS, KVPool, ModelOps
 from .sampling_features import sample_step
-from .transfer import pack, unpack
+from .transfer import pack, to_step_memory, unpack
 
 
 # XLA options the engine compiles its step with (per executable, never a global flag). Empty until a
@@ -155,6 +155,7 @@ class ModelRunner:
         fn = self._step_fn
 
         def step(leaves, kv_pool, packed, prev_tokens, layout):
+            packed, prev_tokens = to_step_memory(packed, prev_tokens)  # (stable addresses: see there)
             return fn(jax.tree.unflatten(treedef, leaves), kv_pool, unpack(packed, layout), prev_tokens)
 
         shardings = {}

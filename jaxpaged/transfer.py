@@ -80,3 +80,20 @@ def unpack(buffer: jax.Array, layout: StepLayout) -> StepInputs:
     if layout.features:
         extras = FeatureInputs(**{f.name: out.pop(f.name) for f in dataclasses.fields(FeatureInputs)})
     return StepInputs(meta=meta, sampling_mode=layout.sampling_mode, extras=extras, features=layout.features, **out)
+
+
+def to_step_memory(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """Inside ``jit``: ``arrays`` copied into the step's own (temporary) memory, one small kernel each.
+
+    Why: XLA runs the step as a CUDA graph and, before every launch, patches each graph node whose
+    buffers moved since the last launch. A step's inputs arrive in a fresh buffer every step; read
+    in place, the packed inputs make every kernel that reads a slot mapping, a block table or a
+    length (the attention and the qkv epilogue of every layer) a node to patch: 295 of a batch-1
+    step's nodes, 0.1-0.18 ms of host time per launch on the H200 (``TF_CPP_VMODULE=
+    command_buffer_thunk=3``; benchmarks/RESULTS.md, session 5). Copied first, only the copy reads the
+    new buffer; the step's temporary memory keeps its address from step to step. The zero is hidden
+    from XLA's simplifier behind an optimisation barrier, and the barrier on the result keeps the copy
+    from being fused back into its readers.
+    """
+    zero = lax.optimization_barrier(jnp.zeros((), jnp.int32))
+    return lax.optimization_barrier(tuple(a + zero.astype(a.dtype) for a in arrays))

@@ -147,14 +147,14 @@ def add_decode_path_flags(ap) -> None:
                     help="EngineConfig(fused_qkv=False): XLA's kernels from the qkv projection to the KV write")
     ap.add_argument("--no-fused-residual", dest="fused_residual", action="store_false",
                     help="EngineConfig(fused_residual=False): XLA's kernels for the residual adds and RMSNorms")
-    ap.add_argument("--min-token-bucket", type=int, default=16,
+    ap.add_argument("--min-token-bucket", type=int, default=None,
                     help="EngineConfig(min_token_bucket=N): the smallest padded token count of a step")
 
 
 def decode_path_config(args) -> dict:
     """``EngineConfig`` keyword arguments from :func:`add_decode_path_flags`' flags (defaults when absent)."""
     defaults = dict(decode_gemv=True, fused_qkv=True, fuse_matmul_inputs=False, fused_residual=True,
-                    min_token_bucket=16)
+                    min_token_bucket=None)
     return {k: getattr(args, k, v) for k, v in defaults.items()}
 
 

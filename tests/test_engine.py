@@ -63,6 +63,7 @@ CONFIGS = {
     "few_seqs": dict(block_size=8, num_blocks=64, max_num_seqs=2),
     "sync_scheduling": dict(block_size=8, num_blocks=64, async_scheduling=False),
     "sync_tiny_pool": dict(block_size=8, num_blocks=12, max_num_seqs=8, async_scheduling=False),
+    "token_bucket_1": dict(block_size=8, num_blocks=64, min_token_bucket=1),  # the GPU's default buckets
 }
 
 
@@ -165,7 +166,8 @@ def test_pool_too_small_for_one_sequence(qwen3):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(block_size=12), "power of two"), (dict(reservation="contiguous"), "reservation must be"),
-    (dict(attention_backend="cuda"), "attention_backend must be"), (dict(memory_fraction=1.5), "memory_fraction")])
+    (dict(attention_backend="cuda"), "attention_backend must be"), (dict(memory_fraction=1.5), "memory_fraction"),
+    (dict(min_token_bucket=3), "min_token_bucket must be a power of two")])
 def test_engine_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**kwargs)
