@@ -4,7 +4,8 @@ The engine's step takes every weight as its own array (Qwen3-0.6B: 311) and the 
 arrays per layer (56, donated) and is now one (``kernels/kv_write.py``). At batch 1 the device step is
 ~1.1 ms, so a launch that costs the host about as much decides the time per token. This measures, with a
 trivial computation (so the device time is negligible), the host time per call for argument counts like
-the engine's, before (311 + 56 donated) and now (311 + 1 donated), and for fewer arrays.
+the engine's (Qwen3-0.6B now: 226 weights + 1 donated pool + a numpy input), before (311 + 56 donated),
+and for fewer arrays (weights stacked per kind would be ~16).
 
     python benchmarks/bench_dispatch.py [--calls 300] [--out DIR]
 """
@@ -18,16 +19,18 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-CASES = ((4, 0), (4, 2), (311, 0), (4, 56), (311, 56), (311, 1))
+CASES = ((4, 0), (4, 2), (16, 1), (64, 1), (226, 0), (226, 1), (311, 1))
 
 
-def dispatch_us(num_args: int, num_donated: int, calls: int) -> float:
-    """Host microseconds per call of a jitted ``(args, pool, x) -> (y, pool')`` with ``pool`` donated."""
+def dispatch_us(num_args: int, num_donated: int, calls: int, numpy_input: bool = False) -> float:
+    """Host microseconds per call of a jitted ``(args, pool, x) -> (y, pool')`` with ``pool`` donated;
+    ``numpy_input``: ``x`` is a numpy array (transferred by the call, as the engine's packed inputs)."""
     args = [jnp.full((8,), i, jnp.float32) for i in range(num_args)]
     pool = [jnp.full((8,), i, jnp.float32) for i in range(num_donated)]
-    x = jnp.ones((8,), jnp.float32)
-    fn = jax.jit(lambda a, p, x: (a[0] + x, [q + x for q in p]), donate_argnums=(1,))
+    x = np.ones((200,), np.float32) if numpy_input else jnp.ones((200,), jnp.float32)
+    fn = jax.jit(lambda a, p, x: (a[0][0] + x, [q + x[:8] for q in p]), donate_argnums=(1,))
     for _ in range(5):
         _, pool = fn(args, pool, x)
     jax.block_until_ready(pool)
@@ -44,14 +47,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
-    rows = [dict(args=a, donated=d, dispatch_us=dispatch_us(a, d, args.calls)) for a, d in CASES]
+    rows = [dict(args=a, donated=d, numpy_input=False, dispatch_us=dispatch_us(a, d, args.calls)) for a, d in CASES]
+    rows += [dict(args=a, donated=d, numpy_input=True, dispatch_us=dispatch_us(a, d, args.calls, True))
+             for a, d in ((4, 1), (226, 1))]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "dispatch.json"), "w") as f:
         json.dump(dict(device=str(jax.devices()[0]), jax=jax.__version__, rows=rows), f, indent=1)
     print(f"host time per jitted call, {jax.devices()[0]}, jax {jax.__version__}")
-    print(f"{'arrays':>6s} {'donated':>7s} {'us/call':>8s}")
+    print(f"{'arrays':>6s} {'donated':>7s} {'numpy x':>7s} {'us/call':>8s}")
     for r in rows:
-        print(f"{r['args']:6d} {r['donated']:7d} {r['dispatch_us']:8.1f}")
+        print(f"{r['args']:6d} {r['donated']:7d} {str(r['numpy_input']):>7s} {r['dispatch_us']:8.1f}")
     return rows
 
 

@@ -281,6 +281,7 @@ class LLMEngine:
         if isinstance(tokens, tuple):  # a logprobs variant: (tokens, aux arrays)
             tokens, aux = tokens
         if self.config.async_scheduling:
+            tokens.copy_to_host_async()  # the read-back starts as soon as the step ends, not when asked
             touched = self._resolve_pending()  # the previous step's tokens: ready, or nearly
             t2 = time.perf_counter()
             outputs += self._make_outputs(touched)  # before advance() books new placeholders

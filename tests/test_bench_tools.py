@@ -90,7 +90,9 @@ def test_exp_xla_flags_tiny(tmp_path):
 
 def test_bench_dispatch_runs(tmp_path):
     rows = load("bench_dispatch").main(["--calls", "3", "--out", str(tmp_path)])
-    assert [(r["args"], r["donated"]) for r in rows] == [(4, 0), (4, 2), (311, 0), (4, 56), (311, 56), (311, 1)]
+    cases = [(r["args"], r["donated"], r["numpy_input"]) for r in rows]
+    assert cases[:7] == [(a, d, False) for a, d in ((4, 0), (4, 2), (16, 1), (64, 1), (226, 0), (226, 1), (311, 1))]
+    assert cases[7:] == [(4, 1, True), (226, 1, True)]
     assert all(r["dispatch_us"] > 0 for r in rows) and (tmp_path / "dispatch.json").is_file()
 
 
