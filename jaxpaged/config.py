@@ -40,7 +40,7 @@ class EngineConfig:
       Costs speed: the projections and LM head run a fixed-tile Pallas matmul (no split-K, tiles never
       chosen from the token count), RMSNorm a row kernel, attention one launch configuration for every
       step (no split-K for small decode batches). Off by default. See docs/NUMERICS.md.
-    decode_gemv: on a GPU, matmuls of at most 16 rows (decode steps of up to 16 sequences, their LM
+    decode_gemv: on a GPU, matmuls of at most 32 rows (decode steps of up to 32 sequences, their LM
       head) with bf16/fp16 weights run the split-K Pallas GEMV (``kernels/gemv.py``) instead of XLA's
       GEMM. Inside the batch-1 step on the H200 the four GEMVs and the LM head took 564 us against
       XLA's 662 us (its GEMMs plus their split-K reductions; ``benchmarks/RESULTS.md``, session 4),
@@ -92,7 +92,7 @@ class EngineConfig:
     compilation_cache: bool = True  # JAX's persistent compilation cache ($JAXPAGED_COMPILE_CACHE)
     async_scheduling: bool = True  # schedule step N+1 while step N runs (see docstring)
     batch_invariant: bool = False  # bitwise batch-independent outputs, at a speed cost (docs/NUMERICS.md)
-    decode_gemv: bool = True  # Pallas split-K GEMV for <= 16-row bf16 matmuls on GPU (see docstring)
+    decode_gemv: bool = True  # Pallas split-K GEMV for <= 32-row bf16 matmuls on GPU (see docstring)
     fuse_matmul_inputs: bool = False  # let XLA fuse a matmul's producer into its GEMM (see docstring)
     fused_qkv: bool = True  # one Pallas kernel from the qkv projection to the KV write on GPU (see docstring)
     fused_residual: bool = True  # residual add + RMSNorm as one Pallas kernel on GPU (see docstring)

@@ -20,7 +20,7 @@ runs one fixed launch configuration for every step (:func:`paged_attention.invar
 :func:`get_model_ops` gives the model fixed-tile Pallas matmuls and a row-kernel RMSNorm instead of
 XLA's shape-dependent ones. Otherwise, on a GPU, :func:`get_model_ops` gives the model the decode-path
 kernels (``EngineConfig`` ``decode_gemv``, ``fused_qkv``, ``fuse_matmul_inputs``; docs/DECISIONS.md):
-matmuls of at most 16 rows with 16-bit weights go to the split-K Pallas GEMV
+matmuls of at most 32 rows with 16-bit weights go to the split-K Pallas GEMV
 (:mod:`jaxpaged.kernels.gemv`), the stretch from the qkv projection to the KV write is one Pallas
 kernel (:mod:`jaxpaged.kernels.qkv_epilogue`), and XLA's GEMMs get their input through an
 optimisation barrier (no producer fused into the GEMM). On a CPU the model runs XLA's ops.
@@ -73,7 +73,7 @@ def get_attention_fn(backend: str = "auto", batch_invariant: bool = False) -> Ca
 
 def gemv_or_xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=None,
                        interpret: bool = False, xla_matmul=xla_matmul_unfused_input) -> jax.Array:
-    """``x @ w`` by the Pallas GEMV when it supports the operands (``gemv.supported``: at most 16 rows,
+    """``x @ w`` by the Pallas GEMV when it supports the operands (``gemv.supported``: at most 32 rows,
     bf16/fp16), else by XLA. Chosen at trace time from static shapes: each compiled step has one path."""
     if gemv.supported(x, w, transpose_w):
         return gemv.gemv(x, w, transpose_w=transpose_w, out_dtype=out_dtype, interpret=interpret)

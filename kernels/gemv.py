@@ -1,6 +1,6 @@
 """Split-K matrix-vector product (Pallas, Triton lowering) for the few-row matmuls of decode steps.
 
-Why: at batch 1-16 every projection of a decode step is a read of its weight (Qwen3-0.6B: 4-13 MB per
+Why: at batch 1-32 every projection of a decode step is a read of its weight (Qwen3-0.6B: 4-13 MB per
 matmul, 4 per layer) and nothing else; XLA's GEMM fusions reach about 40-45% of the HBM read rate on
 these shapes (``benchmarks/RESULTS.md``, profile of the batch-1 step) because a weight with 1,024
 output columns gives them too few tiles to keep 132 SMs reading. This kernel splits both the output
@@ -8,7 +8,7 @@ columns and the reduction depth ``K`` so that every shape gets a few hundred pro
 
   * program ``(j, s)`` owns output columns ``[j*block_n, (j+1)*block_n)`` and depths
     ``[s*K/splits, (s+1)*K/splits)``; it walks its depth range in ``block_k`` steps in increasing
-    order, accumulating ``x[:, k] @ w[k, cols]`` in fp32 (a ``16 x block_k`` by ``block_k x block_n``
+    order, accumulating ``x[:, k] @ w[k, cols]`` in fp32 (a ``16 or 32 x block_k`` by ``block_k x block_n``
     tensor-core dot: rows past ``M`` are masked loads of zeros, so ``M`` = 1 costs no extra reads);
   * it writes its fp32 partial sum to ``partials[s]``; :func:`gemv` adds the ``splits`` partials in
     order 0, 1, ... (elementwise adds that XLA fuses into whatever consumes the product, e.g. the
@@ -31,7 +31,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-ROWS = 16  # the row tile: Triton's smallest dot; ``M`` above it goes to XLA (see ``max_rows``)
+ROWS = 32  # the most rows: above it XLA's GEMM (the product is then no longer a read of the weight)
+
+
+def row_tile(m: int) -> int:
+    """The dot's row tile for ``M`` rows: 16 (Triton's smallest dot) or 32. The weight tile is read
+    once per program either way, so 17-32 rows (a 32-token prefill, decode batches of 17-32) cost
+    about what 16 do."""
+    return 16 if m <= 16 else 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +69,7 @@ def gemv_config(k: int, n: int, transpose_w: bool = False) -> GemvConfig:
 
 
 def supported(x: jax.Array, w: jax.Array, transpose_w: bool = False, config: GemvConfig | None = None) -> bool:
-    """True when :func:`gemv` can compute ``x @ w``: 2-D, same 16-bit float dtype, ``M <= 16``, and
+    """True when :func:`gemv` can compute ``x @ w``: 2-D, same 16-bit float dtype, ``M <= 32``, and
     ``K`` a multiple of the configuration's ``splits * block_k``."""
     if x.ndim != 2 or w.ndim != 2 or x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float16):
         return False
@@ -79,7 +86,8 @@ def _gemv_kernel(x_ref, w_ref, o_ref, *, cfg: GemvConfig, transpose_w: bool):
     bn, bk = cfg.block_n, cfg.block_k
     depth_per_split = k // cfg.splits
     split = pl.program_id(1)
-    rows = lax.broadcasted_iota(jnp.int32, (ROWS,), 0)
+    tile = row_tile(m)
+    rows = lax.broadcasted_iota(jnp.int32, (tile,), 0)
     cols = pl.program_id(0) * bn + lax.broadcasted_iota(jnp.int32, (bn,), 0)
     row_ok = rows < m
     col_ok = cols < n
@@ -97,7 +105,7 @@ def _gemv_kernel(x_ref, w_ref, o_ref, *, cfg: GemvConfig, transpose_w: bool):
             dims = (((1,), (0,)), ((), ()))
         return acc + lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, depth_per_split // bk, body, jnp.zeros((ROWS, bn), jnp.float32))
+    acc = lax.fori_loop(0, depth_per_split // bk, body, jnp.zeros((tile, bn), jnp.float32))
     out_rows = split * m + rows
     plgpu.store(o_ref.at[out_rows[:, None], cols[None, :]], acc, mask=row_ok[:, None] & col_ok[None, :])
 
@@ -105,7 +113,7 @@ def _gemv_kernel(x_ref, w_ref, o_ref, *, cfg: GemvConfig, transpose_w: bool):
 @functools.partial(jax.jit, static_argnames=("transpose_w", "config", "interpret"))
 def gemv_partials(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, config: GemvConfig | None = None,
                   interpret: bool = False) -> jax.Array:
-    """The split-K partial products ``f32[splits, M, N]`` of ``x [M, K] @ w`` (``M <= 16``): their sum
+    """The split-K partial products ``f32[splits, M, N]`` of ``x [M, K] @ w`` (``M <= 32``): their sum
     in order 0, 1, ... is the product. For a consumer that adds them itself (``kernels/qkv_epilogue``)."""
     k, n = (w.shape[1], w.shape[0]) if transpose_w else w.shape
     cfg = config or gemv_config(k, n, transpose_w)
@@ -128,7 +136,7 @@ def gemv_partials(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, conf
 @functools.partial(jax.jit, static_argnames=("transpose_w", "out_dtype", "config", "interpret"))
 def gemv(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=None,
          config: GemvConfig | None = None, interpret: bool = False) -> jax.Array:
-    """``x [M, K] @ w`` -> ``[M, N]`` in ``out_dtype`` (default ``x.dtype``) for ``M <= 16``; fp32
+    """``x [M, K] @ w`` -> ``[M, N]`` in ``out_dtype`` (default ``x.dtype``) for ``M <= 32``; fp32
     accumulation, one rounding at the end. ``w [K, N]`` or ``[N, K]`` (``transpose_w``).
     ``config`` defaults to :func:`gemv_config`; ``interpret``: Pallas interpret mode (CPU)."""
     partials = gemv_partials(x, w, transpose_w=transpose_w, config=config, interpret=interpret)

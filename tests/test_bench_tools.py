@@ -92,7 +92,7 @@ def test_bench_dispatch_runs(tmp_path):
     rows = load("bench_dispatch").main(["--calls", "3", "--out", str(tmp_path)])
     cases = [(r["args"], r["donated"], r["numpy_input"]) for r in rows]
     assert cases[:7] == [(a, d, False) for a, d in ((4, 0), (4, 2), (16, 1), (64, 1), (226, 0), (226, 1), (311, 1))]
-    assert cases[7:] == [(4, 1, True), (226, 1, True)]
+    assert cases[7:] == [(4, 1, True), (226, 1, True), (226, 1, "device_put")]
     assert all(r["dispatch_us"] > 0 for r in rows) and (tmp_path / "dispatch.json").is_file()
 
 
