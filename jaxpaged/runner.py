@@ -191,11 +191,8 @@ class ModelRunner:
         jitted, leaves = self._flat(state)
         if self.mesh is not None:  # one executable for fresh and fed-back tokens (committed or not)
             prev_tokens = self._replicate(prev_tokens)
-        packed, layout = pack(inputs)
-        # Transferred here, not by the call: a numpy argument sends jit's dispatch down its slow path,
-        # which then handles every weight array in Python (+158 us a call with 226 weights on the
-        # H200's host; benchmarks/bench_dispatch.py, RESULTS.md session 5).
-        packed = self._replicate(packed) if self.mesh is not None else jax.device_put(packed)
+        packed, layout = pack(inputs)  # (a numpy argument: jit's own transfer was measured cheaper
+        # than a jax.device_put before the call, 350 vs 467 us a call; bench_dispatch.py, RESULTS.md)
         shape_key = (layout, prev_tokens.shape, kv_pool.shape, kv_pool.dtype)
         with self._partitioner():
             if shape_key not in self._shapes_seen:
