@@ -57,11 +57,6 @@ class EngineConfig:
       residual stream and normalises (``kernels/add_rms_norm.py``): one kernel instead of two to three
       per norm in steps of at most 16 tokens. Larger steps (XLA's GEMMs) keep XLA's fusions, as do
       float32 models; ignored with ``batch_invariant``, tensor parallelism and on a CPU.
-    launch_thread: with ``async_scheduling``, each step is launched (the jitted call: its arguments,
-      the input transfer, the CUDA graph's launch) from one worker thread, in order, while the
-      calling thread reads back the previous step and schedules the next: the host's Python work
-      and the launch overlap instead of adding up (on the H200's host a batch-1 launch takes ~0.6 ms,
-      much of it outside the GIL). Off: launched from the calling thread.
     min_token_bucket: a step's tokens are padded to a power of two of at least this many (one compiled
       step per size). Smaller buckets mean less padding work in small decode steps (a batch-1 step
       computes ``min_token_bucket`` rows in every projection) and more compiled shapes. ``None``: 1 on
@@ -96,7 +91,6 @@ class EngineConfig:
     event_log: bool = False
     compilation_cache: bool = True  # JAX's persistent compilation cache ($JAXPAGED_COMPILE_CACHE)
     async_scheduling: bool = True  # schedule step N+1 while step N runs (see docstring)
-    launch_thread: bool = True  # with async_scheduling: launch the step from a worker thread (see docstring)
     batch_invariant: bool = False  # bitwise batch-independent outputs, at a speed cost (docs/NUMERICS.md)
     decode_gemv: bool = True  # Pallas split-K GEMV for <= 32-row bf16 matmuls on GPU (see docstring)
     fuse_matmul_inputs: bool = False  # let XLA fuse a matmul's producer into its GEMM (see docstring)

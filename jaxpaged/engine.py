@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence as SequenceT
 
 import jax
@@ -93,9 +92,6 @@ class LLMEngine:
                                    max_model_len=self.max_model_len, eos_token_ids=cfg.eos_token_id,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    scheduling_policy=config.scheduling_policy)
-        self._launched: Future | None = None  # the launch in flight on the launch thread (launch_thread)
-        self._launcher = (ThreadPoolExecutor(1, thread_name_prefix="jaxpaged-launch")
-                          if config.async_scheduling and config.launch_thread else None)
         self.kv_pool = make_kv_pool(params, self.num_blocks, config.block_size, self.kv_dtype)
         log.info("KV pool: %d blocks x %d tokens = %d tokens, %.2f GiB %s; max_model_len %d", self.num_blocks,
                  config.block_size, self.num_blocks * config.block_size,
@@ -118,38 +114,9 @@ class LLMEngine:
         self._outputs = OutputProcessor(tokenizer)
         self.scheduler.on_token = detokenize_token  # a plain function: no cycle back to the engine
         # Async scheduling: the step in flight (its placeholders) and its device output.
-        self._pending: tuple | None = None  # (samples, tokens or the launch's Future, aux, prompt logprob rows)
+        self._pending: tuple | None = None  # (samples, tokens, aux, prompt logprob rows)
         self._pending_rows: dict[int, int] | None = None
         self._prev_tokens = jnp.zeros(bucket(config.max_num_seqs, MIN_SEQS), jnp.int32)
-
-    # ---- the pool and the launch thread ---------------------------------------------------------
-    @property
-    def kv_pool(self) -> jax.Array:
-        """The KV pool ``[L, N, bs, 2, Hkv, D]`` (after the launch in flight, if any, has taken it)."""
-        self._wait_launched()
-        return self._kv_pool
-
-    @kv_pool.setter
-    def kv_pool(self, pool: jax.Array) -> None:
-        self._wait_launched()
-        self._kv_pool = pool
-
-    def _wait_launched(self) -> None:
-        if self._launched is not None:
-            launched, self._launched = self._launched, None
-            launched.result()  # (re-raises a failed launch)
-
-    def _launch(self, inputs) -> tuple[jax.Array, dict | None]:
-        """Runs on the launch thread (``launch_thread``), one launch at a time in submission order:
-        the jitted step over the pool and previous tokens the last launch left, then the read-back of
-        its tokens started. Returns ``(tokens, aux)``."""
-        tokens, self._kv_pool = self.runner.step(self.params.state, self._kv_pool, inputs, self._prev_tokens)
-        aux = None
-        if isinstance(tokens, tuple):  # a logprobs variant: (tokens, aux arrays)
-            tokens, aux = tokens
-        self._prev_tokens = tokens
-        tokens.copy_to_host_async()
-        return tokens, aux
 
     # ---- requests ------------------------------------------------------------------------------
     def _tokenize(self, prompt, rid: str) -> tuple[str | None, list[int]]:
@@ -309,21 +276,19 @@ class LLMEngine:
                                    min_tokens=self.min_token_bucket)
         prompt_rows = prompt_logprob_positions(scheduled) if inputs.features.prompt_logprobs >= 0 else []
         t1 = time.perf_counter()
-        if self._launcher is not None:
-            # The launch (argument handling, transfer, CUDA-graph launch: mostly outside the GIL) runs
-            # on the launch thread while this thread reads back the previous step and returns to
-            # schedule the next one. Launches stay in order: one thread, the pool passed along.
-            self._launched = self._launcher.submit(self._launch, inputs)
-            tokens, aux = self._launched, None
-        else:
-            tokens, aux = self._launch(inputs)
+        tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs, self._prev_tokens)
+        aux = None
+        if isinstance(tokens, tuple):  # a logprobs variant: (tokens, aux arrays)
+            tokens, aux = tokens
         if self.config.async_scheduling:
+            tokens.copy_to_host_async()  # the read-back starts as soon as the step ends, not when asked
             touched = self._resolve_pending()  # the previous step's tokens: ready, or nearly
             t2 = time.perf_counter()
             outputs += self._make_outputs(touched)  # before advance() books new placeholders
             samples = self.scheduler.advance(scheduled)
             self._pending = (samples, tokens, aux, prompt_rows)
             self._pending_rows = {id(seq): row for row, seq, _ in samples}
+            self._prev_tokens = tokens
         else:
             host_tokens = np.asarray(tokens)[: len(scheduled)]
             t2 = time.perf_counter()
@@ -353,10 +318,6 @@ class LLMEngine:
             return []
         samples, tokens, aux, prompt_rows = self._pending
         self._pending, self._pending_rows = None, None
-        if isinstance(tokens, Future):  # launched on the launch thread
-            if tokens is self._launched:
-                self._launched = None
-            tokens, aux = tokens.result()
         if not samples and not prompt_rows:
             return []
         self.scheduler.resolve(samples, np.asarray(tokens))

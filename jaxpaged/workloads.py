@@ -134,8 +134,7 @@ def outputs_guaranteed_identical(dtype: str, batch_invariant: bool) -> bool:
     return batch_invariant or str(dtype) == "float32"
 
 
-DECODE_PATH_FIELDS = ("decode_gemv", "fused_qkv", "fuse_matmul_inputs", "fused_residual", "min_token_bucket",
-                      "launch_thread")
+DECODE_PATH_FIELDS = ("decode_gemv", "fused_qkv", "fuse_matmul_inputs", "fused_residual", "min_token_bucket")
 
 
 def add_decode_path_flags(ap) -> None:
@@ -148,8 +147,6 @@ def add_decode_path_flags(ap) -> None:
                     help="EngineConfig(fused_qkv=False): XLA's kernels from the qkv projection to the KV write")
     ap.add_argument("--no-fused-residual", dest="fused_residual", action="store_false",
                     help="EngineConfig(fused_residual=False): XLA's kernels for the residual adds and RMSNorms")
-    ap.add_argument("--no-launch-thread", dest="launch_thread", action="store_false",
-                    help="EngineConfig(launch_thread=False): launch each step from the calling thread")
     ap.add_argument("--min-token-bucket", type=int, default=None,
                     help="EngineConfig(min_token_bucket=N): the smallest padded token count of a step")
 
@@ -157,7 +154,7 @@ def add_decode_path_flags(ap) -> None:
 def decode_path_config(args) -> dict:
     """``EngineConfig`` keyword arguments from :func:`add_decode_path_flags`' flags (defaults when absent)."""
     defaults = dict(decode_gemv=True, fused_qkv=True, fuse_matmul_inputs=False, fused_residual=True,
-                    min_token_bucket=None, launch_thread=True)
+                    min_token_bucket=None)
     return {k: getattr(args, k, v) for k, v in defaults.items()}
 
 

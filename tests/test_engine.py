@@ -64,7 +64,6 @@ CONFIGS = {
     "sync_scheduling": dict(block_size=8, num_blocks=64, async_scheduling=False),
     "sync_tiny_pool": dict(block_size=8, num_blocks=12, max_num_seqs=8, async_scheduling=False),
     "token_bucket_1": dict(block_size=8, num_blocks=64, min_token_bucket=1),  # the GPU's default buckets
-    "no_launch_thread": dict(block_size=8, num_blocks=64, launch_thread=False),
 }
 
 
