@@ -55,7 +55,7 @@ class EngineConfig:
     fused_residual: on a GPU with ``decode_gemv``, o_proj and down_proj hand their GEMV's split-K
       partials to the next RMSNorm unsummed, and one Pallas kernel sums them, adds them to the
       residual stream and normalises (``kernels/add_rms_norm.py``): one kernel instead of two to three
-      per norm in steps of at most 16 tokens. Larger steps (XLA's GEMMs) keep XLA's fusions, as do
+      per norm in steps of at most 32 tokens. Larger steps (XLA's GEMMs) keep XLA's fusions, as do
       float32 models; ignored with ``batch_invariant``, tensor parallelism and on a CPU.
     min_token_bucket: a step's tokens are padded to a power of two of at least this many (one compiled
       step per size). Smaller buckets mean less padding work in small decode steps (a batch-1 step

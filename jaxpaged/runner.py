@@ -54,6 +54,27 @@ def pool_hlo_report(hlo: str, pool_shape: tuple[int, ...]) -> dict:
                 copies=copies, slices=slices)
 
 
+def entry_param_readers(hlo: str, params: list[int]) -> dict[int, int]:
+    """How many instructions of a compiled step's entry computation read each of its parameters
+    ``params`` (numbers as in ``parameter(K)``). The step's packed inputs and previous tokens must be
+    read by one each (``transfer.to_step_memory``'s copy), or every launch patches the CUDA graph's
+    nodes that read them."""
+    lines = hlo.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("ENTRY"))
+    body = []
+    for ln in lines[start + 1:]:
+        if ln.startswith("}"):
+            break
+        body.append(ln)
+    names = {}
+    for ln in body:
+        m = re.search(r"(%[\w.\-]+) = [^=]*\bparameter\((\d+)\)", ln)
+        if m and int(m.group(2)) in params:
+            names[int(m.group(2))] = m.group(1)
+    return {k: sum(1 for ln in body if "parameter(" not in ln and re.search(re.escape(name) + r"(?![\w.\-])", ln))
+            for k, name in names.items()}
+
+
 def gspmd_partitioner():
     """A context in which jit partitions with GSPMD instead of Shardy (the tensor-parallel step only).
 

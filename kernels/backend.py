@@ -110,8 +110,8 @@ def silu_mul_matmul_parts(gate_up: jax.Array, w: jax.Array, *, interpret: bool =
 def fused_add_rms_norm(parts: jax.Array, residual: jax.Array, weight: jax.Array, eps: float, *,
                        interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """``ModelOps.add_rms_norm``: the residual add and RMSNorm kernel (:mod:`kernels.add_rms_norm`) when
-    the product comes as the GEMV's split-K partials (``P > 1``). A finished product (XLA's GEMM,
-    ``P = 1``) keeps XLA's ops: XLA fuses its GEMM's own split-K reduction into the residual add, which
+    the product comes as the GEMV's split-K partials (``P > 1``). A finished product (``P = 1``: XLA's
+    GEMM, or a GEMV of one split) keeps XLA's ops: XLA fuses its GEMM's own split-K reduction into the residual add, which
     the kernel would split off again (batch 256 on the H200: +70 us a step; RESULTS.md, session 5); a
     float32 model keeps XLA's ops too (the numerics its guarantees were checked with)."""
     if parts.shape[0] == 1 or residual.dtype == jax.numpy.float32:

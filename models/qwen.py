@@ -143,6 +143,8 @@ class ModelOps:
         hooks = (self.matmul_parts, self.silu_mul_matmul_parts, self.add_rms_norm)
         if any(h is None for h in hooks) and any(h is not None for h in hooks):
             raise ValueError("matmul_parts, silu_mul_matmul_parts and add_rms_norm go together (all or none)")
+        if hooks[0] is not None and self.all_reduce is not no_collective:
+            raise ValueError("the residual hooks skip all_reduce: not with tensor parallelism")
 
 
 DEFAULT_OPS = ModelOps()

@@ -102,6 +102,7 @@ def test_check_step_hlo_tiny(tmp_path):
     assert [r["step"] for r in rows] == ["decode-like b4", "prefill"]
     for r in rows:
         assert r["pool_aliased"] == 1 and r["pool_copies"] == 0 and r["layer_slices"] == 0, r
+        assert r["input_readers"] == 1 and r["prev_token_readers"] == 1, r
     assert "ENTRY" in (tmp_path / "decode_b4.hlo.txt").read_text()
 
 

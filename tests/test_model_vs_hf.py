@@ -140,29 +140,30 @@ def test_tokenizer_matches_hf(model):
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_fused_residual_bf16_matches_unfused_gemv_path(family):
     """bf16, the GPU's decode path in interpret mode (GEMV partials into the add + RMSNorm kernel)
-    against the same GEMVs with the model's own adds and norms: a 3-token decode-like step (4 rows)
-    and a 16-token chunk. Not bitwise: inside jit XLA
-    may skip the bf16 rounding between fused ops (``xla_allow_excess_precision``, on by default), while
-    the kernel rounds where the ops do (eagerly the two agree bitwise); measured ~1% relative logit
-    difference, the same argmax."""
+    against the same GEMVs with the model's own adds and norms, both against the float32 model: a
+    1-token step, a 3-token step (4 rows), a 16-token and a 24-token chunk (the GEMV's 32-row tile).
+    Not bitwise: inside jit XLA may skip the bf16 rounding between fused ops
+    (``xla_allow_excess_precision``, on by default) while the kernel rounds where the ops do (eagerly
+    the two agree bitwise), so the fused path must be as close to float32 as the plain one (measured
+    ~1% relative logit error either way) and pick the same argmax."""
     cfg, graphdef, state = load_hf_checkpoint(tiny_checkpoint_path(family), dtype="bfloat16")
+    _, graphdef32, state32 = load_hf_checkpoint(tiny_checkpoint_path(family), dtype="float32")
     plain = ModelOps(matmul=functools.partial(gemv_or_xla_matmul, interpret=True),
                      qkv_epilogue=functools.partial(fused_qkv, interpret=True))
     fused = dataclasses.replace(plain, matmul_parts=functools.partial(matmul_parts, interpret=True),
                                 silu_mul_matmul_parts=functools.partial(silu_mul_matmul_parts, interpret=True),
                                 add_rms_norm=functools.partial(add_rms_norm, interpret=True))
-    prompt = list(np.random.default_rng(4).integers(1, cfg.vocab_size, 16))
-    for ids in (prompt[:3], prompt):
+    prompt = list(np.random.default_rng(4).integers(1, cfg.vocab_size, 24))
+    for ids, rows in ((prompt[:1], 1), (prompt[:3], 4), (prompt[:16], 16), (prompt, 32)):
         step = build_chunk_step([(ids, 0, list(range(4)))], BLOCK_SIZE, width=4)
+        meta = dataclasses.replace(step.meta, slot_mapping=step.meta.slot_mapping[:rows])
+        tokens, positions = step.token_ids[:rows], step.positions[:rows]
         outs = []
-        for ops in (plain, fused):
-            pool = init_kv_pool(cfg, NUM_BLOCKS, BLOCK_SIZE, jnp.bfloat16)  # (donated by each call)
-            tokens = step.token_ids[: len(ids) + (len(ids) == 3)]  # 4 rows for the 3-token step
-            positions = step.positions[: tokens.shape[0]]
-            meta = step.meta
-            if tokens.shape[0] != step.token_ids.shape[0]:
-                meta = dataclasses.replace(meta, slot_mapping=meta.slot_mapping[: tokens.shape[0]])
-            out, _ = forward_all_logits(graphdef, state, pool, tokens, positions, meta, ops=ops)
+        for gd, st, ops, dtype in ((graphdef32, state32, DEFAULT_OPS, jnp.float32),
+                                   (graphdef, state, plain, jnp.bfloat16), (graphdef, state, fused, jnp.bfloat16)):
+            pool = init_kv_pool(cfg, NUM_BLOCKS, BLOCK_SIZE, dtype)  # (donated by each call)
+            out, _ = forward_all_logits(gd, st, pool, tokens, positions, meta, ops=ops)
             outs.append(np.asarray(out, np.float32)[: len(ids)])
-        assert rel_err(outs[1], outs[0]) < 2e-2
-        assert np.mean(np.argmax(outs[1], -1) == np.argmax(outs[0], -1)) >= 0.9
+        ref, got_plain, got_fused = outs
+        assert rel_err(got_fused, ref) <= 1.2 * rel_err(got_plain, ref) + 1e-3, len(ids)
+        assert np.mean(np.argmax(got_fused, -1) == np.argmax(got_plain, -1)) >= 0.9

@@ -8,7 +8,7 @@ import numpy as np
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
 from jaxpaged.batch import bucket, build_step_inputs
-from jaxpaged.runner import pool_hlo_report
+from jaxpaged.runner import entry_param_readers, pool_hlo_report
 from jaxpaged.models.tiny import tiny_checkpoint_path
 
 
@@ -21,6 +21,20 @@ def test_step_hlo_aliases_pool_and_never_copies_it():
     hlo = engine.runner.lower_text(params.state, engine.kv_pool, inputs)
     # One pool array, aliased; never copied; no part of it sliced out (attention and the write index it).
     assert pool_hlo_report(hlo, engine.kv_pool.shape) == dict(aliased=1, copies=0, slices=0)
+
+
+def test_step_inputs_are_read_once():
+    """``transfer.to_step_memory``: the packed inputs and the previous tokens (fresh buffers every
+    step) are each read by one copy, so XLA's CUDA graph needs no per-launch patching of the many
+    kernels that read slot mappings, block tables and lengths (RESULTS.md, session 5)."""
+    params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+    engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=64, max_model_len=64))
+    engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=4))
+    inputs = build_step_inputs(engine.scheduler.schedule(), engine.kv.tables, 8)
+    hlo = engine.runner.lower_text(params.state, engine.kv_pool, inputs)
+    num_leaves = len(jax.tree.leaves(params.state))
+    packed, prev = num_leaves + 1, num_leaves + 2  # (leaves..., pool, packed, prev_tokens)
+    assert entry_param_readers(hlo, [packed, prev]) == {packed: 1, prev: 1}
 
 
 def test_pool_hlo_report_sees_slices_and_copies():
