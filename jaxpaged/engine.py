@@ -8,6 +8,7 @@ blocks, free finished requests.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -171,6 +172,9 @@ class LLMEngine:
             if bad_ids:
                 raise ValueError(f"request {rid!r}: SamplingParams.{name} holds {bad_ids[0]}, outside the "
                                  f"vocabulary [0, {vocab})")
+        if sp.min_tokens > max_tokens:
+            raise ValueError(f"request {rid!r}: SamplingParams.min_tokens ({sp.min_tokens}) must be <= max_tokens "
+                             f"({max_tokens})")
         if sp.stop and self.tokenizer is None:
             raise ValueError(f"request {rid!r}: stop strings need a tokenizer (use stop_token_ids)")
         state = RequestState(rid, text, ids, sp)
@@ -181,7 +185,8 @@ class LLMEngine:
         for i in range(sp.n):
             # A private PRNG stream per sample: seed + i (vLLM), or a fresh engine draw.
             seed = sp.seed + i if sp.seed is not None else int(self._rng.integers(0, 2**31 - 1))
-            child_sp = dataclasses.replace(sp, n=1, seed=seed, max_tokens=max_tokens)
+            child_sp = copy.copy(sp)  # (sp is validated: no second validation, part of every TTFT)
+            child_sp.n, child_sp.seed, child_sp.max_tokens = 1, seed, max_tokens
             seq = Sequence(rid if sp.n == 1 else f"{i}_{rid}", ids, sampling_params=child_sp, cache_salt=cache_salt)
             seq.parent, seq.index = state, i
             seq.detokenizer = make_detokenizer(self.tokenizer, child_sp, len(ids))

@@ -39,6 +39,8 @@ BAD_GENERATE = [  # (prompts, sampling_params, error, message)
     ([[1, 2, 999_999]], GREEDY, ValueError, r"prompt 0: .*token id 999999 at position 2 is outside the vocabulary"),
     (["ok", ""], GREEDY, ValueError, "prompt 1: .*prompt is empty"),
     ([[1] * 60], SamplingParams(max_tokens=10), ValueError, r"exceeds max_model_len \(64\)"),
+    ([[1] * 60], SamplingParams(min_tokens=10, max_tokens=None), ValueError,  # None: what is left of max_model_len
+     r"prompt 0: .*min_tokens \(10\) must be <= max_tokens \(4\)"),
     (["a", "b"], {"temperature": 0}, TypeError, "got a dict: write SamplingParams"),
     (["a", "b"], [GREEDY], ValueError, "got 1 sampling params for 2 prompts"),
     (["a"], "greedy", TypeError, "must be a SamplingParams or None"),
