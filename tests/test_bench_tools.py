@@ -119,3 +119,13 @@ def test_bench_engine_host_tiny(tmp_path):
                                            "--add-request-lens", "8", "--out", str(tmp_path)])
     assert [r["batch"] for r in rows] == [1, 4] and all(r["median_us"] > 0 for r in rows)
     assert rows[1]["top"] and (tmp_path / "engine_host.json").exists()
+
+
+def test_check_stacked_weights_tiny(tmp_path):
+    """The stacked-weights probe: same values either way, and it sees slices made into buffers (on the
+    CPU a 20-row dot is a library call, so each layer's 4 slices are copied; the GPU is the question)."""
+    rows = load("check_stacked_weights").main(["--tiny", "--layers", "3", "--rows", "1,20", "--calls", "3",
+                                               "--out", str(tmp_path)])
+    assert [r["rows"] for r in rows] == [1, 20] and all(r["max_abs_diff"] == 0 for r in rows)
+    assert all(r["separate_device_us"] > 0 and r["stacked_host_us"] > 0 for r in rows)
+    assert rows[1]["slice_copies"] > 0 and (tmp_path / "stacked_weights.json").is_file()
