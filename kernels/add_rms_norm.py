@@ -26,6 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxpaged.kernels.gemv import sum_partials
 from jaxpaged.kernels.rms_norm import row_block
 from jaxpaged.kernels.shapes import next_pow2
 
@@ -82,8 +83,5 @@ def add_rms_norm_ops(parts: jax.Array, residual: jax.Array, weight: jax.Array, e
                      rms_norm: callable) -> tuple[jax.Array, jax.Array]:
     """The same stretch with the model's ops (``rms_norm``: the model's RMSNorm function): the XLA
     reference of :func:`add_rms_norm`, and its path where the kernel does not apply."""
-    acc = parts[0].astype(jnp.float32)
-    for p in range(1, parts.shape[0]):
-        acc = acc + parts[p].astype(jnp.float32)
-    r = residual + acc.astype(residual.dtype)
+    r = residual + sum_partials(parts, residual.dtype)
     return rms_norm(r, weight, eps), r

@@ -89,21 +89,13 @@ def matmul_parts(x: jax.Array, w: jax.Array, *, interpret: bool = False,
     return xla_matmul(x, w)[None]
 
 
-def sum_parts(parts: jax.Array, dtype) -> jax.Array:
-    """``parts [P, M, N]`` summed in order 0, 1, ... in fp32 and rounded to ``dtype`` (as ``gemv``)."""
-    acc = parts[0].astype(jax.numpy.float32)
-    for p in range(1, parts.shape[0]):
-        acc = acc + parts[p].astype(jax.numpy.float32)
-    return acc.astype(dtype)
-
-
 def silu_mul_matmul_parts(gate_up: jax.Array, w: jax.Array, *, interpret: bool = False,
                           xla_matmul=xla_matmul_unfused_input) -> jax.Array:
     """``ModelOps.silu_mul_matmul_parts``: ``silu(gate) * up @ w`` from the gate/up product's partials
     ``[P, M, 2I]``: the partials' sum and the activation in one XLA fusion, then :func:`matmul_parts`.
     (A GEMV that formed the activation itself, per depth tile, measured 19 us a call instead of ~5.5 us
     for the fusion + GEMV on the H200 at batch 1: ``benchmarks/RESULTS.md``, session 5.)"""
-    gate, up = jax.numpy.split(sum_parts(gate_up, w.dtype), 2, axis=-1)
+    gate, up = jax.numpy.split(gemv.sum_partials(gate_up, w.dtype), 2, axis=-1)
     return matmul_parts(jax.nn.silu(gate) * up, w, interpret=interpret, xla_matmul=xla_matmul)
 
 
@@ -111,9 +103,10 @@ def fused_add_rms_norm(parts: jax.Array, residual: jax.Array, weight: jax.Array,
                        interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """``ModelOps.add_rms_norm``: the residual add and RMSNorm kernel (:mod:`kernels.add_rms_norm`) when
     the product comes as the GEMV's split-K partials (``P > 1``). A finished product (``P = 1``: XLA's
-    GEMM, or a GEMV of one split) keeps XLA's ops: XLA fuses its GEMM's own split-K reduction into the residual add, which
-    the kernel would split off again (batch 256 on the H200: +70 us a step; RESULTS.md, session 5); a
-    float32 model keeps XLA's ops too (the numerics its guarantees were checked with)."""
+    GEMM, or a GEMV of one split) keeps XLA's ops: XLA fuses its GEMM's own split-K reduction into the
+    residual add, which the kernel would split off again (batch 256 on the H200: +70 us a step;
+    RESULTS.md, session 5); a float32 model keeps XLA's ops too (the numerics its guarantees were
+    checked with)."""
     if parts.shape[0] == 1 or residual.dtype == jax.numpy.float32:
         return add_rms_norm.add_rms_norm_ops(parts, residual, weight, eps, DEFAULT_OPS.rms_norm)
     return add_rms_norm.add_rms_norm(parts, residual, weight, eps, interpret=interpret)

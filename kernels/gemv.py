@@ -140,7 +140,14 @@ def gemv(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=Non
     accumulation, one rounding at the end. ``w [K, N]`` or ``[N, K]`` (``transpose_w``).
     ``config`` defaults to :func:`gemv_config`; ``interpret``: Pallas interpret mode (CPU)."""
     partials = gemv_partials(x, w, transpose_w=transpose_w, config=config, interpret=interpret)
-    total = partials[0]
-    for s in range(1, partials.shape[0]):  # fixed order; XLA fuses these adds into the consumer
-        total = total + partials[s]
-    return total.astype(out_dtype or x.dtype)
+    return sum_partials(partials, out_dtype or x.dtype)
+
+
+def sum_partials(parts: jax.Array, dtype) -> jax.Array:
+    """``parts [P, M, N]`` (split-K partials, or ``P = 1`` finished product) summed in order 0, 1, ...
+    in fp32 and rounded once to ``dtype``: the product :func:`gemv` returns. Elementwise adds that XLA
+    fuses into whatever consumes the product."""
+    total = parts[0].astype(jnp.float32)
+    for s in range(1, parts.shape[0]):
+        total = total + parts[s].astype(jnp.float32)
+    return total.astype(dtype)

@@ -15,9 +15,9 @@ import pytest
 import jax
 
 from jaxpaged.kernels.add_rms_norm import add_rms_norm, add_rms_norm_ops
-from jaxpaged.kernels.backend import fused_qkv, gemv_or_xla_matmul, matmul_parts, silu_mul_matmul_parts, sum_parts
+from jaxpaged.kernels.backend import fused_qkv, gemv_or_xla_matmul, matmul_parts, silu_mul_matmul_parts
 from jaxpaged.kernels.kv_write import write_kv
-from jaxpaged.kernels.gemv import GemvConfig, gemv, gemv_config, gemv_partials, supported
+from jaxpaged.kernels.gemv import GemvConfig, gemv, gemv_config, gemv_partials, sum_partials, supported
 from jaxpaged.kernels.qkv_epilogue import qkv_epilogue
 from jaxpaged.models.qwen import ModelOps, qkv_epilogue_ops, rms_norm, rope_cos_sin, rotary
 
@@ -179,14 +179,14 @@ def test_matmul_parts_and_silu_mul_matmul_parts():
     w = rand(rng, (k, n), jnp.bfloat16, 0.1)
     for m in (1, 9):
         gate_up = rand(rng, (2, m, 2 * k), jnp.float32, 2.0)
-        got = sum_parts(silu_mul_matmul_parts(gate_up, w, interpret=True), jnp.float32)
-        gate, up = jnp.split(sum_parts(gate_up, jnp.bfloat16), 2, axis=-1)
+        got = sum_partials(silu_mul_matmul_parts(gate_up, w, interpret=True), jnp.float32)
+        gate, up = jnp.split(sum_partials(gate_up, jnp.bfloat16), 2, axis=-1)
         want = np.asarray(jax.nn.silu(gate) * up, np.float32) @ np.asarray(w, np.float32)
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-3)
     x = rand(rng, (3, k), jnp.bfloat16)
     parts = matmul_parts(x, w, interpret=True)
     assert parts.shape[0] == gemv_config(k, n).splits and parts.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(sum_parts(parts, jnp.bfloat16), np.float32),
+    np.testing.assert_array_equal(np.asarray(sum_partials(parts, jnp.bfloat16), np.float32),
                                   np.asarray(gemv(x, w, interpret=True), np.float32))
     x32, w32 = rand(rng, (3, 64)), rand(rng, (64, 48))
     parts = matmul_parts(x32, w32, interpret=True)
