@@ -56,7 +56,8 @@ def build_engine(params, *, batch: int, max_model_len: int, block_size: int = 16
                  max_num_batched_tokens: int = 8192, backend: str = "auto",
                  async_scheduling: bool = True, prefix_caching: bool = True, decode_gemv: bool = True,
                  fused_qkv: bool = True, fuse_matmul_inputs: bool = False, fused_residual: bool = True,
-                 min_token_bucket: int | None = None, compiler_options: tuple | None = None) -> LLMEngine:
+                 min_token_bucket: int | None = None, longest_first: bool = True,
+                 step_executables: int | None = None, compiler_options: tuple | None = None) -> LLMEngine:
     """An engine whose pool holds exactly ``batch`` sequences of ``max_model_len`` tokens (+1 block)."""
     blocks_per_seq = -(-max_model_len // block_size)
     config = EngineConfig(block_size=block_size, num_blocks=batch * blocks_per_seq + 1, max_num_seqs=batch,
@@ -64,7 +65,9 @@ def build_engine(params, *, batch: int, max_model_len: int, block_size: int = 16
                           attention_backend=backend, dtype=params.dtype, async_scheduling=async_scheduling,
                           enable_prefix_caching=prefix_caching, decode_gemv=decode_gemv,
                           fused_qkv=fused_qkv, fuse_matmul_inputs=fuse_matmul_inputs, fused_residual=fused_residual,
-                          min_token_bucket=min_token_bucket, compiler_options=compiler_options)
+                          min_token_bucket=min_token_bucket, longest_first=longest_first,
+                          step_executables=step_executables,
+                          compiler_options=compiler_options)
     return LLMEngine(params, config)
 
 

@@ -69,6 +69,17 @@ def slot_mapping_batch(block_tables: np.ndarray, seq_indices: np.ndarray, positi
     return (blocks * block_size + positions % block_size).astype(np.int32, copy=False)
 
 
+def longest_first(scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+    """``scheduled`` ordered by context length after the step (``num_computed_tokens + n``), longest
+    first; ties keep their order (a stable sort).
+
+    The attention kernel launches its programs in row order; starting the longest KV reads first
+    lets the short ones fill the end of the launch instead of one long sequence running alone
+    (``EngineConfig.longest_first``). Every consumer of a step's rows (inputs, sampling, output
+    bookkeeping) follows this one list, so the order changes no result."""
+    return sorted(scheduled, key=lambda sn: -(sn[0].num_computed_tokens + sn[1]))
+
+
 def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables, block_size: int, *,
                       width: int | None = None, max_seqs: int | None = None,
                       prev_rows: dict[int, int] | None = None, eos_token_ids=(),

@@ -62,6 +62,17 @@ class EngineConfig:
       computes ``min_token_bucket`` rows in every projection) and more compiled shapes. ``None``: 1 on
       a GPU (a batch-1 step's GPU time -8% against 16 on the H200, 4 more shapes to compile), 16 on
       a CPU (where compilation, not padding, dominates).
+    longest_first: a step's sequences are laid out longest context first, so the attention kernel,
+      which launches its programs in row order, starts the longest KV reads first and the short ones
+      fill the tail (a longest-job-first launch order). On nano-vllm's ragged decode batches this cut
+      the attention's time by up to 15% a layer on the H200 (``benchmarks/bench_attention_workload.py``);
+      outputs do not depend on the order.
+    step_executables: copies of each compiled step, launched in turn, so that each copy's CUDA graph
+      finds its temporary buffers where its previous launch left them and XLA does not re-patch the
+      whole graph before every launch (``runner.ModelRunner``; on the H200 at batch 256 that patch
+      took 1.3-1.5 ms of the launch). The second copy costs a trace and a load from JAX's persistent
+      compilation cache (``compilation_cache``), or a second compile without it. ``None``: 2 on a
+      GPU, 1 elsewhere (a CPU has no command buffers); tensor parallelism uses 1.
     compiler_options: XLA options for the compiled step only, as ``((name, value), ...)`` (e.g.
       ``(("xla_gpu_enable_triton_gemm", False),)``); ``None`` = the engine's defaults
       (``runner.DEFAULT_COMPILER_OPTIONS``). Never a global flag.
@@ -97,6 +108,8 @@ class EngineConfig:
     fused_qkv: bool = True  # one Pallas kernel from the qkv projection to the KV write on GPU (see docstring)
     fused_residual: bool = True  # residual add + RMSNorm as one Pallas kernel on GPU (see docstring)
     min_token_bucket: int | None = None  # smallest padded token count of a step: 1 on GPU, 16 on CPU (see docstring)
+    longest_first: bool = True  # rows of a step ordered by context length, longest first (see docstring)
+    step_executables: int | None = None  # copies of each compiled step, used in turn: 2 on GPU (see docstring)
     compiler_options: tuple[tuple[str, object], ...] | None = None  # XLA options for the step (see docstring)
     scheduling_policy: str = "fcfs"  # or "prefix_affinity" (see docstring)
     tensor_parallel_size: int = 1  # devices the model is split over (jaxpaged.sharding)
@@ -109,6 +122,9 @@ class EngineConfig:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
+        if self.step_executables is not None and (not isinstance(self.step_executables, int)
+                                                  or self.step_executables < 1):
+            raise ValueError(f"step_executables must be a positive integer or None, got {self.step_executables!r}")
         m = self.min_token_bucket
         if m is not None and (not isinstance(m, int) or m < 1 or m & (m - 1)):
             raise ValueError(f"min_token_bucket must be a power of two >= 1, got {m!r}")

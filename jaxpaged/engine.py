@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .batch import MIN_SEQS, MIN_TOKENS, PLACEHOLDER, bucket, build_step_inputs, padding_step_inputs
+from .batch import MIN_SEQS, MIN_TOKENS, PLACEHOLDER, bucket, build_step_inputs, longest_first, padding_step_inputs
 from .config import EngineConfig
 from .kv import KVCacheManager, PrefixDivergence, explain_prefix
 from .metrics import EngineMetrics, StepRecord
@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 
 def get_runner(params: ModelParams, backend: str, batch_invariant: bool = False,
                compiler_options: tuple | None = None, decode_gemv: bool = True,
-               fused_qkv: bool = True, fuse_matmul_inputs: bool = False, fused_residual: bool = True) -> ModelRunner:
+               fused_qkv: bool = True, fuse_matmul_inputs: bool = False, fused_residual: bool = True,
+               step_executables: int = 1) -> ModelRunner:
     """One runner (one jitted step, its compiled shapes) per weights object, backend and numerics mode.
 
     Kept in ``params.derived``, so engines over the same weights share compiled steps, and dropping
@@ -49,11 +50,12 @@ def get_runner(params: ModelParams, backend: str, batch_invariant: bool = False,
     """
     options = DEFAULT_COMPILER_OPTIONS if compiler_options is None else tuple(compiler_options)
     key = ("runner", resolve_backend(backend), batch_invariant, options, decode_gemv, fused_qkv, fuse_matmul_inputs,
-           fused_residual)
+           fused_residual, step_executables)
     if key not in params.derived:
         params.derived[key] = ModelRunner(params.graphdef, backend, batch_invariant, dict(options), mesh=params.mesh,
                                           decode_gemv=decode_gemv, fused_qkv=fused_qkv,
-                                          fuse_matmul_inputs=fuse_matmul_inputs, fused_residual=fused_residual)
+                                          fuse_matmul_inputs=fuse_matmul_inputs, fused_residual=fused_residual,
+                                          step_executables=step_executables)
     return params.derived[key]
 
 
@@ -100,7 +102,8 @@ class LLMEngine:
         self.compilation_cache_dir = enable_compilation_cache() if config.compilation_cache else None
         self.min_token_bucket = config.min_token_bucket or (1 if jax.default_backend() == "gpu" else MIN_TOKENS)
         self.runner = get_runner(params, config.attention_backend, config.batch_invariant, config.compiler_options,
-                                 config.decode_gemv, config.fused_qkv, config.fuse_matmul_inputs, config.fused_residual)
+                                 config.decode_gemv, config.fused_qkv, config.fuse_matmul_inputs, config.fused_residual,
+                                 config.step_executables or (2 if jax.default_backend() == "gpu" else 1))
         # Compilations are counted per engine: steps compiled by an earlier engine are not ours.
         self._compile_base = (self.runner.compile_seconds, self.runner.num_compiled_shapes)
         # Pallas reads block tables only up to each kv_len: one fixed width, fewer compilations.
@@ -266,6 +269,8 @@ class LLMEngine:
             if not touched and not aborted and self.scheduler.has_unfinished():
                 raise RuntimeError("no request could be scheduled although some are waiting (pool exhausted)")
             return outputs + self._make_outputs(touched)
+        if self.config.longest_first and len(scheduled) > 1:
+            scheduled = longest_first(scheduled)
         now = time.monotonic()
         for seq, _ in scheduled:
             state = seq.parent
@@ -388,9 +393,10 @@ class LLMEngine:
             it = tqdm(sizes, desc="compile step buckets", unit="shape")
         for t_pad in it:
             inputs = padding_step_inputs(t_pad, min(t_pad, s_max), width)
-            tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs,
-                                                    jnp.zeros_like(self._prev_tokens))
-            tokens.block_until_ready()
+            for _ in range(self.runner.step_executables):  # every copy of the step (runner docstring)
+                tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs,
+                                                        jnp.zeros_like(self._prev_tokens))
+                tokens.block_until_ready()
         return time.perf_counter() - t0
 
     # ---- observability -------------------------------------------------------------------------

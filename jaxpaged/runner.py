@@ -146,11 +146,25 @@ class ModelRunner:
     state object: flattening an NNX ``State`` in Python on every call costs ~0.3 ms a step, while a
     list of arrays goes through jit's C++ fast path. The step's inputs travel packed in one buffer
     (``transfer.pack``: one host-to-device copy instead of 13) with a static ``StepLayout``.
+
+    ``step_executables``: copies of each compiled step, used in turn (``EngineConfig``). A step's
+    CUDA graph records the address of every buffer its kernels touch, and XLA patches the nodes whose
+    buffers moved before each launch. With async scheduling, step N+1 is launched while step N runs,
+    so N's temporary buffer is still held and N+1's lands elsewhere: one executable alternates between
+    two temporary addresses and re-patches its whole graph every launch (324 nodes, 1.3-1.5 ms of
+    host time at batch 256 on the H200). Two copies each find their own previous launch finished,
+    so their temporaries come back at the same address. Each copy is a separate jit of the same
+    function: the second compiles from JAX's persistent cache when it is on.
     """
 
     def __init__(self, graphdef: nnx.GraphDef, attention_backend: str = "auto", batch_invariant: bool = False,
                  compiler_options: dict | None = None, mesh=None, decode_gemv: bool = True,
-                 fused_qkv: bool = True, fuse_matmul_inputs: bool = False, fused_residual: bool = True):
+                 fused_qkv: bool = True, fuse_matmul_inputs: bool = False, fused_residual: bool = True,
+                 step_executables: int = 1):
+        if step_executables < 1:
+            raise ValueError(f"step_executables must be >= 1, got {step_executables}")
+        self.step_executables = 1 if mesh is not None else step_executables
+        self._turn = 0  # which copy of the step runs next (see ``step_executables``)
         self.attention_backend = resolve_backend(attention_backend)
         self.batch_invariant = batch_invariant
         self.compiler_options = dict(compiler_options or {})
@@ -163,7 +177,7 @@ class ModelRunner:
             ops = tp_model_ops(ops)
         self._step_fn = make_step_fn(graphdef, get_attention_fn(attention_backend, batch_invariant), write_kv,
                                      ops, batch_invariant)
-        self._jitted: dict = {}  # state treedef -> jitted step over flat weight leaves
+        self._jitted: dict = {}  # state treedef -> the jitted step's copies (over flat weight leaves)
         self._state: nnx.State | None = None
         self._leaves: list[jax.Array] = []
         self._treedef = None
@@ -188,9 +202,10 @@ class ModelRunner:
                        **shardings)
 
     def set_jitted(self, state: nnx.State, jitted: Callable) -> None:
-        """Replaces the jitted step for ``state``'s structure (experiments with compiler options)."""
+        """Replaces the jitted step for ``state``'s structure (experiments with compiler options): one
+        jitted function, or a tuple of copies as ``_flat`` returns them."""
         self._flat(state)
-        self._jitted[self._treedef] = jitted
+        self._jitted[self._treedef] = jitted if isinstance(jitted, tuple) else (jitted,)
         self._shapes_seen.clear()
 
     def _flat(self, state: nnx.State):
@@ -198,7 +213,8 @@ class ModelRunner:
             self._leaves, self._treedef = jax.tree.flatten(state)
             self._state = state
             if self._treedef not in self._jitted:
-                self._jitted[self._treedef] = self.make_jitted(self._treedef, self.compiler_options)
+                self._jitted[self._treedef] = tuple(self.make_jitted(self._treedef, self.compiler_options)
+                                                    for _ in range(self.step_executables))
         return self._jitted[self._treedef], self._leaves
 
     def step(self, state: nnx.State, kv_pool: KVPool, inputs: StepInputs,
@@ -209,12 +225,14 @@ class ModelRunner:
         """
         if prev_tokens is None:
             prev_tokens = np.zeros(inputs.logits_indices.shape, np.int32)
-        jitted, leaves = self._flat(state)
+        copies, leaves = self._flat(state)
+        self._turn = turn = (self._turn + 1) % len(copies)
+        jitted = copies[turn]
         if self.mesh is not None:  # one executable for fresh and fed-back tokens (committed or not)
             prev_tokens = self._replicate(prev_tokens)
         packed, layout = pack(inputs)  # (a numpy argument: jit's own transfer was measured cheaper
         # than a jax.device_put before the call, 350 vs 467 us a call; bench_dispatch.py, RESULTS.md)
-        shape_key = (layout, prev_tokens.shape, kv_pool.shape, kv_pool.dtype)
+        shape_key = (layout, prev_tokens.shape, kv_pool.shape, kv_pool.dtype, turn)
         with self._partitioner():
             if shape_key not in self._shapes_seen:
                 t0 = time.perf_counter()
@@ -241,16 +259,17 @@ class ModelRunner:
 
     @property
     def num_compiled_shapes(self) -> int:
-        return len(self._shapes_seen)
+        """Step shapes compiled so far (each copy of a shape, see ``step_executables``, counts once)."""
+        return len({key[:-1] for key in self._shapes_seen})
 
     def compiled(self, state: nnx.State, kv_pool: KVPool, inputs: StepInputs):
         """The step compiled for ``inputs``' shapes (``jax.stages.Compiled``: its HLO text and XLA's memory
         analysis, to check that the pool is never copied). Runs nothing."""
-        jitted, leaves = self._flat(state)
+        copies, leaves = self._flat(state)
         prev_tokens = np.zeros(inputs.logits_indices.shape, np.int32)
         packed, layout = pack(inputs)
         with self._partitioner():
-            return jitted.lower(leaves, kv_pool, packed, prev_tokens, layout).compile()
+            return copies[0].lower(leaves, kv_pool, packed, prev_tokens, layout).compile()
 
     def lower_text(self, state: nnx.State, kv_pool: KVPool, inputs: StepInputs) -> str:
         """Compiled HLO text of the step for ``inputs``' shapes."""

@@ -149,12 +149,16 @@ def add_decode_path_flags(ap) -> None:
                     help="EngineConfig(fused_residual=False): XLA's kernels for the residual adds and RMSNorms")
     ap.add_argument("--min-token-bucket", type=int, default=None,
                     help="EngineConfig(min_token_bucket=N): the smallest padded token count of a step")
+    ap.add_argument("--no-longest-first", dest="longest_first", action="store_false",
+                    help="EngineConfig(longest_first=False): a step's rows in the scheduler's order")
+    ap.add_argument("--step-executables", type=int, default=None,
+                    help="EngineConfig(step_executables=N): copies of each compiled step used in turn")
 
 
 def decode_path_config(args) -> dict:
     """``EngineConfig`` keyword arguments from :func:`add_decode_path_flags`' flags (defaults when absent)."""
     defaults = dict(decode_gemv=True, fused_qkv=True, fuse_matmul_inputs=False, fused_residual=True,
-                    min_token_bucket=None)
+                    min_token_bucket=None, longest_first=True, step_executables=None)
     return {k: getattr(args, k, v) for k, v in defaults.items()}
 
 

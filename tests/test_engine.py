@@ -64,6 +64,7 @@ CONFIGS = {
     "sync_scheduling": dict(block_size=8, num_blocks=64, async_scheduling=False),
     "sync_tiny_pool": dict(block_size=8, num_blocks=12, max_num_seqs=8, async_scheduling=False),
     "token_bucket_1": dict(block_size=8, num_blocks=64, min_token_bucket=1),  # the GPU's default buckets
+    "scheduler_order": dict(block_size=8, num_blocks=64, longest_first=False),  # rows not sorted by context
 }
 
 
@@ -371,3 +372,14 @@ def test_a_dropped_engine_frees_its_pool_at_once(qwen3):
         assert ref() is None and pool() is None
     finally:
         gc.enable()
+
+
+def test_longest_first_orders_rows_by_context_and_keeps_ties():
+    from types import SimpleNamespace
+
+    from jaxpaged.batch import longest_first
+
+    seqs = [SimpleNamespace(name=c, num_computed_tokens=k) for c, k in zip("abcde", [10, 300, 0, 300, 42])]
+    scheduled = [(seqs[0], 1), (seqs[1], 1), (seqs[2], 64), (seqs[3], 1), (seqs[4], 1)]
+    order = [(s.name, n) for s, n in longest_first(scheduled)]
+    assert order == [("b", 1), ("d", 1), ("c", 64), ("e", 1), ("a", 1)]  # 301, 301, 64, 43, 11

@@ -94,3 +94,29 @@ def test_inputs_travel_as_one_buffer_and_the_step_has_no_host_round_trip():
     # Loops only with a trip count known at compile time (the CPU's rolled threefry): XLA runs those
     # without reading a predicate back.
     assert all("known_trip_count" in line for line in hlo.splitlines() if " while(" in line)
+
+
+def test_step_copies_alternate_and_give_the_same_tokens():
+    """``step_executables=2``: two jitted copies of the step are launched in turn (each compiled once
+    per shape), and a step's tokens do not depend on which copy ran it."""
+    import numpy as np
+
+    from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
+    from jaxpaged.llm import run_to_completion
+    from jaxpaged.models.tiny import tiny_checkpoint_path
+
+    params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    outs = {}
+    for n in (1, 2):
+        engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=32, max_model_len=32,
+                                                step_executables=n, compilation_cache=False))
+        runner = engine.runner
+        assert runner.step_executables == n and len(runner._flat(engine.params.state)[0]) == n
+        outs[n] = [o.outputs[0].token_ids for o in run_to_completion(engine, prompts, sp)]
+        copies = runner._flat(engine.params.state)[0]
+        assert all(c._cache_size() >= 1 for c in copies)  # every copy ran
+        assert runner.num_compiled_shapes == len({k[:-1] for k in runner._shapes_seen})
+    assert outs[1] == outs[2]
+    np.testing.assert_array_equal([len(t) for t in outs[2]], [6, 6])
