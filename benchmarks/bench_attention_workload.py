@@ -60,6 +60,8 @@ def variants(b: int, max_ctx: int, smoke: bool) -> dict[str, tuple[AttentionConf
         "splits4": (rep(num_splits=max(4, d.num_splits * 4)), False),
         "sorted_stages2": (rep(num_stages=2), True),
         "sorted_splits2": (rep(num_splits=max(2, d.num_splits * 2)), True),
+        "sorted_splits4": (rep(num_splits=max(4, d.num_splits * 4)), True),
+        "sorted_stages2_splits2": (rep(num_splits=max(2, d.num_splits * 2), num_stages=2), True),
     })
     return out
 

@@ -393,7 +393,7 @@ class LLMEngine:
             it = tqdm(sizes, desc="compile step buckets", unit="shape")
         for t_pad in it:
             inputs = padding_step_inputs(t_pad, min(t_pad, s_max), width)
-            for _ in range(self.runner.step_executables):  # every copy of the step (runner docstring)
+            for _ in range(self.runner.num_copies(t_pad)):  # every copy of the step (runner docstring)
                 tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs,
                                                         jnp.zeros_like(self._prev_tokens))
                 tokens.block_until_ready()
