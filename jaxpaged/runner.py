@@ -132,6 +132,9 @@ def make_step_fn(graphdef: nnx.GraphDef, attention_fn: Callable, write_kv_fn: Ca
     return step
 
 
+COPIES_MAX_TOKENS = 32  # steps of at most this many tokens use every copy of the step (ModelRunner)
+
+
 class ModelRunner:
     """Owns the jitted step for one model and attention backend; counts compilations.
 
@@ -151,10 +154,13 @@ class ModelRunner:
     CUDA graph records the address of every buffer its kernels touch, and XLA patches the nodes whose
     buffers moved before each launch. With async scheduling, step N+1 is launched while step N runs,
     so N's temporary buffer is still held and N+1's lands elsewhere: one executable alternates between
-    two temporary addresses and re-patches its whole graph every launch (324 nodes, 1.3-1.5 ms of
-    host time at batch 256 on the H200). Two copies each find their own previous launch finished,
-    so their temporaries come back at the same address. Each copy is a separate jit of the same
-    function: the second compiles from JAX's persistent cache when it is on.
+    two temporary addresses and re-patches its whole graph before the launch. With two copies used
+    in turn (per shape), each copy's previous launch is two steps back and has finished, so its
+    temporaries come back where they were. Measured on the H200 (RESULTS.md, session 6): at batch 1
+    ITL p50 1.37 -> 1.02 and 1.16 -> 0.98 ms in two paired runs; at batch 256 the whole graph (324
+    nodes, 1.3-1.5 ms of host time) was still re-patched with two copies (the copy's previous step had
+    not released its temporaries yet), so steps of more than ``COPIES_MAX_TOKENS`` tokens keep one
+    copy and one compile. Each copy is a separate jit of the same function (compiled separately).
     """
 
     def __init__(self, graphdef: nnx.GraphDef, attention_backend: str = "auto", batch_invariant: bool = False,
@@ -164,7 +170,7 @@ class ModelRunner:
         if step_executables < 1:
             raise ValueError(f"step_executables must be >= 1, got {step_executables}")
         self.step_executables = 1 if mesh is not None else step_executables
-        self._turn = 0  # which copy of the step runs next (see ``step_executables``)
+        self._turns: dict[tuple, int] = {}  # step shape -> the copy that ran it last
         self.attention_backend = resolve_backend(attention_backend)
         self.batch_invariant = batch_invariant
         self.compiler_options = dict(compiler_options or {})
@@ -201,6 +207,11 @@ class ModelRunner:
         return jax.jit(step, donate_argnums=(1,), static_argnums=(4,), compiler_options=compiler_options or None,
                        **shardings)
 
+    def num_copies(self, num_tokens: int) -> int:
+        """How many copies of the step a padded step of ``num_tokens`` tokens uses in turn: all of them
+        up to ``COPIES_MAX_TOKENS`` tokens, one above (see the class docstring)."""
+        return self.step_executables if num_tokens <= COPIES_MAX_TOKENS else 1
+
     def set_jitted(self, state: nnx.State, jitted: Callable) -> None:
         """Replaces the jitted step for ``state``'s structure (experiments with compiler options): one
         jitted function, or a tuple of copies as ``_flat`` returns them."""
@@ -226,13 +237,15 @@ class ModelRunner:
         if prev_tokens is None:
             prev_tokens = np.zeros(inputs.logits_indices.shape, np.int32)
         copies, leaves = self._flat(state)
-        self._turn = turn = (self._turn + 1) % len(copies)
-        jitted = copies[turn]
         if self.mesh is not None:  # one executable for fresh and fed-back tokens (committed or not)
             prev_tokens = self._replicate(prev_tokens)
         packed, layout = pack(inputs)  # (a numpy argument: jit's own transfer was measured cheaper
         # than a jax.device_put before the call, 350 vs 467 us a call; bench_dispatch.py, RESULTS.md)
-        shape_key = (layout, prev_tokens.shape, kv_pool.shape, kv_pool.dtype, turn)
+        base_key = (layout, prev_tokens.shape, kv_pool.shape, kv_pool.dtype)
+        n = min(len(copies), self.num_copies(inputs.token_ids.shape[0]))
+        self._turns[base_key] = turn = (self._turns.get(base_key, -1) + 1) % n  # in turn, per shape
+        jitted = copies[turn]
+        shape_key = base_key + (turn,)
         with self._partitioner():
             if shape_key not in self._shapes_seen:
                 t0 = time.perf_counter()

@@ -97,8 +97,8 @@ def test_inputs_travel_as_one_buffer_and_the_step_has_no_host_round_trip():
 
 
 def test_step_copies_alternate_and_give_the_same_tokens():
-    """``step_executables=2``: two jitted copies of the step are launched in turn (each compiled once
-    per shape), and a step's tokens do not depend on which copy ran it."""
+    """``step_executables=2``: two jitted copies of a small step are launched in turn (each compiled
+    once per shape), and a step's tokens do not depend on which copy ran it."""
     import numpy as np
 
     from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
@@ -118,5 +118,6 @@ def test_step_copies_alternate_and_give_the_same_tokens():
         copies = runner._flat(engine.params.state)[0]
         assert all(c._cache_size() >= 1 for c in copies)  # every copy ran
         assert runner.num_compiled_shapes == len({k[:-1] for k in runner._shapes_seen})
+        assert runner.num_copies(32) == n and runner.num_copies(64) == 1  # large steps: one copy
     assert outs[1] == outs[2]
     np.testing.assert_array_equal([len(t) for t in outs[2]], [6, 6])
