@@ -66,7 +66,7 @@ def variants(b: int, max_ctx: int, smoke: bool) -> dict[str, tuple[AttentionConf
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--steps", default="0,128,256,384,512,640,768,896", help="decode steps to rebuild")
@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--chain", type=int, default=8)
     ap.add_argument("--only", default="", help="comma list of variant names (default all)")
     ap.add_argument("--smoke", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     smoke = args.smoke
     interpret = jax.default_backend() == "cpu"
     num_seqs = 8 if smoke else 256
@@ -143,6 +143,7 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "attention_workload.json"), "w") as f:
             json.dump(dict(ceiling_TBps=ceiling / 1e12, rows=rows, totals_s=totals), f, indent=1)
+    return dict(rows=rows, totals_s=totals)
 
 
 if __name__ == "__main__":

@@ -46,13 +46,13 @@ def timed(fn, args, reps: int, inner: int = 10) -> float:
     return float(np.median(times))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--vocab", type=int, default=VOCAB)
     ap.add_argument("--reps", type=int, default=20)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = []
     variants = {
         "argmax only": jax.jit(lambda l, t, s, c: jnp.argmax(l, axis=-1).astype(jnp.int32)),
@@ -67,16 +67,21 @@ def main() -> None:
         counters = jnp.arange(b, dtype=jnp.int32)
         for temp in (0.6, 0.0):
             t = jnp.full((b,), temp, jnp.float32)
+            best = np.asarray(jnp.argmax(logits, axis=-1))
             for name, fn in variants.items():
+                toks = np.asarray(fn(logits, t, seeds, counters))
                 sec = timed(fn, (logits, t, seeds, counters), args.reps)
+                # At temperature 0 every variant must pick the argmax; at 0.6 the samplers must not.
                 rows.append(dict(batch=b, temperature=temp, variant=name, us=sec * 1e6,
-                                 GBps=logits.nbytes / sec / 1e9))
+                                 GBps=logits.nbytes / sec / 1e9,
+                                 argmax_rows=int((toks == best).sum())))
                 print(f"{b:5d} {temp:11.1f} {name:18} {sec * 1e6:8.1f} {logits.nbytes / sec / 1e9:15.0f}",
                       flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "sampler.json"), "w") as f:
             json.dump(rows, f, indent=1)
+    return dict(rows=rows)
 
 
 if __name__ == "__main__":

@@ -129,3 +129,24 @@ def test_check_stacked_weights_tiny(tmp_path):
     assert [r["rows"] for r in rows] == [1, 20] and all(r["max_abs_diff"] == 0 for r in rows)
     assert all(r["separate_device_us"] > 0 and r["stacked_host_us"] > 0 for r in rows)
     assert rows[1]["slice_copies"] > 0 and (tmp_path / "stacked_weights.json").is_file()
+
+
+def test_bench_sampler_small_vocab(tmp_path):
+    mod = load("bench_sampler")
+    rows = mod.main(["--batches", "1,8", "--vocab", "500", "--reps", "1", "--out", str(tmp_path)])["rows"]
+    assert len(rows) == 2 * 2 * 3 and (tmp_path / "sampler.json").exists()
+    for r in rows:
+        if r["temperature"] == 0.0 or r["variant"] == "argmax only":
+            assert r["argmax_rows"] == r["batch"], r  # greedy rows take the argmax in every variant
+    sampled = [r for r in rows if r["temperature"] > 0 and r["batch"] == 8 and r["variant"] != "argmax only"]
+    assert all(r["argmax_rows"] < 8 for r in sampled)  # the noise moves some of 8 rows off the argmax
+
+
+def test_bench_attention_workload_smoke(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    mod = load("bench_attention_workload")
+    out = mod.main(["--smoke", "--out", str(tmp_path)])
+    rows = out["rows"]
+    assert {r["variant"] for r in rows} == {"engine", "sorted"} and len(rows) == 4
+    assert all(r["rel_err"] < 1e-2 for r in rows)  # the kernel against the reference, both row orders
+    assert set(out["totals_s"]) == {"engine", "sorted"}
