@@ -91,8 +91,8 @@ def test_inputs_travel_as_one_buffer_and_the_step_has_no_host_round_trip():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     hlo = engine.runner.lower_text(params.state, engine.kv_pool, inputs)
     assert " conditional(" not in hlo
-    # Loops only with a trip count known at compile time (the CPU's rolled threefry): XLA runs those
-    # without reading a predicate back.
+    # Loops only with a trip count known at compile time: XLA runs those without reading a predicate
+    # back (the step has none since the sampler's noise is a hash rather than threefry's rolled loop).
     assert all("known_trip_count" in line for line in hlo.splitlines() if " while(" in line)
 
 
