@@ -9,6 +9,10 @@ Baseline in the same run: Hugging Face ``generate`` (static batch, left padding,
 first ``--hf-requests`` requests, and jaxpaged on the same subset.
 
     python benchmarks/bench_throughput.py --out $OUT [--hf-requests 32] [--backend auto]
+
+``--trace``: the full workload runs under ``jax.profiler`` and the script adds where the run's GPU time
+went (busy seconds against the wall, kernels grouped by name with their total seconds); its tok/s then
+include the profiler's overhead, so measure throughput in a separate, untraced run.
 """
 
 from __future__ import annotations
@@ -39,9 +43,16 @@ def run_ours(params, prompts, sps, args):
     compile_s = engine.warmup(use_tqdm=False)
     run_to_completion(engine, [prompts[0][:16]], SamplingParams(max_tokens=4))  # one tiny real request
     engine.metrics.host_seconds = engine.metrics.device_seconds = 0.0
+    trace_dir = getattr(args, "trace_dir", None)
+    if trace_dir:
+        jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
     t0 = time.perf_counter()
-    outs = run_to_completion(engine, prompts, sps)
-    seconds = time.perf_counter() - t0
+    try:
+        outs = run_to_completion(engine, prompts, sps)
+    finally:
+        seconds = time.perf_counter() - t0
+        if trace_dir:
+            jax.profiler.stop_trace()
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     st = engine.stats()
     ttft = sorted(o.metrics.time_to_first_token for o in outs)
@@ -49,7 +60,33 @@ def run_ours(params, prompts, sps, args):
                 steps=st["steps"], preemptions=st["preemptions"], num_blocks=st["num_blocks"],
                 peak_kv_gib=st["peak_kv_bytes_in_use"] / 2**30, compiled_shapes=st["compiled_shapes"],
                 total_compile_s=st["compile_seconds"], ttft_p50=ttft[len(ttft) // 2], ttft_max=ttft[-1],
-                backend=st["attention_backend"], host_s=st["host_seconds"], device_wait_s=st["device_wait_seconds"])
+                backend=st["attention_backend"], host_s=st["host_seconds"], device_wait_s=st["device_wait_seconds"],
+                traced=bool(trace_dir))
+
+
+def workload_gpu_summary(events: list[dict], wall_s: float, top: int = 15) -> dict:
+    """Where a whole traced run's GPU time went: busy (union of kernels and copies) against the wall,
+    and kernels grouped by normalised name with their total seconds (``profile_step.analyse_trace``
+    over the run as one window)."""
+    from profile_step import analyse_trace
+
+    a = analyse_trace(events, steps=1, top=top)
+    busy_s = a["busy_us_per_step"] / 1e6
+    return dict(wall_s=wall_s, gpu_busy_s=busy_s, busy_fraction=busy_s / wall_s if wall_s else 0.0,
+                kernel_s=a["kernel_us_per_step"] / 1e6, kernel_count=a["kernel_count_per_step"],
+                kernels=[dict(name=k["name"], calls=k["calls_per_step"], seconds=k["us_per_step"] / 1e6,
+                              us_per_call=k["us_per_call"], share=k["share"]) for k in a["top"]],
+                copies={k: dict(count=v["count_per_step"], seconds=v["us_per_step"] / 1e6)
+                        for k, v in a["copies"].items()})
+
+
+def print_gpu_summary(g: dict) -> None:
+    print(f"\nGPU over the traced run (profiler overhead in the wall): busy {g['gpu_busy_s']:.3f} s of "
+          f"{g['wall_s']:.3f} s wall ({g['busy_fraction']:.0%}); {g['kernel_count']:.0f} kernels, "
+          f"{g['kernel_s']:.3f} s of kernel time")
+    print(f"{'kernel (normalised name)':56s} {'calls':>8s} {'seconds':>8s} {'us/call':>8s} {'share':>6s}")
+    for k in g["kernels"]:
+        print(f"{k['name'][:56]:56s} {k['calls']:8.0f} {k['seconds']:8.3f} {k['us_per_call']:8.1f} {k['share']:6.1%}")
 
 
 def run_hf(cfg_raw, prompts, sps):
@@ -97,7 +134,11 @@ def main() -> None:
     ap.add_argument("--compare-xla-option", action="append",
                     help="name=value, repeatable: also run the full workload with these compiler options")
     ap.add_argument("--compare-async", action="store_true", help="also run the full workload the other way")
+    ap.add_argument("--trace", action="store_true",
+                    help="run the full workload under jax.profiler (its tok/s then include the profiler's "
+                         "overhead) and report GPU busy time and kernel totals over the whole run")
     args = ap.parse_args()
+    args.trace_dir = os.path.join(args.out, "trace") if args.trace else None
     prompts, sps = nano_vllm_workload(args.num_seqs)
     print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(sp.max_tokens for sp in sps)} output tokens", flush=True)
@@ -105,6 +146,16 @@ def main() -> None:
     params = random_model(QWEN3_0_6B)
     result["ours_full"] = run_ours(params, prompts, sps, args)
     print("ours full:", json.dumps(result["ours_full"]), flush=True)
+    if args.trace_dir:
+        from profile_step import find_trace_file, load_trace
+
+        path = find_trace_file(args.trace_dir)
+        if path is None:
+            print("no trace file found under", args.trace_dir, flush=True)
+        else:
+            result["ours_full_gpu"] = workload_gpu_summary(load_trace(path), result["ours_full"]["seconds"])
+            print_gpu_summary(result["ours_full_gpu"])
+        args.trace_dir = None  # the comparison runs below are not traced
     if args.compare_async:
         other = argparse.Namespace(**{**vars(args), "async_scheduling": not args.async_scheduling})
         result["ours_full_other"] = run_ours(params, prompts, sps, other)

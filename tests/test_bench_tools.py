@@ -150,3 +150,49 @@ def test_bench_attention_workload_smoke(tmp_path, monkeypatch):
     assert {r["variant"] for r in rows} == {"engine", "sorted"} and len(rows) == 4
     assert all(r["rel_err"] < 1e-2 for r in rows)  # the kernel against the reference, both row orders
     assert set(out["totals_s"]) == {"engine", "sorted"}
+
+
+def test_throughput_gpu_summary_of_a_synthetic_trace(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    mod = load("bench_throughput")
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}},
+    ]
+    for i in range(4):  # four steps of 1 ms wall: attention 300 us, a GEMM 100 us, one H2D copy
+        base = i * 1000.0
+        events += [{"ph": "X", "pid": 2, "tid": 7, "ts": base, "dur": 5.0, "name": "MemcpyH2D"},
+                   {"ph": "X", "pid": 2, "tid": 7, "ts": base + 10, "dur": 300.0, "name": "ragged_paged_attention_m16"},
+                   {"ph": "X", "pid": 2, "tid": 7, "ts": base + 400, "dur": 100.0, "name": f"gemm_fusion_dot.{i}"}]
+    g = mod.workload_gpu_summary(events, wall_s=0.004)
+    assert g["gpu_busy_s"] == pytest.approx(4 * 405e-6) and g["busy_fraction"] == pytest.approx(0.405)
+    assert g["kernel_count"] == 8 and g["kernel_s"] == pytest.approx(4 * 400e-6)
+    assert [(k["name"], k["calls"]) for k in g["kernels"]] == [("ragged_paged_attention_m16", 4), ("gemm_fusion_dot", 4)]
+    assert g["kernels"][0]["share"] == pytest.approx(0.75) and g["copies"]["h2d"]["count"] == 4
+    mod.print_gpu_summary(g)
+    assert "busy 0.002 s of 0.004 s wall (40%)" in capsys.readouterr().out
+
+
+def test_throughput_run_under_the_profiler_tiny(tmp_path, monkeypatch):
+    """``--trace``'s path end to end on the tiny model (CPU: the trace has no GPU lines, so the summary
+    is empty but well formed)."""
+    import argparse
+
+    from jaxpaged import SamplingParams, load_params
+    from jaxpaged.models.tiny import tiny_checkpoint_path
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    mod = load("bench_throughput")
+    from profile_step import find_trace_file, load_trace
+
+    params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+    args = argparse.Namespace(block_size=16, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                              backend="auto", async_scheduling=True, trace_dir=str(tmp_path / "trace"))
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
+    r = mod.run_ours(params, prompts, [SamplingParams(max_tokens=5, ignore_eos=True)] * 2, args)
+    assert r["traced"] and r["output_tokens"] == 10
+    path = find_trace_file(args.trace_dir)
+    assert path is not None
+    g = mod.workload_gpu_summary(load_trace(path), r["seconds"])
+    assert g["wall_s"] == r["seconds"] and g["gpu_busy_s"] >= 0.0 and isinstance(g["kernels"], list)
