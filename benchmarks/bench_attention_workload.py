@@ -136,13 +136,15 @@ def main(argv: list[str] | None = None) -> dict:
         xs, ys = zip(*pts)
         est = np.interp(all_steps, xs + (all_steps[-1],), ys + (0.0,)).sum() * LAYERS / 1e6
         totals[name] = est
-    print("\nvariant            est. decode attention over the workload (s, 28 layers)  vs engine")
-    for name, s in totals.items():
-        print(f"{name:18s} {s:8.3f}   {totals['engine'] / s:5.3f}x")
-    if args.out:
+    if args.out:  # written before the summary, so a failure there loses nothing
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "attention_workload.json"), "w") as f:
             json.dump(dict(ceiling_TBps=ceiling / 1e12, rows=rows, totals_s=totals), f, indent=1)
+    base = totals.get("engine")
+    print("\nvariant            est. decode attention over the workload (s, 28 layers)  vs engine")
+    for name, s in totals.items():
+        ratio = f"{base / s:5.3f}x" if base else "  n/a"
+        print(f"{name:18s} {s:8.3f}   {ratio}")
     return dict(rows=rows, totals_s=totals)
 
 

@@ -138,11 +138,11 @@ def main(argv: list[str] | None = None) -> dict:
             run_batch(engine, rng.integers(0, vocab, (batch, length)).tolist(), sp)  # compiles its shapes
             first_wall = time.perf_counter() - t0
             compile_s, shapes = engine.runner.compile_seconds - c0, engine.runner.num_compiled_shapes - s0
-            s1 = engine.runner.num_compiled_shapes
+            s1 = engine.runner.num_compiled_executables
             runs = [run_batch(engine, rng.integers(0, vocab, (batch, length)).tolist(), sp)
                     for _ in range(args.repeats)]
             row = dict(batch=batch, prompt_len=length, compile_s=compile_s, new_shapes=shapes,
-                       first_run_s=first_wall, recompiles_while_measuring=engine.runner.num_compiled_shapes - s1,
+                       first_run_s=first_wall, recompiles_while_measuring=engine.runner.num_compiled_executables - s1,
                        **summarise(runs), raw=runs)
             rows.append(row)
             print(f"batch {batch:3d} prompt {length:5d}: TTFT p50 {row['ttft_p50_ms']:.2f} ms, "

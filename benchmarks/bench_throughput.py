@@ -142,7 +142,7 @@ def main() -> None:
     prompts, sps = nano_vllm_workload(args.num_seqs)
     print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(sp.max_tokens for sp in sps)} output tokens", flush=True)
-    result = {"device": str(jax.devices()[0]), "jax": jax.__version__, "args": vars(args)}
+    result = {"device": str(jax.devices()[0]), "jax": jax.__version__, "args": dict(vars(args))}
     params = random_model(QWEN3_0_6B)
     result["ours_full"] = run_ours(params, prompts, sps, args)
     print("ours full:", json.dumps(result["ours_full"]), flush=True)

@@ -111,7 +111,7 @@ def timed_steps(engine: LLMEngine, n: int, annotate: bool = False) -> dict:
     walls, launches = [], []
     m = engine.metrics
     h0, d0, c0 = m.host_seconds, m.device_seconds, engine.runner.compile_seconds
-    shapes0 = engine.runner.num_compiled_shapes
+    shapes0 = engine.runner.num_compiled_executables
     runner_step = engine.runner.step
 
     def timed_launch(*args, **kwargs):  # the jitted call alone: argument handling, transfer, launch
@@ -137,7 +137,7 @@ def timed_steps(engine: LLMEngine, n: int, annotate: bool = False) -> dict:
     return dict(wall_s=walls, wall_median_s=statistics.median(walls), wall_min_s=min(walls),
                 launch_median_s=statistics.median(launches) if launches else float("nan"),
                 host_s_per_step=(m.host_seconds - h0) / n, device_wait_s_per_step=(m.device_seconds - d0) / n,
-                recompiles=engine.runner.num_compiled_shapes - shapes0,
+                recompiles=engine.runner.num_compiled_executables - shapes0,
                 compile_s=engine.runner.compile_seconds - c0)
 
 
@@ -148,7 +148,7 @@ def first_token_requests(engine: LLMEngine, n: int, ctx: int, rng: np.random.Gen
     is the prefill step plus everything around it (scheduling, input build, launch, read-back)."""
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     walls, parts, steps = [], [], 0
-    c0, shapes0 = engine.runner.compile_seconds, engine.runner.num_compiled_shapes
+    c0, shapes0 = engine.runner.compile_seconds, engine.runner.num_compiled_executables
     for i, prompt in enumerate(random_prompts(rng, engine.params.config.vocab_size, n, ctx)):
         t0 = time.perf_counter()
         ctx_mgr = jax.profiler.TraceAnnotation(f"profile_step:engine.step #{i}") if annotate else None
@@ -173,7 +173,7 @@ def first_token_requests(engine: LLMEngine, n: int, ctx: int, rng: np.random.Gen
     return dict(wall_s=walls, wall_median_s=statistics.median(walls), wall_min_s=min(walls),
                 add_request_median_s=med[0], first_step_host_median_s=med[1], first_step_launch_median_s=med[2],
                 until_output_median_s=med[3], steps_per_request=steps / n, host_s_per_step=float("nan"), device_wait_s_per_step=float("nan"),
-                recompiles=engine.runner.num_compiled_shapes - shapes0, compile_s=engine.runner.compile_seconds - c0)
+                recompiles=engine.runner.num_compiled_executables - shapes0, compile_s=engine.runner.compile_seconds - c0)
 
 
 # ---- trace parsing ----------------------------------------------------------------------------

@@ -275,6 +275,11 @@ class ModelRunner:
         """Step shapes compiled so far (each copy of a shape, see ``step_executables``, counts once)."""
         return len({key[:-1] for key in self._shapes_seen})
 
+    @property
+    def num_compiled_executables(self) -> int:
+        """Executables compiled so far: every copy of every shape (what a no-recompile check counts)."""
+        return len(self._shapes_seen)
+
     def compiled(self, state: nnx.State, kv_pool: KVPool, inputs: StepInputs):
         """The step compiled for ``inputs``' shapes (``jax.stages.Compiled``: its HLO text and XLA's memory
         analysis, to check that the pool is never copied). Runs nothing."""

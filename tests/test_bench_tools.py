@@ -196,3 +196,10 @@ def test_throughput_run_under_the_profiler_tiny(tmp_path, monkeypatch):
     assert path is not None
     g = mod.workload_gpu_summary(load_trace(path), r["seconds"])
     assert g["wall_s"] == r["seconds"] and g["gpu_busy_s"] >= 0.0 and isinstance(g["kernels"], list)
+
+
+def test_bench_attention_workload_without_the_engine_variant(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    mod = load("bench_attention_workload")
+    out = mod.main(["--smoke", "--only", "sorted", "--out", str(tmp_path)])
+    assert set(out["totals_s"]) == {"sorted"} and (tmp_path / "attention_workload.json").exists()

@@ -200,11 +200,11 @@ def test_pallas_backend_engine_matches_hf_and_warmup_covers_all_shapes(qwen3):
     engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=64, max_model_len=64,
                                             max_num_batched_tokens=32, attention_backend="pallas"))
     engine.warmup(use_tqdm=False)
-    compiled = engine.runner.num_compiled_shapes
+    compiled = engine.runner.num_compiled_executables
     outs = run_to_completion(engine, fixture_prompts(ref)[:2], GREEDY)
     for i, out in enumerate(outs):
         assert out.outputs[0].token_ids == list(map(int, ref[f"greedy_{i}"]))
-    assert engine.runner.num_compiled_shapes == compiled
+    assert engine.runner.num_compiled_executables == compiled
 
 
 @pytest.mark.parametrize("num_blocks", [64, 12])

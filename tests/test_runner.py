@@ -118,6 +118,7 @@ def test_step_copies_alternate_and_give_the_same_tokens():
         copies = runner._flat(engine.params.state)[0]
         assert all(c._cache_size() >= 1 for c in copies)  # every copy ran
         assert runner.num_compiled_shapes == len({k[:-1] for k in runner._shapes_seen})
+        assert runner.num_compiled_executables == len(runner._shapes_seen) >= runner.num_compiled_shapes
         assert runner.num_copies(32) == n and runner.num_copies(64) == 1  # large steps: one copy
     assert outs[1] == outs[2]
     np.testing.assert_array_equal([len(t) for t in outs[2]], [6, 6])
