@@ -1,8 +1,9 @@
 """SamplingParams (vLLM's names and defaults) and the device sampler used inside the jitted step.
 
 Randomness is per request: the Gumbel noise of request ``r`` at its ``n``-th generated token is a
-counter-based hash of ``(seed_r, n, token id)`` (:func:`gumbel_noise`), so a request with a seed yields
-the same tokens whatever else is batched with it. Requests without a seed get one drawn from the engine's generator at submission.
+counter-based hash of ``(seed_r, n, token id)`` (:func:`gumbel_noise`), so a request with a seed
+yields the same tokens whatever else is batched with it. Requests without a seed get one drawn from
+the engine's generator at submission.
 Everything else is per row too: the top-k / top-p filter touches only the rows that ask for it, and in
 the batch-invariant mode its sums (softmax denominator, cumulative sum) run in a fixed order that
 depends on the vocabulary size only (:func:`fixed_order_sum`, ``lax.associative_scan``).
