@@ -44,6 +44,8 @@ def run_ours(params, prompts, sps, args):
     run_to_completion(engine, [prompts[0][:16]], SamplingParams(max_tokens=4))  # one tiny real request
     engine.metrics.host_seconds = engine.metrics.device_seconds = 0.0
     trace_dir = getattr(args, "trace_dir", None)
+    windows = getattr(args, "trace_windows", None) or []
+    step_times, finish_steps = time_steps(engine, windows, getattr(args, "window_trace_root", None))
     if trace_dir:
         jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
     t0 = time.perf_counter()
@@ -53,6 +55,7 @@ def run_ours(params, prompts, sps, args):
         seconds = time.perf_counter() - t0
         if trace_dir:
             jax.profiler.stop_trace()
+        finish_steps()
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     st = engine.stats()
     ttft = sorted(o.metrics.time_to_first_token for o in outs)
@@ -61,7 +64,94 @@ def run_ours(params, prompts, sps, args):
                 peak_kv_gib=st["peak_kv_bytes_in_use"] / 2**30, compiled_shapes=st["compiled_shapes"],
                 total_compile_s=st["compile_seconds"], ttft_p50=ttft[len(ttft) // 2], ttft_max=ttft[-1],
                 backend=st["attention_backend"], host_s=st["host_seconds"], device_wait_s=st["device_wait_seconds"],
-                traced=bool(trace_dir))
+                traced=bool(trace_dir or windows), step_end_s=[t - t0 for t in step_times])
+
+
+def parse_windows(text: str | None) -> list[tuple[int, int]]:
+    """``"100:130,600:630"`` -> ``[(100, 130), (600, 630)]``: engine steps ``[a, b)`` of the timed run."""
+    out = []
+    for item in (text or "").split(","):
+        if item.strip():
+            a, _, b = item.partition(":")
+            if not 0 <= int(a) < int(b):
+                raise SystemExit(f"--trace-steps: bad window {item!r} (want a:b with 0 <= a < b)")
+            out.append((int(a), int(b)))
+    out.sort()
+    for (_, b), (c, _) in zip(out, out[1:]):
+        if c < b:
+            raise SystemExit(f"--trace-steps: windows overlap ({text!r}); one trace at a time")
+    return out
+
+
+def time_steps(engine, windows: list[tuple[int, int]], trace_root: str | None):
+    """Wraps ``engine.step`` for one run: records when each step returns (``perf_counter``) and, with
+    ``trace_root``, traces engine steps ``[a, b)`` of each window into ``trace_root/w{a}_{b}``.
+    Returns ``(times, finish)``: ``finish()`` stops a window the run did not reach the end of and
+    puts the engine's own ``step`` back."""
+    times: list[float] = []
+    step = engine.step
+    starts = {a: (a, b) for a, b in windows} if trace_root else {}
+    ends = {b for _, b in windows} if trace_root else set()
+    tracing = [False]
+
+    def timed_step():
+        i = len(times)
+        if i in starts:
+            a, b = starts[i]
+            jax.profiler.start_trace(os.path.join(trace_root, f"w{a}_{b}"), create_perfetto_trace=True)
+            tracing[0] = True
+        out = step()
+        times.append(time.perf_counter())
+        if i + 1 in ends and tracing[0]:
+            jax.profiler.stop_trace()
+            tracing[0] = False
+        return out
+
+    def finish():
+        if tracing[0]:
+            jax.profiler.stop_trace()
+            tracing[0] = False
+        del engine.step  # the class's method again
+
+    engine.step = timed_step
+    return times, finish
+
+
+def window_summaries(untraced: dict, traced: dict, windows: list[tuple[int, int]], trace_root: str) -> list[dict]:
+    """Per window: the untraced run's wall per step (from its step end times) against the GPU busy
+    time per step of the same steps in the traced run (the schedule is deterministic: same steps)."""
+    from profile_step import analyse_trace, find_trace_file, load_trace
+
+    out = []
+    for a, b in windows:
+        ends = untraced["step_end_s"]
+        if b > len(ends) or a < 1:
+            out.append(dict(window=[a, b], error=f"the run had {len(ends)} steps (need 1 <= a < b <= steps)"))
+            continue
+        wall_ms = (ends[b - 1] - ends[a - 1]) / (b - a) * 1e3
+        path = find_trace_file(os.path.join(trace_root, f"w{a}_{b}"))
+        if path is None:
+            out.append(dict(window=[a, b], untraced_wall_ms=wall_ms, error="no trace file"))
+            continue
+        t = analyse_trace(load_trace(path), steps=b - a, top=8)
+        busy_ms = t["busy_us_per_step"] / 1e3
+        out.append(dict(window=[a, b], untraced_wall_ms=wall_ms, gpu_busy_ms=busy_ms,
+                        idle_fraction=1 - busy_ms / wall_ms, kernels_per_step=t["kernel_count_per_step"],
+                        top=[dict(name=k["name"], us_per_step=k["us_per_step"], calls=k["calls_per_step"])
+                             for k in t["top"]]))
+    return out
+
+
+def print_window_summaries(rows: list[dict]) -> None:
+    print("\nsteps [a, b) of the workload: untraced wall per step vs GPU busy per step (traced run)")
+    print(f"{'steps':>12s} {'wall ms':>8s} {'busy ms':>8s} {'idle':>6s} {'kernels':>8s}  top kernels (us/step)")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['window'][0]:>5d}:{r['window'][1]:<6d} {r['error']}")
+            continue
+        top = ", ".join(f"{k['name'][:28]} {k['us_per_step']:.0f}" for k in r["top"][:4])
+        print(f"{r['window'][0]:>5d}:{r['window'][1]:<6d} {r['untraced_wall_ms']:8.3f} {r['gpu_busy_ms']:8.3f} "
+              f"{r['idle_fraction']:6.1%} {r['kernels_per_step']:8.0f}  {top}")
 
 
 def workload_gpu_summary(events: list[dict], wall_s: float, top: int = 15) -> dict:
@@ -134,6 +224,9 @@ def main() -> None:
     ap.add_argument("--compare-xla-option", action="append",
                     help="name=value, repeatable: also run the full workload with these compiler options")
     ap.add_argument("--compare-async", action="store_true", help="also run the full workload the other way")
+    ap.add_argument("--trace-steps", default=None,
+                    help="a:b[,c:d...]: after the untraced run, run the workload again tracing engine steps [a, b) "
+                         "and print their GPU busy time per step against the untraced run's wall per step")
     ap.add_argument("--trace", action="store_true",
                     help="run the full workload under jax.profiler (its tok/s then include the profiler's "
                          "overhead) and report GPU busy time and kernel totals over the whole run")
@@ -145,7 +238,15 @@ def main() -> None:
     result = {"device": str(jax.devices()[0]), "jax": jax.__version__, "args": dict(vars(args))}
     params = random_model(QWEN3_0_6B)
     result["ours_full"] = run_ours(params, prompts, sps, args)
-    print("ours full:", json.dumps(result["ours_full"]), flush=True)
+    print("ours full:", json.dumps({k: v for k, v in result["ours_full"].items() if k != "step_end_s"}), flush=True)
+    windows = parse_windows(args.trace_steps)
+    if windows:  # the same workload again, steps of each window traced (compiled steps are reused)
+        root = os.path.join(args.out, "window_traces")
+        traced_args = argparse.Namespace(**{**vars(args), "trace_dir": None, "trace_windows": windows,
+                                            "window_trace_root": root})
+        traced = run_ours(params, prompts, sps, traced_args)
+        result["windows"] = window_summaries(result["ours_full"], traced, windows, root)
+        print_window_summaries(result["windows"])
     if args.trace_dir:
         from profile_step import find_trace_file, load_trace
 

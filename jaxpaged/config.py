@@ -73,6 +73,12 @@ class EngineConfig:
       the H200 1.16-1.37 -> 0.98-1.02 ms). Each copy is compiled: with 2, warm-up compiles the six
       smallest token buckets twice. ``None``: 2 on a GPU, 1 elsewhere (a CPU has no command
       buffers); tensor parallelism uses 1.
+    cublas_max_tokens: steps of more than 32 and at most this many padded tokens (decode-sized steps,
+      above the GEMV's 32 rows) compile XLA's GEMMs as cuBLAS calls instead of Triton fusions
+      (``xla_gpu_enable_triton_gemm=False`` for those executables only); larger, prefill-sized
+      steps keep Triton's. On the H200 a batch-256 decode step's GPU time fell 4%, while cuBLAS for
+      every step made the whole workload slower (its prefill steps). ``None``: 512 on a GPU, 0 (never)
+      elsewhere and with ``batch_invariant`` (whose matmuls are Pallas kernels).
     compiler_options: XLA options for the compiled step only, as ``((name, value), ...)`` (e.g.
       ``(("xla_gpu_enable_triton_gemm", False),)``); ``None`` = the engine's defaults
       (``runner.DEFAULT_COMPILER_OPTIONS``). Never a global flag.
@@ -110,6 +116,7 @@ class EngineConfig:
     min_token_bucket: int | None = None  # smallest padded token count of a step: 1 on GPU, 16 on CPU (see docstring)
     longest_first: bool = True  # rows of a step ordered by context length, longest first (see docstring)
     step_executables: int | None = None  # copies of each small compiled step, used in turn: 2 on GPU (see docstring)
+    cublas_max_tokens: int | None = None  # decode-sized steps' GEMMs through cuBLAS: up to 512 tokens on GPU (see docstring)
     compiler_options: tuple[tuple[str, object], ...] | None = None  # XLA options for the step (see docstring)
     scheduling_policy: str = "fcfs"  # or "prefix_affinity" (see docstring)
     tensor_parallel_size: int = 1  # devices the model is split over (jaxpaged.sharding)
@@ -125,6 +132,9 @@ class EngineConfig:
         if self.step_executables is not None and (not isinstance(self.step_executables, int)
                                                   or self.step_executables < 1):
             raise ValueError(f"step_executables must be a positive integer or None, got {self.step_executables!r}")
+        if self.cublas_max_tokens is not None and (not isinstance(self.cublas_max_tokens, int)
+                                                   or self.cublas_max_tokens < 0):
+            raise ValueError(f"cublas_max_tokens must be a non-negative integer or None, got {self.cublas_max_tokens!r}")
         m = self.min_token_bucket
         if m is not None and (not isinstance(m, int) or m < 1 or m & (m - 1)):
             raise ValueError(f"min_token_bucket must be a power of two >= 1, got {m!r}")

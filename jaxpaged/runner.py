@@ -22,6 +22,7 @@ from flax import nnx
 
 from .batch import StepInputs
 from .kernels.backend import get_attention_fn, get_model_ops, resolve_backend
+from .kernels.gemv import ROWS as GEMV_ROWS
 from .kernels.kv_write import write_kv
 from .models.qwen import DEFAULT_OPS, KVPool, ModelOps
 from .sampling_features import sample_step
@@ -133,6 +134,8 @@ def make_step_fn(graphdef: nnx.GraphDef, attention_fn: Callable, write_kv_fn: Ca
 
 
 COPIES_MAX_TOKENS = 32  # steps of at most this many tokens use every copy of the step (ModelRunner)
+# XLA options of the steps that ``cublas_max_tokens`` covers: XLA's GEMMs through cuBLAS, not Triton.
+CUBLAS_OPTIONS: tuple[tuple[str, object], ...] = (("xla_gpu_enable_triton_gemm", False),)
 
 
 class ModelRunner:
@@ -161,16 +164,23 @@ class ModelRunner:
     nodes, 1.3-1.5 ms of host time) was still re-patched with two copies (the copy's previous step had
     not released its temporaries yet), so steps of more than ``COPIES_MAX_TOKENS`` tokens keep one
     copy and one compile. Each copy is a separate jit of the same function (compiled separately).
+
+    ``cublas_max_tokens``: steps of more than ``GEMV_ROWS`` and at most this many padded tokens
+    (decode-sized steps) are compiled with ``CUBLAS_OPTIONS`` on top of ``compiler_options``, so their
+    XLA GEMMs are cuBLAS calls; larger (prefill) steps keep XLA's Triton GEMM fusions. 0: never.
+    Measured on the H200 (RESULTS.md, session 7): a batch-256 decode step's GPU time -4%, while the
+    whole workload with cuBLAS everywhere was 0.89x (its prefill steps slower; session 3).
     """
 
     def __init__(self, graphdef: nnx.GraphDef, attention_backend: str = "auto", batch_invariant: bool = False,
                  compiler_options: dict | None = None, mesh=None, decode_gemv: bool = True,
                  fused_qkv: bool = True, fuse_matmul_inputs: bool = False, fused_residual: bool = True,
-                 step_executables: int = 1):
+                 step_executables: int = 1, cublas_max_tokens: int = 0):
         if step_executables < 1:
             raise ValueError(f"step_executables must be >= 1, got {step_executables}")
         self.step_executables = 1 if mesh is not None else step_executables
         self._turns: dict[tuple, int] = {}  # step shape -> the copy that ran it last
+        self.cublas_max_tokens = cublas_max_tokens
         self.attention_backend = resolve_backend(attention_backend)
         self.batch_invariant = batch_invariant
         self.compiler_options = dict(compiler_options or {})
@@ -183,7 +193,7 @@ class ModelRunner:
             ops = tp_model_ops(ops)
         self._step_fn = make_step_fn(graphdef, get_attention_fn(attention_backend, batch_invariant), write_kv,
                                      ops, batch_invariant)
-        self._jitted: dict = {}  # state treedef -> the jitted step's copies (over flat weight leaves)
+        self._jitted: dict = {}  # (state treedef, variant) -> the jitted step's copies (over flat weight leaves)
         self._state: nnx.State | None = None
         self._leaves: list[jax.Array] = []
         self._treedef = None
@@ -212,21 +222,34 @@ class ModelRunner:
         up to ``COPIES_MAX_TOKENS`` tokens, one above (see the class docstring)."""
         return self.step_executables if num_tokens <= COPIES_MAX_TOKENS else 1
 
+    def variant(self, num_tokens: int) -> str:
+        """Which compiled variant a padded step of ``num_tokens`` tokens runs: ``"cublas"`` (see
+        ``cublas_max_tokens``) or ``"default"``."""
+        return "cublas" if GEMV_ROWS < num_tokens <= self.cublas_max_tokens else "default"
+
     def set_jitted(self, state: nnx.State, jitted: Callable) -> None:
-        """Replaces the jitted step for ``state``'s structure (experiments with compiler options): one
-        jitted function, or a tuple of copies as ``_flat`` returns them."""
+        """Replaces the jitted step for ``state``'s structure, for every step size (experiments with
+        compiler options): one jitted function, or a tuple of copies as ``_flat`` returns them."""
         self._flat(state)
-        self._jitted[self._treedef] = jitted if isinstance(jitted, tuple) else (jitted,)
+        copies = jitted if isinstance(jitted, tuple) else (jitted,)
+        for variant in ("default", "cublas"):
+            self._jitted[self._treedef, variant] = copies
         self._shapes_seen.clear()
 
-    def _flat(self, state: nnx.State):
+    def _flat(self, state: nnx.State, variant: str = "default"):
+        """``(copies, leaves)``: the jitted copies of ``variant`` for ``state``'s structure (made on first
+        use) and ``state``'s flat leaves (flattened once per state object)."""
         if state is not self._state:
             self._leaves, self._treedef = jax.tree.flatten(state)
             self._state = state
-            if self._treedef not in self._jitted:
-                self._jitted[self._treedef] = tuple(self.make_jitted(self._treedef, self.compiler_options)
-                                                    for _ in range(self.step_executables))
-        return self._jitted[self._treedef], self._leaves
+        key = (self._treedef, variant)
+        if key not in self._jitted:
+            options = dict(self.compiler_options)
+            if variant == "cublas":
+                options = {**dict(CUBLAS_OPTIONS), **options}  # the user's own options win
+            self._jitted[key] = tuple(self.make_jitted(self._treedef, options)
+                                      for _ in range(self.step_executables))
+        return self._jitted[key], self._leaves
 
     def step(self, state: nnx.State, kv_pool: KVPool, inputs: StepInputs,
              prev_tokens: jax.Array | None = None) -> tuple[jax.Array, KVPool]:
@@ -236,13 +259,15 @@ class ModelRunner:
         """
         if prev_tokens is None:
             prev_tokens = np.zeros(inputs.logits_indices.shape, np.int32)
-        copies, leaves = self._flat(state)
+        num_tokens = inputs.token_ids.shape[0]
+        variant = self.variant(num_tokens)
+        copies, leaves = self._flat(state, variant)
         if self.mesh is not None:  # one executable for fresh and fed-back tokens (committed or not)
             prev_tokens = self._replicate(prev_tokens)
         packed, layout = pack(inputs)  # (a numpy argument: jit's own transfer was measured cheaper
         # than a jax.device_put before the call, 350 vs 467 us a call; bench_dispatch.py, RESULTS.md)
-        base_key = (layout, prev_tokens.shape, kv_pool.shape, kv_pool.dtype)
-        n = min(len(copies), self.num_copies(inputs.token_ids.shape[0]))
+        base_key = (layout, prev_tokens.shape, kv_pool.shape, kv_pool.dtype, variant)
+        n = min(len(copies), self.num_copies(num_tokens))
         self._turns[base_key] = turn = (self._turns.get(base_key, -1) + 1) % n  # in turn, per shape
         jitted = copies[turn]
         shape_key = base_key + (turn,)
@@ -283,7 +308,7 @@ class ModelRunner:
     def compiled(self, state: nnx.State, kv_pool: KVPool, inputs: StepInputs):
         """The step compiled for ``inputs``' shapes (``jax.stages.Compiled``: its HLO text and XLA's memory
         analysis, to check that the pool is never copied). Runs nothing."""
-        copies, leaves = self._flat(state)
+        copies, leaves = self._flat(state, self.variant(inputs.token_ids.shape[0]))
         prev_tokens = np.zeros(inputs.logits_indices.shape, np.int32)
         packed, layout = pack(inputs)
         with self._partitioner():

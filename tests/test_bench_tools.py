@@ -203,3 +203,37 @@ def test_bench_attention_workload_without_the_engine_variant(tmp_path, monkeypat
     mod = load("bench_attention_workload")
     out = mod.main(["--smoke", "--only", "sorted", "--out", str(tmp_path)])
     assert set(out["totals_s"]) == {"sorted"} and (tmp_path / "attention_workload.json").exists()
+
+
+def test_throughput_trace_windows_tiny(tmp_path, monkeypatch, capsys):
+    """``--trace-steps``: the untraced run records when each step ends, a second run traces only the
+    windows' steps, and each window gets the untraced wall per step (CPU: no GPU lines, busy 0)."""
+    import argparse
+
+    from jaxpaged import SamplingParams, load_params
+    from jaxpaged.models.tiny import tiny_checkpoint_path
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    mod = load("bench_throughput")
+    assert mod.parse_windows("2:4, 5:7") == [(2, 4), (5, 7)] and mod.parse_windows(None) == []
+    with pytest.raises(SystemExit, match="bad window"):
+        mod.parse_windows("4:4")
+    with pytest.raises(SystemExit, match="overlap"):
+        mod.parse_windows("1:5,4:8")
+    params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+    args = argparse.Namespace(block_size=16, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                              backend="auto", async_scheduling=True)
+    prompts, sps = [[1, 2, 3, 4, 5, 6], [7, 8, 9]], [SamplingParams(max_tokens=6, ignore_eos=True)] * 2
+    untraced = mod.run_ours(params, prompts, sps, args)
+    ends = untraced["step_end_s"]
+    assert not untraced["traced"] and len(ends) >= 6 and ends == sorted(ends) and ends[-1] <= untraced["seconds"]
+    root = str(tmp_path / "w")
+    windows = [(2, 4), (5, 99)]  # the second one outlives the run: stopped at its end
+    traced = mod.run_ours(params, prompts, sps, argparse.Namespace(**vars(args), trace_windows=windows,
+                                                                    window_trace_root=root))
+    assert traced["traced"] and traced["output_tokens"] == untraced["output_tokens"] == 12
+    rows = mod.window_summaries(untraced, traced, windows, root)
+    assert rows[0]["window"] == [2, 4] and rows[0]["untraced_wall_ms"] == pytest.approx((ends[3] - ends[1]) / 2 * 1e3)
+    assert rows[0]["gpu_busy_ms"] == 0.0 and "error" in rows[1]  # no GPU on CI; window past the run's end
+    mod.print_window_summaries(rows)
+    assert "untraced wall per step vs GPU busy" in capsys.readouterr().out

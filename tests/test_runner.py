@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
 from jaxpaged.batch import bucket, build_step_inputs
@@ -122,3 +123,31 @@ def test_step_copies_alternate_and_give_the_same_tokens():
         assert runner.num_copies(32) == n and runner.num_copies(64) == 1  # large steps: one copy
     assert outs[1] == outs[2]
     np.testing.assert_array_equal([len(t) for t in outs[2]], [6, 6])
+
+
+def test_cublas_variant_covers_decode_sized_steps_only():
+    """``cublas_max_tokens``: steps of 33..N padded tokens run a separately compiled variant (XLA's GEMMs
+    through cuBLAS on a GPU), smaller and larger steps the default one; tokens do not change (on the
+    CPU the option has no effect); the default is 0 (never) off a GPU."""
+    from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
+    from jaxpaged.llm import run_to_completion
+    from jaxpaged.models.tiny import tiny_checkpoint_path
+    from jaxpaged.runner import CUBLAS_OPTIONS
+
+    params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    outs = {}
+    for n in (0, 64):
+        engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=32, max_model_len=64,
+                                                cublas_max_tokens=n, compilation_cache=False))
+        runner = engine.runner
+        assert runner.cublas_max_tokens == n
+        assert [runner.variant(t) for t in (16, 32, 64, 128)] == \
+            ["default", "default", "cublas" if n else "default", "default"]
+        outs[n] = run_to_completion(engine, [list(range(40))], sp)[0].outputs[0].token_ids  # a 64-token prefill
+        variants = sorted(key[-2] for key in runner._shapes_seen)
+        assert variants == (["cublas", "default"] if n else ["default", "default"])
+    assert outs[0] == outs[64]
+    assert dict(CUBLAS_OPTIONS) == {"xla_gpu_enable_triton_gemm": False}
+    with pytest.raises(ValueError, match="cublas_max_tokens"):
+        EngineConfig(cublas_max_tokens=-1)
