@@ -2,8 +2,9 @@
 1,536 tokens; Qwen3-0.6B shapes with random bf16 weights (``--model tiny``: the packaged tiny checkpoint,
 for a CPU), greedy, ``ignore_eos``, 64 output tokens per request.
 
-For each (batch, prompt length): one run first compiles every shape that configuration needs (its compile
-seconds are reported separately), then ``--repeats`` measured runs, each with fresh random prompts (so the
+For each (batch, prompt length): first one run per copy of the step (``EngineConfig.step_executables``:
+2 on a GPU) compiles every shape and copy that configuration needs (compile seconds reported
+separately; ``first_run_s`` covers those runs together), then ``--repeats`` measured runs, each with fresh random prompts (so the
 prefix cache never hits). All requests of a run arrive at once; the engine is stepped here and every
 request's output tokens are timestamped after each step.
 

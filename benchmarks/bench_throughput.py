@@ -67,15 +67,26 @@ def run_ours(params, prompts, sps, args):
                 traced=bool(trace_dir or windows), step_end_s=[t - t0 for t in step_times])
 
 
+def brief(run: dict) -> dict:
+    """A run's result without its per-step end times (for the log; the JSON keeps them)."""
+    return {k: v for k, v in run.items() if k != "step_end_s"}
+
+
 def parse_windows(text: str | None) -> list[tuple[int, int]]:
-    """``"100:130,600:630"`` -> ``[(100, 130), (600, 630)]``: engine steps ``[a, b)`` of the timed run."""
+    """``"100:130,600:630"`` -> ``[(100, 130), (600, 630)]``: engine steps ``[a, b)`` of the timed run,
+    ``1 <= a < b`` (the wall of step ``a`` is measured from the end of step ``a - 1``), not overlapping."""
     out = []
     for item in (text or "").split(","):
-        if item.strip():
-            a, _, b = item.partition(":")
-            if not 0 <= int(a) < int(b):
-                raise SystemExit(f"--trace-steps: bad window {item!r} (want a:b with 0 <= a < b)")
-            out.append((int(a), int(b)))
+        if not item.strip():
+            continue
+        a, sep, b = item.partition(":")
+        try:
+            a, b = int(a), int(b)
+        except ValueError:
+            a = b = -1
+        if not sep or not 1 <= a < b:
+            raise SystemExit(f"--trace-steps: bad window {item!r} (want a:b with 1 <= a < b)")
+        out.append((a, b))
     out.sort()
     for (_, b), (c, _) in zip(out, out[1:]):
         if c < b:
@@ -86,8 +97,11 @@ def parse_windows(text: str | None) -> list[tuple[int, int]]:
 def time_steps(engine, windows: list[tuple[int, int]], trace_root: str | None):
     """Wraps ``engine.step`` for one run: records when each step returns (``perf_counter``) and, with
     ``trace_root``, traces engine steps ``[a, b)`` of each window into ``trace_root/w{a}_{b}``.
-    Returns ``(times, finish)``: ``finish()`` stops a window the run did not reach the end of and
-    puts the engine's own ``step`` back."""
+    Around a window the host waits for the device (the step before it finishes before the trace
+    starts, its last step before the trace stops), so the trace holds exactly the window's steps'
+    GPU work; the traced run's wall is not the measurement. Returns ``(times, finish)``:
+    ``finish()`` stops a window the run did not reach the end of and puts the engine's own ``step``
+    back."""
     times: list[float] = []
     step = engine.step
     starts = {a: (a, b) for a, b in windows} if trace_root else {}
@@ -98,11 +112,13 @@ def time_steps(engine, windows: list[tuple[int, int]], trace_root: str | None):
         i = len(times)
         if i in starts:
             a, b = starts[i]
+            jax.block_until_ready(engine._prev_tokens)  # the step before the window finishes untraced
             jax.profiler.start_trace(os.path.join(trace_root, f"w{a}_{b}"), create_perfetto_trace=True)
             tracing[0] = True
         out = step()
         times.append(time.perf_counter())
         if i + 1 in ends and tracing[0]:
+            jax.block_until_ready(engine._prev_tokens)  # the window's last step finishes in the trace
             jax.profiler.stop_trace()
             tracing[0] = False
         return out
@@ -119,14 +135,18 @@ def time_steps(engine, windows: list[tuple[int, int]], trace_root: str | None):
 
 def window_summaries(untraced: dict, traced: dict, windows: list[tuple[int, int]], trace_root: str) -> list[dict]:
     """Per window: the untraced run's wall per step (from its step end times) against the GPU busy
-    time per step of the same steps in the traced run (the schedule is deterministic: same steps)."""
+    time per step of the same steps in the traced run (the schedule is deterministic: same steps,
+    checked by their count)."""
     from profile_step import analyse_trace, find_trace_file, load_trace
 
+    if traced["steps"] != untraced["steps"]:
+        return [dict(window=[a, b], error=f"the runs took {untraced['steps']} and {traced['steps']} steps: "
+                                          "not the same schedule") for a, b in windows]
     out = []
     for a, b in windows:
         ends = untraced["step_end_s"]
-        if b > len(ends) or a < 1:
-            out.append(dict(window=[a, b], error=f"the run had {len(ends)} steps (need 1 <= a < b <= steps)"))
+        if b > len(ends):
+            out.append(dict(window=[a, b], error=f"the run had {len(ends)} steps (need b <= steps)"))
             continue
         wall_ms = (ends[b - 1] - ends[a - 1]) / (b - a) * 1e3
         path = find_trace_file(os.path.join(trace_root, f"w{a}_{b}"))
@@ -232,14 +252,16 @@ def main() -> None:
                          "overhead) and report GPU busy time and kernel totals over the whole run")
     args = ap.parse_args()
     args.trace_dir = os.path.join(args.out, "trace") if args.trace else None
+    windows = parse_windows(args.trace_steps)  # checked before minutes of GPU time
+    if windows and args.trace:
+        raise SystemExit("--trace-steps compares with an untraced run: do not combine it with --trace")
     prompts, sps = nano_vllm_workload(args.num_seqs)
     print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(sp.max_tokens for sp in sps)} output tokens", flush=True)
     result = {"device": str(jax.devices()[0]), "jax": jax.__version__, "args": dict(vars(args))}
     params = random_model(QWEN3_0_6B)
     result["ours_full"] = run_ours(params, prompts, sps, args)
-    print("ours full:", json.dumps({k: v for k, v in result["ours_full"].items() if k != "step_end_s"}), flush=True)
-    windows = parse_windows(args.trace_steps)
+    print("ours full:", json.dumps(brief(result["ours_full"])), flush=True)
     if windows:  # the same workload again, steps of each window traced (compiled steps are reused)
         root = os.path.join(args.out, "window_traces")
         traced_args = argparse.Namespace(**{**vars(args), "trace_dir": None, "trace_windows": windows,
@@ -260,15 +282,16 @@ def main() -> None:
     if args.compare_async:
         other = argparse.Namespace(**{**vars(args), "async_scheduling": not args.async_scheduling})
         result["ours_full_other"] = run_ours(params, prompts, sps, other)
-        print("ours full (other scheduling):", json.dumps(result["ours_full_other"]), flush=True)
+        print("ours full (other scheduling):", json.dumps(brief(result["ours_full_other"])), flush=True)
     if args.compare_xla_option:
         other = argparse.Namespace(**{**vars(args), "xla_option": args.compare_xla_option})
         result["ours_full_xla"] = run_ours(params, prompts, sps, other)
-        print("ours full (compiler options %s):" % args.compare_xla_option, json.dumps(result["ours_full_xla"]), flush=True)
+        print("ours full (compiler options %s):" % args.compare_xla_option, json.dumps(brief(result["ours_full_xla"])),
+              flush=True)
     n = args.hf_requests
     if n:
         result["ours_subset"] = run_ours(params, prompts[:n], sps[:n], args)
-        print("ours subset:", json.dumps(result["ours_subset"]), flush=True)
+        print("ours subset:", json.dumps(brief(result["ours_subset"])), flush=True)
         del params
         result["hf_subset"] = run_hf(QWEN3_0_6B, prompts[:n], sps[:n])
         print("hf subset:", json.dumps(result["hf_subset"]), flush=True)

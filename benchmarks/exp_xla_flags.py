@@ -13,6 +13,10 @@ Then, for each variant, the same step function is jitted with that variant's ``c
 * from a short profiler trace of replayed steps: kernels, device busy time and H2D / D2H copies per step
   (a D2H per step inside the step is the ``lax.cond`` predicate of the sampler).
 
+Each variant's options replace the engine's for the replayed step: ``default`` is XLA's defaults
+(Triton GEMM fusions), while the engine itself compiles decode-sized steps (33-512 tokens, e.g. the
+batch-256 step) with cuBLAS GEMMs (``EngineConfig.cublas_max_tokens``), i.e. ``triton_gemm_off``.
+
 Variants (``--variants`` picks some by name; ``--list`` prints them). Repeated enum options such as
 ``xla_gpu_enable_command_buffer`` take a comma-separated list of names that REPLACES the default list
 ("" = command buffers off); booleans are Python bools (a string must be exactly "True"/"False").
@@ -173,7 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"steady decode after {steady['prefill_steps']} steps ({steady['seconds']:.1f} s, "
           f"compile {steady['compile_seconds']:.1f} s)", flush=True)
     runner = engine.runner
-    original_jitted, leaves = runner._flat(engine.params.state)
+    leaves = runner._flat(engine.params.state)[1]
+    original_jitted = dict(runner._jitted)  # every variant (the engine's decode-sized steps run cuBLAS's)
     inputs, prev = capture_step_inputs(engine)
 
     results: dict[str, dict] = {}
@@ -224,7 +229,9 @@ def main(argv: list[str] | None = None) -> dict:
                 t = ps.timed_steps(engine, args.engine_steps)
                 results[name]["engine_wall_s"].extend(t["wall_s"])
     finally:
-        install(runner, engine.params.state, original_jitted)
+        runner._jitted.clear()  # the engine's own jitted steps, every variant, back
+        runner._jitted.update(original_jitted)
+        runner._shapes_seen.clear()
     for name in jitted_by_name:
         w = results[name]["engine_wall_s"]
         results[name]["engine_ms"] = statistics.median(w) * 1e3 if w else None

@@ -220,6 +220,9 @@ def test_throughput_trace_windows_tiny(tmp_path, monkeypatch, capsys):
         mod.parse_windows("4:4")
     with pytest.raises(SystemExit, match="overlap"):
         mod.parse_windows("1:5,4:8")
+    for bad in ("5", "0:3", "a:b"):
+        with pytest.raises(SystemExit, match="bad window"):
+            mod.parse_windows(bad)
     params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
     args = argparse.Namespace(block_size=16, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
                               backend="auto", async_scheduling=True)

@@ -54,7 +54,7 @@ for name, tps in (("qwen2", (2,)), ("qwen3", (2, 4))):  # qwen3 at 4: KV heads r
         e = engine(p, tp)
         got = tokens(e)
         assert got == want, (name, tp, got, want)
-        (jitted,) = e.runner._jitted[e.runner._treedef]  # one copy of the step under tensor parallelism
+        (jitted,) = e.runner._flat(e.params.state)[0]  # one copy of the step under tensor parallelism
         compiled = jitted._cache_size()
         assert tokens(e) == want and jitted._cache_size() == compiled  # fed-back tokens: no new executable
 
