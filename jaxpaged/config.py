@@ -79,6 +79,12 @@ class EngineConfig:
       steps keep Triton's. On the H200 a batch-256 decode step's GPU time fell 4%, while cuBLAS for
       every step made the whole workload slower (its prefill steps). ``None``: 512 on a GPU, 0 (never)
       elsewhere and with ``batch_invariant`` (whose matmuls are Pallas kernels).
+    max_cudagraph_capture_size: steps of more padded tokens than this run without CUDA graphs (XLA's
+      command buffers off for those executables only: ``xla_gpu_enable_command_buffer=""``); their
+      kernels are launched one by one, and the GPU starts on the first while the host launches the
+      rest. A large step's graph is otherwise re-patched before every launch (``runner.ModelRunner``),
+      which holds the host 1.3-4 ms at batch 256 on the H200. ``None``: every step as CUDA graphs.
+      (vLLM's name: the largest batch it captures a graph for.)
     compiler_options: XLA options for the compiled step only, as ``((name, value), ...)`` (e.g.
       ``(("xla_gpu_enable_triton_gemm", False),)``); ``None`` = the engine's defaults
       (``runner.DEFAULT_COMPILER_OPTIONS``). Never a global flag.
@@ -117,6 +123,7 @@ class EngineConfig:
     longest_first: bool = True  # rows of a step ordered by context length, longest first (see docstring)
     step_executables: int | None = None  # copies of each small compiled step, used in turn: 2 on GPU (see docstring)
     cublas_max_tokens: int | None = None  # decode-sized steps' GEMMs through cuBLAS: up to 512 tokens on GPU (see docstring)
+    max_cudagraph_capture_size: int | None = None  # larger steps launch kernel by kernel (see docstring)
     compiler_options: tuple[tuple[str, object], ...] | None = None  # XLA options for the step (see docstring)
     scheduling_policy: str = "fcfs"  # or "prefix_affinity" (see docstring)
     tensor_parallel_size: int = 1  # devices the model is split over (jaxpaged.sharding)
@@ -135,6 +142,10 @@ class EngineConfig:
         if self.cublas_max_tokens is not None and (not isinstance(self.cublas_max_tokens, int)
                                                    or self.cublas_max_tokens < 0):
             raise ValueError(f"cublas_max_tokens must be a non-negative integer or None, got {self.cublas_max_tokens!r}")
+        if self.max_cudagraph_capture_size is not None and (not isinstance(self.max_cudagraph_capture_size, int)
+                                                            or self.max_cudagraph_capture_size < 0):
+            raise ValueError("max_cudagraph_capture_size must be a non-negative integer or None, "
+                             f"got {self.max_cudagraph_capture_size!r}")
         m = self.min_token_bucket
         if m is not None and (not isinstance(m, int) or m < 1 or m & (m - 1)):
             raise ValueError(f"min_token_bucket must be a power of two >= 1, got {m!r}")

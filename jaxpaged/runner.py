@@ -136,6 +136,10 @@ def make_step_fn(graphdef: nnx.GraphDef, attention_fn: Callable, write_kv_fn: Ca
 COPIES_MAX_TOKENS = 32  # steps of at most this many tokens use every copy of the step (ModelRunner)
 # XLA options of the steps that ``cublas_max_tokens`` covers: XLA's GEMMs through cuBLAS, not Triton.
 CUBLAS_OPTIONS: tuple[tuple[str, object], ...] = (("xla_gpu_enable_triton_gemm", False),)
+# XLA options of the steps above ``cudagraph_max_tokens``: no command buffers (CUDA graphs), plain launches.
+EAGER_OPTIONS: tuple[tuple[str, object], ...] = (("xla_gpu_enable_command_buffer", ""),)
+VARIANT_OPTIONS = {"cublas": CUBLAS_OPTIONS, "eager": EAGER_OPTIONS}
+VARIANTS = ("default", "cublas", "eager", "cublas+eager")  # every variant name ModelRunner.variant returns
 
 
 class ModelRunner:
@@ -170,17 +174,24 @@ class ModelRunner:
     XLA GEMMs are cuBLAS calls; larger (prefill) steps keep XLA's Triton GEMM fusions. 0: never.
     Measured on the H200 (RESULTS.md, session 7): a batch-256 decode step's GPU time -4%, while the
     whole workload with cuBLAS everywhere was 0.89x (its prefill steps slower; session 3).
+
+    ``cudagraph_max_tokens``: steps of more padded tokens than this are compiled with ``EAGER_OPTIONS``
+    (no XLA command buffers: each kernel is launched on its own, and the GPU starts on the first while
+    the host launches the rest); ``None``: every step runs as CUDA graphs. Why: a large step's graph
+    is re-patched before every launch (its temporaries moved, see ``step_executables``), which holds
+    the host for 1.3-4 ms at batch 256 before the GPU can start (RESULTS.md, sessions 6 and 8).
     """
 
     def __init__(self, graphdef: nnx.GraphDef, attention_backend: str = "auto", batch_invariant: bool = False,
                  compiler_options: dict | None = None, mesh=None, decode_gemv: bool = True,
                  fused_qkv: bool = True, fuse_matmul_inputs: bool = False, fused_residual: bool = True,
-                 step_executables: int = 1, cublas_max_tokens: int = 0):
+                 step_executables: int = 1, cublas_max_tokens: int = 0, cudagraph_max_tokens: int | None = None):
         if step_executables < 1:
             raise ValueError(f"step_executables must be >= 1, got {step_executables}")
         self.step_executables = 1 if mesh is not None else step_executables
         self._turns: dict[tuple, int] = {}  # step shape -> the copy that ran it last
         self.cublas_max_tokens = cublas_max_tokens
+        self.cudagraph_max_tokens = cudagraph_max_tokens
         self.attention_backend = resolve_backend(attention_backend)
         self.batch_invariant = batch_invariant
         self.compiler_options = dict(compiler_options or {})
@@ -223,16 +234,22 @@ class ModelRunner:
         return self.step_executables if num_tokens <= COPIES_MAX_TOKENS else 1
 
     def variant(self, num_tokens: int) -> str:
-        """Which compiled variant a padded step of ``num_tokens`` tokens runs: ``"cublas"`` (see
-        ``cublas_max_tokens``) or ``"default"``."""
-        return "cublas" if GEMV_ROWS < num_tokens <= self.cublas_max_tokens else "default"
+        """Which compiled variant a padded step of ``num_tokens`` tokens runs: ``"default"``, or its
+        options' names joined by ``+`` (one of ``VARIANTS``): ``"cublas"`` (see ``cublas_max_tokens``),
+        ``"eager"`` (see ``cudagraph_max_tokens``)."""
+        names = []
+        if GEMV_ROWS < num_tokens <= self.cublas_max_tokens:
+            names.append("cublas")
+        if self.cudagraph_max_tokens is not None and num_tokens > self.cudagraph_max_tokens:
+            names.append("eager")
+        return "+".join(names) or "default"
 
     def set_jitted(self, state: nnx.State, jitted: Callable) -> None:
         """Replaces the jitted step for ``state``'s structure, for every step size (experiments with
         compiler options): one jitted function, or a tuple of copies as ``_flat`` returns them."""
         self._flat(state)
         copies = jitted if isinstance(jitted, tuple) else (jitted,)
-        for variant in ("default", "cublas"):
+        for variant in VARIANTS:
             self._jitted[self._treedef, variant] = copies
         self._shapes_seen.clear()
 
@@ -244,9 +261,11 @@ class ModelRunner:
             self._state = state
         key = (self._treedef, variant)
         if key not in self._jitted:
-            options = dict(self.compiler_options)
-            if variant == "cublas":
-                options = {**dict(CUBLAS_OPTIONS), **options}  # the user's own options win
+            options = {}
+            if variant != "default":
+                for name in variant.split("+"):
+                    options.update(VARIANT_OPTIONS[name])
+            options.update(self.compiler_options)  # the user's own options win
             self._jitted[key] = tuple(self.make_jitted(self._treedef, options)
                                       for _ in range(self.step_executables))
         return self._jitted[key], self._leaves

@@ -155,12 +155,15 @@ def add_decode_path_flags(ap) -> None:
                     help="EngineConfig(step_executables=N): copies of each compiled step used in turn")
     ap.add_argument("--cublas-max-tokens", type=int, default=None,
                     help="EngineConfig(cublas_max_tokens=N): steps of 33..N tokens use cuBLAS GEMMs (0: never)")
+    ap.add_argument("--max-cudagraph-capture-size", type=int, default=None,
+                    help="EngineConfig(max_cudagraph_capture_size=N): steps of more than N tokens without CUDA graphs")
 
 
 def decode_path_config(args) -> dict:
     """``EngineConfig`` keyword arguments from :func:`add_decode_path_flags`' flags (defaults when absent)."""
     defaults = dict(decode_gemv=True, fused_qkv=True, fuse_matmul_inputs=False, fused_residual=True,
-                    min_token_bucket=None, longest_first=True, step_executables=None, cublas_max_tokens=None)
+                    min_token_bucket=None, longest_first=True, step_executables=None, cublas_max_tokens=None,
+                    max_cudagraph_capture_size=None)
     return {k: getattr(args, k, v) for k, v in defaults.items()}
 
 

@@ -151,3 +151,34 @@ def test_cublas_variant_covers_decode_sized_steps_only():
     assert dict(CUBLAS_OPTIONS) == {"xla_gpu_enable_triton_gemm": False}
     with pytest.raises(ValueError, match="cublas_max_tokens"):
         EngineConfig(cublas_max_tokens=-1)
+
+
+def test_eager_variant_above_max_cudagraph_capture_size():
+    """``max_cudagraph_capture_size``: steps of more padded tokens compile without XLA's command buffers
+    (the ``eager`` variant, combined with ``cublas`` where both apply), smaller ones keep the default;
+    tokens do not change; the default keeps graphs everywhere."""
+    from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
+    from jaxpaged.llm import run_to_completion
+    from jaxpaged.models.tiny import tiny_checkpoint_path
+    from jaxpaged.runner import EAGER_OPTIONS, VARIANTS
+
+    params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    outs = {}
+    for size in (None, 16):
+        engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=32, max_model_len=64,
+                                                cublas_max_tokens=64, max_cudagraph_capture_size=size,
+                                                compilation_cache=False))
+        runner = engine.runner
+        assert runner.cudagraph_max_tokens == size
+        got = [runner.variant(t) for t in (16, 32, 64, 128)]
+        assert got == (["default", "default", "cublas", "default"] if size is None
+                       else ["default", "eager", "cublas+eager", "eager"])
+        assert set(got) <= set(VARIANTS)
+        outs[size] = run_to_completion(engine, [list(range(40))], sp)[0].outputs[0].token_ids  # a 64-token prefill
+        assert sorted(key[-2] for key in runner._shapes_seen) == (
+            ["cublas", "default"] if size is None else ["cublas+eager", "default"])
+    assert outs[None] == outs[16]
+    assert dict(EAGER_OPTIONS) == {"xla_gpu_enable_command_buffer": ""}
+    with pytest.raises(ValueError, match="max_cudagraph_capture_size"):
+        EngineConfig(max_cudagraph_capture_size=-1)
