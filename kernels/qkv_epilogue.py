@@ -5,9 +5,10 @@ v into the pool, return q.
 Why: XLA runs this stretch of every layer as four to five small kernels (the q norm, the k norm, the
 q rotation, the k rotation fused into the KV scatter, and the GEMV's partial sums); at decode batch
 sizes each is ~1.3-2.5 us of launch-bound GPU time, ~7 us a layer, ~0.2 ms of a Qwen3-0.6B step on
-the H200 (``benchmarks/profile_step.py``, ``benchmarks/RESULTS.md``). Here program ``(token, head)``
-does it all for one q head or one KV head (``T * (Hq + Hkv)`` programs of one warp: a decode step of
-a few tokens still spreads over the SMs).
+the H200 (``benchmarks/profile_step.py``, ``benchmarks/RESULTS.md``). Here program ``(token block, head)``
+does it all for one q head or one KV head of a few tokens (:func:`token_block`: one token and one
+warp up to 32 tokens, so a decode step of a few tokens still spreads over the SMs; 8 tokens and 4
+warps above, so a batch-256 step is 768 programs instead of 6,144).
 
 Same math as the model's XLA path (``models/qwen.qkv_epilogue_ops`` with ``rms_norm``, ``rotary``,
 ``write_kv``): the
@@ -35,16 +36,28 @@ from jax.experimental.pallas import triton as plgpu
 from .kv_write import check_pool
 
 
+def token_block(num_tokens: int) -> tuple[int, int]:
+    """``(tokens per program, warps)`` for a step of ``num_tokens``: one token and one warp per program
+    up to 32 tokens (a decode step of a few tokens still spreads over the SMs), 8 tokens and 4 warps
+    above. Why: at batch 256 one program per (token, head) is 6,144 one-warp programs, ~5.6 us a layer
+    on the H200 for ~4 MB of traffic (``benchmarks/profile_step.py``, RESULTS.md, session 8)."""
+    return (1, 1) if num_tokens <= 32 else (8, 4)
+
+
 def _kernel(parts_ref, bias_ref, qw_ref, kw_ref, cos_ref, sin_ref, slot_ref, pool_in_ref, q_out_ref, pool_ref, *,
-            layer: int, num_q_heads: int, num_kv_heads: int, eps: float, has_bias: bool, has_norm: bool):
-    """Program ``(t, j)``: token ``t``; head ``j`` of q (``j < Hq``: normed, rotated, stored to
-    ``q_out``) or KV head ``j - Hq`` (k normed and rotated, v as it is, both written to the pool)."""
+            layer: int, num_q_heads: int, num_kv_heads: int, eps: float, has_bias: bool, has_norm: bool,
+            block_tokens: int):
+    """Program ``(i, j)``: tokens ``[i * block_tokens, (i + 1) * block_tokens)`` (those past the step
+    masked); head ``j`` of q (``j < Hq``: normed, rotated, stored to ``q_out``) or KV head ``j - Hq``
+    (k normed and rotated, v as it is, both written to the pool). Rows are independent: every value
+    is computed per token as with one token per program."""
     del pool_in_ref  # the same buffer as pool_ref (aliased)
-    num_parts = parts_ref.shape[0]
+    num_parts, num_tokens = parts_ref.shape[0], parts_ref.shape[1]
     head_dim = cos_ref.shape[1]
     block_size = pool_ref.shape[2]
     dtype = q_out_ref.dtype
-    t = pl.program_id(0)
+    toks = pl.program_id(0) * block_tokens + lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)  # [B, 1]
+    tok_ok = toks < num_tokens
     j = pl.program_id(1)
     is_q = j < num_q_heads
     kv_head = j - num_q_heads
@@ -52,28 +65,29 @@ def _kernel(parts_ref, bias_ref, qw_ref, kw_ref, cos_ref, sin_ref, slot_ref, poo
     half = head_dim // 2
     rot_dims = (dims + half) % head_dim  # rotate-half partner of each column
     sign = jnp.where(dims < half, -1.0, 1.0).astype(jnp.float32)
-    cos = plgpu.load(cos_ref.at[t, dims]).astype(jnp.float32)  # [1, D], already rounded to the model dtype
-    sin = plgpu.load(sin_ref.at[t, dims]).astype(jnp.float32)
+    row_ok = tok_ok & (dims >= 0)  # [B, D]
+    cos = plgpu.load(cos_ref.at[toks, dims], mask=row_ok, other=0).astype(jnp.float32)  # rounded to the model dtype
+    sin = plgpu.load(sin_ref.at[toks, dims], mask=row_ok, other=0).astype(jnp.float32)
 
-    def load_head(first_col, cols, mask=None):
-        """Columns ``first_col + cols`` of token ``t``: partials summed in order, rounded to the model
-        dtype, bias added (rounded again); returned as fp32 values."""
+    def load_head(first_col, cols, mask):
+        """Columns ``first_col + cols`` of the block's tokens: partials summed in order, rounded to the
+        model dtype, bias added (rounded again); returned as fp32 values ``[B, D]``."""
         col = first_col + cols
-        kw = {} if mask is None else dict(mask=mask, other=0)
-        acc = plgpu.load(parts_ref.at[0, t, col], **kw).astype(jnp.float32)
+        acc = plgpu.load(parts_ref.at[0, toks, col], mask=mask, other=0).astype(jnp.float32)
         for p in range(1, num_parts):
-            acc = acc + plgpu.load(parts_ref.at[p, t, col], **kw).astype(jnp.float32)
+            acc = acc + plgpu.load(parts_ref.at[p, toks, col], mask=mask, other=0).astype(jnp.float32)
         x = acc.astype(dtype)
         if has_bias:
-            x = (x.astype(jnp.float32) + plgpu.load(bias_ref.at[col], **kw).astype(jnp.float32)).astype(dtype)
+            b = plgpu.load(bias_ref.at[col], mask=(cols >= 0), other=0).astype(jnp.float32)
+            x = (x.astype(jnp.float32) + b).astype(dtype)
         return x.astype(jnp.float32)
 
     # q head j or k head (j - Hq): both start at column j * D of the projection.
     first = j * head_dim
-    x = load_head(first, dims)
-    xr = load_head(first, rot_dims)
+    x = load_head(first, dims, row_ok)
+    xr = load_head(first, rot_dims, row_ok)
     if has_norm:
-        inv = lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / head_dim + eps)  # same for x and xr
+        inv = lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / head_dim + eps)  # [B, 1], same for x and xr
         w = jnp.where(is_q, plgpu.load(qw_ref.at[dims]), plgpu.load(kw_ref.at[dims])).astype(jnp.float32)
         wr = jnp.where(is_q, plgpu.load(qw_ref.at[rot_dims]), plgpu.load(kw_ref.at[rot_dims])).astype(jnp.float32)
         x = (w * (x * inv).astype(dtype).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
@@ -83,30 +97,34 @@ def _kernel(parts_ref, bias_ref, qw_ref, kw_ref, cos_ref, sin_ref, slot_ref, poo
     out = (a + b).astype(dtype)
 
     head = jnp.minimum(j, num_q_heads - 1) + jnp.zeros_like(dims)
-    plgpu.store(q_out_ref.at[t, head, dims], out, mask=is_q & (dims >= 0))
+    plgpu.store(q_out_ref.at[toks, head, dims], out, mask=is_q & row_ok)
 
-    slot = slot_ref[t]
+    slot = plgpu.load(slot_ref.at[toks], mask=tok_ok, other=-1)  # [B, 1]
     num_slots = pool_ref.shape[1] * block_size
-    write = (~is_q) & (slot >= 0) & (slot < num_slots) & (dims >= 0)  # as write_kv's mode="drop"
-    blk = jnp.maximum(slot, 0) // block_size
+    write = (~is_q) & (slot >= 0) & (slot < num_slots) & row_ok  # as write_kv's mode="drop"
+    # Rows that write nothing point past the pool: interpret mode emulates a masked store as "write the
+    # old value back", which must not land on a slot another row of this program writes.
+    blk = jnp.where(write, jnp.maximum(slot, 0) // block_size, pool_ref.shape[1])
     off = jnp.maximum(slot, 0) % block_size
     kvh = jnp.maximum(kv_head, 0) + jnp.zeros_like(dims)
     v = load_head((num_q_heads + num_kv_heads) * head_dim + jnp.maximum(kv_head, 0) * head_dim, dims,
-                  mask=(~is_q) & (dims >= 0))
+                  mask=(~is_q) & row_ok)
     plgpu.store(pool_ref.at[layer, blk, off, 0, kvh, dims], out.astype(pool_ref.dtype), mask=write)
     plgpu.store(pool_ref.at[layer, blk, off, 1, kvh, dims], v.astype(pool_ref.dtype), mask=write)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "eps", "dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("layer", "eps", "dtype", "block_tokens", "interpret"))
 def qkv_epilogue(parts: jax.Array, bias: jax.Array | None, q_norm: jax.Array | None, k_norm: jax.Array | None,
                  cos: jax.Array, sin: jax.Array, kv_pool: jax.Array, layer: int, slot_mapping: jax.Array, *,
-                 eps: float, dtype, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                 eps: float, dtype, block_tokens: int | None = None,
+                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """``parts [P, T, (Hq + 2 Hkv) * D]`` (the qkv projection as ``P`` partial sums, fp32 or the model
     dtype; ``P = 1`` for a finished product), ``bias [N]`` or None, ``q_norm, k_norm [D]`` or None
     (Qwen3's per-head norms, both or neither), ``cos, sin [T, D]`` (the rotation at each token's
     position, in ``dtype``), ``kv_pool [L, N, bs, 2, Hkv, D]``, ``slot_mapping i32[T]`` ->
     ``(q [T, Hq, D] in dtype, kv_pool with k and v written at layer ``layer``)``. The head counts
-    come from the shapes (``Hkv`` from the pool), so a tensor-parallel shard passes its own."""
+    come from the shapes (``Hkv`` from the pool), so a tensor-parallel shard passes its own.
+    ``block_tokens``: tokens per program (default :func:`token_block`; any value gives the same result)."""
     check_pool(kv_pool, layer)
     num_parts, num_tokens, width = parts.shape
     num_kv_heads, head_dim = kv_pool.shape[4], kv_pool.shape[5]
@@ -128,17 +146,22 @@ def qkv_epilogue(parts: jax.Array, bias: jax.Array | None, q_norm: jax.Array | N
     dtype = jnp.dtype(dtype)
     has_bias, has_norm = bias is not None, q_norm is not None
     dummy = jnp.zeros((head_dim,), dtype)
+    block, num_warps = token_block(num_tokens)
+    if block_tokens is not None:
+        if block_tokens < 1 or block_tokens & (block_tokens - 1):
+            raise ValueError(f"block_tokens must be a power of two, got {block_tokens}")
+        block = block_tokens
     kernel = functools.partial(_kernel, layer=layer, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                               eps=float(eps), has_bias=has_bias, has_norm=has_norm)
+                               eps=float(eps), has_bias=has_bias, has_norm=has_norm, block_tokens=block)
     q, pool = pl.pallas_call(
         kernel,
-        grid=(num_tokens, num_q_heads + num_kv_heads),
+        grid=(pl.cdiv(num_tokens, block), num_q_heads + num_kv_heads),
         out_shape=(jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), dtype),
                    jax.ShapeDtypeStruct(kv_pool.shape, kv_pool.dtype)),
         input_output_aliases={7: 1},
-        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name="qkv_epilogue",
+        name="qkv_epilogue" if block == 1 else f"qkv_epilogue_t{block}",
     )(parts, bias if has_bias else dummy, q_norm if has_norm else dummy, k_norm if has_norm else dummy,
       cos.astype(dtype), sin.astype(dtype), slot_mapping.astype(jnp.int32), kv_pool)
     return q, pool

@@ -78,8 +78,10 @@ def xla_epilogue(qkv, bias, qn, kn, positions, pool, layer, slots, hq, hkv, d, e
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])
-@pytest.mark.parametrize("num_parts", [1, 3])
-def test_qkv_epilogue_matches_xla_path(dtype, family, num_parts):
+@pytest.mark.parametrize("num_parts,block_tokens", [(1, None), (3, None), (3, 4)])
+def test_qkv_epilogue_matches_xla_path(dtype, family, num_parts, block_tokens):
+    """One token per program (the default at 9 tokens) and blocks of 4 (the last one partly past the
+    step: masked rows read and write nothing) give the XLA path's values."""
     rng = np.random.default_rng(7 + num_parts)
     hq, hkv, d, t, layers, blocks, bs = 6, 2, 32, 9, 3, 8, 4  # 6 q heads: any count (one program per head)
     width = (hq + 2 * hkv) * d
@@ -96,7 +98,8 @@ def test_qkv_epilogue_matches_xla_path(dtype, family, num_parts):
     pool = rand(rng, (layers, blocks, bs, 2, hkv, d), dtype)
     want_q, want_pool = xla_epilogue(qkv, bias, qn, kn, positions, pool, 1, slots, hq, hkv, d, 1e-6, 1e6)
     cos, sin = rope_cos_sin(positions, d, 1e6, dtype)
-    q, new_pool = qkv_epilogue(parts, bias, qn, kn, cos, sin, pool, 1, slots, eps=1e-6, dtype=dtype, interpret=True)
+    q, new_pool = qkv_epilogue(parts, bias, qn, kn, cos, sin, pool, 1, slots, eps=1e-6, dtype=dtype,
+                               block_tokens=block_tokens, interpret=True)
     assert q.shape == (t, hq, d) and q.dtype == dtype and new_pool.shape == pool.shape
     if dtype == jnp.float32:  # the second product and the add may become one FMA: last-bit differences
         np.testing.assert_allclose(np.asarray(q), np.asarray(want_q), rtol=1e-5, atol=1e-5)
@@ -111,6 +114,17 @@ def test_qkv_epilogue_matches_xla_path(dtype, family, num_parts):
         if 0 <= s < blocks * bs:
             written[1, s // bs, s % bs] = True
     assert not np.any(changed & ~written)
+
+
+def test_qkv_epilogue_token_block():
+    """Decode-sized steps keep one token (one warp) per program; larger steps take 8 tokens per program."""
+    from jaxpaged.kernels.qkv_epilogue import token_block
+    assert token_block(1) == token_block(32) == (1, 1)
+    assert token_block(33) == token_block(8192) == (8, 4)
+    with pytest.raises(ValueError, match="block_tokens"):
+        qkv_epilogue(jnp.zeros((1, 3, 8 * 32)), None, None, None, jnp.zeros((3, 32)), jnp.zeros((3, 32)),
+                     jnp.zeros((1, 2, 4, 2, 2, 32)), 0, jnp.zeros(3, jnp.int32), eps=1e-6, dtype=jnp.float32,
+                     block_tokens=3, interpret=True)
 
 
 def test_qkv_epilogue_rejects_bad_shapes():
