@@ -1,8 +1,7 @@
 """The sampler alone on the GPU: a batch of ``[B, 151,936]`` float32 logits to one token per row.
 
 Compares the engine's sampler (``sampling.sample``, random mode, Gumbel noise from the counter-based
-hash ``sampling.gumbel_noise``), as the fused Pallas kernel (``kernels/gumbel_argmax.py``, the GPU's
-default) and as XLA's reductions (and counts the rows where the two pick the same token), with the same sampler drawing its noise from ``jax.random`` (threefry,
+hash ``sampling.gumbel_noise``) with the same sampler drawing its noise from ``jax.random`` (threefry,
 ``fold_in(key(seed), counter)`` per row: the sampler before session 6) and with a bare argmax (the
 floor: one read of the logits). Rows sample at temperature 0.6 or are greedy (temperature 0).
 
@@ -57,12 +56,8 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     variants = {
         "argmax only": jax.jit(lambda l, t, s, c: jnp.argmax(l, axis=-1).astype(jnp.int32)),
-        "sample (kernel)": jax.jit(lambda l, t, s, c: sample(l, t, jnp.full_like(s, -1, jnp.int32),
-                                                             jnp.ones_like(t), s, c, mode="random",
-                                                             argmax_kernel=True)),
-        "sample (hash, XLA)": jax.jit(lambda l, t, s, c: sample(l, t, jnp.full_like(s, -1, jnp.int32),
-                                                                jnp.ones_like(t), s, c, mode="random",
-                                                                argmax_kernel=False)),
+        "sample (hash)": jax.jit(lambda l, t, s, c: sample(l, t, jnp.full_like(s, -1, jnp.int32),
+                                                           jnp.ones_like(t), s, c, mode="random")),
         "sample (threefry)": jax.jit(sample_threefry),
     }
     print(f"{'batch':>5} {'temperature':>11} {'variant':18} {'us':>8} {'GB/s of logits':>15}", flush=True)
@@ -73,13 +68,8 @@ def main(argv: list[str] | None = None) -> dict:
         for temp in (0.6, 0.0):
             t = jnp.full((b,), temp, jnp.float32)
             best = np.asarray(jnp.argmax(logits, axis=-1))
-            same = None
             for name, fn in variants.items():
                 toks = np.asarray(fn(logits, t, seeds, counters))
-                if name == "sample (kernel)":
-                    kernel_toks = toks
-                elif name == "sample (hash, XLA)":
-                    same = int((toks == kernel_toks).sum())
                 sec = timed(fn, (logits, t, seeds, counters), args.reps)
                 # At temperature 0 every variant must pick the argmax; at 0.6 the samplers must not.
                 rows.append(dict(batch=b, temperature=temp, variant=name, us=sec * 1e6,
@@ -87,8 +77,6 @@ def main(argv: list[str] | None = None) -> dict:
                                  argmax_rows=int((toks == best).sum())))
                 print(f"{b:5d} {temp:11.1f} {name:18} {sec * 1e6:8.1f} {logits.nbytes / sec / 1e9:15.0f}",
                       flush=True)
-            print(f"      rows where the kernel and XLA's sampler agree: {same}/{b}", flush=True)
-            rows.append(dict(batch=b, temperature=temp, kernel_equals_xla_rows=same))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "sampler.json"), "w") as f:

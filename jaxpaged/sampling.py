@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .kernels.gumbel_argmax import gumbel_argmax, gumbel_from_hash, gumbel_keys
 from .kernels.shapes import next_pow2
 from .sampling_params import RequestOutputKind, SamplingParams  # noqa: F401  (re-exported)
 
@@ -68,19 +67,34 @@ def apply_min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(keep | (min_p <= 0)[:, None], scaled, -jnp.inf)
 
 
+def _mix32(x: jax.Array) -> jax.Array:
+    """A bijective 32-bit finaliser (xor-shift / multiply, MurmurHash3's constants): every input bit
+    moves every output bit. ``uint32`` in and out."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
 def gumbel_noise(seeds: jax.Array, counters: jax.Array, vocab: int) -> jax.Array:
     """Standard Gumbel noise ``f32[S, vocab]``: row ``s`` is a function of ``(seeds[s], counters[s])``
     and the token id only (per request, independent of the batch).
 
     A counter-based hash instead of ``jax.random`` (threefry, ~20 rounds per pair of words): two
-    rounds of a 32-bit finaliser per element, keyed by two 32-bit row keys derived from the seed and
-    the counter (``kernels.gumbel_argmax``: :func:`gumbel_keys`, :func:`gumbel_from_hash`, which the
-    GPU's fused sampler kernel draws from too), so a batch-256 step draws its 39 M numbers at a
-    fraction of threefry's integer work.
+    rounds of :func:`_mix32` per element, keyed by two 32-bit row keys derived from the seed and the
+    counter, so a batch-256 step draws its 39 M numbers at a fraction of threefry's integer work (the
+    draw fuses into the sampler's argmax over the vocabulary). The top 23 bits give a uniform in
+    ``(0, 1)`` (never 0 or 1: 23 bits plus a half are exact in float32), then ``-log(-log(u))``.
     """
-    key_a, key_b = gumbel_keys(seeds, counters)
+    seeds = seeds.astype(jnp.uint32)
+    counters = counters.astype(jnp.uint32)
+    key_a = _mix32(_mix32(seeds ^ jnp.uint32(0x3C6EF372)) ^ counters)
+    key_b = _mix32(key_a ^ jnp.uint32(0x9E3779B9) ^ (seeds * jnp.uint32(0x7FEB352D)))
     col = jax.lax.broadcasted_iota(jnp.uint32, (seeds.shape[0], vocab), 1)
-    return gumbel_from_hash(col, key_a[:, None], key_b[:, None])
+    x = _mix32(_mix32(col * jnp.uint32(0x9E3779B9) ^ key_a[:, None]) ^ key_b[:, None])
+    u = ((x >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))  # exact in f32: 2**-24 .. 1 - 2**-24
+    return -jnp.log(-jnp.log(u))
 
 
 SAMPLING_MODES = ("random", "filtered")
@@ -100,8 +114,7 @@ def sampling_mode(temperature: Sequence[float], top_k: Sequence[int], top_p: Seq
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
            seeds: jax.Array, counters: jax.Array, mode: str = "filtered",
-           batch_invariant: bool = False, min_p: jax.Array | None = None,
-           argmax_kernel: bool | None = None) -> jax.Array:
+           batch_invariant: bool = False, min_p: jax.Array | None = None) -> jax.Array:
     """Picks one token per row. ``logits f32[S, V]``; per-row ``temperature f32``, ``top_k i32``,
     ``top_p f32``, ``seeds u32``, ``counters i32`` (tokens generated so far). Returns ``i32[S]``.
 
@@ -113,16 +126,9 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     ``min_p f32[S]`` (optional: only the min-p step variant passes it): after the temperature, drops
     tokens whose probability is below ``min_p`` times the row's largest (vLLM's order: temperature,
     min-p, top-k / top-p). Per row, no reduction across rows.
-    ``argmax_kernel`` (static; ``None``: on a GPU): the random mode without min-p runs as one Pallas
-    kernel (``kernels.gumbel_argmax``: same noise, same ties, one pass over the logits); ``True`` off
-    a GPU runs it in interpret mode (tests).
     """
     if mode not in SAMPLING_MODES:
         raise ValueError(f"sampling mode must be one of {SAMPLING_MODES}, got {mode!r}")
-    if argmax_kernel is None:
-        argmax_kernel = jax.default_backend() == "gpu"
-    if argmax_kernel and mode == "random" and min_p is None:  # one Pallas pass over the logits (GPU)
-        return gumbel_argmax(logits, temperature, seeds, counters, interpret=jax.default_backend() != "gpu")
     logits = logits.astype(jnp.float32)
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     if min_p is not None:

@@ -72,36 +72,3 @@ def test_sampling_mode_is_chosen_on_the_host_and_variants_agree():
     np.testing.assert_array_equal(np.asarray(random)[greedy_rows], np.asarray(jnp.argmax(logits, -1))[greedy_rows])
     np.testing.assert_array_equal(np.asarray(sample(logits, jnp.zeros(6), no_k, no_p, seeds, counters, "random")),
                                   np.asarray(jnp.argmax(logits, -1)))
-
-
-def test_gumbel_argmax_kernel_matches_the_xla_sampler():
-    """The fused sampler kernel (interpret mode) picks exactly the XLA path's tokens: sampled and greedy
-    rows, a vocabulary that is not a multiple of the chunk, ties (lowest id wins, also across chunks),
-    a row of -inf but one token, bf16 logits read as float32."""
-    import pytest
-
-    from jaxpaged.kernels.gumbel_argmax import gumbel_argmax
-
-    rng = np.random.default_rng(3)
-    rows, vocab = 7, 1000
-    logits = rng.normal(size=(rows, vocab)).astype(np.float32) * 3
-    logits[2, [5, 700]] = 50.0  # a tie across chunks, greedy row: 5 wins
-    logits[3, [130, 131]] = 50.0  # a tie inside a chunk
-    logits[4] = -np.inf
-    logits[4, 999] = 1.0  # the last (partial) chunk
-    temperature = jnp.asarray([0.6, 1.0, 0.0, 0.0, 0.7, 2.0, 0.3], jnp.float32)
-    seeds = jnp.asarray(rng.integers(0, 2**31, rows), jnp.uint32)
-    counters = jnp.asarray(rng.integers(0, 500, rows), jnp.int32)
-    for dtype in (jnp.float32, jnp.bfloat16):
-        lg = jnp.asarray(logits, dtype)
-        want = sample(lg, temperature, jnp.zeros(rows, jnp.int32), jnp.ones(rows), seeds, counters, mode="random",
-                      argmax_kernel=False)
-        for block in (128, 1024):
-            got = gumbel_argmax(lg, temperature, seeds, counters, block=block, interpret=True)
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-        via_sample = sample(lg, temperature, jnp.zeros(rows, jnp.int32), jnp.ones(rows), seeds, counters,
-                            mode="random", argmax_kernel=True)
-        np.testing.assert_array_equal(np.asarray(via_sample), np.asarray(want))
-    assert int(want[2]) == 5 and int(want[3]) == 130 and int(want[4]) == 999
-    with pytest.raises(ValueError, match="block"):
-        gumbel_argmax(jnp.asarray(logits), temperature, seeds, counters, block=100, interpret=True)
