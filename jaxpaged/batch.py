@@ -23,6 +23,7 @@ from .sequence import Sequence
 PLACEHOLDER = -1  # a token sampled by the step in flight, not yet on the host (async scheduling)
 
 MIN_TOKENS, MIN_SEQS, MIN_WIDTH = 16, 8, 4
+PACKED_ATTR = "_packed"  # StepInputs built by build_step_inputs carry their one-buffer form here (not a field)
 
 
 bucket = next_pow2  # bucket(n, minimum): the padded size of n (a power of two >= minimum)
@@ -82,7 +83,7 @@ def longest_first(scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence,
 
 def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables, block_size: int, *,
                       width: int | None = None, max_seqs: int | None = None,
-                      prev_rows: dict[int, int] | None = None, eos_token_ids=(),
+                      prev_rows: dict[Sequence, int] | None = None, eos_token_ids=(),
                       maybe_features: bool = True, min_tokens: int = MIN_TOKENS) -> StepInputs:
     """Numpy arrays for ``scheduled`` (host side, no per-token Python loops), padded to buckets.
 
@@ -93,70 +94,88 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
     bucket rather than one per ``(T, S)`` pair. ``width`` fixes the block-table width (the Pallas
     kernels loop only to each ``kv_len``, so a fixed width costs nothing and saves compilations);
     ``None`` pads it to a power of two (the reference gathers whole rows, so narrower is cheaper).
-    ``prev_rows`` maps ``id(seq)`` to its row in the previous step's output, for sequences whose last
+    ``prev_rows`` maps a sequence (by identity) to its row in the previous step's output, for sequences whose last
     token is still a ``PLACEHOLDER`` (the device fills it in from that output). ``eos_token_ids``: the
     tokens min_tokens masks (with each request's stop_token_ids). ``maybe_features=False``: the caller
     knows no request uses penalties / min_p / min_tokens / logprobs (skips even looking).
     ``min_tokens``: the smallest padded token count (``EngineConfig.min_token_bucket``).
+
+    The arrays are views of one int32 buffer in ``transfer.StepLayout``'s order, kept on the result
+    (attribute ``PACKED_ATTR``, outside the pytree) so ``transfer.pack`` sends it without copying;
+    a step with sampler features packs the usual way. Host time per step on the dev CPU: 33.6 ->
+    XX us at batch 1 (RESULTS.md, session 8).
     """
     seqs = [s for s, _ in scheduled]
     new_list = [n for _, n in scheduled]
     start_list = [s.num_computed_tokens for s in seqs]
-    num_new = np.array(new_list, np.int32)
-    start = np.array(start_list, np.int32)
-    num_tokens, num_seqs = int(num_new.sum()), len(seqs)
+    num_seqs = len(seqs)
+    num_tokens = sum(new_list)
+    decode_only = num_tokens == num_seqs  # one token per sequence: no ragged bookkeeping
     t_pad = bucket(num_tokens, min_tokens)
     s_pad = bucket(num_seqs, MIN_SEQS) if max_seqs is None else min(t_pad, bucket(max_seqs, MIN_SEQS))
     rows = np.fromiter((s.block_table_row for s in seqs), np.int64, count=num_seqs)
-    longest = int(tables.lengths[rows].max()) if num_seqs else 1
+    row_lengths = tables.lengths[rows]
+    longest = int(row_lengths.max()) if num_seqs else 1
     if width is None or width < longest:
         width = bucket(longest, MIN_WIDTH)
 
-    cu = np.zeros(s_pad + 1, np.int32)
-    cu[1: num_seqs + 1] = np.cumsum(num_new)
-    cu[num_seqs + 1:] = num_tokens
-    seq_idx = np.repeat(np.arange(num_seqs, dtype=np.int32), num_new)
-    positions = np.zeros(t_pad, np.int32)
-    positions[:num_tokens] = np.arange(num_tokens, dtype=np.int32) - cu[seq_idx] + start[seq_idx]
-    token_ids = np.zeros(t_pad, np.int32)
-    if num_tokens == num_seqs:  # decode-only step: one token per sequence, no slicing
+    # Every array is a view of one int32 buffer laid out as ``transfer.StepLayout.fields`` orders them,
+    # so ``transfer.pack`` hands this buffer over as it is (no second copy of the inputs).
+    buf = np.zeros(4 * t_pad + 8 * s_pad + 1 + s_pad * width, np.int32)
+    token_ids, positions, slots, prev_index = buf[: 4 * t_pad].reshape(4, t_pad)
+    o = 4 * t_pad
+    cu = buf[o: o + s_pad + 1]
+    o += s_pad + 1
+    kv_lens, logits_indices, temperature, top_k, top_p, seeds, counters = buf[o: o + 7 * s_pad].reshape(7, s_pad)
+    temperature, top_p, seeds = temperature.view(np.float32), top_p.view(np.float32), seeds.view(np.uint32)
+    block_tables = buf[o + 7 * s_pad:].reshape(s_pad, width)
+
+    start = np.array(start_list, np.int32)
+    if decode_only:
+        cu[1: num_seqs + 1] = np.arange(1, num_seqs + 1, dtype=np.int32)
+        positions[:num_tokens] = start
+        seq_idx = np.arange(num_seqs, dtype=np.int32)
         token_ids[:num_tokens] = [s.token_ids[c] for s, c in zip(seqs, start_list)]
-    elif num_seqs:
-        token_ids[:num_tokens] = np.concatenate(
-            [np.asarray(s.token_ids[c: c + n], np.int32) for s, c, n in zip(seqs, start_list, new_list)])
-    block_tables = np.zeros((s_pad, width), np.int32)
-    block_tables[:num_seqs] = tables.gather(rows, width)
-    slots = np.full(t_pad, -1, np.int32)
+    else:
+        num_new = np.array(new_list, np.int32)
+        cu[1: num_seqs + 1] = np.cumsum(num_new)
+        seq_idx = np.repeat(np.arange(num_seqs, dtype=np.int32), num_new)
+        positions[:num_tokens] = np.arange(num_tokens, dtype=np.int32) - cu[seq_idx] + start[seq_idx]
+        if num_seqs:
+            token_ids[:num_tokens] = np.concatenate(
+                [np.asarray(s.token_ids[c: c + n], np.int32) for s, c, n in zip(seqs, start_list, new_list)])
+    cu[num_seqs + 1:] = num_tokens
+    tables.gather_into(rows, block_tables[:num_seqs], row_lengths)
+    slots[num_tokens:] = -1
     slots[:num_tokens] = slot_mapping_batch(block_tables, seq_idx, positions[:num_tokens], block_size)
-    kv_lens = np.zeros(s_pad, np.int32)
-    kv_lens[:num_seqs] = start + num_new
-    logits_indices = np.zeros(s_pad, np.int32)
+    kv_lens[:num_seqs] = cu[1: num_seqs + 1] - cu[:num_seqs] + start  # start + new tokens
     logits_indices[:num_seqs] = cu[1: num_seqs + 1] - 1
 
-    temperature = np.zeros(s_pad, np.float32)
-    top_k = np.full(s_pad, -1, np.int32)
-    top_p = np.ones(s_pad, np.float32)
-    seeds = np.zeros(s_pad, np.uint32)
-    counters = np.zeros(s_pad, np.int32)
     sps = [s.sampling_params for s in seqs]  # one list -> array conversion per field (not per element)
     temperature[:num_seqs] = [sp.temperature for sp in sps]
+    top_k[:] = -1
     top_k[:num_seqs] = [sp.top_k for sp in sps]
+    top_p[:] = 1.0
     top_p[:num_seqs] = [sp.top_p for sp in sps]
     seeds[:num_seqs] = [(sp.seed or 0) & 0xFFFFFFFF for sp in sps]
     counters[:num_seqs] = [len(s.token_ids) - s.num_prompt_tokens for s in seqs]
-    prev_index = np.full(t_pad, -1, np.int32)
+    prev_index[:] = -1
     if prev_rows:
-        for i, s in enumerate(seqs):
-            if s.token_ids[-1] == PLACEHOLDER:  # always the last new token of its sequence this step
-                prev_index[cu[i + 1] - 1] = prev_rows[id(s)]
+        # A placeholder is always the last new token of its sequence this step (one numpy write).
+        waiting = [i for i, s in enumerate(seqs) if s.token_ids[-1] == PLACEHOLDER]
+        if waiting:
+            prev_index[cu[np.array(waiting) + 1] - 1] = [prev_rows[seqs[i]] for i in waiting]
     meta = AttentionMetadata(slot_mapping=slots, cu_q_lens=cu, kv_lens=kv_lens, block_tables=block_tables)
     mode = sampling_mode(temperature[:num_seqs], top_k[:num_seqs], top_p[:num_seqs])
     features, extras = NO_FEATURES, None
     if maybe_features:
         features, extras = build_feature_inputs(scheduled, s_pad, cu, eos_token_ids)
-    return StepInputs(token_ids=token_ids, positions=positions, meta=meta, prev_index=prev_index,
-                      logits_indices=logits_indices, temperature=temperature, top_k=top_k, top_p=top_p,
-                      seeds=seeds, counters=counters, sampling_mode=mode, extras=extras, features=features)
+    inputs = StepInputs(token_ids=token_ids, positions=positions, meta=meta, prev_index=prev_index,
+                        logits_indices=logits_indices, temperature=temperature, top_k=top_k, top_p=top_p,
+                        seeds=seeds, counters=counters, sampling_mode=mode, extras=extras, features=features)
+    if extras is None:  # the feature variants' extra arrays are not in the buffer: pack() copies those
+        object.__setattr__(inputs, PACKED_ATTR, buf)
+    return inputs
 
 
 def build_chunk_step(chunks: list[tuple[list[int], int, list[int]]], block_size: int,

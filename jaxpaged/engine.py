@@ -134,7 +134,7 @@ class LLMEngine:
         self.scheduler.on_token = detokenize_token  # a plain function: no cycle back to the engine
         # Async scheduling: the step in flight (its placeholders) and its device output.
         self._pending: tuple | None = None  # (samples, tokens, aux, prompt logprob rows)
-        self._pending_rows: dict[int, int] | None = None
+        self._pending_rows: dict[Sequence, int] | None = None  # keyed by identity (Sequence has no __eq__)
         self._prev_tokens = jnp.zeros(bucket(config.max_num_seqs, MIN_SEQS), jnp.int32)
 
     # ---- requests ------------------------------------------------------------------------------
@@ -312,7 +312,7 @@ class LLMEngine:
             outputs += self._make_outputs(touched)  # before advance() books new placeholders
             samples = self.scheduler.advance(scheduled)
             self._pending = (samples, tokens, aux, prompt_rows)
-            self._pending_rows = {id(seq): row for row, seq, _ in samples}
+            self._pending_rows = {seq: row for row, seq, _ in samples}
             self._prev_tokens = tokens
         else:
             host_tokens = np.asarray(tokens)[: len(scheduled)]

@@ -87,14 +87,15 @@ class Scheduler:
         scheduled: ScheduledBatch = []
         preempted = False
         kv = self.kv
+        has_room, running, chunked = kv.has_room, self.running, self.enable_chunked_prefill
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        while i < len(running) and budget > 0:
+            seq = running[i]
             uncomputed = len(seq.token_ids) - seq.num_computed_tokens
-            n = min(uncomputed, budget)
-            if n < uncomputed and not self.enable_chunked_prefill:
+            n = uncomputed if uncomputed < budget else budget
+            if n < uncomputed and not chunked:
                 break
-            if not kv.has_room(seq, n):  # needs new blocks (the fast path: it already has them)
+            if not has_room(seq, n):  # needs new blocks (the fast path: it already has them)
                 while not kv.can_append(seq, n):
                     victim = self.running[-1]
                     self._preempt(victim)
@@ -199,7 +200,7 @@ class Scheduler:
 
     def _advance_progress(self, seq: Sequence, n: int) -> bool:
         """Counts ``n`` computed tokens of ``seq``; True if they reached its last known token (so the
-        step sampled a token for it)."""
+        step sampled a token for it). (``advance`` inlines the same bookkeeping in its loop.)"""
         if n == 1 and len(seq.token_ids) > seq.num_prompt_tokens:
             self.counters.decode_tokens += 1
         else:
@@ -220,20 +221,34 @@ class Scheduler:
         c = self.counters
         c.steps += 1
         samples: Samples = []
+        running, finished_status = SequenceStatus.RUNNING, SequenceStatus.FINISHED
+        kv, max_model_len = self.kv, self.max_model_len
+        has_new_full_blocks = kv.has_new_full_blocks  # (the hot loop: one call per sequence)
+        decode_tokens = prefill_tokens = 0
         for row, (seq, n) in enumerate(scheduled):
-            if seq.status is not SequenceStatus.RUNNING:  # finished (stop token) while this step ran
+            if seq.status is not running:  # finished (stop token) while this step ran
                 continue
             tokens_list = seq.token_ids
-            if self._advance_progress(seq, n):
-                samples.append((row, seq, len(tokens_list)))
+            num_tokens = len(tokens_list)
+            # _advance_progress, inlined: the counters are added once after the loop.
+            if n == 1 and num_tokens > seq.num_prompt_tokens:
+                decode_tokens += 1
+            else:
+                prefill_tokens += n
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == num_tokens:
+                samples.append((row, seq, num_tokens))
                 tokens_list.append(PLACEHOLDER)
-                if (len(tokens_list) - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
-                        or len(tokens_list) >= self.max_model_len):
+                if (num_tokens + 1 - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
+                        or num_tokens + 1 >= max_model_len):
                     seq.finish("length")
-            self.kv.cache_full_blocks(seq)
-            if seq.status is SequenceStatus.FINISHED:
-                self.kv.free(seq)
+            if has_new_full_blocks(seq):
+                kv.cache_full_blocks(seq)
+            if seq.status is finished_status:
+                kv.free(seq)
                 self.running.remove(seq)
+        c.decode_tokens += decode_tokens
+        c.prefill_tokens += prefill_tokens
         return samples
 
     def resolve(self, samples: Samples, tokens: np.ndarray) -> list[Sequence]:
@@ -242,19 +257,21 @@ class Scheduler:
         now = time.monotonic()
         finished = []
         c = self.counters
+        generated = 0
+        finished_status, is_stop = SequenceStatus.FINISHED, self._is_stop
         for (row, seq, pos), token in zip(samples, np.asarray(tokens)[[r for r, _, _ in samples]].tolist()):
             if seq.finish_reason == "abort":  # aborted while this step ran: already removed
                 continue
             seq.token_ids[pos] = token
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            c.generated_tokens += 1
-            if seq.status is SequenceStatus.FINISHED:
+            generated += 1
+            if seq.status is finished_status:
                 if seq.finish_reason == "length" and self._is_stop(seq, token):
                     seq.finish_reason = "stop"
                 seq.finish_time = now
                 finished.append(seq)
-            elif self._is_stop(seq, token):
+            elif is_stop(seq, token):
                 if seq.status is SequenceStatus.RUNNING:
                     self.kv.free(seq)
                     self.running.remove(seq)
@@ -264,6 +281,7 @@ class Scheduler:
                         self.policy.remove(seq)
                 seq.finish("stop", now)
                 finished.append(seq)
+        c.generated_tokens += generated
         return finished
 
     def _is_stop(self, seq: Sequence, token: int) -> bool:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .batch import StepInputs
+from .batch import PACKED_ATTR, StepInputs
 from .kernels.metadata import AttentionMetadata
 from .sampling_features import NO_FEATURES, FeatureInputs, SamplerFeatures
 
@@ -53,9 +53,14 @@ def _flat_fields(inputs: StepInputs) -> dict[str, np.ndarray]:
 
 
 def pack(inputs: StepInputs) -> tuple[np.ndarray, StepLayout]:
-    """Host side: the step's numpy arrays as one ``i32[N]`` buffer, and its static layout."""
+    """Host side: the step's numpy arrays as one ``i32[N]`` buffer, and its static layout. Inputs from
+    ``batch.build_step_inputs`` (no sampler features) already are views of such a buffer: it is
+    returned as it is (their arrays' current values, since they are views of it)."""
     t, (s, w) = inputs.token_ids.shape[0], inputs.meta.block_tables.shape
     layout = StepLayout(t, s, w, inputs.sampling_mode, inputs.features)
+    packed = inputs.__dict__.get(PACKED_ATTR)
+    if packed is not None:
+        return packed, layout
     arrays = _flat_fields(inputs)
     parts = []
     for name, shape, dtype in layout.fields():

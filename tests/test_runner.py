@@ -97,6 +97,33 @@ def test_inputs_travel_as_one_buffer_and_the_step_has_no_host_round_trip():
     assert all("known_trip_count" in line for line in hlo.splitlines() if " while(" in line)
 
 
+def test_built_inputs_are_their_own_packed_buffer():
+    """``build_step_inputs`` lays its arrays out in one buffer in ``StepLayout``'s order, so ``pack``
+    returns that buffer without a copy; it equals the generic packing of the same arrays (a copy of the
+    inputs without the buffer), for a mixed prefill + decode step with padded tokens and rows."""
+    import dataclasses
+
+    from jaxpaged.batch import PACKED_ATTR
+    from jaxpaged.transfer import pack
+
+    params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+    engine = LLMEngine(params, EngineConfig(block_size=8, num_blocks=64, max_model_len=64, max_num_seqs=4,
+                                            compilation_cache=False))
+    engine.add_request(list(range(1, 12)), SamplingParams(temperature=0.7, top_k=5, seed=3, max_tokens=4))
+    engine.step()  # the first request decodes from here on
+    engine.add_request([9, 8, 7], SamplingParams(temperature=0, max_tokens=4))
+    scheduled = engine.scheduler.schedule()
+    assert sorted(n for _, n in scheduled) == [1, 3]
+    for width in (None, 16):
+        inputs = build_step_inputs(scheduled, engine.kv.tables, 8, width=width, max_seqs=4, min_tokens=8)
+        fast, layout = pack(inputs)
+        assert fast is inputs.__dict__[PACKED_ATTR]
+        slow, slow_layout = pack(dataclasses.replace(inputs))
+        assert layout == slow_layout and fast.dtype == slow.dtype == np.int32
+        np.testing.assert_array_equal(fast, slow)
+        assert inputs.meta.slot_mapping.shape == (8,) and inputs.meta.slot_mapping[4:].tolist() == [-1] * 4
+
+
 def test_step_copies_alternate_and_give_the_same_tokens():
     """``step_executables=2``: two jitted copies of a small step are launched in turn (each compiled
     once per shape), and a step's tokens do not depend on which copy ran it."""

@@ -76,6 +76,21 @@ class BlockTables:
         """``row``'s block table as a list (a copy)."""
         return self.table[row, : self.lengths[row]].tolist()
 
+    def gather_into(self, rows: np.ndarray, out: np.ndarray, lengths: np.ndarray | None = None) -> None:
+        """Writes the given rows, cut or zero-padded to ``out``'s width, into ``out i32[len(rows), W]``
+        (a step's block-table view; no intermediate copy). ``lengths``: ``self.lengths[rows]`` if the
+        caller has it. Raises ``ValueError`` if a row holds more than ``W`` blocks."""
+        width = out.shape[1]
+        lengths = self.lengths[rows] if lengths is None else lengths
+        if rows.size and int(lengths.max()) > width:
+            i = int(lengths.argmax())
+            raise ValueError(f"row {int(rows[i])} has {int(lengths[i])} blocks, more than width={width}")
+        if width <= self.width:
+            np.take(self.table[:, :width], rows, axis=0, out=out)
+        else:
+            out[:, : self.width] = self.table[rows]
+            out[:, self.width:] = 0
+
     def gather(self, rows: np.ndarray | list[int], width: int) -> np.ndarray:
         """``i32[len(rows), width]``: the given rows, cut or zero-padded to ``width`` (a fresh array).
 

@@ -68,6 +68,9 @@ class KVCacheManager:
             raise ValueError(f"reservation must be 'paged' or 'max_len', got {reservation!r}")
         self.tables = BlockTables()
         self._seqs: dict[str, Sequence] = {}  # admitted, holding blocks
+        # ``has_new_full_blocks(seq)``: True if ``cache_full_blocks(seq)`` has something to do (O(1)).
+        # The policy's own check, bound once: the scheduler calls it for every sequence of every step.
+        self.has_new_full_blocks = self.policy.has_new_full_blocks
 
     # ---- pool state ----------------------------------------------------------------------------
     @property
