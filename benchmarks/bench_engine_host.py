@@ -6,7 +6,8 @@ while the host is the shorter). Tiny checkpoint (the model does not matter here)
 request decoding: ``--batch`` requests of ``--prompt-len`` tokens, timed over ``--steps`` steps after
 ``--warmup`` steps. Reports the median and mean microseconds per step, and with ``--profile`` the
 top functions by own time (cProfile inflates the absolute numbers); then the median time of
-``add_request`` for prompts of ``--add-request-lens`` tokens (part of every TTFT).
+``add_request`` for prompts of ``--add-request-lens`` tokens (part of every TTFT), and for a lone
+``--first-step-len``-token request its ``add_request``, first step and the steps until it finished.
 
     python benchmarks/bench_engine_host.py [--batches 1,64,256] [--steps 200] [--profile]
 """
@@ -96,6 +97,29 @@ def measure_add_request(prompt_len: int, reps: int = 200) -> float:
     return statistics.median(times) * 1e6
 
 
+def measure_first_step(prompt_len: int, reps: int = 400, skip: int = 50) -> dict:
+    """A request alone (``max_tokens=1``): median microseconds of ``add_request``, of the first
+    ``step()`` (schedule, build, pack, dispatch of its prefill: TTFT's host part before the launch)
+    and of the steps until it finished (reading its token back, its output)."""
+    engine = stub_engine(1, prompt_len, 8)
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    rng = np.random.default_rng(2)
+    parts = []
+    for i in range(reps + skip):
+        prompt = rng.integers(1, 500, prompt_len).tolist()
+        t0 = time.perf_counter()
+        engine.add_request(prompt, sp)
+        t1 = time.perf_counter()
+        engine.step()
+        t2 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        if i >= skip:
+            parts.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+    med = [statistics.median(p[j] for p in parts) * 1e6 for j in range(3)]
+    return dict(prompt_len=prompt_len, add_request_us=med[0], first_step_us=med[1], until_finished_us=med[2])
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,64,256")
@@ -104,14 +128,18 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--add-request-lens", default="32,960", help="prompt lengths for the add_request timing ('' = none)")
+    ap.add_argument("--first-step-len", type=int, default=32,
+                    help="prompt length of the lone-request timing (add_request + first step); 0 = none")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args(argv)
     rows = [measure(int(b), args.prompt_len, args.steps, args.warmup, args.profile) for b in args.batches.split(",")]
     adds = {int(n): measure_add_request(int(n)) for n in args.add_request_lens.split(",") if n}
+    first = measure_first_step(args.first_step_len) if args.first_step_len else None
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "engine_host.json"), "w") as f:
-            json.dump(dict(cpu=platform.processor() or platform.machine(), rows=rows, add_request_us=adds), f, indent=1)
+            json.dump(dict(cpu=platform.processor() or platform.machine(), rows=rows, add_request_us=adds,
+                           first_step=first), f, indent=1)
     for r in rows:
         for t in r.get("top", []):
             print(f"  b{r['batch']:<4d} {t['own_s'] * 1e3:8.1f} ms own {t['cum_s'] * 1e3:8.1f} ms cum x{t['calls']:<7d} {t['function']}")
@@ -121,6 +149,9 @@ def main(argv=None) -> list[dict]:
         print(f"{r['batch']:5d} {r['median_us']:10.1f} {r['mean_us']:9.1f}")
     for n, us in adds.items():
         print(f"add_request, {n}-token prompt: median {us:.1f} us")
+    if first:
+        print(f"a {first['prompt_len']}-token request alone: add_request {first['add_request_us']:.1f} us, first step "
+              f"{first['first_step_us']:.1f} us, then until finished {first['until_finished_us']:.1f} us (medians)")
     return rows
 
 

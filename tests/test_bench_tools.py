@@ -116,9 +116,11 @@ def test_bench_attention_big_pool_check_interpret():
 def test_bench_engine_host_tiny(tmp_path):
     """The host-cost benchmark runs the engine with a stub step: every request decodes, outputs flow."""
     rows = load("bench_engine_host").main(["--batches", "1,4", "--steps", "5", "--warmup", "3", "--profile",
-                                           "--add-request-lens", "8", "--out", str(tmp_path)])
+                                           "--add-request-lens", "8", "--first-step-len", "8", "--out", str(tmp_path)])
     assert [r["batch"] for r in rows] == [1, 4] and all(r["median_us"] > 0 for r in rows)
     assert rows[1]["top"] and (tmp_path / "engine_host.json").exists()
+    first = json.loads((tmp_path / "engine_host.json").read_text())["first_step"]
+    assert first["prompt_len"] == 8 and first["first_step_us"] > 0 and first["until_finished_us"] > 0
 
 
 def test_check_stacked_weights_tiny(tmp_path):
