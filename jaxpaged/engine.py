@@ -292,7 +292,7 @@ class LLMEngine:
             if state.first_scheduled is None:
                 state.first_scheduled = now
                 state.num_cached_tokens = seq.num_cached_tokens
-        num_decode = sum(1 for seq, n in scheduled if n == 1 and seq.num_output_tokens > 0)
+        num_decode = sum(1 for seq, n in scheduled if n == 1 and len(seq.token_ids) > seq.num_prompt_tokens)
         num_tokens = sum(n for _, n in scheduled)
         inputs = build_step_inputs(scheduled, self.kv.tables, self.config.block_size, width=self._table_width,
                                    max_seqs=self.config.max_num_seqs, prev_rows=self._pending_rows,

@@ -21,6 +21,9 @@ class BlockTables:
     def __init__(self, rows: int = 64, width: int = 64) -> None:
         self.table = np.zeros((rows, width), dtype=np.int32)
         self.lengths = np.zeros(rows, dtype=np.int32)
+        # ``lengths`` as Python ints, kept equal to it: per-row reads in the scheduler's hot loops
+        # (``KVCacheManager.has_room``) without a numpy scalar each; numpy for vectorised gathers.
+        self.row_lengths: list[int] = [0] * rows
         self._free_rows = list(range(rows - 1, -1, -1))  # pop() hands out low rows first
 
     @property
@@ -39,6 +42,7 @@ class BlockTables:
         lengths = np.zeros(rows, dtype=np.int32)
         lengths[:old_rows] = self.lengths
         self.table, self.lengths = table, lengths
+        self.row_lengths.extend([0] * (rows - old_rows))
         self._free_rows[:0] = range(rows - 1, old_rows - 1, -1)  # new rows after old ones
 
     # ---- writes (the KV manager's) ---------------------------------------------------------------
@@ -52,25 +56,27 @@ class BlockTables:
 
     def append(self, row: int, block_ids: list[int]) -> None:
         """Appends ``block_ids`` to ``row``'s table."""
-        start = int(self.lengths[row])
+        start = self.row_lengths[row]
         end = start + len(block_ids)
         if end > self.width:
             self._grow(self.table.shape[0], max(2 * self.width, end))
         self.table[row, start:end] = block_ids
         self.lengths[row] = end
+        self.row_lengths[row] = end
 
     def remove(self, row: int) -> list[int]:
         """Zeroes ``row``, returns it to the pool of rows and returns the block ids it held."""
-        n = int(self.lengths[row])
+        n = self.row_lengths[row]
         blocks = self.table[row, :n].tolist()
         self.table[row, :n] = 0
         self.lengths[row] = 0
+        self.row_lengths[row] = 0
         self._free_rows.append(row)
         return blocks
 
     # ---- reads -----------------------------------------------------------------------------------
     def num_blocks(self, row: int) -> int:
-        return int(self.lengths[row])
+        return self.row_lengths[row]
 
     def blocks(self, row: int) -> list[int]:
         """``row``'s block table as a list (a copy)."""

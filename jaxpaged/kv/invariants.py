@@ -2,7 +2,7 @@
 
 Table-level, checked here:
 * each admitted request owns one row of the ``BlockTables`` matrix, no row is shared, and every
-  entry past a row's length is 0;
+  entry past a row's length is 0; the rows' lengths as Python ints equal the numpy ones;
 * no block table holds a block twice.
 
 Policy-level, checked by the policy against the number of tables holding each block
@@ -42,6 +42,8 @@ def check_invariants(tables: BlockTables, seqs: Iterable[Sequence], policy: Rese
             holders[block_id] += 1
     if tables.table[~held].any():
         raise BlockStateError("block tables: an entry past a row's length is not 0")
+    if tables.row_lengths != tables.lengths.tolist():
+        raise BlockStateError("block tables: the Python row lengths differ from the numpy lengths")
     if len(rows) != tables.rows_in_use:
         raise BlockStateError(f"block tables: {tables.rows_in_use} rows in use, {len(rows)} requests admitted")
     policy.check(holders)

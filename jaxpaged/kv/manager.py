@@ -185,7 +185,7 @@ class KVCacheManager:
         """The new tokens fit in the blocks ``seq`` already holds (then ``append`` has nothing to do):
         the scheduler's fast path for decoding sequences."""
         required = seq.num_computed_tokens + num_new_tokens
-        return required <= self.tables.lengths[seq.block_table_row] * self.block_size and required <= self._token_cap
+        return required <= self.tables.row_lengths[seq.block_table_row] * self.block_size and required <= self._token_cap
 
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         """True if ``num_new_tokens`` more tokens of ``seq`` can get slots now."""
@@ -249,8 +249,11 @@ class KVCacheManager:
     def filled_slots(self) -> int:
         """Token slots of held blocks that hold (or are about to hold) a token; a block shared by
         several tables counts once. O(admitted sequences)."""
-        bs, lengths = self.block_size, self.tables.lengths.tolist()  # Python ints: no numpy scalar per row
-        filled = sum(min(len(s.token_ids), lengths[s.block_table_row] * bs) for s in self._seqs.values())
+        bs, lengths = self.block_size, self.tables.row_lengths  # Python ints: no numpy scalar per row
+        filled = 0
+        for s in self._seqs.values():
+            tokens, slots = len(s.token_ids), lengths[s.block_table_row] * bs
+            filled += tokens if tokens < slots else slots
         return filled - bs * self.policy.num_shared_references  # shared blocks are full
 
     def block_utilisation(self) -> float:
