@@ -230,8 +230,11 @@ class ModelRunner:
 
     def num_copies(self, num_tokens: int) -> int:
         """How many copies of the step a padded step of ``num_tokens`` tokens uses in turn: all of them
-        up to ``COPIES_MAX_TOKENS`` tokens, one above (see the class docstring)."""
-        return self.step_executables if num_tokens <= COPIES_MAX_TOKENS else 1
+        up to ``COPIES_MAX_TOKENS`` tokens, one above or without CUDA graphs (the copies exist for the
+        graphs' buffer addresses; see the class docstring)."""
+        if num_tokens > COPIES_MAX_TOKENS or "eager" in self.variant(num_tokens):
+            return 1
+        return self.step_executables
 
     def variant(self, num_tokens: int) -> str:
         """Which compiled variant a padded step of ``num_tokens`` tokens runs: ``"default"``, or its

@@ -200,7 +200,8 @@ class Scheduler:
 
     def _advance_progress(self, seq: Sequence, n: int) -> bool:
         """Counts ``n`` computed tokens of ``seq``; True if they reached its last known token (so the
-        step sampled a token for it). (``advance`` inlines the same bookkeeping in its loop.)"""
+        step sampled a token for it). ``advance`` inlines the same bookkeeping in its loop (the
+        batch-256 host path): keep the two in step."""
         if n == 1 and len(seq.token_ids) > seq.num_prompt_tokens:
             self.counters.decode_tokens += 1
         else:
@@ -221,12 +222,12 @@ class Scheduler:
         c = self.counters
         c.steps += 1
         samples: Samples = []
-        running, finished_status = SequenceStatus.RUNNING, SequenceStatus.FINISHED
+        running_status, finished_status = SequenceStatus.RUNNING, SequenceStatus.FINISHED
         kv, max_model_len = self.kv, self.max_model_len
         has_new_full_blocks = kv.has_new_full_blocks  # (the hot loop: one call per sequence)
         decode_tokens = prefill_tokens = 0
         for row, (seq, n) in enumerate(scheduled):
-            if seq.status is not running:  # finished (stop token) while this step ran
+            if seq.status is not running_status:  # finished (stop token) while this step ran
                 continue
             tokens_list = seq.token_ids
             num_tokens = len(tokens_list)

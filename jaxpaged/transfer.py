@@ -55,7 +55,9 @@ def _flat_fields(inputs: StepInputs) -> dict[str, np.ndarray]:
 def pack(inputs: StepInputs) -> tuple[np.ndarray, StepLayout]:
     """Host side: the step's numpy arrays as one ``i32[N]`` buffer, and its static layout. Inputs from
     ``batch.build_step_inputs`` (no sampler features) already are views of such a buffer: it is
-    returned as it is (their arrays' current values, since they are views of it)."""
+    returned as it is (their arrays' current values, since they are views of it). So a caller must
+    not write to a step's input arrays once it has handed them to ``runner.step`` (none does; jax
+    copies a numpy argument today, but need not)."""
     t, (s, w) = inputs.token_ids.shape[0], inputs.meta.block_tables.shape
     layout = StepLayout(t, s, w, inputs.sampling_mode, inputs.features)
     packed = inputs.__dict__.get(PACKED_ATTR)

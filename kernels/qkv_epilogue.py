@@ -150,7 +150,7 @@ def qkv_epilogue(parts: jax.Array, bias: jax.Array | None, q_norm: jax.Array | N
     if block_tokens is not None:
         if block_tokens < 1 or block_tokens & (block_tokens - 1):
             raise ValueError(f"block_tokens must be a power of two, got {block_tokens}")
-        block = block_tokens
+        block, num_warps = block_tokens, 1 if block_tokens == 1 else 4
     kernel = functools.partial(_kernel, layer=layer, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                eps=float(eps), has_bias=has_bias, has_norm=has_norm, block_tokens=block)
     q, pool = pl.pallas_call(

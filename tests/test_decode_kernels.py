@@ -78,12 +78,15 @@ def xla_epilogue(qkv, bias, qn, kn, positions, pool, layer, slots, hq, hkv, d, e
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])
-@pytest.mark.parametrize("num_parts,block_tokens", [(1, None), (3, None), (3, 4)])
-def test_qkv_epilogue_matches_xla_path(dtype, family, num_parts, block_tokens):
-    """One token per program (the default at 9 tokens) and blocks of 4 (the last one partly past the
-    step: masked rows read and write nothing) give the XLA path's values."""
+@pytest.mark.parametrize("num_parts,block_tokens,t", [(1, None, 9), (3, None, 9), (3, 4, 9), (1, None, 40)])
+def test_qkv_epilogue_matches_xla_path(dtype, family, num_parts, block_tokens, t):
+    """One token per program (the default at 9 tokens), blocks of 4 (the last one partly past the
+    step: masked rows read and write nothing) and the default above 32 tokens (blocks of 8) give the
+    XLA path's values. Slot 0 is written by token 0 while token 3 (padding, slot -1) shares its block
+    of programs: a masked row must not write back over it."""
     rng = np.random.default_rng(7 + num_parts)
-    hq, hkv, d, t, layers, blocks, bs = 6, 2, 32, 9, 3, 8, 4  # 6 q heads: any count (one program per head)
+    hq, hkv, d, layers, blocks, bs = 6, 2, 32, 3, 8, 4  # 6 q heads: any count (one program per head)
+    blocks = max(blocks, -(-t // bs) + 2)
     width = (hq + 2 * hkv) * d
     parts = rand(rng, (num_parts, t, width), jnp.float32 if num_parts > 1 else dtype)
     qkv = parts[0].astype(jnp.float32)
@@ -93,7 +96,8 @@ def test_qkv_epilogue_matches_xla_path(dtype, family, num_parts, block_tokens):
     bias = rand(rng, (width,), dtype, 0.5) if family == "qwen2" else None
     qn, kn = (rand(rng, (d,), dtype, 0.3) + 1, rand(rng, (d,), dtype, 0.3) + 1) if family == "qwen3" else (None, None)
     positions = jnp.asarray(rng.integers(0, 5000, t), jnp.int32)
-    slots = jnp.asarray(rng.permutation(blocks * bs)[:t], jnp.int32).at[3].set(-1)  # one padding token
+    slots = jnp.asarray(rng.permutation(np.arange(1, blocks * bs))[:t], jnp.int32)
+    slots = slots.at[0].set(0).at[3].set(-1)  # slot 0 written next to a padding token (slot -1)
     slots = slots.at[5].set(blocks * bs + 2)  # past the pool: dropped, as write_kv's mode="drop"
     pool = rand(rng, (layers, blocks, bs, 2, hkv, d), dtype)
     want_q, want_pool = xla_epilogue(qkv, bias, qn, kn, positions, pool, 1, slots, hq, hkv, d, 1e-6, 1e6)

@@ -620,3 +620,29 @@ class KVMachine(RuleBasedStateMachine):
 
 KVMachine.TestCase.settings = settings(max_examples=500, stateful_step_count=80, deadline=None)
 TestKVMachine = KVMachine.TestCase
+
+
+def test_block_tables_gather_into_cuts_pads_and_checks_width():
+    """``BlockTables.gather_into`` writes rows cut to a narrower width or zero-padded past the table's
+    own width (a step's fixed width can exceed it), refuses a row longer than the width, and keeps
+    ``row_lengths`` equal to ``lengths`` through appends, removals and growth."""
+    import numpy as np
+    import pytest
+
+    from jaxpaged.kv.block_tables import BlockTables
+
+    t = BlockTables(rows=2, width=2)
+    a = t.add([5, 6, 7])  # grows the width
+    b = t.add([9])
+    c = t.add([1, 2])  # grows the rows
+    assert t.row_lengths == t.lengths.tolist() and t.row_lengths[a] == 3
+    rows = np.array([c, a], np.int64)
+    wide = np.full((2, t.width + 3), -7, np.int32)
+    t.gather_into(rows, wide)
+    assert wide.tolist() == [[1, 2] + [0] * (t.width + 1), [5, 6, 7] + [0] * t.width]
+    narrow = np.full((1, 3), -7, np.int32)
+    t.gather_into(np.array([a], np.int64), narrow)
+    assert narrow.tolist() == [[5, 6, 7]]
+    with pytest.raises(ValueError, match="more than width=2"):
+        t.gather_into(np.array([a], np.int64), np.zeros((1, 2), np.int32))
+    assert t.remove(a) == [5, 6, 7] and t.row_lengths == t.lengths.tolist() and t.num_blocks(b) == 1

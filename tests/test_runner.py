@@ -195,15 +195,17 @@ def test_eager_variant_above_max_cudagraph_capture_size():
     for size in (None, 16):
         engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=32, max_model_len=64,
                                                 cublas_max_tokens=64, max_cudagraph_capture_size=size,
-                                                compilation_cache=False))
+                                                step_executables=2, compilation_cache=False))
         runner = engine.runner
         assert runner.cudagraph_max_tokens == size
+        # Copies exist for the graphs' buffer addresses: an eager step of <= 32 tokens keeps one.
+        assert [runner.num_copies(t) for t in (16, 32)] == ([2, 2] if size is None else [2, 1])
         got = [runner.variant(t) for t in (16, 32, 64, 128)]
         assert got == (["default", "default", "cublas", "default"] if size is None
                        else ["default", "eager", "cublas+eager", "eager"])
         assert set(got) <= set(VARIANTS)
         outs[size] = run_to_completion(engine, [list(range(40))], sp)[0].outputs[0].token_ids  # a 64-token prefill
-        assert sorted(key[-2] for key in runner._shapes_seen) == (
+        assert sorted({key[-2] for key in runner._shapes_seen}) == (
             ["cublas", "default"] if size is None else ["cublas+eager", "default"])
     assert outs[None] == outs[16]
     assert dict(EAGER_OPTIONS) == {"xla_gpu_enable_command_buffer": ""}
