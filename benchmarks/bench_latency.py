@@ -107,8 +107,15 @@ def main(argv: list[str] | None = None) -> dict:
                     help="read each step's tokens back before dispatching the next (default: async)")
     ap.add_argument("--xla-option", action="append", help="name=value, repeatable: EngineConfig.compiler_options")
     add_decode_path_flags(ap)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="EngineConfig.max_num_seqs (default: the largest batch). The engine's default is 256: "
+                         "a step then pads its rows to min(tokens, 256), and steps of <= 2x that many tokens "
+                         "run attention's decode configuration (a 32-token prompt alone: decode tiles at 256, "
+                         "prefill tiles at 1)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
+    if args.max_num_seqs is not None and args.max_num_seqs < max(int(x) for x in args.batches.split(",")):
+        raise SystemExit(f"--max-num-seqs {args.max_num_seqs} is smaller than the largest batch")
     batches = [int(x) for x in args.batches.split(",")]
     prompt_lens = [int(x) for x in args.prompts.split(",")]
 
@@ -121,7 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"prompt + max_tokens ({max(prompt_lens) + args.max_tokens}) exceeds the model's "
                          f"{params.config.max_position_embeddings} positions: use shorter --prompts")
     config = EngineConfig(block_size=bs, num_blocks=max(batches) * (max_model_len // bs) + 1,
-                          max_num_seqs=max(batches), max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_num_seqs=args.max_num_seqs or max(batches),
+                          max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=max_model_len, attention_backend=args.backend, dtype=params.dtype,
                           async_scheduling=args.async_scheduling, compiler_options=parse_xla_options(args.xla_option),
                           **decode_path_config(args))
@@ -153,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = dict(model=args.model, device=str(jax.devices()[0]), jax=jax.__version__,
                   backend=engine.runner.attention_backend, args=vars(args), setup_s=setup_s,
+                  max_num_seqs=engine.config.max_num_seqs,
                   compile_s_total=engine.runner.compile_seconds, compiled_shapes=engine.runner.num_compiled_shapes,
                   rows=rows)
     with open(os.path.join(args.out, "latency.json"), "w") as f:

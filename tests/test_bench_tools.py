@@ -75,6 +75,12 @@ def test_bench_latency_tiny(tmp_path, capsys):
         assert len(r["raw"][0]["itl"]) == r["batch"] * 3  # 4 tokens -> 3 gaps per request
     assert json.loads((tmp_path / "latency.json").read_text())["rows"][0]["batch"] == 1
     assert "TTFT p50" in capsys.readouterr().out
+    assert result["max_num_seqs"] == 3  # the largest batch, unless --max-num-seqs says otherwise
+    one = mod.main(["--model", "tiny", "--batches", "1", "--prompts", "8", "--max-tokens", "2", "--repeats", "1",
+                    "--max-num-seqs", "16", "--out", str(tmp_path / "m16")])
+    assert one["max_num_seqs"] == 16 and one["rows"][0]["ttft_p50_ms"] > 0
+    with pytest.raises(SystemExit, match="smaller than the largest batch"):
+        mod.main(["--model", "tiny", "--batches", "1,3", "--max-num-seqs", "2", "--out", str(tmp_path)])
 
 
 def test_exp_xla_flags_tiny(tmp_path):
