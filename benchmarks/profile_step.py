@@ -412,6 +412,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--trace-dir", default=None, help="where the profiler writes (default: --out/trace)")
     add_decode_path_flags(ap)
     ap.add_argument("--xla-option", action="append", help="name=value, repeatable: EngineConfig.compiler_options")
+    ap.add_argument("--copies-max-tokens", type=int, default=None,
+                    help="experiment: steps of up to N tokens use every step copy (--step-executables), not "
+                         "only those of <= 32 (ModelRunner.copies_max_tokens); with TF_CPP_VMODULE="
+                         "command_buffer_thunk=3 it shows whether copies stop a large step's graph re-patch")
     ap.add_argument("--ttft", action="store_true",
                     help="profile first tokens instead of decode steps: --steps requests of --ctx tokens, one "
                          "at a time, max_tokens=1; a 'step' is then a request's add_request..finished window")
@@ -431,8 +435,11 @@ def main(argv: list[str] | None = None) -> dict:
                           max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend,
                           async_scheduling=args.async_scheduling, **decode_path_config(args),
                           compiler_options=parse_xla_options(args.xla_option))
+    if args.copies_max_tokens is not None:
+        engine.runner.copies_max_tokens = args.copies_max_tokens
     steady = reach_steady_decode(engine, batch=args.batch, ctx=args.ctx, max_tokens=gen,
-                                 temperature=args.temperature, warmup_steps=args.warmup_steps)
+                                 temperature=args.temperature,
+                                 warmup_steps=max(args.warmup_steps, engine.runner.step_executables))  # every copy
     untraced = timed_steps(engine, args.steps)
 
     trace_dir = args.trace_dir or os.path.join(args.out, "trace")
@@ -447,6 +454,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = dict(model=args.model, batch=args.batch, ctx=args.ctx, steps=args.steps, args=vars(args),
                   device=str(jax.devices()[0]), jax=jax.__version__, backend=engine.runner.attention_backend,
                   compiled_shapes=engine.runner.num_compiled_shapes, compile_seconds=engine.runner.compile_seconds,
+                  compiled_executables=engine.runner.num_compiled_executables,
+                  copies_max_tokens=engine.runner.copies_max_tokens,
                   steady=steady, untraced=untraced, traced=traced, trace_file=path, trace=analysis)
     if analysis and analysis["device"]:
         result["summary"] = dict(

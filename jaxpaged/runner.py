@@ -192,6 +192,7 @@ class ModelRunner:
         self._turns: dict[tuple, int] = {}  # step shape -> the copy that ran it last
         self.cublas_max_tokens = cublas_max_tokens
         self.cudagraph_max_tokens = cudagraph_max_tokens
+        self.copies_max_tokens = COPIES_MAX_TOKENS  # (experiments may raise it: benchmarks/profile_step.py)
         self.attention_backend = resolve_backend(attention_backend)
         self.batch_invariant = batch_invariant
         self.compiler_options = dict(compiler_options or {})
@@ -230,9 +231,9 @@ class ModelRunner:
 
     def num_copies(self, num_tokens: int) -> int:
         """How many copies of the step a padded step of ``num_tokens`` tokens uses in turn: all of them
-        up to ``COPIES_MAX_TOKENS`` tokens, one above or without CUDA graphs (the copies exist for the
-        graphs' buffer addresses; see the class docstring)."""
-        if num_tokens > COPIES_MAX_TOKENS or "eager" in self.variant(num_tokens):
+        up to ``copies_max_tokens`` (``COPIES_MAX_TOKENS``) tokens, one above or without CUDA graphs (the
+        copies exist for the graphs' buffer addresses; see the class docstring)."""
+        if num_tokens > self.copies_max_tokens or "eager" in self.variant(num_tokens):
             return 1
         return self.step_executables
 

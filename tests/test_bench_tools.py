@@ -21,8 +21,11 @@ def load(name: str):
 def test_profile_step_tiny(tmp_path, capsys):
     mod = load("profile_step")
     result = mod.main(["--model", "tiny", "--batch", "4", "--ctx", "24", "--steps", "3", "--warmup-steps", "1",
-                       "--out", str(tmp_path)])
+                       "--step-executables", "3", "--copies-max-tokens", "64", "--out", str(tmp_path)])
     assert result["steady"]["prefill_steps"] >= 1
+    assert result["copies_max_tokens"] == 64
+    # Three copies used in turn for the 16-token decode steps (bucket 16 on the CPU): two more executables.
+    assert result["compiled_executables"] >= result["compiled_shapes"] + 2
     assert len(result["untraced"]["wall_s"]) == 3 and result["untraced"]["wall_median_s"] > 0
     assert result["untraced"]["recompiles"] == 0 and result["traced"]["recompiles"] == 0
     trace = result["trace"]

@@ -148,6 +148,9 @@ def test_step_copies_alternate_and_give_the_same_tokens():
         assert runner.num_compiled_shapes == len({k[:-1] for k in runner._shapes_seen})
         assert runner.num_compiled_executables == len(runner._shapes_seen) >= runner.num_compiled_shapes
         assert runner.num_copies(32) == n and runner.num_copies(64) == 1  # large steps: one copy
+        runner.copies_max_tokens = 64  # (an experiment's override: profile_step.py --copies-max-tokens)
+        assert runner.num_copies(64) == n and runner.num_copies(128) == 1
+        runner.copies_max_tokens = 32
     assert outs[1] == outs[2]
     np.testing.assert_array_equal([len(t) for t in outs[2]], [6, 6])
 
