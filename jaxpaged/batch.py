@@ -9,6 +9,8 @@ the scheduler's order. Token ``t`` of the step belongs to one sequence; its K/V 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import jax
 import numpy as np
@@ -60,6 +62,41 @@ class StepInputs:
     features: SamplerFeatures = dataclasses.field(default=NO_FEATURES, metadata=dict(static=True))
 
 
+def input_fields(num_tokens: int, num_seqs: int, width: int) -> tuple[tuple[str, tuple[int, ...], np.dtype], ...]:
+    """``(name, shape, dtype)`` of a step's 13 input arrays, in the order of its one int32 buffer
+    (``transfer.StepLayout`` appends the sampler features' arrays)."""
+    t, s = num_tokens, num_seqs
+    i32, f32, u32 = np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.uint32)
+    return (("token_ids", (t,), i32), ("positions", (t,), i32), ("slot_mapping", (t,), i32),
+            ("prev_index", (t,), i32), ("cu_q_lens", (s + 1,), i32), ("kv_lens", (s,), i32),
+            ("logits_indices", (s,), i32), ("temperature", (s,), f32), ("top_k", (s,), i32),
+            ("top_p", (s,), f32), ("seeds", (s,), u32), ("counters", (s,), i32),
+            ("block_tables", (s, width), i32))
+
+
+def input_buffer(num_tokens: int, num_seqs: int, width: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """A zeroed int32 buffer for a step's inputs and a view of it per :func:`input_fields` entry
+    (floats and unsigned ints by bit pattern): filled in place, it is already the packed step."""
+    total, plan = _buffer_plan(num_tokens, num_seqs, width)
+    buf = np.zeros(total, np.int32)
+    views = {}
+    for name, start, end, shape, dtype in plan:
+        view = buf[start:end]
+        views[name] = (view if dtype is None else view.view(dtype)).reshape(shape)
+    return buf, views
+
+
+@functools.lru_cache(maxsize=256)
+def _buffer_plan(num_tokens: int, num_seqs: int, width: int) -> tuple[int, tuple]:
+    """:func:`input_fields` as buffer offsets (one per step shape: the per-step work is slicing only)."""
+    plan, o = [], 0
+    for name, shape, dtype in input_fields(num_tokens, num_seqs, width):
+        size = math.prod(shape)
+        plan.append((name, o, o + size, shape, None if dtype == np.int32 else dtype))
+        o += size
+    return o, tuple(plan)
+
+
 def slot_mapping_batch(block_tables: np.ndarray, seq_indices: np.ndarray, positions: np.ndarray,
                        block_size: int) -> np.ndarray:
     """``i32[T]`` pool slots for a ragged batch: token ``t`` of row ``seq_indices[t]`` at ``positions[t]``.
@@ -100,7 +137,7 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
     knows no request uses penalties / min_p / min_tokens / logprobs (skips even looking).
     ``min_tokens``: the smallest padded token count (``EngineConfig.min_token_bucket``).
 
-    The arrays are views of one int32 buffer in ``transfer.StepLayout``'s order, kept on the result
+    The arrays are views of one int32 buffer (:func:`input_buffer`), kept on the result
     (attribute ``PACKED_ATTR``, outside the pytree) so ``transfer.pack`` sends it without copying;
     a step with sampler features packs the usual way (``pack`` at batch 1 on the dev CPU: 10 -> 1 us;
     the engine's host time per step: RESULTS.md, session 8).
@@ -119,16 +156,11 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
     if width is None or width < longest:
         width = bucket(longest, MIN_WIDTH)
 
-    # Every array is a view of one int32 buffer laid out as ``transfer.StepLayout.fields`` orders them,
-    # so ``transfer.pack`` hands this buffer over as it is (no second copy of the inputs).
-    buf = np.zeros(4 * t_pad + 8 * s_pad + 1 + s_pad * width, np.int32)
-    token_ids, positions, slots, prev_index = buf[: 4 * t_pad].reshape(4, t_pad)
-    o = 4 * t_pad
-    cu = buf[o: o + s_pad + 1]
-    o += s_pad + 1
-    kv_lens, logits_indices, temperature, top_k, top_p, seeds, counters = buf[o: o + 7 * s_pad].reshape(7, s_pad)
-    temperature, top_p, seeds = temperature.view(np.float32), top_p.view(np.float32), seeds.view(np.uint32)
-    block_tables = buf[o + 7 * s_pad:].reshape(s_pad, width)
+    # Every array is a view of one int32 buffer, so ``transfer.pack`` hands it over as it is.
+    buf, v = input_buffer(t_pad, s_pad, width)
+    token_ids, positions, slots, prev_index = v["token_ids"], v["positions"], v["slot_mapping"], v["prev_index"]
+    cu, kv_lens, logits_indices, block_tables = v["cu_q_lens"], v["kv_lens"], v["logits_indices"], v["block_tables"]
+    temperature, top_k, top_p, seeds, counters = v["temperature"], v["top_k"], v["top_p"], v["seeds"], v["counters"]
 
     start = np.array(start_list, np.int32)
     if decode_only:

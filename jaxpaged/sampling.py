@@ -108,9 +108,6 @@ def sampling_mode(temperature: Sequence[float], top_k: Sequence[int], top_p: Seq
     round trips (XLA copies a ``cond``'s predicate to the host and waits for it mid-step). Greedy rows
     need no variant of their own: they take the argmax of the logits in either.
     """
-    if len(temperature) <= 8:  # a few rows: a Python loop costs less than numpy's per-call overhead
-        return "filtered" if any(t > 0 and (k > 0 or p < 1.0)
-                                 for t, k, p in zip(temperature, top_k, top_p)) else "random"
     t, k, p = np.asarray(temperature), np.asarray(top_k), np.asarray(top_p)
     return "filtered" if bool(np.any((t > 0) & ((k > 0) | (p < 1.0)))) else "random"  # vectorised: per step
 

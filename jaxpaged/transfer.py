@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .batch import PACKED_ATTR, StepInputs
+from .batch import PACKED_ATTR, StepInputs, input_fields
 from .kernels.metadata import AttentionMetadata
 from .sampling_features import NO_FEATURES, FeatureInputs, SamplerFeatures
 
@@ -32,14 +32,9 @@ class StepLayout:
     features: SamplerFeatures = NO_FEATURES  # penalties / min_p / logprobs variant (sampling_features)
 
     def fields(self) -> tuple[tuple[str, tuple[int, ...], np.dtype], ...]:
-        """``(name, shape, dtype)`` in buffer order."""
-        t, s = self.num_tokens, self.num_seqs
-        i32, f32, u32 = np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.uint32)
-        return (("token_ids", (t,), i32), ("positions", (t,), i32), ("slot_mapping", (t,), i32),
-                ("prev_index", (t,), i32), ("cu_q_lens", (s + 1,), i32), ("kv_lens", (s,), i32),
-                ("logits_indices", (s,), i32), ("temperature", (s,), f32), ("top_k", (s,), i32),
-                ("top_p", (s,), f32), ("seeds", (s,), u32), ("counters", (s,), i32),
-                ("block_tables", (s, self.width), i32)) + (self.features.fields(s) if self.features else ())
+        """``(name, shape, dtype)`` in buffer order: ``batch.input_fields``, then the features' arrays."""
+        s = self.num_seqs
+        return input_fields(self.num_tokens, s, self.width) + (self.features.fields(s) if self.features else ())
 
 
 def _flat_fields(inputs: StepInputs) -> dict[str, np.ndarray]:

@@ -103,11 +103,6 @@ class BlockTables:
         Raises ``ValueError`` if a row holds more than ``width`` blocks.
         """
         rows = np.asarray(rows, dtype=np.int64)
-        if rows.size and int(self.lengths[rows].max()) > width:
-            i = int(self.lengths[rows].argmax())
-            raise ValueError(f"row {int(rows[i])} has {int(self.lengths[rows[i]])} blocks, more than width={width}")
-        if width <= self.width:
-            return self.table[rows, :width]  # fancy indexing copies
-        out = np.zeros((rows.size, width), dtype=np.int32)
-        out[:, : self.width] = self.table[rows]
+        out = np.empty((rows.size, width), dtype=np.int32)
+        self.gather_into(rows, out)
         return out
