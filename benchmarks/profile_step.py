@@ -39,6 +39,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from jaxpaged.heap import freeze_long_lived_heap  # noqa: E402
 from jaxpaged.workloads import (BENCHMARK_MODELS, add_decode_path_flags, benchmark_params,  # noqa: E402
                                 decode_path_config, parse_xla_options)
 
@@ -234,8 +235,9 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
 
 
 def analyse_trace(events: list[dict], steps: int, step_marker: str = "profile_step:engine.step",
-                  top: int = 25) -> dict:
-    """Device-side numbers per step from a profiler trace (times in microseconds, as in the trace)."""
+                  top: int = 25, all_host: bool = False) -> dict:
+    """Device-side numbers per step from a profiler trace (times in microseconds, as in the trace).
+    ``all_host``: the host table lists every host event (CUDA API calls included), not only launch-related ones."""
     procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
@@ -306,7 +308,7 @@ def analyse_trace(events: list[dict], steps: int, step_marker: str = "profile_st
     for e in complete:
         if e["pid"] in host_pids:
             n = e.get("name", "")
-            if n.startswith(("PjitFunction", "PjRtStreamExecutorLoadedExecutable", "ExecuteHelper",
+            if all_host or n.startswith(("PjitFunction", "PjRtStreamExecutorLoadedExecutable", "ExecuteHelper",
                              "CommonPjRtLoadedExecutable::Execute", "TfrtGpuExecutable", "Thunk", "BlockHostUntilDone")) \
                     or "Execute" in n or "Memcpy" in n or "TransferToDevice" in n or "BufferFromPyval" in n:
                 host_calls[n] += 1
@@ -379,8 +381,9 @@ def print_report(r: dict, top: int) -> None:
               + (f", first device work {statistics.median(firsts) / 1e3:.3f} ms after step() began" if firsts else "")
               + f", H2D {statistics.median(s['h2d'] for s in sw):.0f}, D2H {statistics.median(s['d2h'] for s in sw):.0f}")
     if a["host_ops"]:
-        print("host ops per step (top 8):")
-        for h in a["host_ops"][:8]:
+        n = 30 if r.get("args", {}).get("all_host_events") else 8
+        print(f"host ops per step (top {n}):")
+        for h in a["host_ops"][:n]:
             print(f"  {h['us_per_step']:9.1f} us  x{h['calls_per_step']:5.1f}  {h['name'][:90]}")
     if a["kernels"]:
         print(f"\n{'kernel (normalised name)':60s} {'calls/step':>10s} {'us/step':>9s} {'us/call':>8s} {'share':>6s}")
@@ -416,6 +419,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="experiment: steps of up to N tokens use every step copy (--step-executables), not "
                          "only those of <= 32 (ModelRunner.copies_max_tokens); with TF_CPP_VMODULE="
                          "command_buffer_thunk=3 it shows whether copies stop a large step's graph re-patch")
+    ap.add_argument("--all-host-events", action="store_true",
+                    help="list every host event of the trace (CUDA API calls too), top 40; with --xla-option "
+                         "xla_enable_command_buffers_during_profiling=true the traced launch is the real one")
     ap.add_argument("--ttft", action="store_true",
                     help="profile first tokens instead of decode steps: --steps requests of --ctx tokens, one "
                          "at a time, max_tokens=1; a 'step' is then a request's add_request..finished window")
@@ -440,6 +446,7 @@ def main(argv: list[str] | None = None) -> dict:
     steady = reach_steady_decode(engine, batch=args.batch, ctx=args.ctx, max_tokens=gen,
                                  temperature=args.temperature,
                                  warmup_steps=max(args.warmup_steps, engine.runner.step_executables))  # every copy
+    freeze_long_lived_heap()  # as LLMEngine.warmup does
     untraced = timed_steps(engine, args.steps)
 
     trace_dir = args.trace_dir or os.path.join(args.out, "trace")
@@ -449,7 +456,8 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         jax.profiler.stop_trace()
     path = find_trace_file(trace_dir)
-    analysis = analyse_trace(load_trace(path), args.steps, top=args.top) if path else None
+    analysis = analyse_trace(load_trace(path), args.steps, top=args.top,
+                             all_host=args.all_host_events) if path else None
 
     result = dict(model=args.model, batch=args.batch, ctx=args.ctx, steps=args.steps, args=vars(args),
                   device=str(jax.devices()[0]), jax=jax.__version__, backend=engine.runner.attention_backend,
@@ -481,6 +489,7 @@ def main_ttft(args) -> dict:
     rng = np.random.default_rng(0)
     t0, c0 = time.perf_counter(), engine.runner.compile_seconds
     first_token_requests(engine, args.warmup_steps, args.ctx, rng)  # compiles the prefill shape
+    freeze_long_lived_heap()  # as LLMEngine.warmup does
     steady = dict(prefill_steps=0, seconds=time.perf_counter() - t0, compile_seconds=engine.runner.compile_seconds - c0)
     untraced = first_token_requests(engine, args.steps, args.ctx, rng)
     trace_dir = args.trace_dir or os.path.join(args.out, "trace")
@@ -490,7 +499,8 @@ def main_ttft(args) -> dict:
     finally:
         jax.profiler.stop_trace()
     path = find_trace_file(trace_dir)
-    analysis = analyse_trace(load_trace(path), args.steps, top=args.top) if path else None
+    analysis = analyse_trace(load_trace(path), args.steps, top=args.top,
+                             all_host=args.all_host_events) if path else None
     result = dict(model=args.model, batch=1, ctx=args.ctx, steps=args.steps, args=vars(args), mode="ttft",
                   device=str(jax.devices()[0]), jax=jax.__version__, backend=engine.runner.attention_backend,
                   compiled_shapes=engine.runner.num_compiled_shapes, compile_seconds=engine.runner.compile_seconds,

@@ -1,5 +1,9 @@
 """jaxpaged: a JAX LLM inference engine built around PagedAttention and block-level prefix caching."""
 
+from . import xla_env
+
+xla_env.configure()  # JAXPAGED_SKIP_TEMP=1: fixed addresses for the CUDA graphs' temporaries (before JAX's GPU client)
+
 from .config import EngineConfig
 from .engine import LLMEngine
 from .llm import LLM, generate, run_to_completion

@@ -24,10 +24,12 @@ from .kv import KVCacheManager, PrefixDivergence, explain_prefix
 from .metrics import EngineMetrics, StepRecord
 from .models.checkpoint import ModelParams
 from .outputs import RequestOutput
+from .heap import freeze_long_lived_heap
 from .kernels.backend import resolve_backend
 from .inputs import broadcast_sampling_params, parse_prompt, parse_prompts
 from .output_processor import OutputProcessor, RequestState, make_detokenizer
 from .pool_size import check_pool, size_pool
+from . import xla_env
 from .runner import DEFAULT_COMPILER_OPTIONS, ModelRunner, enable_compilation_cache
 from .sampling import SamplingParams
 from .sampling_params import RequestOutputKind
@@ -385,12 +387,15 @@ class LLMEngine:
                 self._num_feature_requests -= state.seqs[0].sampling_params.uses_device_features
         return outs
 
-    def warmup(self, use_tqdm: bool = True) -> float:
+    def warmup(self, use_tqdm: bool = True, freeze_gc: bool = True) -> float:
         """Compiles the step for every token bucket up to ``max_num_batched_tokens`` ahead of time.
 
         Runs each shape once on an all-padding batch (no sequence, every slot -1: nothing is written
         or read). Returns the seconds spent. On the Pallas backend later steps then never stop to
         compile; the jnp reference backend pads block tables per step, so it still compiles new widths.
+        ``freeze_gc``: then moves the process's long-lived objects out of the cyclic garbage
+        collector's reach (``heap.freeze_long_lived_heap``), so a full collection in the middle of a
+        workload takes milliseconds, not most of a second.
         """
         max_blocks = -(-self.max_model_len // self.config.block_size)
         width = self._table_width or bucket(max_blocks, 1)
@@ -412,6 +417,8 @@ class LLMEngine:
                 tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs,
                                                         jnp.zeros_like(self._prev_tokens))
                 tokens.block_until_ready()
+        if freeze_gc:
+            freeze_long_lived_heap()
         return time.perf_counter() - t0
 
     # ---- observability -------------------------------------------------------------------------
@@ -425,7 +432,8 @@ class LLMEngine:
                  compile_seconds=self.runner.compile_seconds - self._compile_base[0],
                  compiled_shapes=self.runner.num_compiled_shapes - self._compile_base[1],
                  attention_backend=self.runner.attention_backend, step_seconds=self.metrics.total_seconds,
-                 host_seconds=self.metrics.host_seconds, device_wait_seconds=self.metrics.device_seconds)
+                 host_seconds=self.metrics.host_seconds, device_wait_seconds=self.metrics.device_seconds,
+                 xla_skip_temp=xla_env.skip_temp_active())
         return s
 
     def explain_prefix(self, a: str | SequenceT[int], b: str | SequenceT[int]) -> PrefixDivergence:

@@ -3,6 +3,7 @@ memory (GPU) or of the host's available memory (CPU), and the check that one ful
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 
@@ -33,6 +34,54 @@ def available_host_memory() -> int | None:
         return None
 
 
+BFC_MEMORY_FRACTION = 0.75  # XLA's default share of a GPU for its BFC allocator (XLA_PYTHON_CLIENT_MEM_FRACTION)
+
+
+def cuda_mem_info(ordinal: int) -> tuple[int, int] | None:
+    """``(free, total)`` bytes of CUDA device ``ordinal`` from the driver (``cuMemGetInfo`` in the primary
+    context, which XLA shares), or ``None`` where there is no CUDA driver."""
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    dev, ctx, popped = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    if cu.cuInit(0) or cu.cuDeviceGet(ctypes.byref(dev), ordinal) \
+            or cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev):
+        return None
+    try:
+        if cu.cuCtxPushCurrent_v2(ctx):
+            return None
+        try:
+            if cu.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)):
+                return None
+        finally:
+            cu.cuCtxPopCurrent_v2(ctypes.byref(popped))
+    finally:
+        cu.cuDevicePrimaryCtxRelease_v2(dev)
+    return free.value, total.value
+
+
+def free_device_memory(device, mem_info=cuda_mem_info) -> int | None:
+    """Bytes the engine may still take on ``device``, or ``None`` where that is unknown (a CPU).
+
+    With XLA's BFC allocator: its limit minus what it holds. With the VMM allocator (``xla_env``'s
+    SKIP_TEMP setting: no ``memory_stats``) the driver's free memory less the share of the device BFC
+    would have left outside its limit (``XLA_PYTHON_CLIENT_MEM_FRACTION``, default 0.75), so a pool
+    sized from it leaves the same room for the steps' temporaries under either allocator."""
+    stats = device.memory_stats()
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    if device.platform != "gpu":
+        return None
+    info = mem_info(device.local_hardware_id)
+    if info is None:
+        return None
+    free, total = info
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", BFC_MEMORY_FRACTION))
+    return max(0, free - int(total * (1 - fraction)))
+
+
 def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dtype: str) -> int:
     """Blocks in the pool: ``num_blocks`` if given; on a GPU ``memory_fraction`` of the free device
     memory (with tensor parallelism: of the device with the least free memory, per device's share of a
@@ -44,11 +93,9 @@ def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dty
         return config.num_blocks
     devices = [jax.devices()[0]] if params.mesh is None else \
         [d for d in params.mesh.devices.flat if d.process_index == jax.process_index()]
-    stats = min((d.memory_stats() or {} for d in devices),
-                key=lambda st: st.get("bytes_limit", 0) - st.get("bytes_in_use", 0))
-    if "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        return int(free * config.memory_fraction // block_bytes)
+    frees = [free_device_memory(d) for d in devices]
+    if all(f is not None for f in frees):
+        return int(min(frees) * config.memory_fraction // block_bytes)
     enough = math.ceil(max_model_len / bs) * min(config.max_num_seqs, 16)
     host = available_host_memory()
     budget = CPU_POOL_CAP_BYTES if host is None else min(int(host * CPU_POOL_FRACTION), CPU_POOL_CAP_BYTES)
