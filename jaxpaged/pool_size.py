@@ -42,7 +42,9 @@ def cuda_mem_info(ordinal: int) -> tuple[int, int] | None:
     context, which XLA shares), or ``None`` where there is no CUDA driver."""
     try:
         cu = ctypes.CDLL("libcuda.so.1")
-    except OSError:
+        for name in ("cuMemGetInfo_v2", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2", "cuDevicePrimaryCtxRelease_v2"):
+            getattr(cu, name)  # a driver older than CUDA 11 lacks them
+    except (OSError, AttributeError):
         return None
     dev, ctx, popped = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
@@ -67,7 +69,7 @@ def free_device_memory(device, mem_info=cuda_mem_info) -> int | None:
 
     With XLA's BFC allocator: its limit minus what it holds. With the VMM allocator (``xla_env``'s
     SKIP_TEMP setting: no ``memory_stats``) the driver's free memory less the share of the device BFC
-    would have left outside its limit (``XLA_PYTHON_CLIENT_MEM_FRACTION``, default 0.75), so a pool
+    would have left outside its limit (``bfc_memory_fraction``, default 0.75), so a pool
     sized from it leaves the same room for the steps' temporaries under either allocator."""
     stats = device.memory_stats()
     if stats and "bytes_limit" in stats:
@@ -78,8 +80,20 @@ def free_device_memory(device, mem_info=cuda_mem_info) -> int | None:
     if info is None:
         return None
     free, total = info
-    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", BFC_MEMORY_FRACTION))
-    return max(0, free - int(total * (1 - fraction)))
+    return max(0, free - int(total * (1 - bfc_memory_fraction())))
+
+
+def bfc_memory_fraction() -> float:
+    """The device share XLA's BFC allocator takes: ``XLA_CLIENT_MEM_FRACTION`` or its older name
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (unset, empty or not a number: 0.75)."""
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            try:
+                return min(max(float(value), 0.0), 1.0)
+            except ValueError:
+                pass
+    return BFC_MEMORY_FRACTION
 
 
 def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dtype: str) -> int:

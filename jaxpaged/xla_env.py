@@ -65,9 +65,12 @@ def configure(environ: MutableMapping[str, str] | None = None, cuda: bool | None
 
 
 def skip_temp_active(device=None) -> bool:
-    """Whether ``device`` (default: JAX's first) has XLA's VMM allocator, i.e. the SKIP_TEMP setting
-    took effect: a GPU whose allocator keeps no BFC statistics (``memory_stats()`` is ``None``)."""
+    """Whether this process runs SKIP_TEMP with XLA's VMM allocator: ``XLA_FLAGS`` asks for it and
+    ``device`` (default: this process's first) is a GPU whose allocator keeps no BFC statistics
+    (``memory_stats()`` is ``None``), i.e. the setting took effect."""
     import jax  # noqa: PLC0415
 
-    d = device or jax.devices()[0]
+    if SKIP_TEMP_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        return False
+    d = device or jax.local_devices()[0]
     return d.platform == "gpu" and d.memory_stats() is None

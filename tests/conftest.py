@@ -5,3 +5,16 @@ import tempfile
 
 os.environ.setdefault("JAXPAGED_COMPILE_CACHE", "")  # the suite compiles fresh; one test checks the cache
 os.environ.setdefault("JAXPAGED_CACHE", tempfile.mkdtemp(prefix="jaxpaged-test-cache-"))
+
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _unfrozen_heap():
+    """``LLMEngine.warmup()`` freezes the heap (``jaxpaged.heap``): each test starts and ends unfrozen, so one
+    test's warm-up does not keep another's cyclic garbage alive."""
+    yield
+    gc.unfreeze()

@@ -224,7 +224,7 @@ def test_warmup_freezes_the_long_lived_heap_and_the_pool_is_still_freed(qwen3):
         del engine
         assert ref() is None and pool() is None
     finally:
-        gc.unfreeze()  # the rest of the suite collects as usual
+        gc.unfreeze()  # the rest of the suite collects as usual (conftest does it after every test too)
 
 
 @pytest.mark.parametrize("num_blocks", [64, 12])

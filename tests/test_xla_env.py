@@ -5,7 +5,7 @@ import types
 import pytest
 
 from jaxpaged import xla_env
-from jaxpaged.pool_size import free_device_memory
+from jaxpaged.pool_size import bfc_memory_fraction, free_device_memory
 
 
 def test_skip_temp_flag_added_only_on_request_with_cuda_and_without_user_choice():
@@ -48,6 +48,7 @@ def test_free_memory_under_bfc_is_its_limit_minus_use():
 
 def test_free_memory_under_vmm_leaves_what_bfc_would_leave(monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
     gib = 1 << 30
     seen = []
 
@@ -63,3 +64,26 @@ def test_free_memory_under_vmm_leaves_what_bfc_would_leave(monkeypatch):
     assert free_device_memory(d, mem_info=info) == 60 * gib
     assert free_device_memory(d, mem_info=lambda i: None) is None  # no driver: unknown
     assert free_device_memory(_device("cpu", None), mem_info=info) is None
+
+
+def test_bfc_fraction_reads_both_names_and_ignores_bad_values(monkeypatch):
+    monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert bfc_memory_fraction() == 0.75
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "")  # empty: unset, as JAX treats it
+    assert bfc_memory_fraction() == 0.75
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+    assert bfc_memory_fraction() == 0.6
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")  # the newer name wins
+    assert bfc_memory_fraction() == 0.9
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "lots")
+    assert bfc_memory_fraction() == 0.6
+
+
+def test_skip_temp_needs_the_flag_not_only_a_stats_free_gpu(monkeypatch):
+    gpu_without_stats = types.SimpleNamespace(platform="gpu", memory_stats=lambda: None)
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert not xla_env.skip_temp_active(gpu_without_stats)  # e.g. the platform allocator: not VMM
+    monkeypatch.setenv("XLA_FLAGS", xla_env.SKIP_TEMP_FLAG)
+    assert xla_env.skip_temp_active(gpu_without_stats)
+    assert not xla_env.skip_temp_active(types.SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": 1}))
