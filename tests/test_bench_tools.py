@@ -105,6 +105,13 @@ def test_bench_dispatch_runs(tmp_path):
     assert all(r["dispatch_us"] > 0 for r in rows) and (tmp_path / "dispatch.json").is_file()
 
 
+def test_bench_dispatch_launch_sweep(tmp_path):
+    rows = load("bench_dispatch").main(["--calls", "2", "--kernels", "1,4", "--out", str(tmp_path)])
+    launches = [(r["kernels"], r["graphs"]) for r in rows if "launch_us" in r]
+    assert launches == [(1, True), (1, False), (4, True), (4, False)]
+    assert all(r["launch_us"] > 0 for r in rows if "launch_us" in r)
+
+
 def test_check_step_hlo_tiny(tmp_path):
     """The compiled step of a decode-like and a prefill step: one aliased pool, no copy, no layer slice."""
     rows = load("check_step_hlo").main(["--model", "tiny", "--out", str(tmp_path), "--dump-hlo"])
