@@ -420,8 +420,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "only those of <= 32 (ModelRunner.copies_max_tokens); with TF_CPP_VMODULE="
                          "command_buffer_thunk=3 it shows whether copies stop a large step's graph re-patch")
     ap.add_argument("--all-host-events", action="store_true",
-                    help="list every host event of the trace (CUDA API calls too), top 40; with --xla-option "
-                         "xla_enable_command_buffers_during_profiling=true the traced launch is the real one")
+                    help="list every host event of the trace (CUDA API calls too), top 30; with --xla-option "
+                         "xla_enable_command_buffers_during_profiling=True the traced launch is the real one")
     ap.add_argument("--ttft", action="store_true",
                     help="profile first tokens instead of decode steps: --steps requests of --ctx tokens, one "
                          "at a time, max_tokens=1; a 'step' is then a request's add_request..finished window")

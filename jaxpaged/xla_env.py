@@ -15,7 +15,7 @@ package import, and only on request: ``JAXPAGED_SKIP_TEMP=1`` (and a CUDA plugin
 mode chosen by the user). It is not the default because it costs elsewhere (H200, session 9): batch-1 ITL
 +3-8% in three of three pairs (why is not measured), and the whole process loses
 ``memory_stats()`` (the VMM allocator keeps none), which the memory experiments read; it pays where the
-host bounds large steps (nano-vllm's workload +5-7% on slow hosts). ``skip_temp_active`` tells which
+host bounds large steps (nano-vllm's workload +2 to +7%). ``skip_temp_active`` tells which
 allocator the process really has (imported after JAX made its GPU client, the setting is too late).
 """
 
