@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .kernels.gumbel_argmax import gumbel_argmax, gumbel_from_bits, gumbel_keys, uniform_bits
 from .kernels.shapes import next_pow2
 from .sampling_params import RequestOutputKind, SamplingParams  # noqa: F401  (re-exported)
 
@@ -67,34 +68,19 @@ def apply_min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(keep | (min_p <= 0)[:, None], scaled, -jnp.inf)
 
 
-def _mix32(x: jax.Array) -> jax.Array:
-    """A bijective 32-bit finaliser (xor-shift / multiply, MurmurHash3's constants): every input bit
-    moves every output bit. ``uint32`` in and out."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = x * jnp.uint32(0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
 def gumbel_noise(seeds: jax.Array, counters: jax.Array, vocab: int) -> jax.Array:
     """Standard Gumbel noise ``f32[S, vocab]``: row ``s`` is a function of ``(seeds[s], counters[s])``
     and the token id only (per request, independent of the batch).
 
     A counter-based hash instead of ``jax.random`` (threefry, ~20 rounds per pair of words): two
-    rounds of :func:`_mix32` per element, keyed by two 32-bit row keys derived from the seed and the
-    counter, so a batch-256 step draws its 39 M numbers at a fraction of threefry's integer work (the
-    draw fuses into the sampler's argmax over the vocabulary). The top 23 bits give a uniform in
-    ``(0, 1)`` (never 0 or 1: 23 bits plus a half are exact in float32), then ``-log(-log(u))``.
+    rounds of a 32-bit finaliser per element, keyed by two 32-bit row keys derived from the seed and
+    the counter, 23 bits to a uniform, then ``-log(-log(u))`` (``kernels.gumbel_argmax``:
+    :func:`gumbel_keys`, :func:`uniform_bits`, :func:`gumbel_from_bits`, which the GPU's sampler
+    kernel draws from too).
     """
-    seeds = seeds.astype(jnp.uint32)
-    counters = counters.astype(jnp.uint32)
-    key_a = _mix32(_mix32(seeds ^ jnp.uint32(0x3C6EF372)) ^ counters)
-    key_b = _mix32(key_a ^ jnp.uint32(0x9E3779B9) ^ (seeds * jnp.uint32(0x7FEB352D)))
+    key_a, key_b = gumbel_keys(seeds, counters)
     col = jax.lax.broadcasted_iota(jnp.uint32, (seeds.shape[0], vocab), 1)
-    x = _mix32(_mix32(col * jnp.uint32(0x9E3779B9) ^ key_a[:, None]) ^ key_b[:, None])
-    u = ((x >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))  # exact in f32: 2**-24 .. 1 - 2**-24
-    return -jnp.log(-jnp.log(u))
+    return gumbel_from_bits(uniform_bits(col, key_a[:, None], key_b[:, None]))
 
 
 SAMPLING_MODES = ("random", "filtered")
@@ -114,7 +100,8 @@ def sampling_mode(temperature: Sequence[float], top_k: Sequence[int], top_p: Seq
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
            seeds: jax.Array, counters: jax.Array, mode: str = "filtered",
-           batch_invariant: bool = False, min_p: jax.Array | None = None) -> jax.Array:
+           batch_invariant: bool = False, min_p: jax.Array | None = None,
+           argmax_kernel: bool | None = None) -> jax.Array:
     """Picks one token per row. ``logits f32[S, V]``; per-row ``temperature f32``, ``top_k i32``,
     ``top_p f32``, ``seeds u32``, ``counters i32`` (tokens generated so far). Returns ``i32[S]``.
 
@@ -125,16 +112,29 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     every other row. ``batch_invariant`` (static): fixed-order sums in the top-p filter.
     ``min_p f32[S]`` (optional: only the min-p step variant passes it): after the temperature, drops
     tokens whose probability is below ``min_p`` times the row's largest (vLLM's order: temperature,
-    min-p, top-k / top-p). Per row, no reduction across rows.
+    min-p, top-k / top-p). Per row, no reduction across rows. The temperature is a multiplication by
+    ``1 / T`` (one division per row, not per logit).
+    ``argmax_kernel`` (static; ``None``: on a GPU): the noise and the argmax as one Pallas pass
+    (``kernels.gumbel_argmax``, the GPU's fast logarithm: see there), in every mode; the filters and
+    min-p run before it in XLA. ``True`` off a GPU runs it in interpret mode (tests).
     """
     if mode not in SAMPLING_MODES:
         raise ValueError(f"sampling mode must be one of {SAMPLING_MODES}, got {mode!r}")
+    on_gpu = jax.default_backend() == "gpu"
+    if argmax_kernel is None:
+        argmax_kernel = on_gpu
+    sampled = temperature > 0
+    inv_temperature = jnp.where(sampled, 1.0 / jnp.where(sampled, temperature, 1.0), 0.0).astype(jnp.float32)
+    if argmax_kernel and mode == "random" and min_p is None:  # one pass over the logits as they are
+        return gumbel_argmax(logits, inv_temperature, seeds, counters, interpret=not on_gpu)
     logits = logits.astype(jnp.float32)
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    scaled = logits * jnp.where(sampled, inv_temperature, 1.0)[:, None]
     if min_p is not None:
         scaled = apply_min_p(scaled, min_p)
     if mode == "filtered":
         scaled = _filter_top_k_top_p(scaled, top_k, top_p, batch_invariant)
+    if argmax_kernel:  # scaled already: x * 1 + noise rounds as the random mode's x * (1 / T) + noise
+        return gumbel_argmax(scaled, sampled.astype(jnp.float32), seeds, counters, interpret=not on_gpu)
     gumbel = gumbel_noise(seeds, counters, logits.shape[-1])
-    noisy = jnp.where((temperature > 0)[:, None], scaled + gumbel, logits)
+    noisy = jnp.where(sampled[:, None], scaled + gumbel, logits)
     return jnp.argmax(noisy, axis=-1).astype(jnp.int32)

@@ -72,3 +72,65 @@ def test_sampling_mode_is_chosen_on_the_host_and_variants_agree():
     np.testing.assert_array_equal(np.asarray(random)[greedy_rows], np.asarray(jnp.argmax(logits, -1))[greedy_rows])
     np.testing.assert_array_equal(np.asarray(sample(logits, jnp.zeros(6), no_k, no_p, seeds, counters, "random")),
                                   np.asarray(jnp.argmax(logits, -1)))
+
+
+def test_gumbel_argmax_kernel_matches_the_xla_sampler_in_every_mode():
+    """The sampler kernel (interpret mode) picks exactly the XLA path's tokens: sampled and greedy rows,
+    a vocabulary that is not a multiple of the chunk, ties (lowest id wins, also across chunks), a row
+    of -inf but one token, bf16 logits read as float32; the filtered and min-p modes through the kernel
+    too, and with nothing to filter they give the random mode's tokens."""
+    import pytest
+
+    from jaxpaged.kernels.gumbel_argmax import gumbel_argmax
+
+    rng = np.random.default_rng(3)
+    n, vocab = 7, 1000
+    logits = rng.normal(size=(n, vocab)).astype(np.float32) * 3
+    logits[2, [5, 700]] = 50.0  # a tie across chunks, greedy row: 5 wins
+    logits[3, [130, 131]] = 50.0  # a tie inside a chunk
+    logits[4] = -np.inf
+    logits[4, 999] = 1.0  # the last (partial) chunk
+    temperature = jnp.asarray([0.6, 1.0, 0.0, 0.0, 0.7, 2.0, 0.3], jnp.float32)
+    inv = jnp.where(temperature > 0, 1.0 / jnp.where(temperature > 0, temperature, 1.0), 0.0)
+    seeds = jnp.asarray(rng.integers(0, 2**31, n), jnp.uint32)
+    counters = jnp.asarray(rng.integers(0, 500, n), jnp.int32)
+    no_k, no_p = jnp.full(n, -1, jnp.int32), jnp.ones(n)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        lg = jnp.asarray(logits, dtype)
+        want = sample(lg, temperature, no_k, no_p, seeds, counters, mode="random", argmax_kernel=False)
+        for block in (128, 1024, None):
+            got = gumbel_argmax(lg, inv, seeds, counters, block=block, interpret=True)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        for mode in ("random", "filtered"):
+            via_sample = sample(lg, temperature, no_k, no_p, seeds, counters, mode=mode, argmax_kernel=True)
+            np.testing.assert_array_equal(np.asarray(via_sample), np.asarray(want))
+        zero_min_p = sample(lg, temperature, no_k, no_p, seeds, counters, mode="random", argmax_kernel=True,
+                            min_p=jnp.zeros(n))
+        np.testing.assert_array_equal(np.asarray(zero_min_p), np.asarray(want))
+    assert int(want[2]) == 5 and int(want[3]) == 130 and int(want[4]) == 999
+    # Filters through the kernel: the same tokens as XLA's filtered path.
+    top_k = jnp.asarray([2, -1, 3, -1, 1, 5, -1], jnp.int32)
+    top_p = jnp.asarray([1.0, 0.5, 1.0, 1.0, 1.0, 0.9, 0.2])
+    lg = jnp.asarray(logits)
+    for min_p in (None, jnp.full(n, 0.05)):
+        a = sample(lg, temperature, top_k, top_p, seeds, counters, mode="filtered", min_p=min_p, argmax_kernel=True)
+        b = sample(lg, temperature, top_k, top_p, seeds, counters, mode="filtered", min_p=min_p, argmax_kernel=False)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="block"):
+        gumbel_argmax(lg, inv, seeds, counters, block=100, interpret=True)
+
+
+def test_gumbel_noise_is_standard_gumbel_also_in_its_upper_tail():
+    """The noise's moments are Gumbel's (mean = Euler's gamma, variance pi**2/6), and its upper tail,
+    where the series replaces the logarithm (w < 1/16: noise > ~2.7) and the winners are, has the
+    tail probabilities of a Gumbel at several levels."""
+    from jaxpaged.sampling import gumbel_noise
+
+    g = np.asarray(gumbel_noise(jnp.arange(16, dtype=jnp.uint32), jnp.zeros(16, jnp.int32), 100_000)).ravel()
+    assert np.isfinite(g).all()
+    assert abs(g.mean() - 0.5772) < 0.006 and abs(g.var() - np.pi**2 / 6) < 0.02
+    for level in (2.0, 2.7, 4.0, 6.0):
+        want = 1.0 - np.exp(-np.exp(-level))
+        got = (g > level).mean()
+        assert abs(got - want) < 4 * np.sqrt(want / g.size) + 1e-6, (level, got, want)
+    assert g.max() < 17.0 and g.min() > -3.0  # 23 bits: -log(-log(u)) stays within [-2.8, 16.6]
