@@ -57,6 +57,10 @@ class EngineConfig:
       residual stream and normalises (``kernels/add_rms_norm.py``): one kernel instead of two to three
       per norm in steps of at most 32 tokens. Larger steps (XLA's GEMMs) keep XLA's fusions, as do
       float32 models; ignored with ``batch_invariant``, tensor parallelism and on a CPU.
+    fused_sampler: on a GPU, the sampler draws its Gumbel noise and takes the argmax over the
+      vocabulary in one Pallas pass (``kernels/gumbel_argmax.py``; the GPU's fast logarithm, with a
+      series where it would be inexact) instead of XLA's two reductions: 97 vs ~155 us of a batch-256
+      step on the H200 (RESULTS.md, session 10). Ignored on a CPU (XLA's path, the same formula).
     min_token_bucket: a step's tokens are padded to a power of two of at least this many (one compiled
       step per size). Smaller buckets mean less padding work in small decode steps (a batch-1 step
       computes ``min_token_bucket`` rows in every projection) and more compiled shapes. ``None``: 1 on
@@ -119,6 +123,7 @@ class EngineConfig:
     fuse_matmul_inputs: bool = False  # let XLA fuse a matmul's producer into its GEMM (see docstring)
     fused_qkv: bool = True  # one Pallas kernel from the qkv projection to the KV write on GPU (see docstring)
     fused_residual: bool = True  # residual add + RMSNorm as one Pallas kernel on GPU (see docstring)
+    fused_sampler: bool = True  # the sampler's noise + argmax as one Pallas pass on GPU (see docstring)
     min_token_bucket: int | None = None  # smallest padded token count of a step: 1 on GPU, 16 on CPU (see docstring)
     longest_first: bool = True  # rows of a step ordered by context length, longest first (see docstring)
     step_executables: int | None = None  # copies of each small compiled step, used in turn: 2 on GPU (see docstring)

@@ -110,9 +110,10 @@ def enable_compilation_cache(cache_dir: str | Path | None = None) -> str | None:
 
 
 def make_step_fn(graphdef: nnx.GraphDef, attention_fn: Callable, write_kv_fn: Callable,
-                 ops: ModelOps = DEFAULT_OPS, batch_invariant: bool = False) -> Callable:
+                 ops: ModelOps = DEFAULT_OPS, batch_invariant: bool = False, fused_sampler: bool = True) -> Callable:
     """The pure step function (not jitted): used by ``ModelRunner`` and by HLO inspection tests.
-    ``ops``: the model's matmul / RMSNorm; ``batch_invariant``: fixed-order sums in the sampler."""
+    ``ops``: the model's matmul / RMSNorm; ``batch_invariant``: fixed-order sums in the sampler;
+    ``fused_sampler``: the sampler's Pallas pass on a GPU (``EngineConfig.fused_sampler``)."""
 
     def step(state: nnx.State, kv_pool: KVPool, inputs: StepInputs,
              prev_tokens: jax.Array) -> tuple[jax.Array, KVPool]:
@@ -126,7 +127,8 @@ def make_step_fn(graphdef: nnx.GraphDef, attention_fn: Callable, write_kv_fn: Ca
         hidden, kv_pool = model(token_ids, inputs.positions, kv_pool, inputs.meta,
                                 attention_fn=attention_fn, write_kv_fn=write_kv_fn, ops=ops)
         # Logits at the sampled positions, then the sampler (plus penalties / logprobs in their variants).
-        tokens, aux = sample_step(hidden, lambda h: model.compute_logits(h, ops), inputs, token_ids, batch_invariant)
+        tokens, aux = sample_step(hidden, lambda h: model.compute_logits(h, ops), inputs, token_ids, batch_invariant,
+                                  fused_sampler)
         out = jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens)
         return ((out, aux) if aux else out), kv_pool
 
@@ -185,7 +187,8 @@ class ModelRunner:
     def __init__(self, graphdef: nnx.GraphDef, attention_backend: str = "auto", batch_invariant: bool = False,
                  compiler_options: dict | None = None, mesh=None, decode_gemv: bool = True,
                  fused_qkv: bool = True, fuse_matmul_inputs: bool = False, fused_residual: bool = True,
-                 step_executables: int = 1, cublas_max_tokens: int = 0, cudagraph_max_tokens: int | None = None):
+                 step_executables: int = 1, cublas_max_tokens: int = 0, cudagraph_max_tokens: int | None = None,
+                 fused_sampler: bool = True):
         if step_executables < 1:
             raise ValueError(f"step_executables must be >= 1, got {step_executables}")
         self.step_executables = 1 if mesh is not None else step_executables
@@ -204,7 +207,7 @@ class ModelRunner:
 
             ops = tp_model_ops(ops)
         self._step_fn = make_step_fn(graphdef, get_attention_fn(attention_backend, batch_invariant), write_kv,
-                                     ops, batch_invariant)
+                                     ops, batch_invariant, fused_sampler)
         self._jitted: dict = {}  # (state treedef, variant) -> the jitted step's copies (over flat weight leaves)
         self._state: nnx.State | None = None
         self._leaves: list[jax.Array] = []

@@ -151,8 +151,15 @@ def test_check_stacked_weights_tiny(tmp_path):
 
 def test_bench_sampler_small_vocab(tmp_path):
     mod = load("bench_sampler")
-    rows = mod.main(["--batches", "1,8", "--vocab", "500", "--reps", "1", "--out", str(tmp_path)])["rows"]
-    assert len(rows) == 2 * 2 * 3 and (tmp_path / "sampler.json").exists()
+    rows = mod.main(["--batches", "1,8", "--vocab", "500", "--reps", "1", "--frequency-rows", "2000",
+                     "--out", str(tmp_path)])["rows"]
+    freq = rows.pop()  # the frequency check: every sampler near softmax, the kernel = XLA's path
+    assert freq["kernel_equals_xla_rows"] == 2000
+    assert all(freq[f"tv {v}"] < 3 * freq["tv_noise_level"] for v in ("sample (kernel)", "sample (XLA)"))
+    agree = [r for r in rows if "kernel_equals_xla_rows" in r]
+    assert len(agree) == 2 * 2 and all(r["kernel_equals_xla_rows"] == r["batch"] for r in agree)
+    rows = [r for r in rows if "variant" in r]
+    assert len(rows) == 2 * 2 * 4 and (tmp_path / "sampler.json").exists()
     for r in rows:
         if r["temperature"] == 0.0 or r["variant"] == "argmax only":
             assert r["argmax_rows"] == r["batch"], r  # greedy rows take the argmax in every variant
