@@ -4,7 +4,7 @@ for a CPU), greedy, ``ignore_eos``, 64 output tokens per request.
 
 For each (batch, prompt length): first one run per copy of the step (``EngineConfig.step_executables``:
 2 on a GPU) compiles every shape and copy that configuration needs (compile seconds reported
-separately; ``first_run_s`` covers those runs together), then ``--repeats`` measured runs, each with fresh random prompts (so the
+separately; ``first_run_s`` covers those runs together), then ``--repeats`` measured runs (default: enough for >= 30 first tokens, at least 3), each with fresh random prompts (so the
 prefix cache never hits). All requests of a run arrive at once; the engine is stepped here and every
 request's output tokens are timestamped after each step.
 
@@ -82,6 +82,16 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams) -
     return dict(ttft=ttft, itl=gaps, tpot=tpot, wall=wall, steps=steps, output_tokens=out_tokens)
 
 
+MIN_TTFT_SAMPLES = 30
+
+
+def repeats_for(batch: int, repeats: int | None) -> int:
+    """Measured runs of a configuration: ``repeats`` if given, else enough runs for at least
+    ``MIN_TTFT_SAMPLES`` first tokens (one per request), and never fewer than 3. A batch-1 TTFT p50
+    of 5 samples spread 2.08-2.56 ms on one machine (RESULTS.md, session 10)."""
+    return repeats if repeats is not None else max(3, -(-MIN_TTFT_SAMPLES // batch))
+
+
 def summarise(runs: list[dict]) -> dict:
     ttft = [x for r in runs for x in r["ttft"]]
     itl = [x for r in runs for x in r["itl"]]
@@ -100,7 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--prompts", default="32,1536", help="prompt lengths in tokens")
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
-    ap.add_argument("--repeats", type=int, default=3, help="measured runs per configuration")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="measured runs per configuration (default: enough for >= 30 TTFT samples, at least 3)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--backend", default="auto")
@@ -152,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
             compile_s, shapes = engine.runner.compile_seconds - c0, engine.runner.num_compiled_shapes - s0
             s1 = engine.runner.num_compiled_executables
             runs = [run_batch(engine, rng.integers(0, vocab, (batch, length)).tolist(), sp)
-                    for _ in range(args.repeats)]
+                    for _ in range(repeats_for(batch, args.repeats))]
             row = dict(batch=batch, prompt_len=length, compile_s=compile_s, new_shapes=shapes,
                        first_run_s=first_wall, recompiles_while_measuring=engine.runner.num_compiled_executables - s1,
                        **summarise(runs), raw=runs)
@@ -171,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     f2 = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     print(f"\nlatency: model {args.model}, {result['device']}, backend {result['backend']}, greedy, "
-          f"{args.max_tokens} output tokens, {args.repeats} runs each; compile {result['compile_s_total']:.1f} s "
+          f"{args.max_tokens} output tokens, runs per row: {[r['runs'] for r in rows]}; compile {result['compile_s_total']:.1f} s "
           f"total ({result['compiled_shapes']} shapes), setup {setup_s:.1f} s")
     print(f"{'batch':>5s} {'prompt':>6s} {'TTFT p50':>9s} {'TTFT p90':>9s} {'ITL p50':>8s} {'ITL p90':>8s} "
           f"{'TPOT p50':>9s} {'out tok/s':>9s} {'compile s':>9s}")

@@ -7,7 +7,9 @@ times the attention of such steps (Qwen3-0.6B heads, bf16, block size 16) both w
 
 * prefill chunks: 1, 2 or 4 sequences of 512 / 256 / 128 new tokens after 0-1,024 cached tokens,
   padded to 256 sequence slots and 512 tokens;
-* a decode step of 256 sequences (must not change: the hint says decode there too).
+* a decode step of 256 sequences (must not change: the hint says decode there too);
+* a lone prompt of 16, 32 or 64 tokens in a one-slot engine (the latency engine's TTFT step, where
+  the guess picks the prefill tiles): the prefill tiles against the decode tiles, forced.
 
     python benchmarks/bench_launch_config.py --out $OUT
 """
@@ -79,12 +81,34 @@ def main(argv=None) -> dict:
         err = float(np.max(np.abs(outs["padded guess"][:n] - outs["what the step holds"][:n])))
         rows.append(dict(case=name, guess_us=res["padded guess"], hint_us=res["what the step holds"],
                          speedup=res["padded guess"] / res["what the step holds"], max_abs_diff=err))
-    report = dict(device=str(jax.devices()[0]), rows=rows)
+    # A lone short prompt (TTFT): one slot, so the padded guess always picks the prefill tiles
+    # (T > 2 S); would the decode tiles (more, smaller programs) be faster for it?
+    small = {f"lone {n}-token prompt": ([n], [0], 1, n) for n in (16, 32, 64)}
+    if interpret:
+        small = {"lone 16-token prompt": ([16], [0], 1, 16)}
+    tiles = []
+    for name, (q_lens, ctx, slots, tokens) in small.items():
+        q, cu, kl, tables = case(rng, q_lens, ctx, slots, tokens, num_blocks)
+        res, outs = {}, {}
+        for label, hint in (("prefill tiles", False), ("decode tiles", True)):
+            fn = lambda q, pool, cu, kl, t, hint=hint: paged_attention(q, pool, 0, cu, kl, t, decode=hint,  # noqa: E731
+                                                                     interpret=interpret)
+            outs[label] = np.asarray(jax.jit(fn)(q, pool, cu, kl, tables), np.float32)
+            _, sec = timed(fn, (q, pool, cu, kl, tables), 3 if interpret else args.reps)
+            res[label] = sec * 1e6
+        err = float(np.max(np.abs(outs["prefill tiles"] - outs["decode tiles"])))
+        tiles.append(dict(case=name, prefill_tiles_us=res["prefill tiles"], decode_tiles_us=res["decode tiles"],
+                          speedup=res["prefill tiles"] / res["decode tiles"], max_abs_diff=err))
+    report = dict(device=str(jax.devices()[0]), rows=rows, small_prefill=tiles)
     with open(os.path.join(args.out, "launch_config.json"), "w") as f:
         json.dump(report, f, indent=1)
     print(f"{'case':26s} {'padded guess us':>16s} {'step holds us':>14s} {'speed-up':>9s} {'max |diff|':>10s}")
     for r in rows:
         print(f"{r['case']:26s} {r['guess_us']:16.1f} {r['hint_us']:14.1f} {r['speedup']:9.2f} {r['max_abs_diff']:10.2e}")
+    print(f"{'case':26s} {'prefill tiles us':>16s} {'decode tiles us':>15s} {'speed-up':>9s} {'max |diff|':>10s}")
+    for r in tiles:
+        print(f"{r['case']:26s} {r['prefill_tiles_us']:16.1f} {r['decode_tiles_us']:15.1f} {r['speedup']:9.2f} "
+              f"{r['max_abs_diff']:10.2e}")
     return report
 
 

@@ -2,8 +2,8 @@
 and two devices.
 
 The tiny Qwen2 and Qwen3 checkpoints (float32), the engine's default backend (Pallas on a GPU): tokens
-with the GPU's own kernels and fusions on (``fused_qkv``, ``decode_gemv``, XLA's matmul-input fusion
-off; cuBLAS GEMMs for the steps of 33 to ``cublas_max_tokens`` tokens, which the prompts of 40 tokens
+with the GPU's own kernels and fusions on (``fused_qkv``, ``decode_gemv``, ``fused_residual``, the
+sampler kernel ``fused_sampler``, XLA's matmul-input fusion off; cuBLAS GEMMs for the steps of 33 to ``cublas_max_tokens`` tokens, which the prompts of 40 tokens
 reach) must equal those with XLA's Triton kernels and fusions only, at ``tensor_parallel_size`` 1 and, when
 there are two devices, 2 (the fused kernel then runs per shard on its own heads and pool half). Also
 reports the bf16 Qwen3-0.6B-shaped random model's greedy tokens both ways (bf16: reported, not
@@ -34,7 +34,7 @@ def tokens(params, prompts, max_tokens, *, tp=1, fused=True, dtype="float32", ma
     engine = LLMEngine(params, EngineConfig(
         dtype=dtype, block_size=8, num_blocks=64, max_model_len=max_model_len, max_num_batched_tokens=64,
         max_num_seqs=4, tensor_parallel_size=tp, decode_gemv=fused, fused_qkv=fused, fuse_matmul_inputs=not fused,
-        fused_residual=fused, cublas_max_tokens=cublas,
+        fused_residual=fused, fused_sampler=fused, cublas_max_tokens=cublas,
         compilation_cache=False))
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return [o.outputs[0].token_ids for o in run_to_completion(engine, prompts, sp)]

@@ -124,7 +124,9 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     if argmax_kernel is None:
         argmax_kernel = on_gpu
     sampled = temperature > 0
-    inv_temperature = jnp.where(sampled, 1.0 / jnp.where(sampled, temperature, 1.0), 0.0).astype(jnp.float32)
+    # 1 / T, kept a positive normal number for every sampled row (0 marks the greedy ones in the kernel).
+    inv_temperature = jnp.where(sampled, jnp.maximum(1.0 / jnp.where(sampled, temperature, 1.0),
+                                                     np.finfo(np.float32).tiny), 0.0).astype(jnp.float32)
     if argmax_kernel and mode == "random" and min_p is None:  # one pass over the logits as they are
         return gumbel_argmax(logits, inv_temperature, seeds, counters, interpret=not on_gpu)
     logits = logits.astype(jnp.float32)
@@ -133,8 +135,10 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
         scaled = apply_min_p(scaled, min_p)
     if mode == "filtered":
         scaled = _filter_top_k_top_p(scaled, top_k, top_p, batch_invariant)
-    if argmax_kernel:  # scaled already: x * 1 + noise rounds as the random mode's x * (1 / T) + noise
-        return gumbel_argmax(scaled, sampled.astype(jnp.float32), seeds, counters, interpret=not on_gpu)
+    if argmax_kernel:  # scaled already: x * 1 + noise rounds as the random mode's x * (1 / T) + noise;
+        # greedy rows take their raw logits, as XLA's path below does
+        x = jnp.where(sampled[:, None], scaled, logits)
+        return gumbel_argmax(x, sampled.astype(jnp.float32), seeds, counters, interpret=not on_gpu)
     gumbel = gumbel_noise(seeds, counters, logits.shape[-1])
     noisy = jnp.where(sampled[:, None], scaled + gumbel, logits)
     return jnp.argmax(noisy, axis=-1).astype(jnp.int32)

@@ -101,8 +101,8 @@ class SamplingParams:
         t = self.temperature
         if not _is_real(t):
             raise TypeError(f"SamplingParams.temperature must be a number, got {type(t).__name__} {t!r}")
-        if math.isnan(t) or t < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {t!r}")
+        if math.isnan(t) or t < 0 or math.isinf(t):
+            raise ValueError(f"SamplingParams.temperature must be finite and >= 0 (0 = greedy), got {t!r}")
         self.temperature = float(t)
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"SamplingParams.top_k must be -1 (off) or a positive integer, got {self.top_k!r}")

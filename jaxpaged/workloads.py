@@ -134,7 +134,8 @@ def outputs_guaranteed_identical(dtype: str, batch_invariant: bool) -> bool:
     return batch_invariant or str(dtype) == "float32"
 
 
-DECODE_PATH_FIELDS = ("decode_gemv", "fused_qkv", "fuse_matmul_inputs", "fused_residual", "min_token_bucket")
+DECODE_PATH_FIELDS = ("decode_gemv", "fused_qkv", "fuse_matmul_inputs", "fused_residual", "fused_sampler",
+                      "min_token_bucket")
 
 
 def add_decode_path_flags(ap) -> None:

@@ -17,10 +17,11 @@ draws the same kind of noise with far fewer instructions:
 
 The noise (:func:`gumbel_from_bits`) is defined once, with the logarithm passed in: XLA's path
 (``jaxpaged.sampling``, used off the GPU) and this kernel in interpret mode compute it with
-``jnp.log2`` and agree bitwise; on the GPU the kernel's ``lg2.approx`` moves a noise by ~1e-6 at most,
+``jnp.log2`` and agree bitwise; on the GPU the kernel's ``lg2.approx`` moves a noise by ~2e-6 at most,
 which changes a token only where two candidates tie to that precision. Each row depends on its own
-logits, ``1 / T``, seed and counter only (batch invariant). Ties go to the lowest token id, as with
-``jnp.argmax`` (the first chunk holding the best value, then the first index in it).
+logits, ``1 / T``, seed and counter only (batch invariant). Ties go to the lowest token id and a NaN
+beats every number, as with ``jnp.argmax`` (the first chunk holding the best value, then the first
+index in it).
 
 The multiplication by ``1 / T`` is ``mul.rn.f32`` on the GPU (no fused multiply-add with the noise), so
 ``x * (1 / T) + g`` is rounded exactly as XLA's ``scaled = x * (1 / T)`` followed by ``scaled * 1 + g``:
@@ -103,10 +104,14 @@ def _kernel(x_ref, inv_ref, key_a_ref, key_b_ref, val_ref, idx_ref, *, block: in
     inv = inv_ref[row]
 
     def keep_best(values):
-        values = jnp.where(ok, values, -jnp.inf)
-        best = jnp.max(values)
-        val_ref[row, chunk] = best
-        idx_ref[row, chunk] = jnp.min(jnp.where(ok & (values == best), cols, big))
+        # jnp.argmax's rule: a NaN beats every number (the first NaN wins); masked lanes never win.
+        nan = ok & jnp.isnan(values)
+        has_nan = jnp.max(nan.astype(jnp.int32)) > 0
+        best = jnp.max(jnp.where(ok & ~nan, values, -jnp.inf))
+        first_best = jnp.min(jnp.where(ok & (values == best), cols, big))
+        first_nan = jnp.min(jnp.where(nan, cols, big))
+        val_ref[row, chunk] = jnp.where(has_nan, jnp.nan, best)
+        idx_ref[row, chunk] = jnp.where(has_nan, first_nan, first_best)
 
     @pl.when(inv > 0)
     def _sampled():
@@ -115,7 +120,7 @@ def _kernel(x_ref, inv_ref, key_a_ref, key_b_ref, val_ref, idx_ref, *, block: in
         noise = gumbel_from_bits(uniform_bits(cols.astype(jnp.uint32), key_a_ref[row], key_b_ref[row]), log2)
         keep_best(mul(x, jnp.full_like(x, inv)) + noise)
 
-    @pl.when(inv <= 0)
+    @pl.when(jnp.logical_not(inv > 0))  # every row takes one of the two branches (NaN too)
     def _greedy():
         keep_best(x)
 

@@ -79,6 +79,8 @@ def test_bench_latency_tiny(tmp_path, capsys):
     assert json.loads((tmp_path / "latency.json").read_text())["rows"][0]["batch"] == 1
     assert "TTFT p50" in capsys.readouterr().out
     assert result["max_num_seqs"] == 3  # the largest batch, unless --max-num-seqs says otherwise
+    assert [mod.repeats_for(b, None) for b in (1, 8, 64)] == [30, 4, 3]  # >= 30 first tokens, >= 3 runs
+    assert mod.repeats_for(1, 5) == 5
     one = mod.main(["--model", "tiny", "--batches", "1", "--prompts", "8", "--max-tokens", "2", "--repeats", "1",
                     "--max-num-seqs", "16", "--out", str(tmp_path / "m16")])
     assert one["max_num_seqs"] == 16 and one["rows"][0]["ttft_p50_ms"] > 0
@@ -265,3 +267,12 @@ def test_throughput_trace_windows_tiny(tmp_path, monkeypatch, capsys):
     assert rows[0]["gpu_busy_ms"] == 0.0 and "error" in rows[1]  # no GPU on CI; window past the run's end
     mod.print_window_summaries(rows)
     assert "untraced wall per step vs GPU busy" in capsys.readouterr().out
+
+
+def test_bench_launch_config_smoke(tmp_path):
+    """CPU smoke (interpret mode, tiny cases): both comparisons run and every pair of outputs agrees."""
+    report = load("bench_launch_config").main(["--reps", "1", "--out", str(tmp_path)])
+    assert (tmp_path / "launch_config.json").exists()
+    assert len(report["rows"]) == 2 and len(report["small_prefill"]) == 1
+    for r in report["rows"] + report["small_prefill"]:
+        assert r["max_abs_diff"] < 2e-2, r  # bf16 outputs of two tilings of the same attention

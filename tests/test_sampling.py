@@ -134,3 +134,25 @@ def test_gumbel_noise_is_standard_gumbel_also_in_its_upper_tail():
         got = (g > level).mean()
         assert abs(got - want) < 4 * np.sqrt(want / g.size) + 1e-6, (level, got, want)
     assert g.max() < 17.0 and g.min() > -3.0  # 23 bits: -log(-log(u)) stays within [-2.8, 16.6]
+
+
+def test_gumbel_argmax_kernel_edge_rows_match_the_xla_sampler():
+    """NaN logits (a NaN wins, the first one, as with jnp.argmax; never an id past the vocabulary), an
+    all-NaN row, a greedy row with a +inf logit under min-p (raw logits for greedy rows), and a huge
+    finite temperature (still sampled, never read as greedy): the kernel's tokens are XLA's path's."""
+    n, vocab = 6, 700
+    logits = np.array(jax.random.normal(jax.random.key(5), (n, vocab)), np.float32)
+    logits[0, [300, 650]] = np.nan  # greedy row: the first NaN
+    logits[1, 650] = np.nan  # sampled row: the NaN in the last chunk
+    logits[2] = np.nan
+    logits[3, 7] = np.inf  # greedy row, min-p below
+    temperature = jnp.asarray([0.0, 0.8, 0.5, 0.0, 1e38, 0.9], jnp.float32)
+    seeds, counters = jnp.arange(n, dtype=jnp.uint32), jnp.arange(n, dtype=jnp.int32)
+    no_k, no_p, lg = jnp.full(n, -1, jnp.int32), jnp.ones(n), jnp.asarray(logits)
+    for mode, min_p in (("random", None), ("filtered", None), ("random", jnp.full(n, 0.1))):
+        got = sample(lg, temperature, no_k, no_p, seeds, counters, mode=mode, min_p=min_p, argmax_kernel=True)
+        want = sample(lg, temperature, no_k, no_p, seeds, counters, mode=mode, min_p=min_p, argmax_kernel=False)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{mode} {min_p}")
+        assert int(got[0]) == 300 and int(got[2]) == 0 and int(got[3]) == 7 and 0 <= int(got.max()) < vocab
+        if min_p is None:  # (min-p's row maximum is NaN there: whatever it keeps, both paths agree above)
+            assert int(got[1]) == 650
