@@ -47,6 +47,19 @@ def case(rng, q_lens, ctx, slots, tokens, num_blocks):
     return q, jnp.asarray(cu), jnp.asarray(kl), jnp.asarray(tables)
 
 
+def both_ways(inputs, pool, hints, num_tokens: int, reps: int, interpret: bool) -> tuple[list[float], float]:
+    """The attention of one case with ``paged_attention(decode=hint)`` for each of two hints: microseconds
+    per call of each, and the largest difference between their outputs over the real tokens."""
+    q, cu, kl, tables = inputs
+    us, outs = [], []
+    for hint in hints:
+        fn = lambda q, pool, cu, kl, t, hint=hint: paged_attention(q, pool, 0, cu, kl, t, decode=hint,  # noqa: E731
+                                                                 interpret=interpret)
+        outs.append(np.asarray(jax.jit(fn)(q, pool, cu, kl, tables), np.float32)[:num_tokens])
+        us.append(timed(fn, (q, pool, cu, kl, tables), reps)[1] * 1e6)
+    return us, float(np.max(np.abs(outs[0] - outs[1])))
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -67,20 +80,10 @@ def main(argv=None) -> dict:
         cases = {"1 x 32 new, ctx 16": ([32], [16], 16, 32), "decode 8": ([1] * 8, [20] * 8, 16, 16)}
     rows = []
     for name, (q_lens, ctx, slots, tokens) in cases.items():
-        q, cu, kl, tables = case(rng, q_lens, ctx, slots, tokens, num_blocks)
         real_decode = sum(q_lens) <= 2 * len(q_lens)
-        res = {}
-        outs = {}
-        for label, hint in (("padded guess", None), ("what the step holds", real_decode)):
-            fn = lambda q, pool, cu, kl, t, hint=hint: paged_attention(q, pool, 0, cu, kl, t, decode=hint,  # noqa: E731
-                                                                     interpret=interpret)
-            outs[label] = np.asarray(jax.jit(fn)(q, pool, cu, kl, tables), np.float32)
-            _, sec = timed(fn, (q, pool, cu, kl, tables), 3 if interpret else args.reps)
-            res[label] = sec * 1e6
-        n = sum(q_lens)
-        err = float(np.max(np.abs(outs["padded guess"][:n] - outs["what the step holds"][:n])))
-        rows.append(dict(case=name, guess_us=res["padded guess"], hint_us=res["what the step holds"],
-                         speedup=res["padded guess"] / res["what the step holds"], max_abs_diff=err))
+        (guess, hint), err = both_ways(case(rng, q_lens, ctx, slots, tokens, num_blocks), pool, (None, real_decode),
+                                       sum(q_lens), 3 if interpret else args.reps, interpret)
+        rows.append(dict(case=name, guess_us=guess, hint_us=hint, speedup=guess / hint, max_abs_diff=err))
     # A lone short prompt (TTFT): one slot, so the padded guess always picks the prefill tiles
     # (T > 2 S); would the decode tiles (more, smaller programs) be faster for it?
     small = {f"lone {n}-token prompt": ([n], [0], 1, n) for n in (16, 32, 64)}
@@ -88,17 +91,10 @@ def main(argv=None) -> dict:
         small = {"lone 16-token prompt": ([16], [0], 1, 16)}
     tiles = []
     for name, (q_lens, ctx, slots, tokens) in small.items():
-        q, cu, kl, tables = case(rng, q_lens, ctx, slots, tokens, num_blocks)
-        res, outs = {}, {}
-        for label, hint in (("prefill tiles", False), ("decode tiles", True)):
-            fn = lambda q, pool, cu, kl, t, hint=hint: paged_attention(q, pool, 0, cu, kl, t, decode=hint,  # noqa: E731
-                                                                     interpret=interpret)
-            outs[label] = np.asarray(jax.jit(fn)(q, pool, cu, kl, tables), np.float32)
-            _, sec = timed(fn, (q, pool, cu, kl, tables), 3 if interpret else args.reps)
-            res[label] = sec * 1e6
-        err = float(np.max(np.abs(outs["prefill tiles"] - outs["decode tiles"])))
-        tiles.append(dict(case=name, prefill_tiles_us=res["prefill tiles"], decode_tiles_us=res["decode tiles"],
-                          speedup=res["prefill tiles"] / res["decode tiles"], max_abs_diff=err))
+        (prefill, decode), err = both_ways(case(rng, q_lens, ctx, slots, tokens, num_blocks), pool, (False, True),
+                                           sum(q_lens), 3 if interpret else args.reps, interpret)
+        tiles.append(dict(case=name, prefill_tiles_us=prefill, decode_tiles_us=decode, speedup=prefill / decode,
+                          max_abs_diff=err))
     report = dict(device=str(jax.devices()[0]), rows=rows, small_prefill=tiles)
     with open(os.path.join(args.out, "launch_config.json"), "w") as f:
         json.dump(report, f, indent=1)
