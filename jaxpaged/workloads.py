@@ -134,10 +134,6 @@ def outputs_guaranteed_identical(dtype: str, batch_invariant: bool) -> bool:
     return batch_invariant or str(dtype) == "float32"
 
 
-DECODE_PATH_FIELDS = ("decode_gemv", "fused_qkv", "fuse_matmul_inputs", "fused_residual", "fused_sampler",
-                      "min_token_bucket")
-
-
 def add_decode_path_flags(ap) -> None:
     """The benchmarks' switches for the GPU's decode-path kernels (``EngineConfig`` fields of the same names)."""
     ap.add_argument("--no-decode-gemv", dest="decode_gemv", action="store_false",

@@ -39,6 +39,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxpaged.kernels.shapes import is_pow2
+
 LN2 = 0.6931471805599453
 SERIES_BELOW = 1.0 / 16  # w = 1 - u below this: -log(u) from its series (see the module docstring)
 NUM_CORES = 132  # H200 SMs: the block size aims at >= 2 programs per SM
@@ -143,7 +145,7 @@ def gumbel_argmax(x: jax.Array, inv_temperature: jax.Array, seeds: jax.Array, co
         raise ValueError(f"x must be [S, V] with inv_temperature [S], got {x.shape} and {inv_temperature.shape}")
     num_rows, vocab = x.shape
     block = block or choose_block(num_rows, vocab)
-    if block < 16 or block & (block - 1):
+    if not is_pow2(block) or block < 16:
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     key_a, key_b = gumbel_keys(seeds, counters)
     chunks = pl.cdiv(vocab, block)
