@@ -117,10 +117,11 @@ def replay(engine, jitted, leaves, inputs, prev, n: int, pipelined: bool, annota
 
 def _replay(engine, jitted, leaves, inputs, prev, n: int, pipelined: bool, annotate: bool) -> list[float]:
     walls = []
+    tokens = jax.numpy.zeros_like(prev)  # the donated buffer of the first call's tokens (runner.step)
     if pipelined:
         t0 = time.perf_counter()
         for _ in range(n):
-            tokens, engine.kv_pool = jitted(leaves, engine.kv_pool, inputs[0], prev, inputs[1])
+            tokens, engine.kv_pool = jitted(leaves, engine.kv_pool, inputs[0], prev, tokens, inputs[1])
         dispatched = time.perf_counter()
         tokens.block_until_ready()
         return [(time.perf_counter() - t0) / n, (dispatched - t0) / n]
@@ -128,10 +129,10 @@ def _replay(engine, jitted, leaves, inputs, prev, n: int, pipelined: bool, annot
         t0 = time.perf_counter()
         if annotate:
             with jax.profiler.TraceAnnotation(f"exp_xla_flags:replay #{i}"):
-                tokens, engine.kv_pool = jitted(leaves, engine.kv_pool, inputs[0], prev, inputs[1])
+                tokens, engine.kv_pool = jitted(leaves, engine.kv_pool, inputs[0], prev, tokens, inputs[1])
                 tokens.block_until_ready()
         else:
-            tokens, engine.kv_pool = jitted(leaves, engine.kv_pool, inputs[0], prev, inputs[1])
+            tokens, engine.kv_pool = jitted(leaves, engine.kv_pool, inputs[0], prev, tokens, inputs[1])
             tokens.block_until_ready()
         walls.append(time.perf_counter() - t0)
     return walls

@@ -139,6 +139,9 @@ class LLMEngine:
         self._pending: tuple | None = None  # (samples, tokens, aux, prompt logprob rows)
         self._pending_rows: dict[Sequence, int] | None = None  # keyed by identity (Sequence has no __eq__)
         self._prev_tokens = jnp.zeros(bucket(config.max_num_seqs, MIN_SEQS), jnp.int32)
+        # An earlier step's output, already read back: the next step writes its tokens into it
+        # (donated; ``ModelRunner.step``: a fresh output buffer each step moved the CUDA graph's temporaries).
+        self._spare_tokens: jax.Array | None = None
 
     # ---- requests ------------------------------------------------------------------------------
     def _tokenize(self, prompt, rid: str) -> tuple[str | None, list[int]]:
@@ -304,7 +307,10 @@ class LLMEngine:
                                    min_tokens=self.min_token_bucket)
         prompt_rows = prompt_logprob_positions(scheduled) if inputs.features.prompt_logprobs >= 0 else []
         t1 = time.perf_counter()
-        tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs, self._prev_tokens)
+        spare, self._spare_tokens = self._spare_tokens, None
+        if spare is self._prev_tokens:  # (read back by a step that scheduled nothing: still the feedback)
+            spare = None
+        tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs, self._prev_tokens, spare)
         aux = None
         if isinstance(tokens, tuple):  # a logprobs variant: (tokens, aux arrays)
             tokens, aux = tokens
@@ -319,6 +325,7 @@ class LLMEngine:
             self._prev_tokens = tokens
         else:
             host_tokens = np.asarray(tokens)[: len(scheduled)]
+            self._spare_tokens = tokens
             t2 = time.perf_counter()
             samples = [(row, seq, len(seq.token_ids)) for row, (seq, n) in enumerate(scheduled)
                        if seq.num_computed_tokens + n == len(seq.token_ids)]
@@ -346,6 +353,8 @@ class LLMEngine:
             return []
         samples, tokens, aux, prompt_rows = self._pending
         self._pending, self._pending_rows = None, None
+        # (read back below or never needed; the step after next writes its tokens into this buffer)
+        self._spare_tokens = tokens
         if not samples and not prompt_rows:
             return []
         self.scheduler.resolve(samples, np.asarray(tokens))

@@ -37,7 +37,8 @@ DEFAULT_COMPILER_OPTIONS: tuple[tuple[str, object], ...] = ()
 def pool_hlo_report(hlo: str, pool_shape: tuple[int, ...]) -> dict:
     """How a compiled step (``hlo``: its text) treats the pool ``[L, N, bs, 2, Hkv, D]``.
 
-    ``aliased``: parameters aliased to outputs (the donated pool: 1). ``copies``: copies of the whole
+    ``aliased``: pool-shaped parameters aliased to outputs (the donated pool: 1); ``aliases``: all
+    parameters aliased to outputs (the pool and the recycled token buffer: 2). ``copies``: copies of the whole
     pool. ``slices``: values holding part of the pool, i.e. any array with the pool's ``N, bs`` axes that
     is not the pool itself (a layer, ``[1, N, ...]``, keys only, ...): XLA copies a slice before a custom
     call, so the step must index the pool, never slice it. Both must be 0.
@@ -51,7 +52,10 @@ def pool_hlo_report(hlo: str, pool_shape: tuple[int, ...]) -> dict:
         m = re.search(r"= \w+\[([\d,]+)\]", ln)
         if m and m.group(1) != dims and re.search(rf"(^|,){n},{bs}(,|$)", m.group(1)):
             slices += 1
-    return dict(aliased=len(re.findall(r"\{\d+\}: \(\d+, \{\}, (?:may|must)-alias\)", lines[0])),
+    aliased_params = [int(k) for k in re.findall(r"\{\d+\}: \((\d+), \{\}, (?:may|must)-alias\)", lines[0])]
+    pool_params = {int(m.group(1)) for ln in lines
+                   if (m := re.search(rf"= \w+\[{dims}\](?:\{{[\d,]*\}})? parameter\((\d+)\)", ln))}
+    return dict(aliased=sum(1 for k in aliased_params if k in pool_params), aliases=len(aliased_params),
                 copies=copies, slices=slices)
 
 
@@ -216,11 +220,13 @@ class ModelRunner:
         self.compile_seconds = 0.0
 
     def make_jitted(self, treedef, compiler_options: dict | None = None) -> Callable:
-        """The step jitted over flat weight leaves: ``(leaves, kv_pool, packed, prev_tokens, layout)``,
-        pool donated, ``layout`` static. ``compiler_options``: XLA options for this executable only."""
+        """The step jitted over flat weight leaves: ``(leaves, kv_pool, packed, prev_tokens, spare_tokens,
+        layout)``, pool and spare donated, ``layout`` static. ``compiler_options``: XLA options for this
+        executable only."""
         fn = self._step_fn
 
-        def step(leaves, kv_pool, packed, prev_tokens, layout):
+        def step(leaves, kv_pool, packed, prev_tokens, spare_tokens, layout):
+            del spare_tokens  # donated: the output tokens are written into its buffer (see step())
             packed, prev_tokens = to_step_memory(packed, prev_tokens)  # (stable addresses: see there)
             return fn(jax.tree.unflatten(treedef, leaves), kv_pool, unpack(packed, layout), prev_tokens)
 
@@ -229,8 +235,9 @@ class ModelRunner:
             from .sharding import shard_step, step_shardings
 
             step, shardings = shard_step(step, self.mesh, treedef), step_shardings(self.mesh, treedef)
-        return jax.jit(step, donate_argnums=(1,), static_argnums=(4,), compiler_options=compiler_options or None,
-                       **shardings)
+        # keep_unused: the spare buffer is never read, and jit would otherwise drop it (and its aliasing).
+        return jax.jit(step, donate_argnums=(1, 4), static_argnums=(5,), keep_unused=True,
+                       compiler_options=compiler_options or None, **shardings)
 
     def num_copies(self, num_tokens: int) -> int:
         """How many copies of the step a padded step of ``num_tokens`` tokens uses in turn: all of them
@@ -278,18 +285,28 @@ class ModelRunner:
         return self._jitted[key], self._leaves
 
     def step(self, state: nnx.State, kv_pool: KVPool, inputs: StepInputs,
-             prev_tokens: jax.Array | None = None) -> tuple[jax.Array, KVPool]:
+             prev_tokens: jax.Array | None = None, spare_tokens: jax.Array | None = None) -> tuple[jax.Array, KVPool]:
         """Runs one step; the first call for a new shape bucket compiles (its time is recorded).
 
         ``prev_tokens``: the previous step's output (default: zeros, one row per sequence slot).
+        ``spare_tokens``: a device array of that shape whose value is no longer needed (an earlier
+        step's output, already read back): donated, and the step writes its tokens into it (default:
+        a fresh one). Why: XLA allocates a step's outputs just before its temporary buffer; a fresh
+        1 KB token array each step lands at the start of the free space and pushes the temporary
+        buffer up by 1 KB, so every kernel node of the step's CUDA graph had to be re-patched before
+        each launch (1.5-2.3 ms of host time at batch 256 on the H200; XLA's allocator log,
+        benchmarks/RESULTS.md, session 11). Written into a recycled buffer, the temporary buffer
+        keeps its address.
         """
         if prev_tokens is None:
             prev_tokens = np.zeros(inputs.logits_indices.shape, np.int32)
+        if spare_tokens is None:
+            spare_tokens = jnp.zeros(prev_tokens.shape, jnp.int32)
         num_tokens = inputs.token_ids.shape[0]
         variant = self.variant(num_tokens)
         copies, leaves = self._flat(state, variant)
         if self.mesh is not None:  # one executable for fresh and fed-back tokens (committed or not)
-            prev_tokens = self._replicate(prev_tokens)
+            prev_tokens, spare_tokens = self._replicate(prev_tokens), self._replicate(spare_tokens)
         packed, layout = pack(inputs)  # (a numpy argument: jit's own transfer was measured cheaper
         # than a jax.device_put before the call, 350 vs 467 us a call; bench_dispatch.py, RESULTS.md)
         base_key = (layout, prev_tokens.shape, kv_pool.shape, kv_pool.dtype, variant)
@@ -300,12 +317,12 @@ class ModelRunner:
         with self._partitioner():
             if shape_key not in self._shapes_seen:
                 t0 = time.perf_counter()
-                tokens, kv_pool = jitted(leaves, kv_pool, packed, prev_tokens, layout)
+                tokens, kv_pool = jitted(leaves, kv_pool, packed, prev_tokens, spare_tokens, layout)
                 jax.block_until_ready(tokens)
                 self.compile_seconds += time.perf_counter() - t0
                 self._shapes_seen.add(shape_key)
                 return tokens, kv_pool
-            return jitted(leaves, kv_pool, packed, prev_tokens, layout)
+            return jitted(leaves, kv_pool, packed, prev_tokens, spare_tokens, layout)
 
     def _partitioner(self):
         """GSPMD for the tensor-parallel step (see :func:`gspmd_partitioner`); nothing on one device."""
@@ -336,9 +353,10 @@ class ModelRunner:
         analysis, to check that the pool is never copied). Runs nothing."""
         copies, leaves = self._flat(state, self.variant(inputs.token_ids.shape[0]))
         prev_tokens = np.zeros(inputs.logits_indices.shape, np.int32)
+        spare = jax.ShapeDtypeStruct(prev_tokens.shape, jnp.int32)
         packed, layout = pack(inputs)
         with self._partitioner():
-            return copies[0].lower(leaves, kv_pool, packed, prev_tokens, layout).compile()
+            return copies[0].lower(leaves, kv_pool, packed, prev_tokens, spare, layout).compile()
 
     def lower_text(self, state: nnx.State, kv_pool: KVPool, inputs: StepInputs) -> str:
         """Compiled HLO text of the step for ``inputs``' shapes."""

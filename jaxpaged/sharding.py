@@ -151,13 +151,15 @@ def tp_model_ops(ops: ModelOps) -> ModelOps:
 
 
 def shard_step(step: Callable, mesh: Mesh, treedef) -> Callable:
-    """Wraps ``step(leaves, kv_pool, packed, prev_tokens, layout)`` (``ModelRunner``'s jitted body) in
-    ``shard_map``: weight leaves split by ``PARAM_SPECS``, the pool by KV head, the packed inputs and
-    previous tokens replicated; the sampled tokens come back replicated, the pool split."""
+    """Wraps ``step(leaves, kv_pool, packed, prev_tokens, spare_tokens, layout)`` (``ModelRunner``'s
+    jitted body) in ``shard_map``: weight leaves split by ``PARAM_SPECS``, the pool by KV head, the packed
+    inputs and previous tokens replicated; the sampled tokens come back replicated (into the donated,
+    replicated ``spare_tokens`` buffer, which the shards never read), the pool split."""
     leaf_specs = state_specs(treedef)
 
-    def tp_step(leaves, kv_pool, packed, prev_tokens, layout):
-        body = jax.shard_map(lambda lv, kv, pk, prev: step(lv, kv, pk, prev, layout), mesh=mesh,
+    def tp_step(leaves, kv_pool, packed, prev_tokens, spare_tokens, layout):
+        del spare_tokens
+        body = jax.shard_map(lambda lv, kv, pk, prev: step(lv, kv, pk, prev, None, layout), mesh=mesh,
                              in_specs=(leaf_specs, POOL_SPEC, P(), P()), out_specs=(P(), POOL_SPEC),
                              check_vma=False)  # tokens: every shard samples the same gathered logits
         return body(leaves, kv_pool, packed, prev_tokens)
@@ -172,7 +174,7 @@ def step_shardings(mesh: Mesh, treedef) -> dict:
     replicated = NamedSharding(mesh, P())
     leaves = [NamedSharding(mesh, spec) for spec in state_specs(treedef)]
     pool = NamedSharding(mesh, POOL_SPEC)
-    return dict(in_shardings=(leaves, pool, replicated, replicated), out_shardings=(replicated, pool))
+    return dict(in_shardings=(leaves, pool, replicated, replicated, replicated), out_shardings=(replicated, pool))
 
 
 # ---- arrays ------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ def test_step_hlo_aliases_pool_and_never_copies_it():
     inputs = build_step_inputs(engine.scheduler.schedule(), engine.kv.tables, 8)
     hlo = engine.runner.lower_text(params.state, engine.kv_pool, inputs)
     # One pool array, aliased; never copied; no part of it sliced out (attention and the write index it).
-    assert pool_hlo_report(hlo, engine.kv_pool.shape) == dict(aliased=1, copies=0, slices=0)
+    # The other alias: the tokens written into the donated spare buffer (runner.step).
+    assert pool_hlo_report(hlo, engine.kv_pool.shape) == dict(aliased=1, aliases=2, copies=0, slices=0)
 
 
 def test_step_inputs_are_read_once():
@@ -34,8 +35,46 @@ def test_step_inputs_are_read_once():
     inputs = build_step_inputs(engine.scheduler.schedule(), engine.kv.tables, 8)
     hlo = engine.runner.lower_text(params.state, engine.kv_pool, inputs)
     num_leaves = len(jax.tree.leaves(params.state))
-    packed, prev = num_leaves + 1, num_leaves + 2  # (leaves..., pool, packed, prev_tokens)
+    packed, prev = num_leaves + 1, num_leaves + 2  # (leaves..., pool, packed, prev_tokens, spare_tokens)
     assert entry_param_readers(hlo, [packed, prev]) == {packed: 1, prev: 1}
+
+
+def test_tokens_are_written_into_a_recycled_buffer():
+    """The step's tokens go into the donated buffer of an output the engine has read back (two steps
+    back with async scheduling, the last step's without), never into a fresh allocation: a fresh
+    1 KB output each step moved XLA's temporary buffer, and with it every node of the step's CUDA
+    graph (RESULTS.md, session 11). Outputs are the same with and without async scheduling."""
+    params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6]]
+    want = None
+    for async_scheduling in (True, False):
+        engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=64, max_model_len=64,
+                                                async_scheduling=async_scheduling, compilation_cache=False))
+        buffers, donated = [], []
+
+        def spy(state, kv_pool, inputs, prev_tokens=None, spare_tokens=None, step=engine.runner.step):
+            donated.append(spare_tokens)
+            tokens, pool = step(state, kv_pool, inputs, prev_tokens, spare_tokens)
+            buffers.append(tokens)
+            return tokens, pool
+
+        engine.runner.step = spy  # (the runner is shared by engines over these weights: put back below)
+        try:
+            for i, p in enumerate(prompts):
+                engine.add_request(p, SamplingParams(max_tokens=5 + i, temperature=0))
+            outs = {}
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    outs[o.request_id] = o.outputs[0].token_ids
+        finally:
+            del engine.runner.step
+        back = 2 if async_scheduling else 1
+        assert len(donated) > back + 3
+        for i in range(back, len(donated)):  # each spare is the output of `back` steps before, now deleted
+            assert donated[i] is buffers[i - back] and buffers[i - back].is_deleted()
+        assert donated[:back] == [None] * back
+        want = want or outs
+        assert outs == want
 
 
 def test_pool_hlo_report_sees_slices_and_copies():
