@@ -139,9 +139,10 @@ class LLMEngine:
         self._pending: tuple | None = None  # (samples, tokens, aux, prompt logprob rows)
         self._pending_rows: dict[Sequence, int] | None = None  # keyed by identity (Sequence has no __eq__)
         self._prev_tokens = jnp.zeros(bucket(config.max_num_seqs, MIN_SEQS), jnp.int32)
-        # An earlier step's output, already read back: the next step writes its tokens into it
-        # (donated; ``ModelRunner.step``: a fresh output buffer each step moved the CUDA graph's temporaries).
-        self._spare_tokens: jax.Array | None = None
+        # Token buffers whose values are read back (or never needed): each step writes its tokens into
+        # one of them (donated; ``ModelRunner.step``: a fresh output buffer each step moved the CUDA
+        # graph's temporaries). Two made here, so no step allocates one, the first or after an idle step.
+        self._free_tokens: list[jax.Array] = [jnp.zeros_like(self._prev_tokens) for _ in range(2)]
 
     # ---- requests ------------------------------------------------------------------------------
     def _tokenize(self, prompt, rid: str) -> tuple[str | None, list[int]]:
@@ -307,10 +308,8 @@ class LLMEngine:
                                    min_tokens=self.min_token_bucket)
         prompt_rows = prompt_logprob_positions(scheduled) if inputs.features.prompt_logprobs >= 0 else []
         t1 = time.perf_counter()
-        spare, self._spare_tokens = self._spare_tokens, None
-        if spare is self._prev_tokens:  # (read back by a step that scheduled nothing: still the feedback)
-            spare = None
-        tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs, self._prev_tokens, spare)
+        tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs, self._prev_tokens,
+                                                self._take_free_tokens())
         aux = None
         if isinstance(tokens, tuple):  # a logprobs variant: (tokens, aux arrays)
             tokens, aux = tokens
@@ -325,7 +324,7 @@ class LLMEngine:
             self._prev_tokens = tokens
         else:
             host_tokens = np.asarray(tokens)[: len(scheduled)]
-            self._spare_tokens = tokens
+            self._free_tokens.append(tokens)
             t2 = time.perf_counter()
             samples = [(row, seq, len(seq.token_ids)) for row, (seq, n) in enumerate(scheduled)
                        if seq.num_computed_tokens + n == len(seq.token_ids)]
@@ -346,6 +345,14 @@ class LLMEngine:
         self.metrics.host_seconds += time.perf_counter() - t2
         return outputs
 
+    def _take_free_tokens(self) -> jax.Array | None:
+        """A read-back token buffer for the next step's output, never the one the step reads its
+        placeholders from (``_prev_tokens``, also read back when a step scheduled nothing)."""
+        for i, buf in enumerate(self._free_tokens):
+            if buf is not self._prev_tokens:
+                return self._free_tokens.pop(i)
+        return None  # (not reached: two buffers and at most one is the feedback)
+
     def _resolve_pending(self) -> list[Sequence]:
         """Reads back the step in flight (async scheduling) and fills its placeholder tokens. Returns
         the sequences that got a token."""
@@ -353,8 +360,7 @@ class LLMEngine:
             return []
         samples, tokens, aux, prompt_rows = self._pending
         self._pending, self._pending_rows = None, None
-        # (read back below or never needed; the step after next writes its tokens into this buffer)
-        self._spare_tokens = tokens
+        self._free_tokens.append(tokens)  # (read back below, or never needed)
         if not samples and not prompt_rows:
             return []
         self.scheduler.resolve(samples, np.asarray(tokens))
