@@ -72,9 +72,9 @@ class EngineConfig:
       the attention's time by up to 15% a layer on the H200 (``benchmarks/bench_attention_workload.py``);
       outputs do not depend on the order.
     step_executables: copies of each compiled step of at most 32 tokens, launched in turn, so that
-      each copy's CUDA graph finds its temporary buffers where its previous launch left them and XLA
-      does not re-patch the whole graph before the launch (``runner.ModelRunner``; batch-1 ITL on
-      the H200 1.16-1.37 -> 0.98-1.02 ms). Each copy is compiled: with 2, warm-up compiles the six
+      each copy's CUDA graph finds its buffers (the two token buffers used in turn) where its previous
+      launch left them and XLA patches nothing before the launch (``runner.ModelRunner``; batch-1
+      ITL on the H200 1.16-1.37 -> 0.98-1.02 ms, session 6). Each copy is compiled: with 2, warm-up compiles the six
       smallest token buckets twice. ``None``: 2 on a GPU, 1 elsewhere (a CPU has no command
       buffers); tensor parallelism uses 1.
     cublas_max_tokens: steps of more than 32 and at most this many padded tokens (decode-sized steps,

@@ -165,15 +165,14 @@ class ModelRunner:
 
     ``step_executables``: copies of each compiled step, used in turn (``EngineConfig``). A step's
     CUDA graph records the address of every buffer its kernels touch, and XLA patches the nodes whose
-    buffers moved before each launch. With async scheduling, step N+1 is launched while step N runs,
-    so N's temporary buffer is still held and N+1's lands elsewhere: one executable alternates between
-    two temporary addresses and re-patches its whole graph before the launch. With two copies used
-    in turn (per shape), each copy's previous launch is two steps back and has finished, so its
-    temporaries come back where they were. Measured on the H200 (RESULTS.md, session 6): at batch 1
-    ITL p50 1.37 -> 1.02 and 1.16 -> 0.98 ms in two paired runs; at batch 256 the whole graph (324
-    nodes, 1.3-1.5 ms of host time) was still re-patched with two copies (the copy's previous step had
-    not released its temporaries yet), so steps of more than ``COPIES_MAX_TOKENS`` tokens keep one
-    copy and one compile. Each copy is a separate jit of the same function (compiled separately).
+    buffers moved before each launch. With async scheduling the token buffers the step reads and
+    writes alternate between two (``step``'s ``spare_tokens``); with two copies used in turn (per
+    shape) each copy always sees the same two. Measured on the H200 (RESULTS.md, session 6): at batch
+    1 ITL p50 1.37 -> 1.02 and 1.16 -> 0.98 ms in two paired runs. Until session 11 a larger step's
+    temporary buffer moved at every launch anyway (a fresh token output was allocated before it) and
+    copies did not help there, so steps of more than ``COPIES_MAX_TOKENS`` tokens keep one copy and
+    one compile (the few nodes that touch the token buffers are patched: 0.07-0.3 ms at batch 256).
+    Each copy is a separate jit of the same function (compiled separately).
 
     ``cublas_max_tokens``: steps of more than ``GEMV_ROWS`` and at most this many padded tokens
     (decode-sized steps) are compiled with ``CUBLAS_OPTIONS`` on top of ``compiler_options``, so their
@@ -183,9 +182,9 @@ class ModelRunner:
 
     ``cudagraph_max_tokens``: steps of more padded tokens than this are compiled with ``EAGER_OPTIONS``
     (no XLA command buffers: each kernel is launched on its own, and the GPU starts on the first while
-    the host launches the rest); ``None``: every step runs as CUDA graphs. Why: a large step's graph
-    is re-patched before every launch (its temporaries moved, see ``step_executables``), which holds
-    the host for 1.3-4 ms at batch 256 before the GPU can start (RESULTS.md, sessions 6 and 8).
+    the host launches the rest); ``None`` (the default): every step runs as CUDA graphs. Why it exists:
+    a large step's graph was re-patched before every launch (1.3-4 ms at batch 256, RESULTS.md
+    sessions 6 and 8; fixed in session 11, see ``step``), and launching kernel by kernel did not pay.
     """
 
     def __init__(self, graphdef: nnx.GraphDef, attention_backend: str = "auto", batch_invariant: bool = False,

@@ -1,22 +1,23 @@
-"""Process-wide XLA settings the engine needs before JAX creates its GPU client (set at ``import jaxpaged``).
+"""Process-wide XLA settings the engine can ask for before JAX creates its GPU client (at ``import jaxpaged``).
 
 Why: XLA runs each compiled step as a CUDA graph and, before every launch, patches the graph nodes whose
-buffers moved since that graph's last launch. Under XLA's default BFC allocator a step's temporary buffer
-moves between launches (with asynchronous scheduling step N+1 is launched while step N still holds its
-temporaries, and step copies used in turn did not line them up), and every kernel reads or writes it, so
-every batch-256 launch patched all 269 nodes: 1.3-4.3 ms of host time per step, as long as the step's GPU
-time (H200, benchmarks/RESULTS.md, session 9). ``xla_gpu_command_buffer_update_mode=SKIP_TEMP`` gives the
-temporaries fixed virtual addresses (XLA switches its client to the VMM allocator for that): 35 of 269 nodes
-patched, 0.17-0.33 ms a launch, the batch-256 step's launch 2.48 -> 0.98 ms.
+buffers moved since that graph's last launch. ``xla_gpu_command_buffer_update_mode=SKIP_TEMP`` gives a
+step's temporary buffer a fixed virtual address (XLA switches its client to the VMM allocator for that),
+so no launch patches the nodes that use it. It was measured as the cure for batch-256 launches that
+re-patched all 269 nodes (1.3-4.3 ms of host time per step; H200, benchmarks/RESULTS.md, session 9).
+Session 11 found the cause under the default BFC allocator: each step's fresh 1 KB token output pushed
+the temporary buffer up by 1 KB. The step now writes its tokens into a recycled buffer
+(``ModelRunner.step``), the temporary buffer keeps its address under BFC, and the default allocator
+matches SKIP_TEMP's throughput (nano-vllm's workload 24,900 vs 24,948 tok/s on one machine).
 
 The allocator is chosen once per process, when JAX creates its GPU client (on the first device use), from
 ``XLA_FLAGS``; a per-executable compiler option cannot switch it. So the flag is added to ``XLA_FLAGS`` at
 package import, and only on request: ``JAXPAGED_SKIP_TEMP=1`` (and a CUDA plugin installed, and no update
-mode chosen by the user). It is not the default because it costs elsewhere (H200, session 9): batch-1 ITL
-+3-8% in three of three pairs (why is not measured), and the whole process loses
-``memory_stats()`` (the VMM allocator keeps none), which the memory experiments read; it pays where the
-host bounds large steps (nano-vllm's workload +2 to +7%). ``skip_temp_active`` tells which
-allocator the process really has (imported after JAX made its GPU client, the setting is too late).
+mode chosen by the user). It stays opt-in: it no longer buys throughput, and the whole process loses
+``memory_stats()`` (the VMM allocator keeps none), which the memory experiments read. (Session 9 also
+measured batch-1 ITL +3-8% under it; session 11's alternating runs did not reproduce that.)
+``skip_temp_active`` tells which allocator the process really has (imported after JAX made its GPU client,
+the setting is too late).
 """
 
 from __future__ import annotations
