@@ -43,7 +43,7 @@ def stub_engine(batch: int, prompt_len: int, max_tokens: int) -> LLMEngine:
                                             max_num_batched_tokens=8192, compilation_cache=False))
     tokens: dict[int, object] = {}
 
-    def step(state, kv_pool, inputs, prev_tokens):
+    def step(state, kv_pool, inputs, prev_tokens, spare_tokens=None):
         pack(inputs)
         rows = inputs.logits_indices.shape[0]
         if rows not in tokens:

@@ -96,9 +96,9 @@ def capture_step_inputs(engine) -> tuple:
     runner, seen = engine.runner, {}
     original = runner.step
 
-    def spy(state, kv_pool, inputs, prev_tokens=None):
+    def spy(state, kv_pool, inputs, prev_tokens=None, spare_tokens=None):
         seen["inputs"], seen["prev"] = inputs, prev_tokens
-        return original(state, kv_pool, inputs, prev_tokens)
+        return original(state, kv_pool, inputs, prev_tokens, spare_tokens)
 
     runner.step = spy
     try:
