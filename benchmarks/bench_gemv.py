@@ -12,6 +12,7 @@ own name, so one trace per shape times them all) and prints the best next to :fu
 choice. Every GEMV result is checked against an fp32 product.
 
     python benchmarks/bench_gemv.py --out $OUT [--sweep] [--models qwen3-0.6b,qwen3-8b]
+    python benchmarks/bench_gemv.py --out $OUT --layouts --rows 64,128,256,512   # cuBLAS, [K,N] vs [N,K]
     python benchmarks/bench_gemv.py --smoke          # tiny shapes, interpret mode (CPU)
 """
 
@@ -33,7 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench_attention import hbm_read_ceiling  # noqa: E402
-from jaxpaged.kernels.gemv import GemvConfig, gemv, gemv_config, supported  # noqa: E402
+from jaxpaged.kernels.gemv import ROWS, GemvConfig, gemv, gemv_config, supported  # noqa: E402
 from jaxpaged.models.qwen import rms_norm  # noqa: E402
 from jaxpaged.workloads import QWEN2_5_7B, QWEN3_0_6B, QWEN3_8B  # noqa: E402
 from profile_step import analyse_trace, find_trace_file, load_trace  # noqa: E402
@@ -57,11 +58,33 @@ def make_weights(k, n, transpose, count, seed):
     return [jax.random.normal(kk, shape, jnp.bfloat16) * 0.02 for kk in keys]
 
 
-def chain(op):
+def chain(op, compiler_options=None):
     """``op`` applied to every weight in turn, each product + ``r`` (a consumer, as in the model)."""
     def run(x, r, *ws):
         return [(op(x, w) + r).astype(x.dtype) for w in ws]
-    return jax.jit(run)
+    return jax.jit(run, compiler_options=compiler_options)
+
+
+CUBLAS = {"xla_gpu_enable_triton_gemm": False}  # the engine's option for 33-512-token steps (runner.CUBLAS_OPTIONS)
+
+
+def layout_row(model, name, k, n, m, weights, floor_us, reps) -> dict:
+    """``--layouts``: XLA's dot through cuBLAS (as the engine's decode-sized steps run it) with the
+    weight stored ``[K, N]`` (the engine's layout) and ``[N, K]`` (contracting the last axis of both
+    operands): which cuBLAS kernel the layout gets and how long it takes, per matmul."""
+    x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+    r = jnp.zeros((m, n), jnp.bfloat16)
+    row = dict(model=model, name=name, K=k, N=n, M=m, weights=len(weights), floor_us=floor_us)
+    if jax.default_backend() != "gpu":
+        return row
+    kn = chain(lambda x, w: jnp.matmul(x, w), CUBLAS)
+    nk = chain(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))), CUBLAS)
+    transposed = [w.T.copy() for w in weights]
+    row["kn_us"] = kernel_times({"kn": (kn, None)}, x, r, weights, reps)["kn"]
+    row["nk_us"] = kernel_times({"nk": (nk, None)}, x, r, transposed, reps)["nk"]
+    y_kn, y_nk = kn(x, r, weights[0])[0], nk(x, r, transposed[0])[0]
+    row["max_abs_diff"] = float(jnp.max(jnp.abs(y_kn.astype(jnp.float32) - y_nk.astype(jnp.float32))))
+    return row
 
 
 def kernel_times(cases: dict, x, r, weights, reps: int) -> dict:
@@ -116,18 +139,20 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--prologue", action="store_true",
                     help="also XLA's dot with an RMSNorm producing x (the model's shape of it): matmul kernels only")
+    ap.add_argument("--layouts", action="store_true",
+                    help="for rows above the GEMV's 32: cuBLAS with the weight [K, N] vs [N, K] (o/down's tile question)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args(argv)
     interpret = jax.default_backend() != "gpu"
-    results = dict(device=str(jax.devices()[0]), jax=jax.__version__, rows=[], sweeps=[])
+    results = dict(device=str(jax.devices()[0]), jax=jax.__version__, rows=[], sweeps=[], layouts=[])
     ceiling = hbm_read_ceiling(args.smoke)
     results["read_ceiling_Bps"] = ceiling
     print(f"HBM read ceiling (XLA sum, 4 GiB): {ceiling / 1e12:.2f} TB/s", flush=True)
     if args.smoke:
         shapes = {"smoke": [("a", 256, 96, False), ("b", 512, 64, True)]}
-        rows = [1, 3]
+        rows = [1, 3] + ([64] if args.layouts else [])
     else:
         shapes = {m: model_shapes(MODELS[m]) for m in args.models.split(",")}
         rows = [int(r) for r in args.rows.split(",")]
@@ -142,6 +167,11 @@ def main(argv=None):
             for m in rows:
                 x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
                 r = jnp.zeros((m, n), jnp.bfloat16)
+                if args.layouts and m > ROWS and not transpose:
+                    row = layout_row(model, name, k, n, m, weights, floor_us, args.reps)
+                    results["layouts"].append(row)
+                    print(json.dumps(row), flush=True)
+                    continue
                 row = dict(model=model, name=name, K=k, N=n, transpose=transpose, M=m, weights=count,
                            floor_us=floor_us, config=default.__dict__)
                 if not supported(x, weights[0], transpose, default):
@@ -193,6 +223,12 @@ def main(argv=None):
         print(f"{r['model']:11s} {r['name']:8s} {r['M']:3d} {r['floor_us']:9.2f} "
               f"{(f'{xu:8.2f}' if xu else '       -')} {(f'{gu:8.2f}' if gu else '       -')} {ratio} {eff} "
               f"{r.get('rel_err', float('nan')):8.1e}{best}")
+    if results["layouts"]:
+        print(f"\n{'model':11s} {'matmul':8s} {'M':>4s} {'floor us':>9s} {'[K,N] us':>9s} {'[N,K] us':>9s}  (cuBLAS)")
+        for r in results["layouts"]:
+            kn, nk = r.get("kn_us"), r.get("nk_us")
+            print(f"{r['model']:11s} {r['name']:8s} {r['M']:4d} {r['floor_us']:9.2f} "
+                  f"{(f'{kn:9.2f}' if kn else '        -')} {(f'{nk:9.2f}' if nk else '        -')}")
     return results
 
 

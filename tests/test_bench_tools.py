@@ -276,3 +276,14 @@ def test_bench_launch_config_smoke(tmp_path):
     assert len(report["rows"]) == 2 and len(report["small_prefill"]) == 1
     for r in report["rows"] + report["small_prefill"]:
         assert r["max_abs_diff"] < 2e-2, r  # bf16 outputs of two tilings of the same attention
+
+
+def test_bench_readback_tiny(tmp_path):
+    """The readback benchmark times every method on the same function (CPU: pinned_host may or may
+    not exist; it is timed or reported unsupported, never fatal)."""
+    r = load("bench_readback").main(["--reps", "3", "--work-ms", "0", "--size", "64", "--rows", "16",
+                                     "--out", str(tmp_path)])
+    assert set(r["methods"]) == set(load("bench_readback").METHODS)
+    for name, m in r["methods"].items():
+        assert isinstance(m, str) and name == "pinned_host" or m["median_us"] > 0, (name, m)
+    assert json.loads((tmp_path / "readback.json").read_text())["depth"] == 0
