@@ -16,6 +16,9 @@ it ``--reps`` times and records the host's wall time from the call to the values
 * ``pinned_host``: the same function jitted with its output in ``pinned_host`` memory (XLA writes
   it to host memory inside the executable), then ``np.asarray`` (reported as unsupported where the
   backend has no such memory);
+* ``stream``: ``jaxpaged.readback.StreamReader`` (``EngineConfig(token_readback="stream")``): a
+  device-to-host copy on a CUDA stream of its own that waits for the computation on the GPU (DLPack
+  export with that stream), then a stream synchronise; unsupported without CUDA;
 * ``ready_only``: ``block_until_ready()`` alone: the device finished, nothing copied (the floor the
   others are compared with).
 
@@ -41,7 +44,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-METHODS = ("ready_only", "async_asarray", "asarray", "block_asarray", "device_get", "pinned_host")
+from jaxpaged.readback import StreamReader  # noqa: E402
+
+METHODS = ("ready_only", "async_asarray", "asarray", "block_asarray", "device_get", "pinned_host", "stream")
 
 
 def make_step(size: int, depth: int, rows: int, out_sharding=None):
@@ -69,7 +74,7 @@ def calibrate_depth(x, rows: int, work_ms: float) -> int:
     return max(1, round(work_ms * 1e-3 / per_product))
 
 
-def time_method(method: str, fn, x, reps: int) -> list[float]:
+def time_method(method: str, fn, x, reps: int, reader=None) -> list[float]:
     """Host seconds from the call to the values on the host, ``reps`` times (after 3 untimed runs)."""
     walls = []
     for i in range(reps + 3):
@@ -87,6 +92,8 @@ def time_method(method: str, fn, x, reps: int) -> list[float]:
             np.asarray(out)
         elif method == "device_get":
             jax.device_get(out)
+        elif method == "stream":
+            reader(out)
         else:
             raise ValueError(method)
         if i >= 3:
@@ -134,7 +141,15 @@ def main(argv=None) -> dict:
             except Exception as err:  # noqa: BLE001  (reported, not fatal: the other methods still run)
                 result["methods"][method] = f"unsupported ({type(err).__name__}: {str(err)[:120]})"
                 continue
-        walls = time_method(method, fn, x, args.reps)
+        reader = None
+        if method == "stream":
+            try:
+                reader = StreamReader(jax.devices()[0], args.rows)
+                np.testing.assert_array_equal(reader(fn(x)), want)
+            except Exception as err:  # noqa: BLE001  (no CUDA: reported, the others still run)
+                result["methods"][method] = f"unsupported ({type(err).__name__}: {str(err)[:120]})"
+                continue
+        walls = time_method(method, fn, x, args.reps, reader)
         result["methods"][method] = dict(median_us=statistics.median(walls) * 1e6,
                                          p10_us=float(np.percentile(walls, 10)) * 1e6,
                                          p90_us=float(np.percentile(walls, 90)) * 1e6)

@@ -9,6 +9,7 @@ from .kv.allocator import check_block_size
 ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 RESERVATIONS = ("paged", "max_len")
 SCHEDULING_POLICIES = ("fcfs", "prefix_affinity")  # jaxpaged/scheduling_policy.py
+TOKEN_READBACKS = ("jax", "stream", "auto")  # jaxpaged/readback.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,13 @@ class EngineConfig:
       vocabulary in one Pallas pass (``kernels/gumbel_argmax.py``; the GPU's fast logarithm, with a
       series where it would be inexact) instead of XLA's two reductions: 97 vs ~155 us of a batch-256
       step on the H200 (RESULTS.md, session 10). Ignored on a CPU (XLA's path, the same formula).
+    token_readback: how each step's sampled tokens are read back to the host (``jaxpaged/readback.py``):
+      ``"jax"`` (``np.asarray``: the copy is issued only after the step's completion has passed through
+      PjRt's host callbacks and worker threads, ~0.48 ms after the last kernel in a traced TTFT step on
+      the H200, RESULTS.md session 11), ``"stream"`` (a device-to-host copy on a CUDA stream of the
+      engine's own that waits for the step on the GPU, through DLPack and the CUDA driver; an error
+      without CUDA), ``"auto"`` (``"stream"`` where it can be set up, else ``"jax"``). One device only
+      (tensor parallelism reads through jax). Not yet measured on the GPU: ``"jax"`` by default.
     min_token_bucket: a step's tokens are padded to a power of two of at least this many (one compiled
       step per size). Smaller buckets mean less padding work in small decode steps (a batch-1 step
       computes ``min_token_bucket`` rows in every projection) and more compiled shapes. ``None``: 1 on
@@ -124,6 +132,7 @@ class EngineConfig:
     fused_qkv: bool = True  # one Pallas kernel from the qkv projection to the KV write on GPU (see docstring)
     fused_residual: bool = True  # residual add + RMSNorm as one Pallas kernel on GPU (see docstring)
     fused_sampler: bool = True  # the sampler's noise + argmax as one Pallas pass on GPU (see docstring)
+    token_readback: str = "jax"  # how sampled tokens reach the host: "jax", "stream" or "auto" (see docstring)
     min_token_bucket: int | None = None  # smallest padded token count of a step: 1 on GPU, 16 on CPU (see docstring)
     longest_first: bool = True  # rows of a step ordered by context length, longest first (see docstring)
     step_executables: int | None = None  # copies of each small compiled step, used in turn: 2 on GPU (see docstring)
@@ -160,6 +169,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.token_readback not in TOKEN_READBACKS:
+            raise ValueError(f"token_readback must be one of {TOKEN_READBACKS}, got {self.token_readback!r}")
         if self.reservation not in RESERVATIONS:
             raise ValueError(f"reservation must be one of {RESERVATIONS}, got {self.reservation!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -29,6 +29,7 @@ from .kernels.backend import resolve_backend
 from .inputs import broadcast_sampling_params, parse_prompt, parse_prompts
 from .output_processor import OutputProcessor, RequestState, make_detokenizer
 from .pool_size import check_pool, size_pool
+from .readback import make_token_reader
 from . import xla_env
 from .runner import DEFAULT_COMPILER_OPTIONS, ModelRunner, enable_compilation_cache
 from .sampling import SamplingParams
@@ -143,6 +144,10 @@ class LLMEngine:
         # one of them (donated; ``ModelRunner.step``: a fresh output buffer each step moved the CUDA
         # graph's temporaries). Two made here, so no step allocates one, the first or after an idle step.
         self._free_tokens: list[jax.Array] = [jnp.zeros_like(self._prev_tokens) for _ in range(2)]
+        # How sampled tokens reach the host (readback.py): jax's np.asarray, or a stream-ordered copy.
+        readback = config.token_readback if config.tensor_parallel_size == 1 else "jax"
+        self.token_readback, self._read_tokens = make_token_reader(readback, jax.local_devices()[0],
+                                                                   self._prev_tokens.shape[0])
 
     # ---- requests ------------------------------------------------------------------------------
     def _tokenize(self, prompt, rid: str) -> tuple[str | None, list[int]]:
@@ -314,7 +319,8 @@ class LLMEngine:
         if isinstance(tokens, tuple):  # a logprobs variant: (tokens, aux arrays)
             tokens, aux = tokens
         if self.config.async_scheduling:
-            tokens.copy_to_host_async()  # the read-back starts as soon as the step ends, not when asked
+            if self.token_readback == "jax":
+                tokens.copy_to_host_async()  # the read-back starts as soon as the step ends, not when asked
             touched = self._resolve_pending()  # the previous step's tokens: ready, or nearly
             t2 = time.perf_counter()
             outputs += self._make_outputs(touched)  # before advance() books new placeholders
@@ -323,7 +329,7 @@ class LLMEngine:
             self._pending_rows = {seq: row for row, seq, _ in samples}
             self._prev_tokens = tokens
         else:
-            host_tokens = np.asarray(tokens)[: len(scheduled)]
+            host_tokens = self._read_tokens(tokens)[: len(scheduled)]
             self._free_tokens.append(tokens)
             t2 = time.perf_counter()
             samples = [(row, seq, len(seq.token_ids)) for row, (seq, n) in enumerate(scheduled)
@@ -363,7 +369,7 @@ class LLMEngine:
         self._free_tokens.append(tokens)  # (read back below, or never needed)
         if not samples and not prompt_rows:
             return []
-        self.scheduler.resolve(samples, np.asarray(tokens))
+        self.scheduler.resolve(samples, self._read_tokens(tokens))
         live = [(row, seq, pos) for row, seq, pos in samples if seq.finish_reason != "abort"]
         self._record_logprobs(live, aux, [r for r in prompt_rows if r[1].finish_reason != "abort"])
         return [seq for _, seq, _ in live]
@@ -449,7 +455,7 @@ class LLMEngine:
                  compiled_shapes=self.runner.num_compiled_shapes - self._compile_base[1],
                  attention_backend=self.runner.attention_backend, step_seconds=self.metrics.total_seconds,
                  host_seconds=self.metrics.host_seconds, device_wait_seconds=self.metrics.device_seconds,
-                 xla_skip_temp=xla_env.skip_temp_active())
+                 xla_skip_temp=xla_env.skip_temp_active(), token_readback=self.token_readback)
         return s
 
     def explain_prefix(self, a: str | SequenceT[int], b: str | SequenceT[int]) -> PrefixDivergence:

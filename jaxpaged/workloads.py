@@ -146,6 +146,8 @@ def add_decode_path_flags(ap) -> None:
                     help="EngineConfig(fused_residual=False): XLA's kernels for the residual adds and RMSNorms")
     ap.add_argument("--no-fused-sampler", dest="fused_sampler", action="store_false",
                     help="EngineConfig(fused_sampler=False): XLA's sampler reductions instead of the Pallas pass")
+    ap.add_argument("--token-readback", choices=("jax", "stream", "auto"), default="jax",
+                    help="EngineConfig(token_readback=...): how sampled tokens reach the host (jaxpaged/readback.py)")
     ap.add_argument("--min-token-bucket", type=int, default=None,
                     help="EngineConfig(min_token_bucket=N): the smallest padded token count of a step")
     ap.add_argument("--no-longest-first", dest="longest_first", action="store_false",
@@ -162,7 +164,7 @@ def decode_path_config(args) -> dict:
     """``EngineConfig`` keyword arguments from :func:`add_decode_path_flags`' flags (defaults when absent)."""
     defaults = dict(decode_gemv=True, fused_qkv=True, fuse_matmul_inputs=False, fused_residual=True,
                     min_token_bucket=None, longest_first=True, step_executables=None, cublas_max_tokens=None,
-                    max_cudagraph_capture_size=None, fused_sampler=True)
+                    max_cudagraph_capture_size=None, fused_sampler=True, token_readback="jax")
     return {k: getattr(args, k, v) for k, v in defaults.items()}
 
 
