@@ -217,6 +217,11 @@ class ModelRunner:
         self._treedef = None
         self._shapes_seen: set[tuple] = set()
         self.compile_seconds = 0.0
+        # The spare token buffer is donated on a GPU only: there ``np.asarray`` copies to the host, while
+        # on a CPU it returns a view of the buffer itself (cached on the array), which a donated buffer
+        # would overwrite or free under the reader (it corrupted the CPU test process's heap). A CPU
+        # has no CUDA graphs, so the recycled buffer buys nothing there.
+        self.donate_spare_tokens = jax.default_backend() == "gpu"
 
     def make_jitted(self, treedef, compiler_options: dict | None = None) -> Callable:
         """The step jitted over flat weight leaves: ``(leaves, kv_pool, packed, prev_tokens, spare_tokens,
@@ -235,7 +240,8 @@ class ModelRunner:
 
             step, shardings = shard_step(step, self.mesh, treedef), step_shardings(self.mesh, treedef)
         # keep_unused: the spare buffer is never read, and jit would otherwise drop it (and its aliasing).
-        return jax.jit(step, donate_argnums=(1, 4), static_argnums=(5,), keep_unused=True,
+        donate = (1, 4) if self.donate_spare_tokens else (1,)
+        return jax.jit(step, donate_argnums=donate, static_argnums=(5,), keep_unused=True,
                        compiler_options=compiler_options or None, **shardings)
 
     def num_copies(self, num_tokens: int) -> int:
@@ -289,8 +295,8 @@ class ModelRunner:
 
         ``prev_tokens``: the previous step's output (default: zeros, one row per sequence slot).
         ``spare_tokens``: a device array of that shape whose value is no longer needed (an earlier
-        step's output, already read back): donated, and the step writes its tokens into it (default:
-        a fresh one). Why: XLA allocates a step's outputs just before its temporary buffer; a fresh
+        step's output, already read back): donated on a GPU (``donate_spare_tokens``), and the step
+        writes its tokens into it (default: a fresh one). Why: XLA allocates a step's outputs just before its temporary buffer; a fresh
         1 KB token array each step lands at the start of the free space and pushes the temporary
         buffer up by 1 KB, so every kernel node of the step's CUDA graph had to be re-patched before
         each launch (1.5-2.3 ms of host time at batch 256 on the H200; XLA's allocator log,

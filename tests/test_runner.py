@@ -21,8 +21,9 @@ def test_step_hlo_aliases_pool_and_never_copies_it():
     inputs = build_step_inputs(engine.scheduler.schedule(), engine.kv.tables, 8)
     hlo = engine.runner.lower_text(params.state, engine.kv_pool, inputs)
     # One pool array, aliased; never copied; no part of it sliced out (attention and the write index it).
-    # The other alias: the tokens written into the donated spare buffer (runner.step).
-    assert pool_hlo_report(hlo, engine.kv_pool.shape) == dict(aliased=1, aliases=2, copies=0, slices=0)
+    # On a GPU the other alias is the tokens written into the donated spare buffer (runner.step).
+    aliases = 1 + engine.runner.donate_spare_tokens
+    assert pool_hlo_report(hlo, engine.kv_pool.shape) == dict(aliased=1, aliases=aliases, copies=0, slices=0)
 
 
 def test_step_inputs_are_read_once():
@@ -73,7 +74,8 @@ def test_tokens_are_written_into_a_recycled_buffer():
         outputs = [out for _, _, out in calls]
         assert len(calls) > 10 and all(calls[i][1] is first_spares[i] for i in range(2))
         for prev, spare, _ in calls:
-            assert spare is not None and spare is not prev and spare.is_deleted()  # donated
+            assert spare is not None and spare is not prev
+            assert spare.is_deleted() == engine.runner.donate_spare_tokens  # donated (on a GPU)
             assert any(spare is b for b in first_spares + outputs)
         assert len({id(o) for o in outputs}) == len(outputs)
         want = want or outs
@@ -255,3 +257,24 @@ def test_eager_variant_above_max_cudagraph_capture_size():
     assert dict(EAGER_OPTIONS) == {"xla_gpu_enable_command_buffer": ""}
     with pytest.raises(ValueError, match="max_cudagraph_capture_size"):
         EngineConfig(max_cudagraph_capture_size=-1)
+
+
+def test_donated_spare_buffer_becomes_the_output():
+    """With the spare donated (what a GPU does: ``ModelRunner.donate_spare_tokens``), the step's tokens
+    land in the spare's own buffer, the compiled step aliases it, and the tokens are those of a step
+    given no spare."""
+    params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
+    engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=64, max_model_len=64,
+                                            compilation_cache=False))
+    engine.runner.donate_spare_tokens = True  # before the first step: its executables are built with it
+    engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=4, temperature=0))
+    inputs = build_step_inputs(engine.scheduler.schedule(), engine.kv.tables, 8)
+    hlo = engine.runner.lower_text(params.state, engine.kv_pool, inputs)
+    assert pool_hlo_report(hlo, engine.kv_pool.shape)["aliases"] == 2
+    spare = jax.numpy.zeros(engine._prev_tokens.shape, jax.numpy.int32)
+    address = spare.unsafe_buffer_pointer()
+    pool = jax.numpy.copy(engine.kv_pool)
+    tokens, _ = engine.runner.step(params.state, engine.kv_pool, inputs, engine._prev_tokens, spare)
+    assert spare.is_deleted() and tokens.unsafe_buffer_pointer() == address
+    fresh, _ = engine.runner.step(params.state, pool, inputs, engine._prev_tokens)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(fresh))
