@@ -217,10 +217,9 @@ class ModelRunner:
         self._treedef = None
         self._shapes_seen: set[tuple] = set()
         self.compile_seconds = 0.0
-        # The spare token buffer is donated on a GPU only: there ``np.asarray`` copies to the host, while
-        # on a CPU it returns a view of the buffer itself (cached on the array), which a donated buffer
-        # would overwrite or free under the reader (it corrupted the CPU test process's heap). A CPU
-        # has no CUDA graphs, so the recycled buffer buys nothing there.
+        # The spare token buffer is donated on a GPU only: a CPU has no CUDA graphs, so the recycled
+        # buffer buys nothing there, and there ``np.asarray`` may return a view of the buffer itself
+        # (cached on the array), which a donated buffer would overwrite under its reader.
         self.donate_spare_tokens = jax.default_backend() == "gpu"
 
     def make_jitted(self, treedef, compiler_options: dict | None = None) -> Callable:
@@ -296,12 +295,12 @@ class ModelRunner:
         ``prev_tokens``: the previous step's output (default: zeros, one row per sequence slot).
         ``spare_tokens``: a device array of that shape whose value is no longer needed (an earlier
         step's output, already read back): donated on a GPU (``donate_spare_tokens``), and the step
-        writes its tokens into it (default: a fresh one). Why: XLA allocates a step's outputs just before its temporary buffer; a fresh
-        1 KB token array each step lands at the start of the free space and pushes the temporary
-        buffer up by 1 KB, so every kernel node of the step's CUDA graph had to be re-patched before
-        each launch (1.5-2.3 ms of host time at batch 256 on the H200; XLA's allocator log,
-        benchmarks/RESULTS.md, session 11). Written into a recycled buffer, the temporary buffer
-        keeps its address.
+        writes its tokens into it (default: a fresh one). Why: XLA allocates a step's outputs just
+        before its temporary buffer; a fresh 1 KB token array each step lands at the start of the free
+        space and pushes the temporary buffer up by 1 KB, so every kernel node of the step's CUDA graph
+        had to be re-patched before each launch (1.6-2.8 ms of host time at batch 256 on the H200;
+        XLA's allocator log, benchmarks/RESULTS.md, session 11). Written into a recycled buffer, the
+        temporary buffer keeps its address.
         """
         if prev_tokens is None:
             prev_tokens = np.zeros(inputs.logits_indices.shape, np.int32)
