@@ -80,16 +80,18 @@ def layout_row(model, name, k, n, m, weights, floor_us, reps) -> dict:
     kn = chain(lambda x, w: jnp.matmul(x, w), CUBLAS)
     nk = chain(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))), CUBLAS)
     transposed = [w.T.copy() for w in weights]
-    row["kn_us"] = kernel_times({"kn": (kn, None)}, x, r, weights, reps)["kn"]
-    row["nk_us"] = kernel_times({"nk": (nk, None)}, x, r, transposed, reps)["nk"]
+    row["kn_us"] = kernel_times({"kn": (kn, None)}, x, r, weights, reps, names := {})["kn"]
+    row["nk_us"] = kernel_times({"nk": (nk, None)}, x, r, transposed, reps, names)["nk"]
+    row["kernels"] = names
     y_kn, y_nk = kn(x, r, weights[0])[0], nk(x, r, transposed[0])[0]
     row["max_abs_diff"] = float(jnp.max(jnp.abs(y_kn.astype(jnp.float32) - y_nk.astype(jnp.float32))))
     return row
 
 
-def kernel_times(cases: dict, x, r, weights, reps: int) -> dict:
+def kernel_times(cases: dict, x, r, weights, reps: int, names: dict | None = None) -> dict:
     """GPU kernel microseconds per matmul for each ``label -> (jitted chain, kernel-name prefix or None)``
-    from one profiler trace (``None``: every matmul-like kernel that is not a GEMV, i.e. XLA's)."""
+    from one profiler trace (``None``: every matmul-like kernel that is not a GEMV, i.e. XLA's).
+    ``names``: if given, gets ``label -> {kernel name: us per call}`` for the ``None`` cases."""
     for fn, _ in cases.values():
         jax.block_until_ready(fn(x, r, *weights))
     trace_dir = tempfile.mkdtemp(prefix="bench_gemv_")
@@ -106,8 +108,11 @@ def kernel_times(cases: dict, x, r, weights, reps: int) -> dict:
     out = {}
     for label, (_, prefix) in cases.items():
         if prefix is None:
-            us = sum(k["us_per_step"] for k in kernels if not k["name"].startswith("gemv")
-                     and any(t in k["name"].lower() for t in MATMUL_KERNELS))
+            mine = [k for k in kernels if not k["name"].startswith("gemv")
+                    and any(t in k["name"].lower() for t in MATMUL_KERNELS)]
+            us = sum(k["us_per_step"] for k in mine)
+            if names is not None:
+                names[label] = {k["name"]: round(k["us_per_call"], 2) for k in mine}
         else:
             us = sum(k["us_per_step"] for k in kernels if k["name"].startswith(prefix))
         out[label] = us / (reps * len(weights)) if us else None

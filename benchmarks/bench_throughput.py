@@ -40,6 +40,8 @@ def run_ours(params, prompts, sps, args):
                           **decode_path_config(args),
                           compiler_options=parse_xla_options(getattr(args, "xla_option", None)))
     engine = LLMEngine(params, config)
+    if getattr(args, "copies_max_tokens", None) is not None:  # (an experiment: ModelRunner.copies_max_tokens)
+        engine.runner.copies_max_tokens = args.copies_max_tokens
     compile_s = engine.warmup(use_tqdm=False)
     run_to_completion(engine, [prompts[0][:16]], SamplingParams(max_tokens=4))  # one tiny real request
     engine.metrics.host_seconds = engine.metrics.device_seconds = 0.0
@@ -240,6 +242,8 @@ def main() -> None:
                     help="read each step's tokens back before dispatching the next (default: async)")
     ap.add_argument("--batch-invariant", action="store_true", help="EngineConfig(batch_invariant=True)")
     add_decode_path_flags(ap)
+    ap.add_argument("--copies-max-tokens", type=int, default=None,
+                    help="steps of up to N tokens use every copy of the step in turn (ModelRunner.copies_max_tokens)")
     ap.add_argument("--xla-option", action="append", help="name=value, repeatable: EngineConfig.compiler_options")
     ap.add_argument("--compare-xla-option", action="append",
                     help="name=value, repeatable: also run the full workload with these compiler options")
