@@ -59,10 +59,17 @@ def make_weights(k, n, transpose, count, seed):
 
 
 def chain(op, compiler_options=None):
-    """``op`` applied to every weight in turn, each product + ``r`` (a consumer, as in the model)."""
-    def run(x, r, *ws):
-        return [(op(x, w) + r).astype(x.dtype) for w in ws]
+    """``op`` applied to every weight in turn, each with its own input (``xs``: one per weight; with one
+    shared input XLA merged the dots into a single wider GEMM, so a per-matmul time was a fraction of
+    one merged kernel: session 12), each product + ``r`` (a consumer, as in the model)."""
+    def run(xs, r, *ws):
+        return [(op(x, w) + r).astype(x.dtype) for x, w in zip(xs, ws)]
     return jax.jit(run, compiler_options=compiler_options)
+
+
+def inputs(m: int, k: int, count: int) -> list[jax.Array]:
+    """``count`` distinct bf16 inputs ``[m, k]`` (one per weight of a chain)."""
+    return [jax.random.normal(jax.random.key(m * 1000 + i), (m, k), jnp.bfloat16) for i in range(count)]
 
 
 CUBLAS = {"xla_gpu_enable_triton_gemm": False}  # the engine's option for 33-512-token steps (runner.CUBLAS_OPTIONS)
@@ -72,7 +79,7 @@ def layout_row(model, name, k, n, m, weights, floor_us, reps) -> dict:
     """``--layouts``: XLA's dot through cuBLAS (as the engine's decode-sized steps run it) with the
     weight stored ``[K, N]`` (the engine's layout) and ``[N, K]`` (contracting the last axis of both
     operands): which cuBLAS kernel the layout gets and how long it takes, per matmul."""
-    x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+    xs = inputs(m, k, len(weights))
     r = jnp.zeros((m, n), jnp.bfloat16)
     row = dict(model=model, name=name, K=k, N=n, M=m, weights=len(weights), floor_us=floor_us)
     if jax.default_backend() != "gpu":
@@ -80,26 +87,26 @@ def layout_row(model, name, k, n, m, weights, floor_us, reps) -> dict:
     kn = chain(lambda x, w: jnp.matmul(x, w), CUBLAS)
     nk = chain(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))), CUBLAS)
     transposed = [w.T.copy() for w in weights]
-    row["kn_us"] = kernel_times({"kn": (kn, None)}, x, r, weights, reps, names := {})["kn"]
-    row["nk_us"] = kernel_times({"nk": (nk, None)}, x, r, transposed, reps, names)["nk"]
+    row["kn_us"] = kernel_times({"kn": (kn, None)}, xs, r, weights, reps, names := {})["kn"]
+    row["nk_us"] = kernel_times({"nk": (nk, None)}, xs, r, transposed, reps, names)["nk"]
     row["kernels"] = names
-    y_kn, y_nk = kn(x, r, weights[0])[0], nk(x, r, transposed[0])[0]
+    y_kn, y_nk = kn(xs[:1], r, weights[0])[0], nk(xs[:1], r, transposed[0])[0]
     row["max_abs_diff"] = float(jnp.max(jnp.abs(y_kn.astype(jnp.float32) - y_nk.astype(jnp.float32))))
     return row
 
 
-def kernel_times(cases: dict, x, r, weights, reps: int, names: dict | None = None) -> dict:
+def kernel_times(cases: dict, xs, r, weights, reps: int, names: dict | None = None) -> dict:
     """GPU kernel microseconds per matmul for each ``label -> (jitted chain, kernel-name prefix or None)``
     from one profiler trace (``None``: every matmul-like kernel that is not a GEMV, i.e. XLA's).
     ``names``: if given, gets ``label -> {kernel name: us per call}`` for the ``None`` cases."""
     for fn, _ in cases.values():
-        jax.block_until_ready(fn(x, r, *weights))
+        jax.block_until_ready(fn(xs, r, *weights))
     trace_dir = tempfile.mkdtemp(prefix="bench_gemv_")
     jax.profiler.start_trace(trace_dir)
     try:
         for fn, _ in cases.values():
             for _ in range(reps):
-                jax.block_until_ready(fn(x, r, *weights))
+                jax.block_until_ready(fn(xs, r, *weights))
     finally:
         jax.profiler.stop_trace()
     path = find_trace_file(trace_dir)
@@ -170,7 +177,8 @@ def main(argv=None):
             xla = chain(lambda x, w, t=transpose: jnp.matmul(x, w.T if t else w))
             default = gemv_config(k, n, transpose)
             for m in rows:
-                x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+                xs = inputs(m, k, count)
+                x = xs[0]
                 r = jnp.zeros((m, n), jnp.bfloat16)
                 if args.layouts and m > ROWS and not transpose:
                     row = layout_row(model, name, k, n, m, weights, floor_us, args.reps)
@@ -197,10 +205,10 @@ def main(argv=None):
                                     chain(lambda x, w, c=cfg: gemv(x, w, transpose_w=transpose, config=c)),
                                     kernel_prefix(cfg))
                     try:
-                        times = kernel_times(cases, x, r, weights, args.reps)
+                        times = kernel_times(cases, xs, r, weights, args.reps)
                     except Exception as e:  # e.g. a configuration Triton rejects: time without the sweep
                         print(f"  sweep failed ({type(e).__name__}: {str(e)[:150]}); default only", flush=True)
-                        times = kernel_times({c: cases[c] for c in ("xla", "gemv")}, x, r, weights, args.reps)
+                        times = kernel_times({c: cases[c] for c in ("xla", "gemv")}, xs, r, weights, args.reps)
                     row["xla_us"], row["gemv_us"] = times.pop("xla"), times.pop("gemv")
                     if "xla_norm" in times:
                         row["xla_norm_us"] = times.pop("xla_norm")

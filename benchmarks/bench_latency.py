@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = dict(model=args.model, device=str(jax.devices()[0]), jax=jax.__version__,
                   backend=engine.runner.attention_backend, args=vars(args), setup_s=setup_s,
-                  max_num_seqs=engine.config.max_num_seqs,
+                  max_num_seqs=engine.config.max_num_seqs, token_readback_used=engine.token_readback,
                   compile_s_total=engine.runner.compile_seconds, compiled_shapes=engine.runner.num_compiled_shapes,
                   rows=rows)
     with open(os.path.join(args.out, "latency.json"), "w") as f:
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     f2 = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     print(f"\nlatency: model {args.model}, {result['device']}, backend {result['backend']}, greedy, "
           f"{args.max_tokens} output tokens, runs per row: {[r['runs'] for r in rows]}; compile {result['compile_s_total']:.1f} s "
-          f"total ({result['compiled_shapes']} shapes), setup {setup_s:.1f} s")
+          f"total ({result['compiled_shapes']} shapes), setup {setup_s:.1f} s; token readback {engine.token_readback}")
     print(f"{'batch':>5s} {'prompt':>6s} {'TTFT p50':>9s} {'TTFT p90':>9s} {'ITL p50':>8s} {'ITL p90':>8s} "
           f"{'TPOT p50':>9s} {'out tok/s':>9s} {'compile s':>9s}")
     for r in rows:

@@ -1,6 +1,6 @@
 """A decode-sized step's o_proj / down GEMM plus its residual add and RMSNorm: cuBLAS (as the engine's
 33-512-token steps run them) vs the split-K Pallas GEMM (``kernels.matmul.matmul_partials``) whose
-partials the add + RMSNorm kernel sums (``EngineConfig(splitk_gemm=True)``).
+partials the add + RMSNorm kernel sums (as the engine's GEMV partials are summed).
 
 Why: in the batch-256 step on the H200, cuBLAS ran o_proj and down at 7.2 us a call (56 calls, 0.40 ms
 of a 4.3 ms step) against a ~1-1.5 us weight-read floor. A chain of ``L`` layers, each with its own
@@ -8,6 +8,11 @@ input and weight (distinct operands, so XLA cannot merge the dots into one GEMM,
 ``bench_gemv.py --layouts``), times per layer the GPU kernels of ``r += x_l @ w_l; rms_norm(r)``: the
 GEMM(s) and the add/norm, from one ``jax.profiler`` trace per way. Every split-K result is checked
 against the cuBLAS way's (fp32 sums of bf16 products: they differ in the last bits only).
+
+Measured on the H200 (session 12): cuBLAS 7.96 us a layer at M = 256 (o_proj), the best split-K
+configuration 8.98; down 9.41 vs 10.76. An engine option that ran o_proj, down and gate_up this way
+(commit 4c77edd) cost the batch-256 step 0.6 ms and nano-vllm's workload 3% (24,121-24,248 vs 24,950
+tok/s): it was removed, the kernel and this benchmark kept for the next attempt (docs/DECISIONS.md).
 
     python benchmarks/bench_splitk.py --out $OUT [--rows 64,128,256,512]
     python benchmarks/bench_splitk.py --smoke        # tiny shapes, interpret mode (CPU)

@@ -66,7 +66,7 @@ def run_ours(params, prompts, sps, args):
                 peak_kv_gib=st["peak_kv_bytes_in_use"] / 2**30, compiled_shapes=st["compiled_shapes"],
                 total_compile_s=st["compile_seconds"], ttft_p50=ttft[len(ttft) // 2], ttft_max=ttft[-1],
                 backend=st["attention_backend"], host_s=st["host_seconds"], device_wait_s=st["device_wait_seconds"],
-                xla_skip_temp=st["xla_skip_temp"], traced=bool(trace_dir or windows), step_end_s=[t - t0 for t in step_times])
+                xla_skip_temp=st["xla_skip_temp"], token_readback_used=st["token_readback"], traced=bool(trace_dir or windows), step_end_s=[t - t0 for t in step_times])
 
 
 def brief(run: dict) -> dict:
@@ -314,7 +314,7 @@ def main() -> None:
     r = result["ours_full"]
     print(f"compile (warm-up, {r['compiled_shapes']} shapes): {r['warmup_compile_s']:.1f} s; steps {r['steps']}; "
           f"preemptions {r['preemptions']}; peak KV {r['peak_kv_gib']:.1f} GiB; TTFT p50 {r['ttft_p50']:.2f} s; "
-          f"pool {r['num_blocks']} blocks; host {r['host_s']:.2f} s; SKIP_TEMP {r['xla_skip_temp']}")
+          f"pool {r['num_blocks']} blocks; host {r['host_s']:.2f} s; SKIP_TEMP {r['xla_skip_temp']}; readback {r.get('token_readback_used')}")
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def build_engine(params, *, batch: int, max_model_len: int, block_size: int = 16
                  min_token_bucket: int | None = None, longest_first: bool = True,
                  step_executables: int | None = None, cublas_max_tokens: int | None = None,
                  max_cudagraph_capture_size: int | None = None, compiler_options: tuple | None = None,
-                 fused_sampler: bool = True, token_readback: str = "auto", splitk_gemm: bool = False) -> LLMEngine:
+                 fused_sampler: bool = True, token_readback: str = "auto") -> LLMEngine:
     """An engine whose pool holds exactly ``batch`` sequences of ``max_model_len`` tokens (+1 block)."""
     blocks_per_seq = -(-max_model_len // block_size)
     config = EngineConfig(block_size=block_size, num_blocks=batch * blocks_per_seq + 1, max_num_seqs=batch,
@@ -71,7 +71,7 @@ def build_engine(params, *, batch: int, max_model_len: int, block_size: int = 16
                           min_token_bucket=min_token_bucket, longest_first=longest_first,
                           step_executables=step_executables, cublas_max_tokens=cublas_max_tokens,
                           max_cudagraph_capture_size=max_cudagraph_capture_size, compiler_options=compiler_options,
-                          fused_sampler=fused_sampler, token_readback=token_readback, splitk_gemm=splitk_gemm)
+                          fused_sampler=fused_sampler, token_readback=token_readback)
     return LLMEngine(params, config)
 
 

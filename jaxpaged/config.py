@@ -62,21 +62,16 @@ class EngineConfig:
       vocabulary in one Pallas pass (``kernels/gumbel_argmax.py``; the GPU's fast logarithm, with a
       series where it would be inexact) instead of XLA's two reductions: 97 vs ~155 us of a batch-256
       step on the H200 (RESULTS.md, session 10). Ignored on a CPU (XLA's path, the same formula).
-    splitk_gemm: on a GPU, steps of 33 to 512 padded tokens (decode-sized) run o_proj and down_proj
-      (16-bit weights) as the split-K Pallas GEMM (``kernels/matmul.py``: ``matmul_partials``) whose
-      partial sums the residual add + RMSNorm kernel adds, instead of cuBLAS and XLA's add; needs
-      ``decode_gemv`` and ``fused_residual``; ignored with tensor parallelism, ``batch_invariant`` and
-      on a CPU. Why: cuBLAS ran those two GEMMs at 7.2 us a call in the batch-256 step on the H200,
-      ~5x their weight-read floor (RESULTS.md, session 12).
     token_readback: how each step's sampled tokens are read back to the host (``jaxpaged/readback.py``):
       ``"jax"`` (``np.asarray``: the copy is issued only after the step's completion has passed through
       PjRt's host callbacks and worker threads, ~0.48 ms after the last kernel in a traced TTFT step on
       the H200, RESULTS.md session 11), ``"stream"`` (a device-to-host copy on a CUDA stream of the
       engine's own that waits for the step on the GPU, through DLPack and the CUDA driver; an error
       without CUDA), ``"auto"`` (the default: ``"stream"`` where it can be set up, else ``"jax"``).
-      One device only (tensor parallelism reads through jax). On the H200 the stream reader cut the
-      batch-1 TTFT of a 32-token prompt from 2.13-2.26 to 1.73-1.79 ms and the ITL from 0.94-0.98
-      to 0.88-0.89 ms, with the same greedy float32 tokens (RESULTS.md, session 12).
+      One device only (tensor parallelism reads through jax). On the H200, in alternating runs on one
+      machine, the stream reader cut the batch-1 TTFT of a 32-token prompt from 2.13-2.26 to
+      1.73-1.79 ms and the ITL from 0.94-0.98 to 0.88-0.89 ms, with the same greedy float32 tokens
+      (RESULTS.md, session 12).
     min_token_bucket: a step's tokens are padded to a power of two of at least this many (one compiled
       step per size). Smaller buckets mean less padding work in small decode steps (a batch-1 step
       computes ``min_token_bucket`` rows in every projection) and more compiled shapes. ``None``: 1 on
@@ -140,7 +135,6 @@ class EngineConfig:
     fused_qkv: bool = True  # one Pallas kernel from the qkv projection to the KV write on GPU (see docstring)
     fused_residual: bool = True  # residual add + RMSNorm as one Pallas kernel on GPU (see docstring)
     fused_sampler: bool = True  # the sampler's noise + argmax as one Pallas pass on GPU (see docstring)
-    splitk_gemm: bool = False  # o_proj/down of 33-512-token steps by the split-K Pallas GEMM on GPU (see docstring)
     token_readback: str = "auto"  # how sampled tokens reach the host: "jax", "stream" or "auto" (see docstring)
     min_token_bucket: int | None = None  # smallest padded token count of a step: 1 on GPU, 16 on CPU (see docstring)
     longest_first: bool = True  # rows of a step ordered by context length, longest first (see docstring)

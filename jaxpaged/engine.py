@@ -46,8 +46,7 @@ def get_runner(params: ModelParams, backend: str, batch_invariant: bool = False,
                compiler_options: tuple | None = None, decode_gemv: bool = True,
                fused_qkv: bool = True, fuse_matmul_inputs: bool = False, fused_residual: bool = True,
                step_executables: int = 1, cublas_max_tokens: int = 0,
-               cudagraph_max_tokens: int | None = None, fused_sampler: bool = True,
-               splitk_gemm: bool = False) -> ModelRunner:
+               cudagraph_max_tokens: int | None = None, fused_sampler: bool = True) -> ModelRunner:
     """One runner (one jitted step, its compiled shapes) per weights object, backend and numerics mode.
 
     Kept in ``params.derived``, so engines over the same weights share compiled steps, and dropping
@@ -55,14 +54,13 @@ def get_runner(params: ModelParams, backend: str, batch_invariant: bool = False,
     """
     options = DEFAULT_COMPILER_OPTIONS if compiler_options is None else tuple(compiler_options)
     key = ("runner", resolve_backend(backend), batch_invariant, options, decode_gemv, fused_qkv, fuse_matmul_inputs,
-           fused_residual, step_executables, cublas_max_tokens, cudagraph_max_tokens, fused_sampler, splitk_gemm)
+           fused_residual, step_executables, cublas_max_tokens, cudagraph_max_tokens, fused_sampler)
     if key not in params.derived:
         params.derived[key] = ModelRunner(params.graphdef, backend, batch_invariant, dict(options), mesh=params.mesh,
                                           decode_gemv=decode_gemv, fused_qkv=fused_qkv,
                                           fuse_matmul_inputs=fuse_matmul_inputs, fused_residual=fused_residual,
                                           step_executables=step_executables, cublas_max_tokens=cublas_max_tokens,
-                                          cudagraph_max_tokens=cudagraph_max_tokens, fused_sampler=fused_sampler,
-                                          splitk_gemm=splitk_gemm)
+                                          cudagraph_max_tokens=cudagraph_max_tokens, fused_sampler=fused_sampler)
     return params.derived[key]
 
 
@@ -124,7 +122,7 @@ class LLMEngine:
                                  config.decode_gemv, config.fused_qkv, config.fuse_matmul_inputs, config.fused_residual,
                                  config.step_executables or (2 if jax.default_backend() == "gpu" else 1),
                                  default_cublas_max_tokens(config), config.max_cudagraph_capture_size,
-                                 config.fused_sampler, config.splitk_gemm)
+                                 config.fused_sampler)
         # Compilations are counted per engine: steps compiled by an earlier engine are not ours.
         self._compile_base = (self.runner.compile_seconds, self.runner.num_compiled_shapes)
         # Pallas reads block tables only up to each kv_len: one fixed width, fewer compilations.

@@ -18,12 +18,14 @@ The DLPack export holds a reference to the buffer; the reader drops it before re
 engine can donate the buffer to a later step (``ModelRunner.step``'s ``spare_tokens``).
 
 :func:`make_token_reader` gives the ``"stream"`` reader where it can (a CUDA device, the driver
-found), else the ``"jax"`` one (``np.asarray``; every CPU); ``EngineConfig.token_readback`` chooses.
+found), else the ``"jax"`` one (``np.asarray``; every CPU); ``EngineConfig.token_readback`` chooses
+(default ``"auto"``: the stream reader on a GPU, measured on the H200 in RESULTS.md, session 12).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 from typing import Callable
 
 import jax
@@ -116,7 +118,9 @@ def make_token_reader(readback: str, device: jax.Device, max_rows: int) -> tuple
         return "jax", jax_reader
     try:
         return "stream", StreamReader(device, max_rows)
-    except (OSError, RuntimeError, AttributeError):
+    except (OSError, RuntimeError, AttributeError) as e:
         if readback == "stream":
             raise
+        logging.getLogger(__name__).warning("token_readback='auto': the stream reader could not be set up on %s "
+                                            "(%s); reading tokens through jax", device, e)
         return "jax", jax_reader

@@ -191,7 +191,7 @@ class ModelRunner:
                  compiler_options: dict | None = None, mesh=None, decode_gemv: bool = True,
                  fused_qkv: bool = True, fuse_matmul_inputs: bool = False, fused_residual: bool = True,
                  step_executables: int = 1, cublas_max_tokens: int = 0, cudagraph_max_tokens: int | None = None,
-                 fused_sampler: bool = True, splitk_gemm: bool = False):
+                 fused_sampler: bool = True):
         if step_executables < 1:
             raise ValueError(f"step_executables must be >= 1, got {step_executables}")
         self.step_executables = 1 if mesh is not None else step_executables
@@ -204,7 +204,7 @@ class ModelRunner:
         self.compiler_options = dict(compiler_options or {})
         self.mesh = mesh  # tensor parallelism: the step runs per shard under shard_map (jaxpaged.sharding)
         self._replicated = None  # the mesh's replicated sharding, made on first use
-        ops = get_model_ops(batch_invariant, decode_gemv, fused_qkv, fuse_matmul_inputs, fused_residual, splitk_gemm)
+        ops = get_model_ops(batch_invariant, decode_gemv, fused_qkv, fuse_matmul_inputs, fused_residual)
         if mesh is not None:
             from .sharding import tp_model_ops
 

@@ -146,8 +146,6 @@ def add_decode_path_flags(ap) -> None:
                     help="EngineConfig(fused_residual=False): XLA's kernels for the residual adds and RMSNorms")
     ap.add_argument("--no-fused-sampler", dest="fused_sampler", action="store_false",
                     help="EngineConfig(fused_sampler=False): XLA's sampler reductions instead of the Pallas pass")
-    ap.add_argument("--splitk-gemm", action="store_true",
-                    help="EngineConfig(splitk_gemm=True): o_proj/down of 33-512-token steps by the split-K Pallas GEMM")
     ap.add_argument("--token-readback", choices=("jax", "stream", "auto"), default="auto",
                     help="EngineConfig(token_readback=...): how sampled tokens reach the host (jaxpaged/readback.py)")
     ap.add_argument("--min-token-bucket", type=int, default=None,
@@ -166,8 +164,7 @@ def decode_path_config(args) -> dict:
     """``EngineConfig`` keyword arguments from :func:`add_decode_path_flags`' flags (defaults when absent)."""
     defaults = dict(decode_gemv=True, fused_qkv=True, fuse_matmul_inputs=False, fused_residual=True,
                     min_token_bucket=None, longest_first=True, step_executables=None, cublas_max_tokens=None,
-                    max_cudagraph_capture_size=None, fused_sampler=True, token_readback="auto",
-                    splitk_gemm=False)
+                    max_cudagraph_capture_size=None, fused_sampler=True, token_readback="auto")
     return {k: getattr(args, k, v) for k, v in defaults.items()}
 
 

@@ -80,31 +80,23 @@ def gemv_or_xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
     return xla_matmul(x, w, transpose_w=transpose_w, out_dtype=out_dtype)
 
 
-SPLITK_MAX_ROWS = 512  # EngineConfig.splitk_gemm: up to the decode-sized steps' cuBLAS range (cublas_max_tokens)
-
-
 def matmul_parts(x: jax.Array, w: jax.Array, *, interpret: bool = False,
-                 xla_matmul=xla_matmul_unfused_input, splitk_max_rows: int = 0) -> jax.Array:
+                 xla_matmul=xla_matmul_unfused_input) -> jax.Array:
     """``ModelOps.matmul_parts``: the GEMV's split-K partials ``f32[S, M, N]`` when it supports the
-    operands; for more rows, up to ``splitk_max_rows`` (16-bit operands), the split-K Pallas GEMM's
-    (``matmul.matmul_partials``, ``EngineConfig.splitk_gemm``); else XLA's product as ``[1, M, N]``."""
+    operands, else XLA's product as ``[1, M, N]``."""
     if gemv.supported(x, w):
         return gemv.gemv_partials(x, w, interpret=interpret)
-    if x.shape[0] <= splitk_max_rows and x.dtype == w.dtype and x.dtype in (jax.numpy.bfloat16, jax.numpy.float16):
-        cfg, splits = matmul.splitk_config(x.shape[0], x.shape[1], w.shape[1])
-        return matmul.matmul_partials(x, w, splits=splits, config=cfg, interpret=interpret)
     return xla_matmul(x, w)[None]
 
 
 def silu_mul_matmul_parts(gate_up: jax.Array, w: jax.Array, *, interpret: bool = False,
-                          xla_matmul=xla_matmul_unfused_input, splitk_max_rows: int = 0) -> jax.Array:
+                          xla_matmul=xla_matmul_unfused_input) -> jax.Array:
     """``ModelOps.silu_mul_matmul_parts``: ``silu(gate) * up @ w`` from the gate/up product's partials
     ``[P, M, 2I]``: the partials' sum and the activation in one XLA fusion, then :func:`matmul_parts`.
     (A GEMV that formed the activation itself, per depth tile, measured 19 us a call instead of ~5.5 us
     for the fusion + GEMV on the H200 at batch 1: ``benchmarks/RESULTS.md``, session 5.)"""
     gate, up = jax.numpy.split(gemv.sum_partials(gate_up, w.dtype), 2, axis=-1)
-    return matmul_parts(jax.nn.silu(gate) * up, w, interpret=interpret, xla_matmul=xla_matmul,
-                        splitk_max_rows=splitk_max_rows)
+    return matmul_parts(jax.nn.silu(gate) * up, w, interpret=interpret, xla_matmul=xla_matmul)
 
 
 def fused_add_rms_norm(parts: jax.Array, residual: jax.Array, weight: jax.Array, eps: float, *,
@@ -142,13 +134,12 @@ def fused_qkv(x: jax.Array, w: jax.Array, bias, q_norm, k_norm, positions: jax.A
 
 @functools.cache
 def get_model_ops(batch_invariant: bool = False, decode_gemv: bool = True, fused_qkv_epilogue: bool = True,
-                  fuse_matmul_inputs: bool = False, fused_residual: bool = True, splitk_gemm: bool = False) -> ModelOps:
+                  fuse_matmul_inputs: bool = False, fused_residual: bool = True) -> ModelOps:
     """The model's row-wise ops. ``batch_invariant``: the fixed-tile Pallas matmul and row-kernel RMSNorm
     whose per-row results never depend on the number of rows (interpret mode off the GPU). Otherwise
     XLA's (``x @ w``, IEEE fp32 for float32 weights), and on a GPU: the Pallas GEMV for few-row 16-bit
     matmuls (``decode_gemv``), the fused qkv epilogue (``fused_qkv_epilogue``), XLA's GEMMs without
-    prologue fusion unless ``fuse_matmul_inputs``; with ``fused_residual``, o_proj and down of 33 to
-    ``SPLITK_MAX_ROWS`` rows by the split-K Pallas GEMM when ``splitk_gemm``."""
+    prologue fusion unless ``fuse_matmul_inputs``."""
     if not batch_invariant:
         if not _on_gpu():
             return DEFAULT_OPS
@@ -160,11 +151,8 @@ def get_model_ops(batch_invariant: bool = False, decode_gemv: bool = True, fused
             ops = dataclasses.replace(ops, qkv_epilogue=functools.partial(fused_qkv, gemv_ok=decode_gemv,
                                                                           xla_matmul=base))
         if fused_residual and decode_gemv:
-            rows = SPLITK_MAX_ROWS if splitk_gemm else 0
-            ops = dataclasses.replace(ops, matmul_parts=functools.partial(matmul_parts, xla_matmul=base,
-                                                                          splitk_max_rows=rows),
-                                      silu_mul_matmul_parts=functools.partial(silu_mul_matmul_parts, xla_matmul=base,
-                                                                              splitk_max_rows=rows),
+            ops = dataclasses.replace(ops, matmul_parts=functools.partial(matmul_parts, xla_matmul=base),
+                                      silu_mul_matmul_parts=functools.partial(silu_mul_matmul_parts, xla_matmul=base),
                                       add_rms_norm=fused_add_rms_norm)
         return ops
     interpret = not _on_gpu()

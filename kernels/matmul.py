@@ -17,6 +17,9 @@ that moves is which row of a tile it occupies, and a tensor-core MMA treats its 
 ``w`` is ``[K, N]``, or ``[N, K]`` with ``transpose_w=True`` (a tied LM head reads the embedding
 ``[V, H]`` as it is: no transposed copy of a 300 MB matrix per step).
 
+:func:`matmul_partials` is the same kernel with ``K`` split across programs (partial sums out), for
+``benchmarks/bench_splitk.py``.
+
 fp32 operands use IEEE fp32 dots (``DotAlgorithmPreset.F32_F32_F32``, lowered to Triton's
 ``input_precision="ieee"``), never TF32; bf16 operands accumulate in fp32.
 """
@@ -170,7 +173,9 @@ def matmul_partials(x: jax.Array, w: jax.Array, *, splits: int, config: MatmulCo
     for Qwen3-0.6B at ``M = 256``) give a plain tiling only ``(M / block_m) x (N / block_n)`` programs,
     each walking all of ``K``; cuBLAS's own choice there ran 7.2 us a call on the H200 against a
     ~1.5 us weight-read floor (RESULTS.md, session 12). Splitting ``K`` multiplies the programs by
-    ``S`` and divides each one's walk by ``S``. Split ``s`` reduces depths
+    ``S`` and divides each one's walk by ``S``. Measured slower than cuBLAS all the same (with the
+    partials' add, 8.98 vs 7.96 us a layer for o_proj at ``M = 256``): the engine does not use it;
+    ``benchmarks/bench_splitk.py`` compares them. Split ``s`` reduces depths
     ``[s * c * block_k, (s + 1) * c * block_k)`` with ``c = ceil(ceil(K / block_k) / S)``, in order,
     in fp32; a split past ``K`` stores zeros. For 16-bit operands (fp32 keeps XLA's dot)."""
     k, n = w.shape

@@ -287,3 +287,19 @@ def test_bench_readback_tiny(tmp_path):
     for name, m in r["methods"].items():
         assert isinstance(m, str) and name in ("pinned_host", "stream") or m["median_us"] > 0, (name, m)
     assert json.loads((tmp_path / "readback.json").read_text())["depth"] == 0
+
+
+def test_bench_splitk_smoke(tmp_path):
+    """CPU smoke (interpret mode): the split-K way's chain matches the cuBLAS way's (XLA's dot here)."""
+    assert load("bench_splitk").main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_splitk.json").read_text())["results"]
+    assert {r["way"].split()[0] for r in rows} == {"cublas", "splitk"} and all(r["ok"] for r in rows)
+
+
+def test_bench_gemv_smoke_gives_each_matmul_its_own_input(tmp_path):
+    """The chain's matmuls get distinct inputs (a shared one let XLA merge the dots: session 12)."""
+    mod = load("bench_gemv")
+    xs = mod.inputs(3, 8, 4)
+    assert len({float(x.astype("float32").sum()) for x in xs}) == 4
+    out = mod.chain(lambda x, w: x @ w)(xs, 0.0, *[x.T for x in xs])
+    assert [o.shape for o in out] == [(3, 3)] * 4

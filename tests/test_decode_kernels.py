@@ -206,15 +206,7 @@ def test_matmul_parts_and_silu_mul_matmul_parts():
     assert parts.shape[0] == gemv_config(k, n).splits and parts.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(sum_partials(parts, jnp.bfloat16), np.float32),
                                   np.asarray(gemv(x, w, interpret=True), np.float32))
-    x = rand(rng, (40, k), jnp.bfloat16)  # past the GEMV's rows: XLA's product, or split-K partials
-    assert matmul_parts(x, w, interpret=True).shape == (1, 40, n)
-    parts = matmul_parts(x, w, interpret=True, splitk_max_rows=64)
-    assert parts.shape[0] > 1 and parts.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(parts).sum(0), np.asarray(x, np.float32) @ np.asarray(w, np.float32),
-                               rtol=1e-4, atol=1e-3)
-    assert matmul_parts(x, w, interpret=True, splitk_max_rows=32).shape[0] == 1
     x32, w32 = rand(rng, (3, 64)), rand(rng, (64, 48))
-    assert matmul_parts(rand(rng, (40, 64)), w32, interpret=True, splitk_max_rows=64).shape[0] == 1  # fp32: XLA
     parts = matmul_parts(x32, w32, interpret=True)
     assert parts.shape == (1, 3, 48)
     np.testing.assert_allclose(np.asarray(parts[0]), np.asarray(x32) @ np.asarray(w32), rtol=1e-5, atol=1e-5)

@@ -80,7 +80,7 @@ def test_rms_norm_matches_reference_and_is_row_invariant(shape, dtype):
 
 @pytest.mark.parametrize("m,k,n,splits", [(40, 96, 64, 4), (33, 100, 48, 3), (16, 64, 32, 1), (8, 32, 32, 8)])
 def test_matmul_partials_sum_to_the_product(m, k, n, splits):
-    """Split-K partials (``EngineConfig.splitk_gemm``): ``f32[S, M, N]`` whose sum is the fp32 product,
+    """Split-K partials (``benchmarks/bench_splitk.py``): ``f32[S, M, N]`` whose sum is the fp32 product,
     with ``K`` not a multiple of the splits' depth and splits past ``K`` (zeros)."""
     rng = np.random.default_rng(m * 100 + k + splits)
     x, w = rand(rng, (m, k), jnp.bfloat16), rand(rng, (k, n), jnp.bfloat16)
