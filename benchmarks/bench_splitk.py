@@ -42,7 +42,7 @@ from profile_step import analyse_trace, find_trace_file, load_trace  # noqa: E40
 CUBLAS = {"xla_gpu_enable_triton_gemm": False}  # the engine's option for 33-512-token steps
 
 
-def chain(gemm, layers: int, interpret: bool, options=None):
+def chain(gemm, interpret: bool, options=None):
     """``r += gemm(x_l, w_l)`` then add + RMSNorm per layer; returns every normed output and ``r``."""
     def run(r, norm_w, xs, ws):
         outs = []
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
             norm_w = jnp.ones((hidden,), jnp.bfloat16)
             want = None
             for label, gemm in ways(m, k, hidden, interpret).items():
-                fn = chain(gemm, layers, interpret, None if interpret or label != "cublas" else CUBLAS)
+                fn = chain(gemm, interpret, None if interpret or label != "cublas" else CUBLAS)
                 outs, r_out = fn(r, norm_w, xs, ws)
                 got = np.asarray(r_out, np.float32)
                 err = 0.0 if want is None else float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
