@@ -23,9 +23,7 @@ import itertools
 import json
 import math
 import os
-import shutil
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +35,7 @@ from bench_attention import hbm_read_ceiling  # noqa: E402
 from jaxpaged.kernels.gemv import ROWS, GemvConfig, gemv, gemv_config, supported  # noqa: E402
 from jaxpaged.models.qwen import rms_norm  # noqa: E402
 from jaxpaged.workloads import QWEN2_5_7B, QWEN3_0_6B, QWEN3_8B  # noqa: E402
-from profile_step import analyse_trace, find_trace_file, load_trace  # noqa: E402
+from profile_step import trace_kernels  # noqa: E402
 
 MODELS = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B, "qwen2.5-7b": QWEN2_5_7B}
 MATMUL_KERNELS = ("gemm", "dot", "cublas", "cutlass", "triton", "matmul", "gemv", "sm90", "xmma")
@@ -101,17 +99,13 @@ def kernel_times(cases: dict, xs, r, weights, reps: int, names: dict | None = No
     ``names``: if given, gets ``label -> {kernel name: us per call}`` for the ``None`` cases."""
     for fn, _ in cases.values():
         jax.block_until_ready(fn(xs, r, *weights))
-    trace_dir = tempfile.mkdtemp(prefix="bench_gemv_")
-    jax.profiler.start_trace(trace_dir)
-    try:
+
+    def calls():
         for fn, _ in cases.values():
             for _ in range(reps):
                 jax.block_until_ready(fn(xs, r, *weights))
-    finally:
-        jax.profiler.stop_trace()
-    path = find_trace_file(trace_dir)
-    kernels = analyse_trace(load_trace(path), 1)["kernels"] if path else []
-    shutil.rmtree(trace_dir, ignore_errors=True)
+
+    kernels = trace_kernels(calls, "bench_gemv_")
     out = {}
     for label, (_, prefix) in cases.items():
         if prefix is None:

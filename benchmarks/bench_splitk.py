@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +35,7 @@ import numpy as np  # noqa: E402
 from jaxpaged.kernels import add_rms_norm  # noqa: E402
 from jaxpaged.kernels.matmul import MatmulConfig, matmul_partials, splitk_config  # noqa: E402
 from jaxpaged.models.qwen import DEFAULT_OPS, xla_matmul_unfused_input  # noqa: E402
-from profile_step import analyse_trace, find_trace_file, load_trace  # noqa: E402
+from profile_step import trace_kernels  # noqa: E402
 
 CUBLAS = {"xla_gpu_enable_triton_gemm": False}  # the engine's option for 33-512-token steps
 
@@ -75,16 +73,7 @@ def time_way(fn, args, reps: int, layers: int) -> tuple[float | None, dict]:
     jax.block_until_ready(fn(*args))
     if jax.default_backend() != "gpu":
         return None, {}
-    trace_dir = tempfile.mkdtemp(prefix="bench_splitk_")
-    jax.profiler.start_trace(trace_dir)
-    try:
-        for _ in range(reps):
-            jax.block_until_ready(fn(*args))
-    finally:
-        jax.profiler.stop_trace()
-    path = find_trace_file(trace_dir)
-    kernels = analyse_trace(load_trace(path), 1)["kernels"] if path else []
-    shutil.rmtree(trace_dir, ignore_errors=True)
+    kernels = trace_kernels(lambda: [jax.block_until_ready(fn(*args)) for _ in range(reps)], "bench_splitk_")
     per = reps * layers
     return sum(k["us_per_step"] for k in kernels) / per, {k["name"]: round(k["us_per_step"] / per, 2) for k in kernels}
 

@@ -29,8 +29,10 @@ import gzip
 import json
 import os
 import re
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -234,6 +236,22 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
     if cur_e is not None:
         total += cur_e - cur_s
     return total
+
+
+def trace_kernels(calls, prefix: str = "trace_kernels_") -> list[dict]:
+    """Runs ``calls()`` (already compiled work, each call waited for) under ``jax.profiler`` in a
+    temporary directory and returns :func:`analyse_trace`'s kernel table for it as one step (the
+    kernel microbenchmarks' timing: ``bench_gemv.py``, ``bench_splitk.py``)."""
+    trace_dir = tempfile.mkdtemp(prefix=prefix)
+    jax.profiler.start_trace(trace_dir)
+    try:
+        calls()
+    finally:
+        jax.profiler.stop_trace()
+    path = find_trace_file(trace_dir)
+    kernels = analyse_trace(load_trace(path), 1)["kernels"] if path else []
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    return kernels
 
 
 def analyse_trace(events: list[dict], steps: int, step_marker: str = "profile_step:engine.step",

@@ -34,6 +34,11 @@ import numpy as np
 from .config import TOKEN_READBACKS as READBACKS
 _NON_BLOCKING = 0x1  # CU_STREAM_NON_BLOCKING
 _DLTENSOR, _DLTENSOR_VERSIONED = b"dltensor", b"dltensor_versioned"
+# The capsule accessors, typed once (not per read: the reader runs every step).
+_capsule_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_name.restype, _capsule_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype, _capsule_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
 
 
 def jax_reader(tokens: jax.Array) -> np.ndarray:
@@ -48,14 +53,10 @@ def dlpack_data_pointer(capsule) -> int:
     a ``DLManagedTensorVersioned``, whose ``DLTensor`` follows its version, context, deleter and flags
     (32 bytes). In a ``DLTensor``, ``data`` is at byte 0 and ``byte_offset`` at byte 40 (after the
     device, ndim, dtype, shape and strides)."""
-    get_name = ctypes.pythonapi.PyCapsule_GetName
-    get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
-    get = ctypes.pythonapi.PyCapsule_GetPointer
-    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    name = get_name(capsule)
+    name = _capsule_name(capsule)
     if name not in (_DLTENSOR, _DLTENSOR_VERSIONED):
         raise ValueError(f"not an unconsumed DLPack capsule: {name!r}")
-    tensor = get(capsule, name) + (32 if name == _DLTENSOR_VERSIONED else 0)
+    tensor = _capsule_pointer(capsule, name) + (32 if name == _DLTENSOR_VERSIONED else 0)
     data = ctypes.c_void_p.from_address(tensor).value or 0
     return data + ctypes.c_uint64.from_address(tensor + 40).value
 

@@ -74,7 +74,7 @@ def matmul_config(k: int, n: int, dtype) -> MatmulConfig:
 def _matmul_kernel(x_ref, w_ref, o_ref, *, cfg: MatmulConfig, transpose_w: bool, precision, split_steps: int = 0):
     """One ``block_m x block_n`` output tile over all of ``K`` (``split_steps = 0``), or, in a split-K
     launch (grid axis 2 = the split), over the split's ``split_steps`` chunks of ``block_k``, stored
-    as that split's partial sum (rows ``split * M`` on of ``o_ref [S * M, N]``)."""
+    as that split's partial sum (rows from ``split * M`` of ``o_ref [S * M, N]``)."""
     m, k = x_ref.shape
     n = w_ref.shape[0] if transpose_w else w_ref.shape[1]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
