@@ -9,7 +9,10 @@ attention for each launch variant, with the KV read in bytes per second and an e
 workload's decode attention (28 layers, every step, interpolated between the sampled steps).
 
 Variants: the engine's configuration; the same with the batch's rows sorted longest context first
-(a longest-job-first launch order); and a few launch configurations (stages, warps, KV tile, split-K).
+(a longest-job-first launch order); the last tile's K/V loaded whole and zeroed after the load
+(``load_all``: the kernel before session 13); and a few launch configurations (stages, warps, KV tile,
+split-K). Block tables are padded with block 0 as the engine's are (``--pad-tables random``: random
+blocks, as before session 13).
 
     python3 -m pip install -q --no-deps --no-build-isolation -e . && \
         PYTHONUNBUFFERED=1 python3 benchmarks/bench_attention_workload.py --out $OUT
@@ -46,7 +49,7 @@ def variants(b: int, max_ctx: int, smoke: bool) -> dict[str, tuple[AttentionConf
     """name -> (config, sort rows longest first)."""
     d = choose_config(b, b, HQ, HKV, BS, max_ctx, decode=True)
     rep = lambda **kw: dataclasses.replace(d, **kw)  # noqa: E731
-    out = {"engine": (d, False), "sorted": (d, True)}
+    out = {"engine": (d, False), "sorted": (d, True), "load_all": (rep(mask_loads=False), False)}
     if smoke:
         return out
     out.update({
@@ -62,6 +65,7 @@ def variants(b: int, max_ctx: int, smoke: bool) -> dict[str, tuple[AttentionConf
         "sorted_splits2": (rep(num_splits=max(2, d.num_splits * 2)), True),
         "sorted_splits4": (rep(num_splits=max(4, d.num_splits * 4)), True),
         "sorted_stages2_splits2": (rep(num_splits=max(2, d.num_splits * 2), num_stages=2), True),
+        "sorted_load_all": (rep(mask_loads=False), True),
     })
     return out
 
@@ -73,6 +77,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--chain", type=int, default=8)
     ap.add_argument("--only", default="", help="comma list of variant names (default all)")
+    ap.add_argument("--pad-tables", choices=("zero", "random"), default="zero",
+                    help="block-table entries past a row's blocks: 0 as in the engine (default; a tail "
+                    "tile's loads past the row then hit one shared block), or random pool blocks "
+                    "(sessions 6-12)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     smoke = args.smoke
@@ -95,6 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         w = int(math.ceil(lens.max() / BS))
         tables = rng.permutation(num_blocks)[: b * w].reshape(b, w).astype(np.int32)
+        if args.pad_tables == "zero":  # as the engine's tables: entries past a row's blocks are block 0
+            tables[np.arange(w)[None, :] >= -(-lens[:, None] // BS)] = 0
         q = jax.random.normal(jax.random.key(t), (b, HQ, D), jnp.bfloat16)
         cu = jnp.arange(b + 1, dtype=jnp.int32)
         kv_bytes = int(lens.sum()) * 2 * HKV * D * 2

@@ -19,6 +19,7 @@ sampling alone gives.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.kernels.gumbel_argmax import SamplerConfig, gumbel_argmax
 from jaxpaged.sampling import sample
 
 VOCAB = 151936
@@ -85,8 +87,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--vocab", type=int, default=VOCAB)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--frequency-rows", type=int, default=32768, help="0: skip the frequency check")
+    ap.add_argument("--configs", default="", help="also time the kernel alone at these launch configurations, "
+                    "comma list of block:steps:warps:stages (e.g. 4096:4:4:2); their tokens must equal the "
+                    "default configuration's")
     args = ap.parse_args(argv)
     rows = []
+    configs = {c: SamplerConfig(*(int(v) for v in c.split(":"))) for c in args.configs.split(",") if c}
     variants = {
         "argmax only": jax.jit(lambda l, t, s, c: jnp.argmax(l, axis=-1).astype(jnp.int32)),
         "sample (kernel)": jax.jit(lambda l, t, s, c: sample(l, t, jnp.full_like(s, -1, jnp.int32),
@@ -115,6 +121,16 @@ def main(argv: list[str] | None = None) -> dict:
                                  argmax_rows=int((toks == best).sum())))
                 print(f"{b:5d} {temp:11.1f} {name:18} {sec * 1e6:8.1f} {logits.nbytes / sec / 1e9:15.0f}",
                       flush=True)
+            inv = jnp.where(t > 0, 1.0 / jnp.where(t > 0, t, 1.0), 0.0)
+            for name, cfg in configs.items():
+                fn = jax.jit(functools.partial(gumbel_argmax, config=cfg, interpret=jax.default_backend() == "cpu"))
+                toks = np.asarray(fn(logits, inv, seeds, counters))
+                sec = timed(fn, (logits, inv, seeds, counters), args.reps)
+                same = int((toks == picked["sample (kernel)"]).sum())
+                rows.append(dict(batch=b, temperature=temp, variant=f"kernel {name}", us=sec * 1e6,
+                                 GBps=logits.nbytes / sec / 1e9, equal_to_default_rows=same))
+                print(f"{b:5d} {temp:11.1f} {'kernel ' + name:18} {sec * 1e6:8.1f} "
+                      f"{logits.nbytes / sec / 1e9:15.0f}  same tokens {same}/{b}", flush=True)
             same = int((picked["sample (kernel)"] == picked["sample (XLA)"]).sum())
             rows.append(dict(batch=b, temperature=temp, kernel_equals_xla_rows=same))
             print(f"      rows where the kernel and XLA's path pick the same token: {same}/{b}", flush=True)

@@ -1,5 +1,6 @@
 """Gumbel-max sampling's noise and its argmax over the vocabulary (Pallas, Triton lowering): one pass
-over the logits per row chunk, then XLA picks the best of the ``ceil(V / block)`` chunk winners.
+over the logits, each program a row's run of ``steps`` chunks of ``block`` logits, then XLA picks the
+best of a row's part winners.
 
 Why: XLA's sampler (two row reductions over the ``[S, V]`` float32 logits, drawing the noise in the
 first) took 155 us of a 4.4 ms batch-256 decode step on the H200 against 59 us for a bare argmax
@@ -20,8 +21,10 @@ The noise (:func:`gumbel_from_bits`) is defined once, with the logarithm passed 
 ``jnp.log2`` and agree bitwise; on the GPU the kernel's ``lg2.approx`` moves a noise by ~2e-6 at most,
 which changes a token only where two candidates tie to that precision. Each row depends on its own
 logits, ``1 / T``, seed and counter only (batch invariant). Ties go to the lowest token id and a NaN
-beats every number, as with ``jnp.argmax`` (the first chunk holding the best value, then the first
-index in it).
+beats every number, as with ``jnp.argmax``: values are compared as ``int32`` order keys
+(:func:`order_key`: NaN above ``+inf``, ``-0 == +0``), each lane keeps its first best across its
+chunks, then one max and one min over the lanes give a part's winner (two block reductions; session 12
+had four, to handle NaN on the float values: 160 -> ~125 us at 256 rows, session 13).
 
 The multiplication by ``1 / T`` is ``mul.rn.f32`` on the GPU (no fused multiply-add with the noise), so
 ``x * (1 / T) + g`` is rounded exactly as XLA's ``scaled = x * (1 / T)`` followed by ``scaled * 1 + g``:
@@ -31,6 +34,7 @@ token as the random mode for every row that filters nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -96,67 +100,115 @@ def _mul_rn(a: jax.Array, b: jax.Array) -> jax.Array:
                                         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
 
 
-def _kernel(x_ref, inv_ref, key_a_ref, key_b_ref, val_ref, idx_ref, *, block: int, interpret: bool):
-    row, chunk = pl.program_id(0), pl.program_id(1)
-    vocab = x_ref.shape[1]
-    cols = chunk * block + jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
-    ok = cols < vocab
-    big = jnp.iinfo(jnp.int32).max
-    x = plgpu.load(x_ref.at[row, cols], mask=ok, other=0).astype(jnp.float32)
-    inv = inv_ref[row]
+INT_MIN = -(2**31)
+INT_MAX = 2**31 - 1
 
-    def keep_best(values):
-        # jnp.argmax's rule: a NaN beats every number (the first NaN wins); masked lanes never win.
-        nan = ok & jnp.isnan(values)
-        has_nan = jnp.max(nan.astype(jnp.int32)) > 0
-        best = jnp.max(jnp.where(ok & ~nan, values, -jnp.inf))
-        first_best = jnp.min(jnp.where(ok & (values == best), cols, big))
-        first_nan = jnp.min(jnp.where(nan, cols, big))
-        val_ref[row, chunk] = jnp.where(has_nan, jnp.nan, best)
-        idx_ref[row, chunk] = jnp.where(has_nan, first_nan, first_best)
+
+def order_key(values: jax.Array) -> jax.Array:
+    """``int32`` keys in the order ``jnp.argmax`` ranks float32 values: monotone in the value, ``-0`` and
+    ``+0`` equal, every NaN above ``+inf`` (a NaN wins). The sign-magnitude bits of a negative float
+    are flipped so that larger floats have larger keys; ``key > best`` is then one integer compare."""
+    bits = jax.lax.bitcast_convert_type(values, jnp.int32)
+    key = bits ^ ((bits >> 31) & INT_MAX)
+    key = jnp.where(values == 0, 0, key)
+    return jnp.where(jnp.isnan(values), INT_MAX, key)
+
+
+def _kernel(x_ref, inv_ref, key_a_ref, key_b_ref, key_ref, idx_ref, *, block: int, steps: int, interpret: bool):
+    """Program ``(row, part)``: ``steps`` chunks of ``block`` logits, chunk ``part * steps + i``; each lane
+    keeps its best key and token id across the chunks (a strict ``>``: the lane's first best wins),
+    then two reductions (the best key, the lowest id holding it) give the part's winner."""
+    row, part = pl.program_id(0), pl.program_id(1)
+    vocab = x_ref.shape[1]
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
+    inv = inv_ref[row]
+    big = jnp.iinfo(jnp.int32).max
+
+    def scan(values_of):
+        def body(i, carry):
+            best_key, best_idx = carry
+            cols = (part * steps + i) * block + lanes
+            ok = cols < vocab
+            x = plgpu.load(x_ref.at[row, cols], mask=ok, other=0).astype(jnp.float32)
+            key = jnp.where(ok, order_key(values_of(x, cols)), INT_MIN)
+            better = key > best_key
+            return jnp.where(better, key, best_key), jnp.where(better, cols, best_idx)
+
+        init = (jnp.full((block,), INT_MIN, jnp.int32), jnp.full((block,), big, jnp.int32))
+        best_key, best_idx = jax.lax.fori_loop(0, steps, body, init)
+        best = jnp.max(best_key)
+        key_ref[row, part] = best
+        idx_ref[row, part] = jnp.min(jnp.where(best_key == best, best_idx, big))
 
     @pl.when(inv > 0)
     def _sampled():
         log2 = jnp.log2 if interpret else _lg2_approx
         mul = jnp.multiply if interpret else _mul_rn
-        noise = gumbel_from_bits(uniform_bits(cols.astype(jnp.uint32), key_a_ref[row], key_b_ref[row]), log2)
-        keep_best(mul(x, jnp.full_like(x, inv)) + noise)
+        key_a, key_b = key_a_ref[row], key_b_ref[row]
+        scan(lambda x, cols: mul(x, jnp.full_like(x, inv))
+             + gumbel_from_bits(uniform_bits(cols.astype(jnp.uint32), key_a, key_b), log2))
 
     @pl.when(jnp.logical_not(inv > 0))  # every row takes one of the two branches (NaN too)
     def _greedy():
-        keep_best(x)
+        scan(lambda x, cols: x)
 
 
-def choose_block(num_rows: int, vocab: int) -> int:
-    """Logits per program: the largest of 4096, 2048, 1024 that still gives >= 2 programs per SM."""
-    for block in (4096, 2048):
-        if num_rows * pl.cdiv(vocab, block) >= 2 * NUM_CORES:
-            return block
-    return 1024
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """Launch configuration: ``block`` logits per loop step, ``steps`` loop steps per program (so
+    ``ceil(V / (block * steps))`` programs per row), warps and pipeline stages."""
+
+    block: int
+    steps: int = 1
+    num_warps: int = 4
+    num_stages: int = 1
 
 
-@functools.partial(jax.jit, static_argnames=("block", "interpret"))
+def choose_config(num_rows: int, vocab: int) -> SamplerConfig:
+    """Chunks of 4,096, 2,048 or 1,024 logits (the largest that still gives >= 2 programs per SM); with
+    enough rows, 4 (or 2) chunks per program as long as that leaves >= 4 programs per SM, in two
+    pipeline stages. Measured on the H200 (``bench_sampler.py --configs``, session 13): at 64 and 256
+    rows the looped programs are 0-25% faster than one chunk each, within that call's noise at 256
+    rows and temperature 0.6, where the pass is bound by the noise's arithmetic."""
+    block = 1024
+    for b in (4096, 2048):
+        if num_rows * pl.cdiv(vocab, b) >= 2 * NUM_CORES:
+            block = b
+            break
+    chunks = pl.cdiv(vocab, block)
+    for steps in (4, 2):
+        if num_rows * pl.cdiv(chunks, steps) >= 4 * NUM_CORES:
+            return SamplerConfig(block, steps, num_warps=4, num_stages=2)
+    return SamplerConfig(block)
+
+
+@functools.partial(jax.jit, static_argnames=("block", "config", "interpret"))
 def gumbel_argmax(x: jax.Array, inv_temperature: jax.Array, seeds: jax.Array, counters: jax.Array, *,
-                  block: int | None = None, interpret: bool = False) -> jax.Array:
+                  block: int | None = None, config: SamplerConfig | None = None,
+                  interpret: bool = False) -> jax.Array:
     """``x [S, V]`` (logits, any float dtype, read as float32), ``inv_temperature f32[S]`` (``1 / T``;
     0 for greedy rows), ``seeds``, ``counters [S]`` -> ``i32[S]``: ``argmax(x * inv + gumbel)`` for rows
-    with ``inv > 0``, else ``argmax(x)``."""
+    with ``inv > 0``, else ``argmax(x)``. ``block``: shorthand for ``SamplerConfig(block)``; ``config``:
+    the launch configuration (default :func:`choose_config`)."""
     if x.ndim != 2 or inv_temperature.shape != x.shape[:1]:
         raise ValueError(f"x must be [S, V] with inv_temperature [S], got {x.shape} and {inv_temperature.shape}")
     num_rows, vocab = x.shape
-    block = block or choose_block(num_rows, vocab)
-    if not is_pow2(block) or block < 16:
-        raise ValueError(f"block must be a power of two >= 16, got {block}")
+    if config is None:
+        config = SamplerConfig(block) if block else choose_config(num_rows, vocab)
+    if not is_pow2(config.block) or config.block < 16:
+        raise ValueError(f"block must be a power of two >= 16, got {config.block}")
+    if config.steps < 1:
+        raise ValueError(f"steps must be >= 1, got {config.steps}")
     key_a, key_b = gumbel_keys(seeds, counters)
-    chunks = pl.cdiv(vocab, block)
-    vals, idxs = pl.pallas_call(
-        functools.partial(_kernel, block=block, interpret=interpret),
-        grid=(num_rows, chunks),
-        out_shape=(jax.ShapeDtypeStruct((num_rows, chunks), jnp.float32),
-                   jax.ShapeDtypeStruct((num_rows, chunks), jnp.int32)),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+    parts = pl.cdiv(vocab, config.block * config.steps)
+    keys, idxs = pl.pallas_call(
+        functools.partial(_kernel, block=config.block, steps=config.steps, interpret=interpret),
+        grid=(num_rows, parts),
+        out_shape=(jax.ShapeDtypeStruct((num_rows, parts), jnp.int32),
+                   jax.ShapeDtypeStruct((num_rows, parts), jnp.int32)),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
-        name=f"gumbel_argmax_b{block}",
+        name=f"gumbel_argmax_b{config.block}_s{config.steps}",
     )(x, inv_temperature.astype(jnp.float32), key_a, key_b)
-    best = jnp.argmax(vals, axis=-1)  # the first chunk holding the row's best value
+    best = jnp.argmax(keys, axis=-1)  # the first part holding the row's best key
     return jnp.take_along_axis(idxs, best[:, None], axis=-1)[:, 0].astype(jnp.int32)

@@ -67,6 +67,9 @@ class AttentionConfig:
     num_splits: programs sharing one query tile's context (split-K); 1 writes the final output.
     reverse_tiles: launch query tiles last-first (prefill load balance).
     mask_all: process every KV tile through the masked path (batch-invariant mode; see module doc).
+    mask_loads: the masked path's K/V loads skip positions at or past the tile's ``kv_end`` (no memory
+      traffic for the tail of the last tile; they read as zeros) instead of loading and zeroing them.
+      The same values either way, so the same outputs bitwise; ``False`` only for benchmarks.
     """
 
     block_m: int
@@ -76,6 +79,7 @@ class AttentionConfig:
     num_stages: int
     reverse_tiles: bool = False
     mask_all: bool = False
+    mask_loads: bool = True
 
 
 def _dot(a, b, b_contract: int, precision):
@@ -87,7 +91,7 @@ def _dot(a, b, b_contract: int, precision):
 def _ragged_attention_kernel(
     cu_ref, kv_lens_ref, tables_ref, q_ref, kv_ref, *out_refs,
     layer: int, scale_log2: float, block_m: int, group: int, block_k: int, num_splits: int,
-    reverse_tiles: bool, mask_all: bool, precision,
+    reverse_tiles: bool, mask_all: bool, mask_loads: bool, precision,
 ):
     """One program: KV head ``program_id(0)``, query tile ``program_id(1)``, split ``program_id(2)``.
 
@@ -147,9 +151,14 @@ def _ragged_attention_kernel(
         blk = jnp.minimum(pos // block_size, width - 1)
         phys = tables_ref[seq_c, blk]  # [block_k] physical block ids
         off = pos % block_size
-        k = kv_ref[layer, phys[:, None], off[:, None], 0, h, dims]  # [block_k, D]
-        v = kv_ref[layer, phys[:, None], off[:, None], 1, h, dims]
-        if masked:
+        if masked and mask_loads:
+            kv_ok = (pos < kv_end)[:, None]
+            k = plgpu.load(kv_ref.at[layer, phys[:, None], off[:, None], 0, h, dims], mask=kv_ok, other=0)
+            v = plgpu.load(kv_ref.at[layer, phys[:, None], off[:, None], 1, h, dims], mask=kv_ok, other=0)
+        else:
+            k = kv_ref[layer, phys[:, None], off[:, None], 0, h, dims]  # [block_k, D]
+            v = kv_ref[layer, phys[:, None], off[:, None], 1, h, dims]
+        if masked and not mask_loads:
             kv_ok = (pos < kv_end)[:, None]
             k = jnp.where(kv_ok, k, jnp.zeros_like(k))
             v = jnp.where(kv_ok, v, jnp.zeros_like(v))
@@ -204,7 +213,7 @@ def _ragged_attention_call(q, kv_pool, layer: int, cu_q_lens, kv_lens, block_tab
     kernel = functools.partial(
         _ragged_attention_kernel, layer=layer, scale_log2=scale * LOG2E, block_m=config.block_m, group=group,
         block_k=config.block_k, num_splits=splits, reverse_tiles=config.reverse_tiles,
-        mask_all=config.mask_all, precision=kernel_dot_precision(kv_pool.dtype),
+        mask_all=config.mask_all, mask_loads=config.mask_loads, precision=kernel_dot_precision(kv_pool.dtype),
     )
     return pl.pallas_call(
         kernel,

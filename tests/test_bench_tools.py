@@ -154,13 +154,15 @@ def test_check_stacked_weights_tiny(tmp_path):
 def test_bench_sampler_small_vocab(tmp_path):
     mod = load("bench_sampler")
     rows = mod.main(["--batches", "1,8", "--vocab", "500", "--reps", "1", "--frequency-rows", "2000",
-                     "--out", str(tmp_path)])["rows"]
+                     "--configs", "64:3:4:2", "--out", str(tmp_path)])["rows"]
     freq = rows.pop()  # the frequency check: every sampler near softmax, the kernel = XLA's path
     assert freq["kernel_equals_xla_rows"] == 2000
     assert all(freq[f"tv {v}"] < 3 * freq["tv_noise_level"] for v in ("sample (kernel)", "sample (XLA)"))
     agree = [r for r in rows if "kernel_equals_xla_rows" in r]
     assert len(agree) == 2 * 2 and all(r["kernel_equals_xla_rows"] == r["batch"] for r in agree)
-    rows = [r for r in rows if "variant" in r]
+    swept = [r for r in rows if "equal_to_default_rows" in r]  # the looped configuration: same tokens
+    assert len(swept) == 2 * 2 and all(r["equal_to_default_rows"] == r["batch"] for r in swept)
+    rows = [r for r in rows if "variant" in r and r not in swept]
     assert len(rows) == 2 * 2 * 4 and (tmp_path / "sampler.json").exists()
     for r in rows:
         if r["temperature"] == 0.0 or r["variant"] == "argmax only":
@@ -174,9 +176,9 @@ def test_bench_attention_workload_smoke(tmp_path, monkeypatch):
     mod = load("bench_attention_workload")
     out = mod.main(["--smoke", "--out", str(tmp_path)])
     rows = out["rows"]
-    assert {r["variant"] for r in rows} == {"engine", "sorted"} and len(rows) == 4
-    assert all(r["rel_err"] < 1e-2 for r in rows)  # the kernel against the reference, both row orders
-    assert set(out["totals_s"]) == {"engine", "sorted"}
+    assert {r["variant"] for r in rows} == {"engine", "sorted", "load_all"} and len(rows) == 6
+    assert all(r["rel_err"] < 1e-2 for r in rows)  # the kernel against the reference, every variant
+    assert set(out["totals_s"]) == {"engine", "sorted", "load_all"}
 
 
 def test_throughput_gpu_summary_of_a_synthetic_trace(monkeypatch, capsys):

@@ -86,6 +86,9 @@ def test_prefill_with_and_without_prefix(bs, hq, hkv, prefix):
     AttentionConfig(block_m=16, block_k=32, num_splits=8, num_warps=4, num_stages=2),  # many empty splits
     AttentionConfig(block_m=32, block_k=16, num_splits=3, num_warps=4, num_stages=2),
     AttentionConfig(block_m=64, block_k=64, num_splits=1, num_warps=4, num_stages=2, reverse_tiles=True),
+    AttentionConfig(block_m=16, block_k=64, num_splits=2, num_warps=4, num_stages=3, mask_loads=False),
+    AttentionConfig(block_m=16, block_k=64, num_splits=1, num_warps=4, num_stages=3, reverse_tiles=True,
+                    mask_all=True, mask_loads=False),
 ])
 def test_explicit_configs(config):
     q_lens, kv_lens = [1, 19, 1, 0, 6, 1], [1, 40, 16, 5, 17, 130]

@@ -81,7 +81,7 @@ def test_gumbel_argmax_kernel_matches_the_xla_sampler_in_every_mode():
     too, and with nothing to filter they give the random mode's tokens."""
     import pytest
 
-    from jaxpaged.kernels.gumbel_argmax import gumbel_argmax
+    from jaxpaged.kernels.gumbel_argmax import SamplerConfig, gumbel_argmax
 
     rng = np.random.default_rng(3)
     n, vocab = 7, 1000
@@ -101,6 +101,9 @@ def test_gumbel_argmax_kernel_matches_the_xla_sampler_in_every_mode():
         for block in (128, 1024, None):
             got = gumbel_argmax(lg, inv, seeds, counters, block=block, interpret=True)
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        for config in (SamplerConfig(128, steps=3), SamplerConfig(64, steps=16), SamplerConfig(256, steps=4)):
+            got = gumbel_argmax(lg, inv, seeds, counters, config=config, interpret=True)  # looped programs
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(config))
         for mode in ("random", "filtered"):
             via_sample = sample(lg, temperature, no_k, no_p, seeds, counters, mode=mode, argmax_kernel=True)
             np.testing.assert_array_equal(np.asarray(via_sample), np.asarray(want))
@@ -138,15 +141,20 @@ def test_gumbel_noise_is_standard_gumbel_also_in_its_upper_tail():
 
 def test_gumbel_argmax_kernel_edge_rows_match_the_xla_sampler():
     """NaN logits (a NaN wins, the first one, as with jnp.argmax; never an id past the vocabulary), an
-    all-NaN row, a greedy row with a +inf logit under min-p (raw logits for greedy rows), and a huge
-    finite temperature (still sampled, never read as greedy): the kernel's tokens are XLA's path's."""
-    n, vocab = 6, 700
+    all-NaN row, a greedy row with a +inf logit under min-p (raw logits for greedy rows), a huge
+    finite temperature (still sampled, never read as greedy) and a greedy row whose best is a -0 before
+    a +0 (equal: the first wins): the kernel's tokens are XLA's path's, also with looped programs."""
+    from jaxpaged.kernels.gumbel_argmax import SamplerConfig, gumbel_argmax
+
+    n, vocab = 7, 700
     logits = np.array(jax.random.normal(jax.random.key(5), (n, vocab)), np.float32)
+    logits[6] = -1.0
+    logits[6, [40, 500]] = [-0.0, 0.0]  # greedy row: -0 == +0, the first one wins
     logits[0, [300, 650]] = np.nan  # greedy row: the first NaN
     logits[1, 650] = np.nan  # sampled row: the NaN in the last chunk
     logits[2] = np.nan
     logits[3, 7] = np.inf  # greedy row, min-p below
-    temperature = jnp.asarray([0.0, 0.8, 0.5, 0.0, 1e38, 0.9], jnp.float32)
+    temperature = jnp.asarray([0.0, 0.8, 0.5, 0.0, 1e38, 0.9, 0.0], jnp.float32)
     seeds, counters = jnp.arange(n, dtype=jnp.uint32), jnp.arange(n, dtype=jnp.int32)
     no_k, no_p, lg = jnp.full(n, -1, jnp.int32), jnp.ones(n), jnp.asarray(logits)
     for mode, min_p in (("random", None), ("filtered", None), ("random", jnp.full(n, 0.1))):
@@ -155,4 +163,10 @@ def test_gumbel_argmax_kernel_edge_rows_match_the_xla_sampler():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{mode} {min_p}")
         assert int(got[0]) == 300 and int(got[2]) == 0 and int(got[3]) == 7 and 0 <= int(got.max()) < vocab
         if min_p is None:  # (min-p's row maximum is NaN there: whatever it keeps, both paths agree above)
-            assert int(got[1]) == 650
+            assert int(got[1]) == 650 and int(got[6]) == 40
+    want = sample(lg, temperature, no_k, no_p, seeds, counters, mode="random", argmax_kernel=False)
+    inv = jnp.where(temperature > 0, jnp.maximum(1.0 / jnp.where(temperature > 0, temperature, 1.0),
+                                                 np.finfo(np.float32).tiny), 0.0)  # as sample() has it
+    for config in (SamplerConfig(64, steps=3), SamplerConfig(128, steps=8)):  # NaN and zero rules, looped
+        got = gumbel_argmax(lg, inv, seeds, counters, config=config, interpret=True)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(config))
