@@ -18,8 +18,9 @@ How the work is cut (the scheme of vLLM's Triton "unified attention", written fo
     sequence read neighbouring bytes of each pool block at the same time.
   * KV tiles of ``block_k`` tokens (``block_k / block_size`` pool blocks, physical ids gathered from the
     block table inside the kernel). Tiles entirely at or before the tile's first query position need no
-    mask; only the causal diagonal / the ``kv_len`` tail is masked, and there K and V are zeroed with
-    ``jnp.where`` before any arithmetic. Tiles past the last query position are never loaded.
+    mask; only the causal diagonal / the ``kv_len`` tail is masked, and there K and V are loaded with a
+    mask at the tile's ``kv_end`` (masked positions read as zeros and cost no memory traffic), so stale
+    slots never enter the arithmetic. Tiles past the last query position are never loaded.
   * Decode configuration (``T <= 2 S``): ``block_m = 16``, the context split over ``num_splits``
     programs (split-K) when the batch is too small to fill the GPU; each split writes a normalised
     partial output and its log-sum-exp, merged by a few XLA ops. Prefill configuration: ``block_m``
