@@ -122,7 +122,6 @@ def _kernel(x_ref, inv_ref, key_a_ref, key_b_ref, key_ref, idx_ref, *, block: in
     vocab = x_ref.shape[1]
     lanes = jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
     inv = inv_ref[row]
-    big = jnp.iinfo(jnp.int32).max
 
     def scan(values_of):
         def body(i, carry):
@@ -134,11 +133,11 @@ def _kernel(x_ref, inv_ref, key_a_ref, key_b_ref, key_ref, idx_ref, *, block: in
             better = key > best_key
             return jnp.where(better, key, best_key), jnp.where(better, cols, best_idx)
 
-        init = (jnp.full((block,), INT_MIN, jnp.int32), jnp.full((block,), big, jnp.int32))
+        init = (jnp.full((block,), INT_MIN, jnp.int32), jnp.full((block,), INT_MAX, jnp.int32))
         best_key, best_idx = jax.lax.fori_loop(0, steps, body, init)
         best = jnp.max(best_key)
         key_ref[row, part] = best
-        idx_ref[row, part] = jnp.min(jnp.where(best_key == best, best_idx, big))
+        idx_ref[row, part] = jnp.min(jnp.where(best_key == best, best_idx, INT_MAX))
 
     @pl.when(inv > 0)
     def _sampled():

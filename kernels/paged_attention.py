@@ -152,17 +152,16 @@ def _ragged_attention_kernel(
         blk = jnp.minimum(pos // block_size, width - 1)
         phys = tables_ref[seq_c, blk]  # [block_k] physical block ids
         off = pos % block_size
-        if masked and mask_loads:
-            kv_ok = (pos < kv_end)[:, None]
+        kv_ok = (pos < kv_end)[:, None] if masked else None
+        if masked and mask_loads:  # the tail past kv_end is never read; it loads as zeros
             k = plgpu.load(kv_ref.at[layer, phys[:, None], off[:, None], 0, h, dims], mask=kv_ok, other=0)
             v = plgpu.load(kv_ref.at[layer, phys[:, None], off[:, None], 1, h, dims], mask=kv_ok, other=0)
         else:
             k = kv_ref[layer, phys[:, None], off[:, None], 0, h, dims]  # [block_k, D]
             v = kv_ref[layer, phys[:, None], off[:, None], 1, h, dims]
-        if masked and not mask_loads:
-            kv_ok = (pos < kv_end)[:, None]
-            k = jnp.where(kv_ok, k, jnp.zeros_like(k))
-            v = jnp.where(kv_ok, v, jnp.zeros_like(v))
+            if masked:  # (mask_loads=False, benchmarks only: the whole tile read, its tail zeroed)
+                k = jnp.where(kv_ok, k, jnp.zeros_like(k))
+                v = jnp.where(kv_ok, v, jnp.zeros_like(v))
         s = _dot(q, k, 1, precision) * scale_log2  # [block_m, block_k] f32
         if masked:
             s = jnp.where(pos[None, :] <= row_pos[:, None], s, -jnp.inf)
