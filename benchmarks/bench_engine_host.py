@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params  # noqa: E402
 from jaxpaged.models.tiny import tiny_checkpoint_path  # noqa: E402
-from jaxpaged.transfer import pack  # noqa: E402
+from jaxpaged.engine.transfer import pack  # noqa: E402
 
 
 def stub_engine(batch: int, prompt_len: int, max_tokens: int) -> LLMEngine:

@@ -19,9 +19,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from jaxpaged.batch import bucket, slot_mapping_batch  # noqa: E402
+from jaxpaged.engine.step_inputs import bucket, slot_mapping_batch  # noqa: E402
 from jaxpaged.kv import KVCacheManager  # noqa: E402
-from jaxpaged.sequence import Sequence  # noqa: E402
+from jaxpaged.engine.sequence import Sequence  # noqa: E402
 
 
 def make_prompts(rng: np.random.Generator, num: int, length: int, shared: int) -> list[list[int]]:

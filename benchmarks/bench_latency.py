@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxpaged.metrics import percentile  # noqa: E402
-from jaxpaged.heap import freeze_long_lived_heap  # noqa: E402
+from jaxpaged.engine.metrics import percentile  # noqa: E402
+from jaxpaged.engine.heap import freeze_long_lived_heap  # noqa: E402
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from jaxpaged.workloads import (BENCHMARK_MODELS, add_decode_path_flags, benchmark_params,  # noqa: E402
                                 decode_path_config, parse_xla_options)

@@ -16,7 +16,7 @@ it ``--reps`` times and records the host's wall time from the call to the values
 * ``pinned_host``: the same function jitted with its output in ``pinned_host`` memory (XLA writes
   it to host memory inside the executable), then ``np.asarray`` (reported as unsupported where the
   backend has no such memory);
-* ``stream``: ``jaxpaged.readback.StreamReader`` (``EngineConfig(token_readback="stream")``): a
+* ``stream``: ``jaxpaged.engine.readback.StreamReader`` (``EngineConfig(token_readback="stream")``): a
   device-to-host copy on a CUDA stream of its own that waits for the computation on the GPU (DLPack
   export with that stream), then a stream synchronise; unsupported without CUDA;
 * ``ready_only``: ``block_until_ready()`` alone: the device finished, nothing copied (the floor the
@@ -44,7 +44,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxpaged.readback import StreamReader  # noqa: E402
+from jaxpaged.engine.readback import StreamReader  # noqa: E402
 
 METHODS = ("ready_only", "async_asarray", "asarray", "block_asarray", "device_get", "pinned_host", "stream")
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.kernels.gumbel_argmax import SamplerConfig, gumbel_argmax
-from jaxpaged.sampling import sample
+from jaxpaged.sampling.sampler import sample
 
 VOCAB = 151936
 

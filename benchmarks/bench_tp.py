@@ -91,7 +91,7 @@ def run_part(name: str, args) -> dict:
 
     from jaxpaged import EngineConfig, LLMEngine, SamplingParams
     from jaxpaged.llm import run_to_completion
-    from jaxpaged.sharding import per_device_bytes
+    from jaxpaged.models.sharding import per_device_bytes
     from jaxpaged.workloads import random_model
 
     raw, tp, prompts, sps, engine_kw = part_setup(name, args.tiny, args.num_seqs)

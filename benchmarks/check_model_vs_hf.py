@@ -21,10 +21,10 @@ jax.config.update("jax_default_matmul_precision", "highest")  # true fp32 matmul
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.kernels.backend import get_attention_fn
+from jaxpaged.models.ops import get_attention_fn
 from jaxpaged.models.config import QwenConfig
 from jaxpaged.models.convert import convert_tensors, abstract_model
-from jaxpaged.batch import build_chunk_step
+from jaxpaged.engine.step_inputs import build_chunk_step
 from jaxpaged.models.paged_forward import forward_all_logits
 from jaxpaged.models.qwen import init_kv_pool
 from jaxpaged.models.tiny import random_hf_tensors

@@ -30,7 +30,7 @@ import time
 
 import jax
 
-from jaxpaged.metrics import percentile
+from jaxpaged.engine.metrics import percentile
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.workloads import EXPERIMENT_MODELS, experiment_params, output_divergence, outputs_guaranteed_identical
 
@@ -94,8 +94,8 @@ def simulate(s: dict, policy: str, prompts, max_model_len: int) -> dict:
     import numpy as np
 
     from jaxpaged.kv import KVCacheManager
-    from jaxpaged.scheduler import Scheduler
-    from jaxpaged.sequence import Sequence
+    from jaxpaged.engine.scheduler import Scheduler
+    from jaxpaged.engine.sequence import Sequence
 
     kv = KVCacheManager(s["num_blocks"], s["block_size"], max_model_len=max_model_len)
     sched = Scheduler(kv, max_num_seqs=s["max_num_seqs"], max_num_batched_tokens=s["max_num_batched_tokens"],

@@ -47,7 +47,7 @@ import time
 import jax
 
 import jaxpaged
-from jaxpaged.metrics import percentile
+from jaxpaged.engine.metrics import percentile
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.llm import run_to_completion
 from jaxpaged.workloads import EXPERIMENT_MODELS, experiment_params, output_divergence, outputs_guaranteed_identical

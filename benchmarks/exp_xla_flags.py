@@ -43,7 +43,7 @@ import jax  # noqa: E402
 
 import profile_step as ps  # noqa: E402
 
-from jaxpaged.transfer import pack  # noqa: E402
+from jaxpaged.engine.transfer import pack  # noqa: E402
 
 # XLA's default list (mid-2026): FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN, DYNAMIC_SLICE_FUSION.
 CMDBUF_DEFAULT = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"

@@ -41,7 +41,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from jaxpaged.heap import freeze_long_lived_heap  # noqa: E402
+from jaxpaged.engine.heap import freeze_long_lived_heap  # noqa: E402
 from jaxpaged.workloads import (BENCHMARK_MODELS, add_decode_path_flags, benchmark_params,  # noqa: E402
                                 decode_path_config, parse_xla_options)
 

@@ -1,18 +1,14 @@
 """jaxpaged: a JAX LLM inference engine built around PagedAttention and block-level prefix caching."""
 
-from . import xla_env
-
-xla_env.configure()  # JAXPAGED_SKIP_TEMP=1: fixed addresses for the CUDA graphs' temporaries (before JAX's GPU client)
-
 from .config import EngineConfig
-from .engine import LLMEngine
+from .engine.llm_engine import LLMEngine
 from .llm import LLM, generate, run_to_completion
 from .kv import KVCacheManager, KVStats, explain_prefix
 from .models.checkpoint import ModelParams, load_params
 from .models.config import CheckpointError, QwenConfig
-from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .io.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .sampling import RequestOutputKind, SamplingParams
-from .tokenizer import load_tokenizer
+from .io.tokenizer import load_tokenizer
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",

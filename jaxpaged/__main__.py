@@ -14,7 +14,7 @@ import time
 from .config import EngineConfig
 from .llm import LLM
 from .models.tiny import tiny_checkpoint_path
-from .sampling import SamplingParams
+from .sampling.sampler import SamplingParams
 
 DEMO_SYSTEM = "PagedAttention stores the key and value cache in fixed-size blocks, like pages of virtual memory. "
 DEMO_QUESTIONS = ["Hello, world!", "How are you today?", "Once upon a time", "The quick brown fox"]
@@ -72,7 +72,7 @@ def generate_cmd(args: argparse.Namespace) -> None:
 
 def bench(args: argparse.Namespace) -> None:
     """nano-vllm's throughput workload (scaled by --num-seqs / --max-len) on a checkpoint or random weights."""
-    from .engine import LLMEngine
+    from .engine.llm_engine import LLMEngine
     from .llm import run_to_completion
     from .models.checkpoint import load_params
     from .workloads import QWEN3_0_6B, nano_vllm_workload, random_model

@@ -108,7 +108,7 @@ class EngineConfig:
       are computed once and reused before eviction; a request passed over in more than 8 steps goes
       first, so nothing starves). See ``jaxpaged/scheduling_policy.py``.
     tensor_parallel_size: devices the model is split over (heads, MLP columns, vocabulary, KV heads;
-      ``jaxpaged.sharding``); the weights must be loaded with the same ``tensor_parallel_size``. 1 =
+      ``jaxpaged.models.sharding``); the weights must be loaded with the same ``tensor_parallel_size``. 1 =
       one device, the plain step.
     Precision: float32 weights mean IEEE float32 in every matmul and kernel dot (never TF32); bfloat16
     means bf16 storage and operands with fp32 accumulation.
@@ -143,7 +143,7 @@ class EngineConfig:
     max_cudagraph_capture_size: int | None = None  # larger steps launch kernel by kernel (see docstring)
     compiler_options: tuple[tuple[str, object], ...] | None = None  # XLA options for the step (see docstring)
     scheduling_policy: str = "fcfs"  # or "prefix_affinity" (see docstring)
-    tensor_parallel_size: int = 1  # devices the model is split over (jaxpaged.sharding)
+    tensor_parallel_size: int = 1  # devices the model is split over (jaxpaged.models.sharding)
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)

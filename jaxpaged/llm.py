@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Iterator
 
 from .config import EngineConfig
-from .engine import LLMEngine
+from .engine.llm_engine import LLMEngine
 from .kv import PrefixDivergence
 from .models.checkpoint import ModelParams, load_params
 from .models.hub import resolve_model_path
-from .outputs import RequestOutput
-from .sampling import RequestOutputKind, SamplingParams
-from .tokenizer import load_tokenizer
+from .io.outputs import RequestOutput
+from .sampling.sampler import RequestOutputKind, SamplingParams
+from .io.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 FINAL, DELTA = RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA

@@ -15,7 +15,7 @@ from flax import nnx
 from .models.checkpoint import ModelParams
 from .models.config import QwenConfig
 from .models.qwen import Qwen
-from .sampling import SamplingParams
+from .sampling.sampler import SamplingParams
 
 QWEN3_0_6B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                   num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -63,7 +63,7 @@ def random_model(raw_config: dict, dtype: str = "bfloat16", seed: int = 0,
     (``sharding.random_sharded_state``), never whole on one device."""
     cfg = QwenConfig.from_dict(raw_config)
     if tensor_parallel_size > 1:
-        from .sharding import make_mesh, random_sharded_state, shard_config
+        from .models.sharding import make_mesh, random_sharded_state, shard_config
 
         mesh = make_mesh(tensor_parallel_size)
         graphdef, state = random_sharded_state(shard_config(cfg, tensor_parallel_size), mesh, dtype, seed)

@@ -17,7 +17,7 @@ draws the same kind of noise with far fewer instructions:
   * greedy rows (``1 / T == 0``) skip the noise and take the argmax of their logits.
 
 The noise (:func:`gumbel_from_bits`) is defined once, with the logarithm passed in: XLA's path
-(``jaxpaged.sampling``, used off the GPU) and this kernel in interpret mode compute it with
+(``jaxpaged.sampling.sampler``, used off the GPU) and this kernel in interpret mode compute it with
 ``jnp.log2`` and agree bitwise; on the GPU the kernel's ``lg2.approx`` moves a noise by ~2e-6 at most,
 which changes a token only where two candidates tie to that precision. Each row depends on its own
 logits, ``1 / T``, seed and counter only (batch invariant). Ties go to the lowest token id and a NaN

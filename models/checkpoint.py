@@ -31,7 +31,7 @@ class ModelParams:
     """Everything needed to run a model: architecture, NNX graph definition and weights (``state``).
 
     ``mesh``: set when the weights are split over a tensor-parallel mesh (``load_params(...,
-    tensor_parallel_size=N)``): ``state`` then holds global arrays split as ``jaxpaged.sharding``
+    tensor_parallel_size=N)``): ``state`` then holds global arrays split as ``jaxpaged.models.sharding``
     says, and ``graphdef`` is the model one shard runs (``sharding.shard_config``)."""
 
     config: QwenConfig
@@ -93,7 +93,7 @@ def load_params(path: str | Path, dtype: str | None = None, *, cache_dir: str | 
     cfg = QwenConfig.from_pretrained(path)
     dtype = canonical_dtype(dtype or cfg.dtype)
     if tensor_parallel_size > 1:
-        from jaxpaged.sharding import make_mesh
+        from jaxpaged.models.sharding import make_mesh
 
         from .sharded_load import load_sharded_state
 

@@ -2,7 +2,7 @@
 
 ``forward_all_logits`` returns the logits at every token of a step, which is what a comparison with
 Hugging Face needs (the engine computes logits only where it samples). Lay hand-made ragged steps out
-with ``jaxpaged.batch.build_chunk_step`` (the engine's own step builder).
+with ``jaxpaged.engine.step_inputs.build_chunk_step`` (the engine's own step builder).
 """
 
 from __future__ import annotations

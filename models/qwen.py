@@ -106,7 +106,7 @@ class ModelOps:
     rms_norm: ``(x [..., H], weight [H], eps) -> [..., H]`` (Hugging Face's Qwen RMSNorm).
     rotary: ``(x [T, H, D], positions i32[T], theta) -> [T, H, D]`` (RoPE).
 
-    The three points where tensor parallelism communicates (``jaxpaged.sharding.tp_model_ops``; on
+    The three points where tensor parallelism communicates (``jaxpaged.models.sharding.tp_model_ops``; on
     one device they are the plain lookup and identities, so the traced program is unchanged):
     embed: ``(table [V, H], token_ids i32[T]) -> [T, H]`` (vocabulary-parallel: masked lookup + psum).
     all_reduce: ``[T, H] -> [T, H]`` after o_proj and down_proj (row-parallel partial sums: psum).

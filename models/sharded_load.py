@@ -15,7 +15,7 @@ Which slice a shard reads, per Hugging Face tensor (``[out, in]`` as stored):
   down_proj            columns of the same range               -> down_proj rows
   embed_tokens, lm_head  rows ``[s V/tp, (s+1) V/tp)``          -> embedding rows / LM-head columns
 The per-shard result is ``[q_s | k_s | v_s]`` and ``[gate_s | up_s]``: the fused layout the per-shard
-model expects (see ``jaxpaged.sharding``).
+model expects (see ``jaxpaged.models.sharding``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from .convert import _NP_DTYPES, abstract_model, checked_tensor, name_table, rea
 
 def _source_slice(name: str, cfg: QwenConfig, tp: int, shard: int) -> tuple[int, slice] | None:
     """``(axis, slice)`` of HF tensor ``name`` that shard ``shard`` reads, or ``None`` (whole tensor)."""
-    from jaxpaged.sharding import kv_heads_of_shard
+    from jaxpaged.models.sharding import kv_heads_of_shard
 
     d = cfg.head_dim
     q_per = cfg.num_attention_heads // tp * d
@@ -74,8 +74,8 @@ def shard_block(rule, tensors: dict[str, np.ndarray], cfg: QwenConfig, tp: int, 
 
 def load_sharded_state(path: str | Path, cfg: QwenConfig, mesh: Mesh, dtype: str):
     """``(graphdef, state)`` for ``mesh``: the per-shard model's graph and global arrays split as
-    ``jaxpaged.sharding.PARAM_SPECS`` says, every block read from the safetensors for its device."""
-    from jaxpaged.sharding import TP_AXIS, global_shape, param_spec, shard_config, shard_index
+    ``jaxpaged.models.sharding.PARAM_SPECS`` says, every block read from the safetensors for its device."""
+    from jaxpaged.models.sharding import TP_AXIS, global_shape, param_spec, shard_config, shard_index
 
     dtype = canonical_dtype(dtype)
     tp = mesh.shape[TP_AXIS]

@@ -287,7 +287,7 @@ PREFIX_CACHE = [
         import jaxpaged
         from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
         from jaxpaged.llm import run_to_completion
-        from jaxpaged.tokenizer import load_tokenizer
+        from jaxpaged.io.tokenizer import load_tokenizer
 
         params = load_params(MODEL, DTYPE)
         vocab = params.config.vocab_size

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _unfrozen_heap():
-    """``LLMEngine.warmup()`` freezes the heap (``jaxpaged.heap``): each test starts and ends unfrozen, so one
+    """``LLMEngine.warmup()`` freezes the heap (``jaxpaged.engine.heap``): each test starts and ends unfrozen, so one
     test's warm-up does not keep another's cyclic garbage alive."""
     yield
     gc.unfreeze()
@@ -32,3 +32,24 @@ def _fresh_compile_caches():
 
     jax.clear_caches()
     gc.collect()
+
+
+_COMPILES = {"count": 0, "seconds": 0.0}
+
+
+def _count_compiles(event: str, duration: float, **_kw) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES["count"] += 1
+        _COMPILES["seconds"] += duration
+
+
+def pytest_configure(config):
+    import jax
+
+    jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The suite's cost in XLA compilations (what keeps it slow on a CPU), printed after the results."""
+    terminalreporter.write_line(f"XLA executables compiled: {_COMPILES['count']} "
+                                f"({_COMPILES['seconds']:.0f} s of backend compile)")

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
-from jaxpaged.batch import build_chunk_step
-from jaxpaged.kernels.backend import get_attention_fn, get_model_ops
+from jaxpaged.engine.step_inputs import build_chunk_step
+from jaxpaged.models.ops import get_attention_fn, get_model_ops
 from jaxpaged.kernels.kv_write import write_kv
 from jaxpaged.llm import run_to_completion
 from jaxpaged.models.paged_forward import forward_all_logits

@@ -15,7 +15,7 @@ import pytest
 import jax
 
 from jaxpaged.kernels.add_rms_norm import add_rms_norm, add_rms_norm_ops
-from jaxpaged.kernels.backend import fused_qkv, gemv_or_xla_matmul, matmul_parts, silu_mul_matmul_parts
+from jaxpaged.models.ops import fused_qkv, gemv_or_xla_matmul, matmul_parts, silu_mul_matmul_parts
 from jaxpaged.kernels.kv_write import write_kv
 from jaxpaged.kernels.gemv import GemvConfig, gemv, gemv_config, gemv_partials, sum_partials, supported
 from jaxpaged.kernels.qkv_epilogue import qkv_epilogue

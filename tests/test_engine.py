@@ -10,7 +10,7 @@ import pytest
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, generate, load_params
 from jaxpaged.llm import run_to_completion
 from jaxpaged.models.tiny import tiny_checkpoint_path
-from jaxpaged.tokenizer import load_tokenizer
+from jaxpaged.io.tokenizer import load_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -398,7 +398,7 @@ def test_a_dropped_engine_frees_its_pool_at_once(qwen3):
 def test_longest_first_orders_rows_by_context_and_keeps_ties():
     from types import SimpleNamespace
 
-    from jaxpaged.batch import longest_first
+    from jaxpaged.engine.step_inputs import longest_first
 
     seqs = [SimpleNamespace(name=c, num_computed_tokens=k) for c, k in zip("abcde", [10, 300, 0, 300, 42])]
     scheduled = [(seqs[0], 1), (seqs[1], 1), (seqs[2], 64), (seqs[3], 1), (seqs[4], 1)]

@@ -11,12 +11,12 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jaxpaged.batch import slot_mapping_batch
+from jaxpaged.engine.step_inputs import slot_mapping_batch
 from jaxpaged.kv import (
     BlockState, BlockStateError, BlockTables, DoubleFreeError, KVCacheManager, OutOfBlocksError,
     RequestTooLargeError, explain_prefix,
 )
-from jaxpaged.sequence import Sequence, SequenceStatus
+from jaxpaged.engine.sequence import Sequence, SequenceStatus
 
 BS = 4
 

@@ -13,11 +13,11 @@ import pytest
 from jaxpaged.models.convert import load_hf_checkpoint
 from jaxpaged.models.qwen import init_kv_pool
 from jaxpaged.models.tiny import tiny_checkpoint_path
-from jaxpaged.batch import build_chunk_step
+from jaxpaged.engine.step_inputs import build_chunk_step
 from jaxpaged.models.paged_forward import forward_all_logits
 from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps
 from jaxpaged.kernels.add_rms_norm import add_rms_norm
-from jaxpaged.kernels.backend import fused_qkv, gemv_or_xla_matmul, matmul_parts, silu_mul_matmul_parts
+from jaxpaged.models.ops import fused_qkv, gemv_or_xla_matmul, matmul_parts, silu_mul_matmul_parts
 
 FIXTURES = Path(__file__).parent / "fixtures"
 BLOCK_SIZE = 8

@@ -11,7 +11,7 @@ import pytest
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
 from jaxpaged.llm import run_to_completion
 from jaxpaged.models.tiny import tiny_checkpoint_path
-from jaxpaged.readback import dlpack_data_pointer, jax_reader, make_token_reader
+from jaxpaged.engine.readback import dlpack_data_pointer, jax_reader, make_token_reader
 
 
 @pytest.mark.parametrize("max_version", [None, (1, 0)])

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
-from jaxpaged.batch import bucket, build_step_inputs
-from jaxpaged.runner import entry_param_readers, pool_hlo_report
+from jaxpaged.engine.step_inputs import bucket, build_step_inputs
+from jaxpaged.engine.model_runner import entry_param_readers, pool_hlo_report
 from jaxpaged.models.tiny import tiny_checkpoint_path
 
 
@@ -96,7 +96,7 @@ def test_pool_hlo_report_sees_slices_and_copies():
 def test_step_inputs_layout():
     """Ragged prefill + decode in one step: slots, lengths and logits indices line up."""
     from jaxpaged.kv import BlockTables
-    from jaxpaged.sequence import Sequence
+    from jaxpaged.engine.sequence import Sequence
 
     tables = BlockTables()
     a = Sequence("a", list(range(10)), SamplingParams())
@@ -119,7 +119,7 @@ def test_step_inputs_layout():
 def test_inputs_travel_as_one_buffer_and_the_step_has_no_host_round_trip():
     """13 input arrays pack into one i32 buffer (one host-to-device copy) and unpack bit-exactly; the
     compiled step contains no conditional (XLA reads a cond's predicate back to the host mid-step)."""
-    from jaxpaged.transfer import pack, unpack
+    from jaxpaged.engine.transfer import pack, unpack
 
     params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
     engine = LLMEngine(params, EngineConfig(block_size=8, num_blocks=64, max_model_len=64))
@@ -146,8 +146,8 @@ def test_built_inputs_are_their_own_packed_buffer():
     inputs without the buffer), for a mixed prefill + decode step with padded tokens and rows."""
     import dataclasses
 
-    from jaxpaged.batch import PACKED_ATTR
-    from jaxpaged.transfer import pack
+    from jaxpaged.engine.step_inputs import PACKED_ATTR
+    from jaxpaged.engine.transfer import pack
 
     params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
     engine = LLMEngine(params, EngineConfig(block_size=8, num_blocks=64, max_model_len=64, max_num_seqs=4,
@@ -205,7 +205,7 @@ def test_cublas_variant_covers_decode_sized_steps_only():
     from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
     from jaxpaged.llm import run_to_completion
     from jaxpaged.models.tiny import tiny_checkpoint_path
-    from jaxpaged.runner import CUBLAS_OPTIONS
+    from jaxpaged.engine.model_runner import CUBLAS_OPTIONS
 
     params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -233,7 +233,7 @@ def test_eager_variant_above_max_cudagraph_capture_size():
     from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
     from jaxpaged.llm import run_to_completion
     from jaxpaged.models.tiny import tiny_checkpoint_path
-    from jaxpaged.runner import EAGER_OPTIONS, VARIANTS
+    from jaxpaged.engine.model_runner import EAGER_OPTIONS, VARIANTS
 
     params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.sampling import _filter_top_k_top_p, sample
+from jaxpaged.sampling.sampler import _filter_top_k_top_p, sample
 
 
 def rows(n, logits):
@@ -55,7 +55,7 @@ def test_same_seed_and_counter_same_token_different_counter_moves():
 
 
 def test_sampling_mode_is_chosen_on_the_host_and_variants_agree():
-    from jaxpaged.sampling import sampling_mode
+    from jaxpaged.sampling.sampler import sampling_mode
 
     assert sampling_mode([0.0, 0.0], [5, -1], [0.5, 1.0]) == "random"  # filters of greedy rows are moot
     assert sampling_mode([0.0, 0.7], [-1, -1], [1.0, 1.0]) == "random"
@@ -127,7 +127,7 @@ def test_gumbel_noise_is_standard_gumbel_also_in_its_upper_tail():
     """The noise's moments are Gumbel's (mean = Euler's gamma, variance pi**2/6), and its upper tail,
     where the series replaces the logarithm (w < 1/16: noise > ~2.7) and the winners are, has the
     tail probabilities of a Gumbel at several levels."""
-    from jaxpaged.sampling import gumbel_noise
+    from jaxpaged.sampling.sampler import gumbel_noise
 
     g = np.asarray(gumbel_noise(jnp.arange(16, dtype=jnp.uint32), jnp.zeros(16, jnp.int32), 100_000)).ravel()
     assert np.isfinite(g).all()

@@ -12,8 +12,8 @@ import pytest
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, generate, load_params, load_tokenizer
 from jaxpaged.llm import run_to_completion
 from jaxpaged.models.tiny import tiny_checkpoint_path
-from jaxpaged.penalties import apply_penalties, mask_stop_tokens
-from jaxpaged.sampling import apply_min_p
+from jaxpaged.sampling.penalties import apply_penalties, mask_stop_tokens
+from jaxpaged.sampling.sampler import apply_min_p
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CFG = dict(dtype="float32", block_size=8, num_blocks=96, max_model_len=96)
@@ -230,7 +230,7 @@ def test_n_samples_share_the_prompt_blocks(qwen3):
 def test_steps_without_new_params_are_the_default_step(qwen3, monkeypatch):
     """Only steps holding a request that uses a feature get a variant; the engine stops even looking
     once no such request is left."""
-    import jaxpaged.engine as engine_mod
+    import jaxpaged.engine.llm_engine as engine_mod
 
     params, ref, _ = qwen3
     seen = []

@@ -12,8 +12,8 @@ from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
 from jaxpaged.kv import KVCacheManager
 from jaxpaged.llm import run_to_completion
 from jaxpaged.models.tiny import tiny_checkpoint_path
-from jaxpaged.scheduler import Scheduler
-from jaxpaged.sequence import Sequence
+from jaxpaged.engine.scheduler import Scheduler
+from jaxpaged.engine.sequence import Sequence
 
 BS = 4
 SP = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from jaxpaged import LLM, EngineConfig, LLMEngine, RequestOutputKind, SamplingParams, load_tokenizer
-from jaxpaged.detokenizer import IncrementalDetokenizer
+from jaxpaged.io.detokenizer import IncrementalDetokenizer
 from jaxpaged.llm import run_to_completion, stream
 from jaxpaged.models.tiny import tiny_checkpoint_path
 

@@ -17,7 +17,7 @@ import pytest
 
 from jaxpaged import EngineConfig
 from jaxpaged.models.config import QwenConfig
-from jaxpaged.sharding import check_divisible, kv_heads_of_shard, param_spec, shard_config
+from jaxpaged.models.sharding import check_divisible, kv_heads_of_shard, param_spec, shard_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,10 +25,10 @@ SCRIPT = r"""
 import re
 import jax, numpy as np
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
-from jaxpaged.batch import build_step_inputs
+from jaxpaged.engine.step_inputs import build_step_inputs
 from jaxpaged.llm import run_to_completion
 from jaxpaged.models.tiny import tiny_checkpoint_path
-from jaxpaged.sharding import per_device_bytes
+from jaxpaged.models.sharding import per_device_bytes
 
 assert jax.device_count() == 4
 prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [9, 8, 7], list(range(20, 45)), [3] * 17]
@@ -124,8 +124,8 @@ print("OK pallas")
 # The GPU's fused qkv epilogue (interpret mode here) per shard: its own q heads, KV heads and pool half,
 # the Qwen2 bias split with them, and KV heads replicated at tp=4.
 import dataclasses, functools
-import jaxpaged.runner as runner_module
-from jaxpaged.kernels.backend import fused_qkv
+import jaxpaged.engine.model_runner as runner_module
+from jaxpaged.models.ops import fused_qkv
 from jaxpaged.models.qwen import DEFAULT_OPS
 fused_ops = dataclasses.replace(DEFAULT_OPS, qkv_epilogue=functools.partial(fused_qkv, interpret=True))
 plain_get_model_ops = runner_module.get_model_ops

@@ -6,7 +6,7 @@ import functools
 
 from jaxpaged import EngineConfig, LLMEngine, load_params
 from jaxpaged.models.tiny import tiny_checkpoint_path
-from jaxpaged.tokenizer import load_tokenizer
+from jaxpaged.io.tokenizer import load_tokenizer
 
 
 @functools.cache

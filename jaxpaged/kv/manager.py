@@ -25,7 +25,7 @@ from jaxpaged.kv.max_len import MaxLenReservation
 from jaxpaged.kv.prefix_trie import PrefixTrie
 from jaxpaged.kv.reservation import PagedReservation, ReservationPolicy
 from jaxpaged.kv.stats import EventLog, KVCounters, KVStats, block_utilisation, make_stats
-from jaxpaged.sequence import Sequence
+from jaxpaged.engine.sequence import Sequence
 
 
 class KVCacheManager:

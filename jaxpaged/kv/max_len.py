@@ -23,7 +23,7 @@ import numpy as np
 from jaxpaged.kv.allocator import check_block_size
 from jaxpaged.kv.errors import BlockStateError, DoubleFreeError, OutOfBlocksError, RequestTooLargeError
 from jaxpaged.kv.stats import KVCounters
-from jaxpaged.sequence import Sequence
+from jaxpaged.engine.sequence import Sequence
 
 
 def max_len_run_length(max_model_len: int, block_size: int) -> int:

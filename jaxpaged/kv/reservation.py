@@ -19,7 +19,7 @@ from jaxpaged.kv.allocator import BlockAllocator
 from jaxpaged.kv.errors import BlockStateError, OutOfBlocksError
 from jaxpaged.kv.prefix_trie import PrefixTrie, TrieNode
 from jaxpaged.kv.stats import EventLog, KVCounters
-from jaxpaged.sequence import Sequence
+from jaxpaged.engine.sequence import Sequence
 
 
 class ReservationPolicy(Protocol):

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .models.config import QwenConfig
-from .models.qwen import KVPool, ModelOps
+from .config import QwenConfig
+from .qwen import KVPool, ModelOps
 
 TP_AXIS = "tp"
 POOL_SPEC = P(None, None, None, None, TP_AXIS, None)  # [L, N, bs, 2, Hkv, D]: split the KV heads
@@ -182,7 +182,7 @@ def init_sharded_kv_pool(shard_cfg: QwenConfig, mesh: Mesh, num_blocks: int, blo
                          dtype: str | jnp.dtype) -> KVPool:
     """A zero pool of global shape ``[L, num_blocks, block_size, 2, tp * Hkv_shard, D]``, created
     directly split over KV heads (each device allocates only its slice)."""
-    from .kernels.kv_write import pool_shape
+    from ..kernels.kv_write import pool_shape
 
     tp = mesh.shape[TP_AXIS]
     shape = pool_shape(shard_cfg.num_hidden_layers, num_blocks, block_size, tp * shard_cfg.num_key_value_heads,
@@ -194,7 +194,7 @@ def random_sharded_state(shard_cfg: QwenConfig, mesh: Mesh, dtype: str, seed: in
     """``(graphdef, state)`` of random weights (normal * 0.02, norms one) created directly split
     (``jit`` with ``out_shardings``; random bits are generated per shard): no device ever holds a
     whole matrix. ``graphdef`` is the per-shard model, as ``load_params(..., tensor_parallel_size)``."""
-    from .models.convert import abstract_model
+    from .convert import abstract_model
 
     tp = mesh.shape[TP_AXIS]
     graphdef, abstract = abstract_model(shard_cfg, dtype)
@@ -243,7 +243,7 @@ def kv_bytes_per_token_per_device(params, itemsize: int) -> int:
 
 def make_kv_pool(params, num_blocks: int, block_size: int, dtype) -> KVPool:
     """The engine's pool: ``init_kv_pool`` on one device, split over KV heads on a mesh."""
-    from .models.qwen import init_kv_pool
+    from .qwen import init_kv_pool
 
     if params.mesh is None:
         return init_kv_pool(params.config, num_blocks, block_size, dtype)

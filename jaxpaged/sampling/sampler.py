@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .kernels.gumbel_argmax import gumbel_argmax, gumbel_from_bits, gumbel_keys, uniform_bits
-from .kernels.shapes import next_pow2
-from .sampling_params import RequestOutputKind, SamplingParams  # noqa: F401  (re-exported)
+from ..kernels.gumbel_argmax import gumbel_argmax, gumbel_from_bits, gumbel_keys, uniform_bits
+from ..kernels.shapes import next_pow2
+from .params import RequestOutputKind, SamplingParams  # noqa: F401  (re-exported)
 
 
 def fixed_order_sum(x: jax.Array) -> jax.Array:

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .outputs import Logprob
-from .sampling import fixed_order_sum
+from ..io.outputs import Logprob
+from .sampler import fixed_order_sum
 
 
 def log_softmax(logits: jax.Array, batch_invariant: bool = False) -> jax.Array:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .models.config import CheckpointError
+from ..models.config import CheckpointError
 
 
 class Tokenizer:
@@ -74,7 +74,7 @@ def _read_chat_template(folder: Path) -> str | None:
 def load_tokenizer(model_path: str | Path) -> Tokenizer | None:
     """The tokenizer of a checkpoint folder (with its chat template), or ``None`` if it has no
     ``tokenizer.json``. Accepts a Hub id whose files are in the local Hugging Face cache."""
-    from .models.hub import resolve_model_path
+    from ..models.hub import resolve_model_path
 
     folder = resolve_model_path(model_path)
     path = folder / "tokenizer.json"

@@ -9,7 +9,7 @@ newest running sequence is preempted: its blocks are freed (full ones stay in th
 goes back to the front of the queue, to be recomputed, usually mostly from cache, when re-admitted.
 
 Waiting requests are considered in arrival order (``fcfs``) or, with ``scheduling_policy=
-"prefix_affinity"``, in the order a :class:`jaxpaged.scheduling_policy.PrefixAffinityPolicy` gives
+"prefix_affinity"``, in the order a :class:`jaxpaged.engine.scheduling_policy.PrefixAffinityPolicy` gives
 (requests whose prefix is cached or being computed first, with a bounded wait).
 """
 
@@ -22,8 +22,8 @@ from typing import Callable
 
 import numpy as np
 
-from .batch import PLACEHOLDER
-from .kv import KVCacheManager
+from .step_inputs import PLACEHOLDER
+from ..kv import KVCacheManager
 from .scheduling_policy import make_policy
 from .sequence import Sequence, SequenceStatus
 

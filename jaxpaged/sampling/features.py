@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .kernels.shapes import next_pow2
+from ..kernels.shapes import next_pow2
 from .logprobs import token_logprobs
 from .penalties import apply_penalties, mask_stop_tokens
-from .sampling import sample
+from .sampler import sample
 
 
 @dataclasses.dataclass(frozen=True)

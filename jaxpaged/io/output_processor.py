@@ -15,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 
 from .detokenizer import IncrementalDetokenizer
-from .logprobs import to_logprob_dict
+from ..sampling.logprobs import to_logprob_dict
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sampling_params import RequestOutputKind, SamplingParams
-from .sequence import Sequence
+from ..sampling.params import RequestOutputKind, SamplingParams
+from ..engine.sequence import Sequence
 
 
 @dataclasses.dataclass

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .batch import PACKED_ATTR, StepInputs, input_fields
-from .kernels.metadata import AttentionMetadata
-from .sampling_features import NO_FEATURES, FeatureInputs, SamplerFeatures
+from .step_inputs import PACKED_ATTR, StepInputs, input_fields
+from ..kernels.metadata import AttentionMetadata
+from ..sampling.features import NO_FEATURES, FeatureInputs, SamplerFeatures
 
 
 @dataclasses.dataclass(frozen=True)

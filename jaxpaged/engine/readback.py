@@ -31,7 +31,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from .config import TOKEN_READBACKS as READBACKS
+from ..config import TOKEN_READBACKS as READBACKS
 _NON_BLOCKING = 0x1  # CU_STREAM_NON_BLOCKING
 _DLTENSOR, _DLTENSOR_VERSIONED = b"dltensor", b"dltensor_versioned"
 # The capsule accessors, typed once (not per read: the reader runs every step).

@@ -20,12 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .batch import StepInputs
-from .kernels.backend import get_attention_fn, get_model_ops, resolve_backend
-from .kernels.gemv import ROWS as GEMV_ROWS
-from .kernels.kv_write import write_kv
-from .models.qwen import DEFAULT_OPS, KVPool, ModelOps
-from .sampling_features import sample_step
+from .step_inputs import StepInputs
+from ..models.ops import get_attention_fn, get_model_ops, resolve_backend
+from ..kernels.gemv import ROWS as GEMV_ROWS
+from ..kernels.kv_write import write_kv
+from ..models.qwen import DEFAULT_OPS, KVPool, ModelOps
+from ..sampling.features import sample_step
 from .transfer import pack, to_step_memory, unpack
 
 
@@ -151,7 +151,7 @@ VARIANTS = ("default", "cublas", "eager", "cublas+eager")  # every variant name 
 class ModelRunner:
     """Owns the jitted step for one model and attention backend; counts compilations.
 
-    ``mesh``: a tensor-parallel mesh (``jaxpaged.sharding``): ``graphdef`` is then the per-shard model
+    ``mesh``: a tensor-parallel mesh (``jaxpaged.models.sharding``): ``graphdef`` is then the per-shard model
     and the step body runs on every shard under ``shard_map``; ``None`` (one device) is the plain step.
 
     ``batch_invariant``: every token's result is bitwise independent of the batch it is computed in
@@ -202,11 +202,11 @@ class ModelRunner:
         self.attention_backend = resolve_backend(attention_backend)
         self.batch_invariant = batch_invariant
         self.compiler_options = dict(compiler_options or {})
-        self.mesh = mesh  # tensor parallelism: the step runs per shard under shard_map (jaxpaged.sharding)
+        self.mesh = mesh  # tensor parallelism: the step runs per shard under shard_map (jaxpaged.models.sharding)
         self._replicated = None  # the mesh's replicated sharding, made on first use
         ops = get_model_ops(batch_invariant, decode_gemv, fused_qkv, fuse_matmul_inputs, fused_residual)
         if mesh is not None:
-            from .sharding import tp_model_ops
+            from ..models.sharding import tp_model_ops
 
             ops = tp_model_ops(ops)
         self._step_fn = make_step_fn(graphdef, get_attention_fn(attention_backend, batch_invariant), write_kv,
@@ -235,7 +235,7 @@ class ModelRunner:
 
         shardings = {}
         if self.mesh is not None:
-            from .sharding import shard_step, step_shardings
+            from ..models.sharding import shard_step, step_shardings
 
             step, shardings = shard_step(step, self.mesh, treedef), step_shardings(self.mesh, treedef)
         # keep_unused: the spare buffer is never read, and jit would otherwise drop it (and its aliasing).

@@ -3,16 +3,15 @@ memory (GPU) or of the host's available memory (CPU), and the check that one ful
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 
 import jax
 import jax.numpy as jnp
 
-from .config import EngineConfig
-from .models.checkpoint import ModelParams
-from .sharding import kv_bytes_per_token_per_device
+from ..config import EngineConfig
+from ..models.checkpoint import ModelParams
+from ..models.sharding import kv_bytes_per_token_per_device
 
 
 CPU_POOL_FRACTION = 0.25  # of the host memory available when the engine starts
@@ -34,66 +33,13 @@ def available_host_memory() -> int | None:
         return None
 
 
-BFC_MEMORY_FRACTION = 0.75  # XLA's default share of a GPU for its BFC allocator (XLA_PYTHON_CLIENT_MEM_FRACTION)
-
-
-def cuda_mem_info(ordinal: int) -> tuple[int, int] | None:
-    """``(free, total)`` bytes of CUDA device ``ordinal`` from the driver (``cuMemGetInfo`` in the primary
-    context, which XLA shares), or ``None`` where there is no CUDA driver."""
-    try:
-        cu = ctypes.CDLL("libcuda.so.1")
-        for name in ("cuMemGetInfo_v2", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2", "cuDevicePrimaryCtxRelease_v2"):
-            getattr(cu, name)  # a driver older than CUDA 11 lacks them
-    except (OSError, AttributeError):
-        return None
-    dev, ctx, popped = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
-    free, total = ctypes.c_size_t(), ctypes.c_size_t()
-    if cu.cuInit(0) or cu.cuDeviceGet(ctypes.byref(dev), ordinal) \
-            or cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev):
-        return None
-    try:
-        if cu.cuCtxPushCurrent_v2(ctx):
-            return None
-        try:
-            if cu.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)):
-                return None
-        finally:
-            cu.cuCtxPopCurrent_v2(ctypes.byref(popped))
-    finally:
-        cu.cuDevicePrimaryCtxRelease_v2(dev)
-    return free.value, total.value
-
-
-def free_device_memory(device, mem_info=cuda_mem_info) -> int | None:
-    """Bytes the engine may still take on ``device``, or ``None`` where that is unknown (a CPU).
-
-    With XLA's BFC allocator: its limit minus what it holds. With the VMM allocator (``xla_env``'s
-    SKIP_TEMP setting: no ``memory_stats``) the driver's free memory less the share of the device BFC
-    would have left outside its limit (``bfc_memory_fraction``, default 0.75), so a pool
-    sized from it leaves the same room for the steps' temporaries under either allocator."""
+def free_device_memory(device) -> int | None:
+    """Bytes the engine may still take on ``device`` (XLA's allocator limit minus what it holds), or
+    ``None`` where the device keeps no such statistics (a CPU)."""
     stats = device.memory_stats()
     if stats and "bytes_limit" in stats:
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    if device.platform != "gpu":
-        return None
-    info = mem_info(device.local_hardware_id)
-    if info is None:
-        return None
-    free, total = info
-    return max(0, free - int(total * (1 - bfc_memory_fraction())))
-
-
-def bfc_memory_fraction() -> float:
-    """The device share XLA's BFC allocator takes: ``XLA_CLIENT_MEM_FRACTION`` or its older name
-    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (unset, empty or not a number: 0.75)."""
-    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
-        value = os.environ.get(name, "").strip()
-        if value:
-            try:
-                return min(max(float(value), 0.0), 1.0)
-            except ValueError:
-                pass
-    return BFC_MEMORY_FRACTION
+    return None
 
 
 def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dtype: str) -> int:

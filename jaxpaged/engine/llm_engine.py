@@ -18,25 +18,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .batch import MIN_SEQS, MIN_TOKENS, PLACEHOLDER, bucket, build_step_inputs, longest_first, padding_step_inputs
-from .config import EngineConfig
-from .kv import KVCacheManager, PrefixDivergence, explain_prefix
+from .step_inputs import MIN_SEQS, MIN_TOKENS, PLACEHOLDER, bucket, build_step_inputs, longest_first, padding_step_inputs
+from ..config import EngineConfig
+from ..kv import KVCacheManager, PrefixDivergence, explain_prefix
 from .metrics import EngineMetrics, StepRecord
-from .models.checkpoint import ModelParams
-from .outputs import RequestOutput
+from ..models.checkpoint import ModelParams
+from ..io.outputs import RequestOutput
 from .heap import freeze_long_lived_heap
-from .kernels.backend import resolve_backend
-from .inputs import broadcast_sampling_params, parse_prompt, parse_prompts
-from .output_processor import OutputProcessor, RequestState, make_detokenizer
-from .pool_size import check_pool, size_pool
+from ..models.ops import resolve_backend
+from ..io.prompts import broadcast_sampling_params, parse_prompt, parse_prompts
+from ..io.output_processor import OutputProcessor, RequestState, make_detokenizer
+from ..kv.pool_size import check_pool, size_pool
 from .readback import make_token_reader
-from . import xla_env
-from .runner import DEFAULT_COMPILER_OPTIONS, ModelRunner, enable_compilation_cache
-from .sampling import SamplingParams
-from .sampling_params import RequestOutputKind
-from .sampling_features import prompt_logprob_positions
+from .model_runner import DEFAULT_COMPILER_OPTIONS, ModelRunner, enable_compilation_cache
+from ..sampling.sampler import SamplingParams
+from ..sampling.params import RequestOutputKind
+from ..sampling.features import prompt_logprob_positions
 from .scheduler import Scheduler
-from .sharding import kv_bytes_per_token_per_device, make_kv_pool, params_tp
+from ..models.sharding import kv_bytes_per_token_per_device, make_kv_pool, params_tp
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -455,7 +454,7 @@ class LLMEngine:
                  compiled_shapes=self.runner.num_compiled_shapes - self._compile_base[1],
                  attention_backend=self.runner.attention_backend, step_seconds=self.metrics.total_seconds,
                  host_seconds=self.metrics.host_seconds, device_wait_seconds=self.metrics.device_seconds,
-                 xla_skip_temp=xla_env.skip_temp_active(), token_readback=self.token_readback)
+                 token_readback=self.token_readback)
         return s
 
     def explain_prefix(self, a: str | SequenceT[int], b: str | SequenceT[int]) -> PrefixDivergence:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import collections
 from typing import Callable, Hashable, Iterable
 
-from .config import SCHEDULING_POLICIES
+from ..config import SCHEDULING_POLICIES
 from .sequence import Sequence, SequenceStatus
 
 

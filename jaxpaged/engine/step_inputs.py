@@ -15,11 +15,11 @@ import math
 import jax
 import numpy as np
 
-from .kernels.metadata import AttentionMetadata
-from .kernels.shapes import next_pow2
-from .kv.block_tables import BlockTables
-from .sampling import SamplingParams, sampling_mode
-from .sampling_features import NO_FEATURES, FeatureInputs, SamplerFeatures, build_feature_inputs
+from ..kernels.metadata import AttentionMetadata
+from ..kernels.shapes import next_pow2
+from ..kv.block_tables import BlockTables
+from ..sampling.sampler import SamplingParams, sampling_mode
+from ..sampling.features import NO_FEATURES, FeatureInputs, SamplerFeatures, build_feature_inputs
 from .sequence import Sequence
 
 PLACEHOLDER = -1  # a token sampled by the step in flight, not yet on the host (async scheduling)

@@ -1,0 +1,6 @@
+"""The engine loop: schedule -> run the step on the device -> update sequences and outputs.
+
+``llm_engine.LLMEngine`` (the loop), ``scheduler`` (which sequences run this step), ``sequence``,
+``step_inputs`` (a step's arrays: one field table to build, pack and unpack), ``model_runner`` (the
+jitted step), ``readback`` (sampled tokens to the host), ``metrics``.
+"""

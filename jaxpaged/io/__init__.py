@@ -1,0 +1,1 @@
+"""The text side of a request: prompt parsing, tokenizer, incremental detokenizer, outputs."""

@@ -1,0 +1,6 @@
+"""Sampling: the user's ``SamplingParams``, the host-side metadata a step carries, the device sampler
+(inside the jitted step) and its logits processors (penalties, min_p, logprobs)."""
+
+from .params import RequestOutputKind, SamplingParams
+
+__all__ = ["RequestOutputKind", "SamplingParams"]
