@@ -1,4 +1,4 @@
-"""Paged attention on the GPU: correctness vs. the reference, then the timing table of issue 4.
+"""Paged attention on the GPU: correctness vs. the reference, then a timing table of decode and prefill shapes.
 
 One process: HBM read ceiling (XLA sum over 4 GiB bf16), ragged correctness checks (bf16 / fp32, NaN
 in every unused slot), decode B x ctx with Qwen3-0.6B heads (16 q, 8 KV, D 128, block 16) against jax's

@@ -2,16 +2,18 @@
 1,536 tokens; Qwen3-0.6B shapes with random bf16 weights (``--model tiny``: the packaged tiny checkpoint,
 for a CPU), greedy, ``ignore_eos``, 64 output tokens per request.
 
-For each (batch, prompt length): first one run per copy of the step (``EngineConfig.step_executables``:
+For each (batch, prompt length): first one run per copy of the step (``StepTuning.step_executables``:
 2 on a GPU) compiles every shape and copy that configuration needs (compile seconds reported
-separately; ``first_run_s`` covers those runs together), then ``--repeats`` measured runs (default: enough for >= 30 first tokens, at least 3), each with fresh random prompts (so the
-prefix cache never hits). All requests of a run arrive at once; the engine is stepped here and every
+separately; ``first_run_s`` covers those runs together), then ``--repeats`` measured runs (default:
+enough for >= 30 first tokens, at least 3), each with fresh random prompts (so the prefix cache never
+hits). All requests of a run arrive at once; the engine is stepped here and every
 request's output tokens are timestamped after each step.
 
 * TTFT: from ``add_request`` to the first generated token (``RequestOutput.metrics``: ``arrival_time``,
   ``first_token_time``), queueing and chunked prefill included.
 * ITL: the gaps between consecutive output tokens of a request (all gaps of all requests), so a decode
-  step slowed by other requests' prefill chunks shows in the tail. TPOT: per request,
+  step slowed by other requests' prefill chunks shows in the tail. A request of ``n`` tokens gives
+  ``n - 1`` gaps, one per decode step it took part in. TPOT: per request,
   ``(finished_time - first_token_time) / (tokens - 1)``.
 
     python benchmarks/bench_latency.py --out $OUT
@@ -27,7 +29,6 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -35,8 +36,7 @@ import numpy as np  # noqa: E402
 from jaxpaged.engine.metrics import percentile  # noqa: E402
 from jaxpaged.engine.heap import freeze_long_lived_heap  # noqa: E402
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from jaxpaged.workloads import (BENCHMARK_MODELS, add_decode_path_flags, benchmark_params,  # noqa: E402
-                                decode_path_config, parse_xla_options)
+from jaxpaged.workloads import BENCHMARK_MODELS, benchmark_params  # noqa: E402
 
 MODELS = BENCHMARK_MODELS
 
@@ -45,32 +45,40 @@ load_params = benchmark_params
 
 
 def run_batch(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams) -> dict:
-    """Queues all prompts at once, steps to completion, timestamps every output token."""
+    """Queues all prompts at once, steps to completion, timestamps every output token. Returns the
+    TTFTs, ITL gaps and TPOTs (seconds), the wall, the engine steps, ``decode_steps`` (steps that gave
+    some request a token after its first) and each request's ``token_ids`` in prompt order."""
     rids = [engine.add_request(p, sp) for p in prompts]
     ours = set(rids)
     last_n = dict.fromkeys(rids, 0)
     last_t: dict[str, float] = {}
     gaps: list[float] = []
     outs = {}
-    steps = 0
+    steps = decode_steps = 0
     t0 = time.monotonic()
 
-    def see(rid: str, n: int, now: float) -> None:
+    def see(rid: str, n: int, now: float) -> bool:
+        """Records request ``rid``'s tokens up to ``n``; True when one after its first arrived."""
+        decoded = False
         if n > last_n[rid]:
             if last_n[rid] >= 1:  # one gap per new token (a step may add at most one per request here)
                 gaps.extend([(now - last_t[rid]) / (n - last_n[rid])] * (n - last_n[rid]))
+                decoded = True
             last_n[rid], last_t[rid] = n, now
+        return decoded
 
     while engine.has_unfinished_requests():
         finished = engine.step()
         now = time.monotonic()
         steps += 1
+        decoded = False
         for seq in engine.scheduler.running:
             if seq.request_id in ours:
-                see(seq.request_id, seq.num_output_tokens, now)
+                decoded |= see(seq.request_id, seq.num_output_tokens, now)
         for out in finished:
-            see(out.request_id, len(out.outputs[0].token_ids), now)
+            decoded |= see(out.request_id, len(out.outputs[0].token_ids), now)
             outs[out.request_id] = out
+        decode_steps += decoded
     wall = time.monotonic() - t0
     ttft = [outs[r].metrics.time_to_first_token for r in rids]
     tpot = []
@@ -79,7 +87,8 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams) -
         if n > 1:
             tpot.append((m.finished_time - m.first_token_time) / (n - 1))
     out_tokens = sum(len(outs[r].outputs[0].token_ids) for r in rids)
-    return dict(ttft=ttft, itl=gaps, tpot=tpot, wall=wall, steps=steps, output_tokens=out_tokens)
+    return dict(ttft=ttft, itl=gaps, tpot=tpot, wall=wall, steps=steps, decode_steps=decode_steps,
+                output_tokens=out_tokens, token_ids=[list(outs[r].outputs[0].token_ids) for r in rids])
 
 
 MIN_TTFT_SAMPLES = 30
@@ -87,8 +96,8 @@ MIN_TTFT_SAMPLES = 30
 
 def repeats_for(batch: int, repeats: int | None) -> int:
     """Measured runs of a configuration: ``repeats`` if given, else enough runs for at least
-    ``MIN_TTFT_SAMPLES`` first tokens (one per request), and never fewer than 3. A batch-1 TTFT p50
-    of 5 samples spread 2.08-2.56 ms on one machine (RESULTS.md, session 10)."""
+    ``MIN_TTFT_SAMPLES`` first tokens (one per request), and never fewer than 3 (a batch-1 TTFT p50 of
+    only 5 samples varied by 20% between identical runs on the H200)."""
     return repeats if repeats is not None else max(3, -(-MIN_TTFT_SAMPLES // batch))
 
 
@@ -117,8 +126,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--sync-scheduling", dest="async_scheduling", action="store_false",
                     help="read each step's tokens back before dispatching the next (default: async)")
-    ap.add_argument("--xla-option", action="append", help="name=value, repeatable: EngineConfig.compiler_options")
-    add_decode_path_flags(ap)
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="EngineConfig.max_num_seqs (default: the largest batch). The engine's default is 256: "
                          "a step then pads its rows to min(tokens, 256), and steps of <= 2x that many tokens "
@@ -142,9 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
     config = EngineConfig(block_size=bs, num_blocks=max(batches) * (max_model_len // bs) + 1,
                           max_num_seqs=args.max_num_seqs or max(batches),
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=max_model_len, attention_backend=args.backend, dtype=params.dtype,
-                          async_scheduling=args.async_scheduling, compiler_options=parse_xla_options(args.xla_option),
-                          **decode_path_config(args))
+                          max_model_len=max_model_len, attention_backend=args.backend,
+                          async_scheduling=args.async_scheduling)
     engine = LLMEngine(params, config)
     setup_s = time.perf_counter() - t_load
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -174,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = dict(model=args.model, device=str(jax.devices()[0]), jax=jax.__version__,
                   backend=engine.runner.attention_backend, args=vars(args), setup_s=setup_s,
-                  max_num_seqs=engine.config.max_num_seqs, token_readback_used=engine.token_readback,
+                  max_num_seqs=engine.config.max_num_seqs,
                   compile_s_total=engine.runner.compile_seconds, compiled_shapes=engine.runner.num_compiled_shapes,
                   rows=rows)
     with open(os.path.join(args.out, "latency.json"), "w") as f:
@@ -183,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
     f2 = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     print(f"\nlatency: model {args.model}, {result['device']}, backend {result['backend']}, greedy, "
           f"{args.max_tokens} output tokens, runs per row: {[r['runs'] for r in rows]}; compile {result['compile_s_total']:.1f} s "
-          f"total ({result['compiled_shapes']} shapes), setup {setup_s:.1f} s; token readback {engine.token_readback}")
+          f"total ({result['compiled_shapes']} shapes), setup {setup_s:.1f} s")
     print(f"{'batch':>5s} {'prompt':>6s} {'TTFT p50':>9s} {'TTFT p90':>9s} {'ITL p50':>8s} {'ITL p90':>8s} "
           f"{'TPOT p50':>9s} {'out tok/s':>9s} {'compile s':>9s}")
     for r in rows:

@@ -1,47 +1,97 @@
-"""Offline throughput on nano-vllm's workload, Qwen3-0.6B shapes with random bf16 weights (GPU).
+"""Offline throughput on nano-vllm's workload (random weights at a model's shapes, or the tiny checkpoint).
 
-Workload (nano-vllm's bench.py): ``random.seed(0)``; 256 requests; each prompt is ``randint(100, 1024)``
-token ids drawn from ``randint(0, 10000)``; then per request ``max_tokens = randint(100, 1024)``,
-``temperature=0.6``, ``ignore_eos=True``. Throughput = output tokens / wall seconds of ``generate``,
-after the step buckets are compiled ahead of time (compile time reported separately).
+Workload (nano-vllm's bench.py): ``random.seed(0)``; ``--num-seqs`` requests (256); each prompt is
+``randint(100, --max-input-len)`` token ids drawn from ``randint(0, 10000)`` (modulo the vocabulary);
+then per request ``max_tokens = randint(100, --max-output-len)``, ``temperature=0.6``,
+``ignore_eos=True``. Throughput = output tokens / wall seconds of the whole run, after every step
+bucket is compiled ahead of time (``LLMEngine.warmup``; compile time reported separately).
 
-Baseline in the same run: Hugging Face ``generate`` (static batch, left padding, same sampling) on the
-first ``--hf-requests`` requests, and jaxpaged on the same subset.
+``--model``: ``qwen3-0.6b`` (default), ``qwen2.5-0.5b``, ``qwen2.5-7b`` (random weights of those shapes,
+``--dtype``, bfloat16 by default; a GPU) or ``tiny`` (the packaged tiny Qwen3 checkpoint, float32: 16
+requests of at most 128 + 128 tokens by default, which runs in seconds on a CPU).
 
-    python benchmarks/bench_throughput.py --out $OUT [--hf-requests 32] [--backend auto]
+Baseline in the same run (on a GPU, not for ``tiny``): Hugging Face ``generate`` (static batch, left
+padding, same sampling) on the first ``--hf-requests`` requests, and jaxpaged on the same subset.
+
+    python benchmarks/bench_throughput.py --out $OUT [--model qwen2.5-7b] [--hf-requests 32]
+    python benchmarks/bench_throughput.py --model tiny --out /tmp/t        # CPU
 
 ``--trace``: the full workload runs under ``jax.profiler`` and the script adds where the run's GPU time
 went (busy seconds against the wall, kernels grouped by name with their total seconds); its tok/s then
-include the profiler's overhead, so measure throughput in a separate, untraced run.
+include the profiler's overhead, so measure throughput in a separate, untraced run. ``--trace-steps
+a:b``: a second run traces only engine steps ``[a, b)``, against the untraced run's wall per step.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import jax
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.llm import run_to_completion
-from jaxpaged.workloads import (QWEN3_0_6B, add_decode_path_flags, decode_path_config, nano_vllm_workload,  # noqa: E402
-                                parse_xla_options, random_model)
+from jaxpaged.workloads import QWEN2_5_0_5B, QWEN2_5_7B, QWEN3_0_6B, nano_vllm_workload, random_model
 
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+
+# --model -> Hugging Face config of the shapes (random weights); None: the packaged tiny checkpoint.
+MODELS = {"qwen3-0.6b": QWEN3_0_6B, "qwen2.5-0.5b": QWEN2_5_0_5B, "qwen2.5-7b": QWEN2_5_7B, "tiny": None}
+# Defaults per model: requests, prompt / output length bounds, step budget and sequences per step.
+FULL_DEFAULTS = dict(num_seqs=256, max_input_len=1024, max_output_len=1024, max_num_seqs=256,
+                     max_num_batched_tokens=8192)
+TINY_DEFAULTS = dict(num_seqs=16, max_input_len=128, max_output_len=128, max_num_seqs=16,
+                     max_num_batched_tokens=512)
+
+
+def trace_tools():
+    """``tools/profile_step.py`` (the profiler-trace parsing), imported from the tools folder."""
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))
+    import profile_step
+
+    return profile_step
+
+
+def load_model(model: str, dtype: str | None = None):
+    """``--model``'s weights: random at the model's shapes (``dtype``, bfloat16 by default) or the tiny
+    checkpoint (float32 by default)."""
+    if model not in MODELS:
+        raise SystemExit(f"--model must be one of {sorted(MODELS)}, got {model!r}")
+    if MODELS[model] is None:
+        from jaxpaged import load_params
+        from jaxpaged.models.tiny import tiny_checkpoint_path
+
+        return load_params(tiny_checkpoint_path("qwen3"), dtype or "float32", use_cache=False)
+    return random_model(MODELS[model], dtype or "bfloat16")
+
+
+def workload(args, vocab_size: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """nano-vllm's prompts and sampling params at ``args``' sizes; token ids modulo ``vocab_size`` and
+    the sampling options (``--temperature``, ``--top-p``, ``--top-k``) applied to every request."""
+    prompts, sps = nano_vllm_workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    prompts = [[t % vocab_size for t in p] for p in prompts]
+    sps = [dataclasses.replace(sp, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k) for sp in sps]
+    return prompts, sps
 
 
 def run_ours(params, prompts, sps, args):
+    """One run of the workload on a fresh engine: warm-up (every bucket compiled), one tiny request,
+    then the timed run. ``args`` needs the engine's sizes (``block_size``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``backend``, ``async_scheduling``; ``max_model_len`` 2048 and
+    ``batch_invariant`` off unless given) and may ask for a trace (``trace_dir``) or traced step windows
+    (``trace_windows``, ``window_trace_root``)."""
     config = EngineConfig(block_size=args.block_size, max_model_len=getattr(args, "max_model_len", 2048),
                           max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.backend,
                           memory_fraction=0.9, async_scheduling=args.async_scheduling,
-                          batch_invariant=getattr(args, "batch_invariant", False),
-                          **decode_path_config(args),
-                          compiler_options=parse_xla_options(getattr(args, "xla_option", None)))
+                          batch_invariant=getattr(args, "batch_invariant", False))
     engine = LLMEngine(params, config)
-    if getattr(args, "copies_max_tokens", None) is not None:  # (an experiment: ModelRunner.copies_max_tokens)
-        engine.runner.copies_max_tokens = args.copies_max_tokens
     compile_s = engine.warmup(use_tqdm=False)
     run_to_completion(engine, [prompts[0][:16]], SamplingParams(max_tokens=4))  # one tiny real request
     engine.metrics.host_seconds = engine.metrics.device_seconds = 0.0
@@ -66,7 +116,7 @@ def run_ours(params, prompts, sps, args):
                 peak_kv_gib=st["peak_kv_bytes_in_use"] / 2**30, compiled_shapes=st["compiled_shapes"],
                 total_compile_s=st["compile_seconds"], ttft_p50=ttft[len(ttft) // 2], ttft_max=ttft[-1],
                 backend=st["attention_backend"], host_s=st["host_seconds"], device_wait_s=st["device_wait_seconds"],
-                xla_skip_temp=st["xla_skip_temp"], token_readback_used=st["token_readback"], traced=bool(trace_dir or windows), step_end_s=[t - t0 for t in step_times])
+                traced=bool(trace_dir or windows), step_end_s=[t - t0 for t in step_times])
 
 
 def brief(run: dict) -> dict:
@@ -139,7 +189,7 @@ def window_summaries(untraced: dict, traced: dict, windows: list[tuple[int, int]
     """Per window: the untraced run's wall per step (from its step end times) against the GPU busy
     time per step of the same steps in the traced run (the schedule is deterministic: same steps,
     checked by their count)."""
-    from profile_step import analyse_trace, find_trace_file, load_trace
+    ps = trace_tools()
 
     if traced["steps"] != untraced["steps"]:
         return [dict(window=[a, b], error=f"the runs took {untraced['steps']} and {traced['steps']} steps: "
@@ -151,11 +201,11 @@ def window_summaries(untraced: dict, traced: dict, windows: list[tuple[int, int]
             out.append(dict(window=[a, b], error=f"the run had {len(ends)} steps (need b <= steps)"))
             continue
         wall_ms = (ends[b - 1] - ends[a - 1]) / (b - a) * 1e3
-        path = find_trace_file(os.path.join(trace_root, f"w{a}_{b}"))
+        path = ps.find_trace_file(os.path.join(trace_root, f"w{a}_{b}"))
         if path is None:
             out.append(dict(window=[a, b], untraced_wall_ms=wall_ms, error="no trace file"))
             continue
-        t = analyse_trace(load_trace(path), steps=b - a, top=8)
+        t = ps.analyse_trace(ps.load_trace(path), steps=b - a, top=8)
         busy_ms = t["busy_us_per_step"] / 1e3
         out.append(dict(window=[a, b], untraced_wall_ms=wall_ms, gpu_busy_ms=busy_ms,
                         idle_fraction=1 - busy_ms / wall_ms, kernels_per_step=t["kernel_count_per_step"],
@@ -178,11 +228,9 @@ def print_window_summaries(rows: list[dict]) -> None:
 
 def workload_gpu_summary(events: list[dict], wall_s: float, top: int = 15) -> dict:
     """Where a whole traced run's GPU time went: busy (union of kernels and copies) against the wall,
-    and kernels grouped by normalised name with their total seconds (``profile_step.analyse_trace``
-    over the run as one window)."""
-    from profile_step import analyse_trace
-
-    a = analyse_trace(events, steps=1, top=top)
+    and kernels grouped by normalised name with their total seconds (``tools/profile_step.py``'s
+    ``analyse_trace`` over the run as one window)."""
+    a = trace_tools().analyse_trace(events, steps=1, top=top)
     busy_s = a["busy_us_per_step"] / 1e6
     return dict(wall_s=wall_s, gpu_busy_s=busy_s, busy_fraction=busy_s / wall_s if wall_s else 0.0,
                 kernel_s=a["kernel_us_per_step"] / 1e6, kernel_count=a["kernel_count_per_step"],
@@ -202,6 +250,9 @@ def print_gpu_summary(g: dict) -> None:
 
 
 def run_hf(cfg_raw, prompts, sps):
+    """Hugging Face ``generate`` on a GPU: a random model of ``cfg_raw``'s shapes (bf16), one static
+    left-padded batch, every request generating the batch's largest ``max_tokens`` (only each
+    request's own ``max_tokens`` count as output)."""
     import torch
     import transformers
 
@@ -215,8 +266,10 @@ def run_hf(cfg_raw, prompts, sps):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     max_new = max(sp.max_tokens for sp in sps)
-    kw = dict(attention_mask=mask.cuda(), do_sample=True, temperature=0.6, top_k=0, top_p=1.0,
-              max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0)
+    sp = sps[0]
+    sampling = dict(do_sample=True, temperature=sp.temperature, top_k=max(sp.top_k, 0), top_p=sp.top_p) \
+        if sp.temperature > 0 else dict(do_sample=False)
+    kw = dict(attention_mask=mask.cuda(), max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0, **sampling)
     model.generate(ids[:2, -32:].cuda(), attention_mask=mask[:2, -32:].cuda(), max_new_tokens=4, pad_token_id=0)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -229,24 +282,33 @@ def run_hf(cfg_raw, prompts, sps):
     return dict(seconds=seconds, output_tokens=useful, tok_per_s=useful / seconds, max_new_tokens=max_new)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; options left unset take ``--model``'s defaults (``FULL_DEFAULTS`` or, for
+    ``tiny``, ``TINY_DEFAULTS``; ``--max-model-len``: prompt + output bounds; ``--hf-requests``: 32 on a
+    GPU, 0 for ``tiny`` or without one)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--num-seqs", type=int, default=256)
-    ap.add_argument("--hf-requests", type=int, default=32)
+    ap.add_argument("--model", choices=list(MODELS), default="qwen3-0.6b")
+    ap.add_argument("--dtype", default=None, help="weights' dtype (default: bfloat16; float32 for tiny)")
+    ap.add_argument("--num-seqs", type=int, default=None, help="requests (default 256; 16 for tiny)")
+    ap.add_argument("--max-input-len", type=int, default=None,
+                    help="prompts of randint(100, N) tokens (default 1024; 128 for tiny)")
+    ap.add_argument("--max-output-len", type=int, default=None,
+                    help="max_tokens = randint(100, N) (default 1024; 128 for tiny)")
+    ap.add_argument("--temperature", type=float, default=0.6, help="nano-vllm's 0.6; 0 = greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=-1)
+    ap.add_argument("--hf-requests", type=int, default=None,
+                    help="requests of the Hugging Face baseline (default: 32 on a GPU, 0 for tiny)")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="EngineConfig.max_model_len (default: --max-input-len + --max-output-len)")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default 256; 16 for tiny")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default 8192; 512 for tiny")
     ap.add_argument("--sync-scheduling", dest="async_scheduling", action="store_false",
                     help="read each step's tokens back before dispatching the next (default: async)")
     ap.add_argument("--batch-invariant", action="store_true", help="EngineConfig(batch_invariant=True)")
-    add_decode_path_flags(ap)
-    ap.add_argument("--copies-max-tokens", type=int, default=None,
-                    help="steps of up to N tokens use every copy of the step in turn (ModelRunner.copies_max_tokens)")
-    ap.add_argument("--xla-option", action="append", help="name=value, repeatable: EngineConfig.compiler_options")
-    ap.add_argument("--compare-xla-option", action="append",
-                    help="name=value, repeatable: also run the full workload with these compiler options")
     ap.add_argument("--compare-async", action="store_true", help="also run the full workload the other way")
     ap.add_argument("--trace-steps", default=None,
                     help="a:b[,c:d...]: after the untraced run, run the workload again tracing engine steps [a, b) "
@@ -254,16 +316,35 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true",
                     help="run the full workload under jax.profiler (its tok/s then include the profiler's "
                          "overhead) and report GPU busy time and kernel totals over the whole run")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    for key, value in (TINY_DEFAULTS if args.model == "tiny" else FULL_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if min(args.max_input_len, args.max_output_len) < 100:
+        raise SystemExit("--max-input-len and --max-output-len must be >= 100 (nano-vllm's lengths start at 100)")
+    if args.max_model_len is None:
+        args.max_model_len = args.max_input_len + args.max_output_len
+    if args.hf_requests is None:
+        args.hf_requests = 32 if args.model != "tiny" and jax.default_backend() == "gpu" else 0
+    if args.hf_requests and args.model == "tiny":
+        raise SystemExit("--hf-requests: the Hugging Face baseline needs random weights of a model's shapes, not tiny")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     args.trace_dir = os.path.join(args.out, "trace") if args.trace else None
     windows = parse_windows(args.trace_steps)  # checked before minutes of GPU time
     if windows and args.trace:
         raise SystemExit("--trace-steps compares with an untraced run: do not combine it with --trace")
-    prompts, sps = nano_vllm_workload(args.num_seqs)
+    params = load_model(args.model, args.dtype)
+    if args.max_model_len > params.config.max_position_embeddings:
+        raise SystemExit(f"--max-model-len {args.max_model_len} exceeds the model's "
+                         f"{params.config.max_position_embeddings} positions")
+    prompts, sps = workload(args, params.config.vocab_size)
     print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
-          f"{sum(sp.max_tokens for sp in sps)} output tokens", flush=True)
+          f"{sum(sp.max_tokens for sp in sps)} output tokens; model {args.model} ({params.dtype})", flush=True)
     result = {"device": str(jax.devices()[0]), "jax": jax.__version__, "args": dict(vars(args))}
-    params = random_model(QWEN3_0_6B)
     result["ours_full"] = run_ours(params, prompts, sps, args)
     print("ours full:", json.dumps(brief(result["ours_full"])), flush=True)
     if windows:  # the same workload again, steps of each window traced (compiled steps are reused)
@@ -274,30 +355,24 @@ def main() -> None:
         result["windows"] = window_summaries(result["ours_full"], traced, windows, root)
         print_window_summaries(result["windows"])
     if args.trace_dir:
-        from profile_step import find_trace_file, load_trace
-
-        path = find_trace_file(args.trace_dir)
+        ps = trace_tools()
+        path = ps.find_trace_file(args.trace_dir)
         if path is None:
             print("no trace file found under", args.trace_dir, flush=True)
         else:
-            result["ours_full_gpu"] = workload_gpu_summary(load_trace(path), result["ours_full"]["seconds"])
+            result["ours_full_gpu"] = workload_gpu_summary(ps.load_trace(path), result["ours_full"]["seconds"])
             print_gpu_summary(result["ours_full_gpu"])
         args.trace_dir = None  # the comparison runs below are not traced
     if args.compare_async:
         other = argparse.Namespace(**{**vars(args), "async_scheduling": not args.async_scheduling})
         result["ours_full_other"] = run_ours(params, prompts, sps, other)
         print("ours full (other scheduling):", json.dumps(brief(result["ours_full_other"])), flush=True)
-    if args.compare_xla_option:
-        other = argparse.Namespace(**{**vars(args), "xla_option": args.compare_xla_option})
-        result["ours_full_xla"] = run_ours(params, prompts, sps, other)
-        print("ours full (compiler options %s):" % args.compare_xla_option, json.dumps(brief(result["ours_full_xla"])),
-              flush=True)
     n = args.hf_requests
     if n:
         result["ours_subset"] = run_ours(params, prompts[:n], sps[:n], args)
         print("ours subset:", json.dumps(brief(result["ours_subset"])), flush=True)
         del params
-        result["hf_subset"] = run_hf(QWEN3_0_6B, prompts[:n], sps[:n])
+        result["hf_subset"] = run_hf(MODELS[args.model], prompts[:n], sps[:n])
         print("hf subset:", json.dumps(result["hf_subset"]), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "throughput.json"), "w") as f:
@@ -305,7 +380,6 @@ def main() -> None:
     print(f"\n{'run':28s} {'requests':>8s} {'out tokens':>10s} {'seconds':>8s} {'tok/s':>9s}")
     for key, label, count in (("ours_full", "jaxpaged", args.num_seqs),
                               ("ours_full_other", "jaxpaged, other scheduling", args.num_seqs),
-                              ("ours_full_xla", "jaxpaged, compiler options", args.num_seqs),
                               ("ours_subset", "jaxpaged (subset)", n),
                               ("hf_subset", "HF generate (subset)", n)):
         if key in result:
@@ -313,8 +387,9 @@ def main() -> None:
             print(f"{label:28s} {count:8d} {r['output_tokens']:10d} {r['seconds']:8.2f} {r['tok_per_s']:9.0f}")
     r = result["ours_full"]
     print(f"compile (warm-up, {r['compiled_shapes']} shapes): {r['warmup_compile_s']:.1f} s; steps {r['steps']}; "
-          f"preemptions {r['preemptions']}; peak KV {r['peak_kv_gib']:.1f} GiB; TTFT p50 {r['ttft_p50']:.2f} s; "
-          f"pool {r['num_blocks']} blocks; host {r['host_s']:.2f} s; SKIP_TEMP {r['xla_skip_temp']}; readback {r.get('token_readback_used')}")
+          f"preemptions {r['preemptions']}; peak KV {r['peak_kv_gib']:.2f} GiB; TTFT p50 {r['ttft_p50']:.2f} s; "
+          f"pool {r['num_blocks']} blocks; host {r['host_s']:.2f} s")
+    return result
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ then put the three part files in one folder and print the table without running 
     python benchmarks/bench_tp.py --parts 8b-tp1 --out $OUT
     python benchmarks/bench_tp.py --parts 8b-tp2 --out $OUT
     python benchmarks/bench_tp.py --parts 72b-tp2 --out $OUT
-    python benchmarks/bench_tp.py --resume --out benchmarks/results/<date>-issue13   # table + tp.json
+    python benchmarks/bench_tp.py --resume --out DIR_WITH_THE_PART_FILES   # table + tp.json
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/bench_tp.py --tiny --out /tmp/t
 
 ``--tiny``: the same parts with tiny shapes and a few short requests, on whatever devices there are

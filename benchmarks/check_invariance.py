@@ -175,7 +175,7 @@ def check_arrangements(args) -> dict:
     longest = max(len(p) for p in prompts) + args.max_tokens
     max_model_len = -(-longest // 64) * 64
     kv_tokens = max(args.kv_tokens, 2 * max_model_len)
-    base = dict(dtype="bfloat16", block_size=16, num_blocks=kv_tokens // 16, max_model_len=max_model_len,
+    base = dict(block_size=16, num_blocks=kv_tokens // 16, max_model_len=max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=64 if args.tiny else 1024,
                 attention_backend="pallas")
     result = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "max_tokens": args.max_tokens,
@@ -217,7 +217,7 @@ def check_hf(tiny: bool) -> dict:
         want = [list(map(int, ref[f"greedy_{i}"])) for i in range(4)]
         for bi in (False, True):
             for name, kw in settings.items():
-                cfg = EngineConfig(**{"dtype": "float32", "num_blocks": 4096 // kw["block_size"], "max_model_len": 128,
+                cfg = EngineConfig(**{"num_blocks": 4096 // kw["block_size"], "max_model_len": 128,
                                       "max_num_batched_tokens": 64, "attention_backend": "pallas",
                                       "batch_invariant": bi, **kw})
                 engine = LLMEngine(params, cfg)

@@ -201,7 +201,7 @@ MEMORY = [
           KV cache (`[batch, max_len, ...]`) does.
 
         The question: how many requests run at once, and how much of the reserved KV memory ever holds a token.
-        The full experiment is `benchmarks/exp_memory.py` (`--full` for Qwen3-0.6B shapes on a GPU).
+        The full experiment is `benchmarks/experiments/exp_memory.py` (`--full` for Qwen3-0.6B shapes on a GPU).
         """),
     md(REAL_MODEL_NOTE),
     code(SETUP, """
@@ -276,7 +276,7 @@ PREFIX_CACHE = [
         Requests that begin with the same system prompt reuse the KV blocks that hold it, so their prefill computes only
         the question. Here: the same requests with prefix caching on and off, one request at a time, so each request's
         time to first token (TTFT) is its own prefill latency. Then the classic miss (a timestamp inside the system
-        prompt), diagnosed with `explain_prefix`. The full experiment is `benchmarks/exp_prefix_cache.py`.
+        prompt), diagnosed with `explain_prefix`. The full experiment is `benchmarks/experiments/exp_prefix_cache.py`.
         """),
     md(REAL_MODEL_NOTE),
     code(SETUP, """
@@ -377,7 +377,7 @@ BLOCK_SIZE = [
           request at block size 8, 112 at 16 and 96 at 32.
 
         Greedy outputs must not depend on the block size at all. The full sweep (with throughput, which is only
-        meaningful on a GPU) is `benchmarks/exp_block_size.py`.
+        meaningful on a GPU) is `benchmarks/experiments/exp_block_size.py`.
         """),
     md(REAL_MODEL_NOTE),
     code(SETUP, """

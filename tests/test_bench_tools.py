@@ -1,4 +1,4 @@
-"""The profiling and latency scripts run end to end on the tiny checkpoint (CPU) and report what they promise."""
+"""The benchmarks and tools/profile_step.py run end to end on the tiny checkpoint (CPU) and report what they promise."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+def load(name: str, folder: str = "benchmarks"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_profile_step_tiny(tmp_path, capsys):
-    mod = load("profile_step")
+    mod = load("profile_step", "tools")
     result = mod.main(["--model", "tiny", "--batch", "4", "--ctx", "24", "--steps", "3", "--warmup-steps", "1",
                        "--step-executables", "3", "--copies-max-tokens", "64", "--out", str(tmp_path)])
     assert result["steady"]["prefill_steps"] >= 1
@@ -37,7 +37,7 @@ def test_profile_step_tiny(tmp_path, capsys):
 
 
 def test_trace_analysis_on_a_synthetic_gpu_trace():
-    mod = load("profile_step")
+    mod = load("profile_step", "tools")
     meta = [
         {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
         {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
@@ -88,32 +88,6 @@ def test_bench_latency_tiny(tmp_path, capsys):
         mod.main(["--model", "tiny", "--batches", "1,3", "--max-num-seqs", "2", "--out", str(tmp_path)])
 
 
-def test_exp_xla_flags_tiny(tmp_path):
-    mod = load("exp_xla_flags")
-    out = mod.main(["--model", "tiny", "--batch", "2", "--ctx", "20", "--steps", "2", "--rounds", "1",
-                    "--engine-steps", "1", "--trace-steps", "1", "--variants", "default,cmdbuf_off",
-                    "--out", str(tmp_path)])
-    assert out["option_probe"]["xla_gpu_enable_command_buffer"] == "accepted"
-    for name in ("default", "cmdbuf_off"):
-        v = out["variants"][name]
-        assert "error" not in v and v["replay_ms"] > 0 and v["engine_ms"] > 0 and v["dispatch_ms"] > 0
-
-
-def test_bench_dispatch_runs(tmp_path):
-    rows = load("bench_dispatch").main(["--calls", "3", "--out", str(tmp_path)])
-    cases = [(r["args"], r["donated"], r["numpy_input"]) for r in rows]
-    assert cases[:7] == [(a, d, False) for a, d in ((4, 0), (4, 2), (16, 1), (64, 1), (226, 0), (226, 1), (311, 1))]
-    assert cases[7:] == [(4, 1, True), (226, 1, True), (226, 1, "device_put")]
-    assert all(r["dispatch_us"] > 0 for r in rows) and (tmp_path / "dispatch.json").is_file()
-
-
-def test_bench_dispatch_launch_sweep(tmp_path):
-    rows = load("bench_dispatch").main(["--calls", "2", "--kernels", "1,4", "--out", str(tmp_path)])
-    launches = [(r["kernels"], r["graphs"]) for r in rows if "launch_us" in r]
-    assert launches == [(1, True), (1, False), (4, True), (4, False)]
-    assert all(r["launch_us"] > 0 for r in rows if "launch_us" in r)
-
-
 def test_check_step_hlo_tiny(tmp_path):
     """The compiled step of a decode-like and a prefill step: one aliased pool, no copy, no layer slice."""
     rows = load("check_step_hlo").main(["--model", "tiny", "--out", str(tmp_path), "--dump-hlo"])
@@ -124,61 +98,10 @@ def test_check_step_hlo_tiny(tmp_path):
     assert "ENTRY" in (tmp_path / "decode_b4.hlo.txt").read_text()
 
 
-
 def test_bench_attention_big_pool_check_interpret():
     """The GPU check of a many-layer pool read at its last layer from its highest blocks (tiny here)."""
     rec = load("bench_attention").big_pool_check(interpret=True)
     assert rec["ok"] and rec["layer"] == 2, rec
-
-
-def test_bench_engine_host_tiny(tmp_path):
-    """The host-cost benchmark runs the engine with a stub step: every request decodes, outputs flow."""
-    rows = load("bench_engine_host").main(["--batches", "1,4", "--steps", "5", "--warmup", "3", "--profile",
-                                           "--add-request-lens", "8", "--first-step-len", "8", "--out", str(tmp_path)])
-    assert [r["batch"] for r in rows] == [1, 4] and all(r["median_us"] > 0 for r in rows)
-    assert rows[1]["top"] and (tmp_path / "engine_host.json").exists()
-    first = json.loads((tmp_path / "engine_host.json").read_text())["first_step"]
-    assert first["prompt_len"] == 8 and first["first_step_us"] > 0 and first["until_finished_us"] > 0
-
-
-def test_check_stacked_weights_tiny(tmp_path):
-    """The stacked-weights probe: same values either way, and it sees slices made into buffers (on the
-    CPU a 20-row dot is a library call, so each layer's 4 slices are copied; the GPU is the question)."""
-    rows = load("check_stacked_weights").main(["--tiny", "--layers", "3", "--rows", "1,20", "--calls", "3",
-                                               "--out", str(tmp_path)])
-    assert [r["rows"] for r in rows] == [1, 20] and all(r["max_abs_diff"] == 0 for r in rows)
-    assert all(r["separate_device_us"] > 0 and r["stacked_host_us"] > 0 for r in rows)
-    assert rows[1]["slice_copies"] > 0 and (tmp_path / "stacked_weights.json").is_file()
-
-
-def test_bench_sampler_small_vocab(tmp_path):
-    mod = load("bench_sampler")
-    rows = mod.main(["--batches", "1,8", "--vocab", "500", "--reps", "1", "--frequency-rows", "2000",
-                     "--configs", "64:3:4:2", "--out", str(tmp_path)])["rows"]
-    freq = rows.pop()  # the frequency check: every sampler near softmax, the kernel = XLA's path
-    assert freq["kernel_equals_xla_rows"] == 2000
-    assert all(freq[f"tv {v}"] < 3 * freq["tv_noise_level"] for v in ("sample (kernel)", "sample (XLA)"))
-    agree = [r for r in rows if "kernel_equals_xla_rows" in r]
-    assert len(agree) == 2 * 2 and all(r["kernel_equals_xla_rows"] == r["batch"] for r in agree)
-    swept = [r for r in rows if "equal_to_default_rows" in r]  # the looped configuration: same tokens
-    assert len(swept) == 2 * 2 and all(r["equal_to_default_rows"] == r["batch"] for r in swept)
-    rows = [r for r in rows if "variant" in r and r not in swept]
-    assert len(rows) == 2 * 2 * 4 and (tmp_path / "sampler.json").exists()
-    for r in rows:
-        if r["temperature"] == 0.0 or r["variant"] == "argmax only":
-            assert r["argmax_rows"] == r["batch"], r  # greedy rows take the argmax in every variant
-    sampled = [r for r in rows if r["temperature"] > 0 and r["batch"] == 8 and r["variant"] != "argmax only"]
-    assert all(r["argmax_rows"] < 8 for r in sampled)  # the noise moves some of 8 rows off the argmax
-
-
-def test_bench_attention_workload_smoke(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    mod = load("bench_attention_workload")
-    out = mod.main(["--smoke", "--out", str(tmp_path)])
-    rows = out["rows"]
-    assert {r["variant"] for r in rows} == {"engine", "sorted", "load_all"} and len(rows) == 6
-    assert all(r["rel_err"] < 1e-2 for r in rows)  # the kernel against the reference, every variant
-    assert set(out["totals_s"]) == {"engine", "sorted", "load_all"}
 
 
 def test_throughput_gpu_summary_of_a_synthetic_trace(monkeypatch, capsys):
@@ -227,13 +150,6 @@ def test_throughput_run_under_the_profiler_tiny(tmp_path, monkeypatch):
     assert g["wall_s"] == r["seconds"] and g["gpu_busy_s"] >= 0.0 and isinstance(g["kernels"], list)
 
 
-def test_bench_attention_workload_without_the_engine_variant(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    mod = load("bench_attention_workload")
-    out = mod.main(["--smoke", "--only", "sorted", "--out", str(tmp_path)])
-    assert set(out["totals_s"]) == {"sorted"} and (tmp_path / "attention_workload.json").exists()
-
-
 def test_throughput_trace_windows_tiny(tmp_path, monkeypatch, capsys):
     """``--trace-steps``: the untraced run records when each step ends, a second run traces only the
     windows' steps, and each window gets the untraced wall per step (CPU: no GPU lines, busy 0)."""
@@ -269,39 +185,3 @@ def test_throughput_trace_windows_tiny(tmp_path, monkeypatch, capsys):
     assert rows[0]["gpu_busy_ms"] == 0.0 and "error" in rows[1]  # no GPU on CI; window past the run's end
     mod.print_window_summaries(rows)
     assert "untraced wall per step vs GPU busy" in capsys.readouterr().out
-
-
-def test_bench_launch_config_smoke(tmp_path):
-    """CPU smoke (interpret mode, tiny cases): both comparisons run and every pair of outputs agrees."""
-    report = load("bench_launch_config").main(["--reps", "1", "--out", str(tmp_path)])
-    assert (tmp_path / "launch_config.json").exists()
-    assert len(report["rows"]) == 2 and len(report["small_prefill"]) == 1
-    for r in report["rows"] + report["small_prefill"]:
-        assert r["max_abs_diff"] < 2e-2, r  # bf16 outputs of two tilings of the same attention
-
-
-def test_bench_readback_tiny(tmp_path):
-    """The readback benchmark times every method on the same function (CPU: pinned_host may or may
-    not exist; it is timed or reported unsupported, never fatal)."""
-    r = load("bench_readback").main(["--reps", "3", "--work-ms", "0", "--size", "64", "--rows", "16",
-                                     "--out", str(tmp_path)])
-    assert set(r["methods"]) == set(load("bench_readback").METHODS)
-    for name, m in r["methods"].items():
-        assert isinstance(m, str) and name in ("pinned_host", "stream") or m["median_us"] > 0, (name, m)
-    assert json.loads((tmp_path / "readback.json").read_text())["depth"] == 0
-
-
-def test_bench_splitk_smoke(tmp_path):
-    """CPU smoke (interpret mode): the split-K way's chain matches the cuBLAS way's (XLA's dot here)."""
-    assert load("bench_splitk").main(["--smoke", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "bench_splitk.json").read_text())["results"]
-    assert {r["way"].split()[0] for r in rows} == {"cublas", "splitk"} and all(r["ok"] for r in rows)
-
-
-def test_bench_gemv_smoke_gives_each_matmul_its_own_input(tmp_path):
-    """The chain's matmuls get distinct inputs (a shared one let XLA merge the dots: session 12)."""
-    mod = load("bench_gemv")
-    xs = mod.inputs(3, 8, 4)
-    assert len({float(x.astype("float32").sum()) for x in xs}) == 4
-    out = mod.chain(lambda x, w: x @ w)(xs, 0.0, *[x.T for x in xs])
-    assert [o.shape for o in out] == [(3, 3)] * 4

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def load(name: str):
-    path = ROOT / "benchmarks" / f"{name}.py"
+    path = ROOT / "benchmarks" / "experiments" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.kernels.matmul import SPLITK_PROGRAMS, MatmulConfig, matmul, matmul_partials, splitk_config
+from jaxpaged.kernels.matmul import MatmulConfig, matmul
 from jaxpaged.kernels.reference import matmul_reference, rms_norm_reference
 from jaxpaged.kernels.rms_norm import rms_norm
 
@@ -76,29 +76,3 @@ def test_rms_norm_matches_reference_and_is_row_invariant(shape, dtype):
     flat = np.asarray(out.reshape(-1, shape[-1]), np.float32)
     one = np.asarray(rms_norm(x.reshape(-1, shape[-1])[-1:], w, 1e-6, interpret=True), np.float32)
     np.testing.assert_array_equal(one, flat[-1:])
-
-
-@pytest.mark.parametrize("m,k,n,splits", [(40, 96, 64, 4), (33, 100, 48, 3), (16, 64, 32, 1), (8, 32, 32, 8)])
-def test_matmul_partials_sum_to_the_product(m, k, n, splits):
-    """Split-K partials (``benchmarks/bench_splitk.py``): ``f32[S, M, N]`` whose sum is the fp32 product,
-    with ``K`` not a multiple of the splits' depth and splits past ``K`` (zeros)."""
-    rng = np.random.default_rng(m * 100 + k + splits)
-    x, w = rand(rng, (m, k), jnp.bfloat16), rand(rng, (k, n), jnp.bfloat16)
-    parts = matmul_partials(x, w, splits=splits, config=SMALL, interpret=True)
-    assert parts.shape == (splits, m, n) and parts.dtype == jnp.float32
-    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
-    np.testing.assert_allclose(np.asarray(parts).sum(0), want, rtol=1e-5, atol=1e-4)
-    depth = -(-(-(-k // SMALL.block_k)) // splits) * SMALL.block_k  # each split's depth
-    for s in range(splits):  # each partial is its own slice of K
-        lo, hi = min(s * depth, k), min((s + 1) * depth, k)
-        np.testing.assert_allclose(np.asarray(parts[s]), np.asarray(x, np.float32)[:, lo:hi] @ np.asarray(w, np.float32)[lo:hi],
-                                   rtol=1e-5, atol=1e-4)
-
-
-def test_splitk_config_fills_the_gpu_without_shallow_splits():
-    for m, k, n in [(64, 2048, 1024), (256, 3072, 1024), (512, 2048, 1024), (256, 256, 1024), (33, 128, 64)]:
-        cfg, splits = splitk_config(m, k, n)
-        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-        assert splits & (splits - 1) == 0 and 1 <= splits <= 16
-        assert tiles * splits <= SPLITK_PROGRAMS and k >= splits * 2 * cfg.block_k
-    assert splitk_config(256, 3072, 1024)[1] == 8 and splitk_config(256, 256, 1024)[1] == 2 and splitk_config(256, 128, 1024)[1] == 1

@@ -70,7 +70,7 @@ def test_notebook_runs(name):
 
 
 def test_exp_prefix_cache(tmp_path):
-    exp = load_module(ROOT / "benchmarks" / "exp_prefix_cache.py")
+    exp = load_module(ROOT / "benchmarks" / "experiments" / "exp_prefix_cache.py")
     report = exp.main(["--out", str(tmp_path), "--prefix-lens", "0", "64", "--requests", "4",
                        "--num-blocks", "128", "--max-num-batched-tokens", "64", "--timestamp-at", "20"])
     assert json.loads((tmp_path / "prefix_cache.json").read_text()).keys() == report.keys()
@@ -91,7 +91,7 @@ def test_exp_prefix_cache(tmp_path):
 
 
 def test_exp_block_size(tmp_path):
-    exp = load_module(ROOT / "benchmarks" / "exp_block_size.py")
+    exp = load_module(ROOT / "benchmarks" / "experiments" / "exp_block_size.py")
     report = exp.main(["--out", str(tmp_path), "--block-sizes", "8", "16", "32", "--kv-tokens", "2048",
                        "--requests", "12", "--max-model-len", "128", "--max-num-batched-tokens", "64",
                        "--shared-requests", "4", "--shared-prefix-len", "40"])
@@ -111,7 +111,7 @@ def test_exp_block_size(tmp_path):
 
 
 def test_exp_memory(tmp_path):
-    exp = load_module(ROOT / "benchmarks" / "exp_memory.py")
+    exp = load_module(ROOT / "benchmarks" / "experiments" / "exp_memory.py")
     report = exp.main(["--out", str(tmp_path), "--requests", "10", "--num-blocks", "48", "--block-size", "8",
                        "--max-model-len", "96", "--max-num-batched-tokens", "128"])
     assert json.loads((tmp_path / "memory.json").read_text()).keys() == report.keys()

@@ -1,4 +1,4 @@
-"""The pitfall demonstrations under benchmarks/pitfalls/ run on a CPU and show what they claim."""
+"""The pitfall demonstrations under benchmarks/experiments/pitfalls/ run on a CPU and show what they claim."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-PITFALLS = Path(__file__).resolve().parent.parent / "benchmarks" / "pitfalls"
+PITFALLS = Path(__file__).resolve().parent.parent / "benchmarks" / "experiments" / "pitfalls"
 
 
 def load(name: str):

@@ -16,8 +16,8 @@ XLA-on-CPU, not the kernels: it is only meaningful from a GPU run (``--full``). 
 of the timed run: it is rehearsed untimed first on a scratch engine of the same configuration (after
 ``LLMEngine.warmup()`` on the Pallas backend).
 
-    python benchmarks/exp_block_size.py [--out DIR]     # tiny model, CPU: the trend
-    python benchmarks/exp_block_size.py --full --out DIR  # the design notes' comparison at Qwen3-0.6B shapes (GPU)
+    python benchmarks/experiments/exp_block_size.py [--out DIR]     # tiny model, CPU: the trend
+    python benchmarks/experiments/exp_block_size.py --full --out DIR  # the design notes' comparison at Qwen3-0.6B shapes (GPU)
 
 ``--full`` runs the design notes' comparison (block size 16 vs 32) on a long-prompt workload: 128
 requests of 1,024-1,792 prompt tokens and 64-256 generated, a 64k-token KV budget, a 2,048-token
@@ -70,7 +70,7 @@ def shared_workload(n: int, prefix_len: int, vocab: int, max_tokens: int, seed: 
 
 
 def config_for(params, args, block_size: int) -> EngineConfig:
-    return EngineConfig(dtype=params.dtype, block_size=block_size, num_blocks=args.kv_tokens // block_size,
+    return EngineConfig(block_size=block_size, num_blocks=args.kv_tokens // block_size,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=True,
                         batch_invariant=args.batch_invariant)

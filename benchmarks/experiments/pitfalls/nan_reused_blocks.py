@@ -10,7 +10,7 @@ does not help, because ``0 * NaN = NaN``. Two demonstrations:
 2. the engine: greedy tokens from a NaN-poisoned pool, and from blocks reused after other requests,
    equal those from a fresh zeroed pool.
 
-    python benchmarks/pitfalls/nan_reused_blocks.py
+    python benchmarks/experiments/pitfalls/nan_reused_blocks.py
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ against a float64 computation on the same bf16 inputs: relative error of
   scores, running max, running sum and accumulator rounded to bf16 after every tile (written here
   for the demo; no jaxpaged kernel does this).
 
-    python benchmarks/pitfalls/bf16_accumulation.py [--lengths 256 1024 4096 16384]
+    python benchmarks/experiments/pitfalls/bf16_accumulation.py [--lengths 256 1024 4096 16384]
 """
 
 from __future__ import annotations

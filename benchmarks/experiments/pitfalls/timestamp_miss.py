@@ -6,7 +6,7 @@ one holding it onward is private. Found with ``engine.explain_prefix(a, b)`` (th
 two prompts diverge) and the KV event log (``EngineConfig(event_log=True)``: a ``hit`` event lists
 the cached blocks a request reused). Fix: move the variable part after the shared prompt.
 
-    python benchmarks/pitfalls/timestamp_miss.py
+    python benchmarks/experiments/pitfalls/timestamp_miss.py
 """
 
 from __future__ import annotations

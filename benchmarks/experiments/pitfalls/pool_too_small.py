@@ -8,7 +8,7 @@ unique prompt tokens; the event log (``event_log=True``) shows ``evict`` events 
 uses. Fix: a bigger pool (``num_blocks``, or ``memory_fraction`` on a GPU), fewer concurrent requests
 (``max_num_seqs``), or ``scheduling_policy="prefix_affinity"`` (requests of one prefix run together).
 
-    python benchmarks/pitfalls/pool_too_small.py
+    python benchmarks/experiments/pitfalls/pool_too_small.py
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ Then the classic cache-miss diagnosis: a system prompt that embeds a per-request
 can only share full blocks before the first differing token, which ``explain_prefix`` reports; moving
 the timestamp after the system prompt restores the hits. Both hit rates are measured.
 
-    python benchmarks/exp_prefix_cache.py [--out DIR]                        # tiny model, CPU: the trend
-    python benchmarks/exp_prefix_cache.py --full [--model qwen2.5-7b] --out DIR  # the design notes' workload (GPU)
+    python benchmarks/experiments/exp_prefix_cache.py [--out DIR]                        # tiny model, CPU: the trend
+    python benchmarks/experiments/exp_prefix_cache.py --full [--model qwen2.5-7b] --out DIR  # the design notes' workload (GPU)
 
 ``--full`` runs the design notes' workload instead (``run_full``): a ~1,500-token system prompt and
 100 different user questions, caching off and on, served by closed-loop clients (each sends its
@@ -81,7 +81,7 @@ def timestamped_prompts(num_requests: int, prefix_len: int, vocab: int, timestam
 
 
 def config_for(params, args, caching: bool) -> EngineConfig:
-    return EngineConfig(dtype=params.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+    return EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=caching,
                         batch_invariant=args.batch_invariant)

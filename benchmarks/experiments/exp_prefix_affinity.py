@@ -10,8 +10,8 @@ requests whose prefix is cached or being computed first, with a bounded wait. Re
 prefix hit rate, prefill tokens, evictions, preemptions, output tokens/s, TTFT p50/p99 (from
 arrival), the most steps a request was passed over; greedy outputs are compared across policies.
 
-    python benchmarks/exp_prefix_affinity.py [--out DIR]                   # tiny model, CPU
-    python benchmarks/exp_prefix_affinity.py --full [--model ...] --out DIR  # Qwen3-0.6B shapes (GPU)
+    python benchmarks/experiments/exp_prefix_affinity.py [--out DIR]                   # tiny model, CPU
+    python benchmarks/experiments/exp_prefix_affinity.py --full [--model ...] --out DIR  # Qwen3-0.6B shapes (GPU)
 
 ``--full``: 8 agents with 1,024-1,536-token system prompts, 192 requests (16-64-token questions, 32
 generated tokens), 4 arrivals per step, 32 concurrent requests, a pool of 512 blocks of 16 (8,192
@@ -67,7 +67,7 @@ def paced(engine: LLMEngine, prompts, sp: SamplingParams, per_step: int):
 
 
 def run(params, s: dict, policy: str, prompts, sp, max_model_len: int) -> dict:
-    cfg = EngineConfig(dtype=params.dtype, block_size=s["block_size"], num_blocks=s["num_blocks"],
+    cfg = EngineConfig(block_size=s["block_size"], num_blocks=s["num_blocks"],
                        max_model_len=max_model_len, max_num_seqs=s["max_num_seqs"],
                        max_num_batched_tokens=s["max_num_batched_tokens"], scheduling_policy=policy)
     paced(LLMEngine(params, cfg), prompts, sp, s["arrivals_per_step"])  # rehearsal: compiles every shape used

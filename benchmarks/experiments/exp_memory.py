@@ -5,8 +5,8 @@ Only the allocator differs: ``paged`` hands out a block when the last one fills;
 cache does. With the pool fixed, the question is how many requests run at once, how many steps the
 workload takes, and how much of the allocated KV memory holds tokens.
 
-    python benchmarks/exp_memory.py [--out DIR]                       # tiny model, CPU: the trend
-    python benchmarks/exp_memory.py --full [--model qwen2.5-7b] --out DIR  # the design notes' workloads (GPU)
+    python benchmarks/experiments/exp_memory.py [--out DIR]                       # tiny model, CPU: the trend
+    python benchmarks/experiments/exp_memory.py --full [--model qwen2.5-7b] --out DIR  # the design notes' workloads (GPU)
 
 ``--full`` runs the design notes' workloads instead (``full_workloads``): (1) 64 requests of 32-1,024
 tokens, 8 concurrent, at Qwen3-0.6B shapes; (2) 32 requests of 256-2,048 prompt tokens + 128
@@ -53,7 +53,7 @@ def run(params, policy: str, prompts, sps, args, *, num_blocks: int | None = Non
         max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, block_size: int | None = None) -> dict:
     """Runs the requests under one reservation policy; returns steps, batch sizes and memory use."""
     bs = block_size or args.block_size
-    cfg = EngineConfig(dtype=params.dtype, block_size=bs, num_blocks=num_blocks or args.num_blocks,
+    cfg = EngineConfig(block_size=bs, num_blocks=num_blocks or args.num_blocks,
                        max_model_len=max_model_len or args.max_model_len, max_num_seqs=max_num_seqs,
                        reservation=policy, enable_prefix_caching=False,
                        max_num_batched_tokens=max_num_batched_tokens or args.max_num_batched_tokens)

@@ -11,7 +11,7 @@ Prefix caching compares token ids, not text. Three traps, each shown with the to
 Fix: build prompts from token ids (tokenize the shared part once and append), normalise text
 (``unicodedata.normalize("NFC", s)``), and compare ``tokenizer.encode`` outputs, not strings.
 
-    python benchmarks/pitfalls/tokenizer_trap.py
+    python benchmarks/experiments/pitfalls/tokenizer_trap.py
 """
 
 from __future__ import annotations

@@ -2,16 +2,16 @@
 (0.6B) | ours (7B shapes).
 
 Each experiment runs in its own process (a fresh device, so JAX's peak-memory statistic belongs to
-it) under a time limit (``--limit``, 180 s by default: the issue's "under 3 minutes including
-compilation"); a job that times out or fails gets that written in its cells, and the rest go on.
+it) under a time limit (``--limit``, 180 s by default: each experiment should finish in under 3 minutes,
+compilation included); a job that times out or fails gets that written in its cells, and the rest go on.
 Every job writes its JSON report and log under ``--out/<job>/``; the table is rebuilt from every job
 folder present under ``--out``, so jobs run in separate calls (``--only``) merge into one table
 (``--table-only`` rebuilds it without running anything).
 
-    python benchmarks/run_design_notes.py --out DIR                       # all jobs (GPU; ~6 x 3 min at most)
-    python benchmarks/run_design_notes.py --out DIR --only memory-0.6b,memory-7b
-    python benchmarks/run_design_notes.py --out DIR --table-only
-    python benchmarks/run_design_notes.py --out DIR --tiny                # the same jobs at tiny sizes (CPU)
+    python benchmarks/experiments/run_design_notes.py --out DIR                       # all jobs (GPU; ~6 x 3 min at most)
+    python benchmarks/experiments/run_design_notes.py --out DIR --only memory-0.6b,memory-7b
+    python benchmarks/experiments/run_design_notes.py --out DIR --table-only
+    python benchmarks/experiments/run_design_notes.py --out DIR --tiny                # the same jobs at tiny sizes (CPU)
 
 Writes ``design_notes.md`` (the table) and ``design_notes.json`` under ``--out``.
 """

@@ -19,5 +19,5 @@ def tiny_engine(**config) -> LLMEngine:
     """An engine over the tiny checkpoint (random weights, a real byte-level BPE tokenizer)."""
     path = tiny_checkpoint_path("qwen3")
     params = tiny_params()
-    config = dict(dict(dtype="float32", block_size=16, num_blocks=128, max_model_len=512), **config)
+    config = dict(dict(block_size=16, num_blocks=128, max_model_len=512), **config)
     return LLMEngine(params, EngineConfig(**config), load_tokenizer(path))
