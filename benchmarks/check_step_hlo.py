@@ -1,7 +1,7 @@
 """Checks the compiled step on the real pool: one aliased pool array, never copied, no layer sliced out,
 the step's inputs and previous tokens each read by one instruction (``readers``: else every launch
-patches the CUDA graph's nodes that read them), and what XLA's memory analysis says the step needs beside it. Qwen3-0.6B shapes, random bf16 weights,
-the engine's default pool (most of the GPU), a decode step of 256 sequences and a prefill step of 8,192
+patches the CUDA graph's nodes that read them), and what XLA's memory analysis says the step needs
+beside it. Qwen3-0.6B shapes, random bf16 weights, the engine's default pool (most of the GPU), a decode step of 256 sequences and a prefill step of 8,192
 tokens (8 x 1,024).
 
     python benchmarks/check_step_hlo.py [--model tiny] [--out DIR]
@@ -22,7 +22,7 @@ from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from jaxpaged.engine.step_inputs import build_step_inputs  # noqa: E402
 import jax  # noqa: E402
 
-from jaxpaged.engine.model_runner import entry_param_readers, pool_hlo_report  # noqa: E402
+from jaxpaged.engine.hlo import entry_param_readers, pool_hlo_report  # noqa: E402
 from jaxpaged.workloads import BENCHMARK_MODELS, benchmark_params  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def check(engine: LLMEngine, prompts: list[list[int]], dump: str | None = None) 
     scheduled = engine.scheduler.schedule()
     inputs = build_step_inputs(scheduled, engine.kv.tables, engine.config.block_size, width=engine._table_width,
                                max_seqs=engine.config.max_num_seqs,
-                               eos_token_ids=engine.params.config.eos_token_id, min_tokens=engine.min_token_bucket)
+                               eos_token_ids=engine.params.config.eos_token_id, min_tokens=engine.runner.tuning.min_token_bucket)
     compiled = engine.runner.compiled(engine.params.state, engine.kv_pool, inputs)
     text = compiled.as_text()
     if dump:
@@ -60,15 +60,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--decode-batches", default="256", help="comma list: a decode-like step per batch size")
     ap.add_argument("--dump-hlo", action="store_true", help="write each step's compiled HLO to --out")
-    ap.add_argument("--no-fused", dest="fused", action="store_false",
-                    help="fused_qkv=False, fuse_matmul_inputs=True: XLA's own kernels and fusions")
     args = ap.parse_args(argv)
     tiny = args.model == "tiny"
     engine = LLMEngine(benchmark_params(args.model), EngineConfig(
         block_size=16, max_model_len=512 if tiny else 2048, max_num_seqs=16 if tiny else 256,
-        max_num_batched_tokens=128 if tiny else 8192, fused_qkv=args.fused, fuse_matmul_inputs=not args.fused,
-        fused_residual=args.fused,
-        **(dict(num_blocks=256) if tiny else {})))
+        max_num_batched_tokens=128 if tiny else 8192, **(dict(num_blocks=256) if tiny else {})))
     rng = np.random.default_rng(0)
     n_pre, plen = (2, 64) if tiny else (8, 1024)
     decode_batches = [4] if tiny else [int(b) for b in args.decode_batches.split(",")]

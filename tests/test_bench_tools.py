@@ -23,7 +23,9 @@ def test_profile_step_tiny(tmp_path, capsys):
     result = mod.main(["--model", "tiny", "--batch", "4", "--ctx", "24", "--steps", "3", "--warmup-steps", "1",
                        "--step-executables", "3", "--copies-max-tokens", "64", "--out", str(tmp_path)])
     assert result["steady"]["prefill_steps"] >= 1
-    assert result["copies_max_tokens"] == 64
+    # The command line's StepTuning over the CPU's defaults (bucket 16, no cuBLAS).
+    assert result["tuning"] == dict(min_token_bucket=16, step_executables=3, cublas_max_tokens=0,
+                                    copies_max_tokens=64)
     # Three copies used in turn for the 16-token decode steps (bucket 16 on the CPU): two more executables.
     assert result["compiled_executables"] >= result["compiled_shapes"] + 2
     assert len(result["untraced"]["wall_s"]) == 3 and result["untraced"]["wall_median_s"] > 0
@@ -57,7 +59,7 @@ def test_trace_analysis_on_a_synthetic_gpu_trace():
     a = mod.analyse_trace(meta + ev, steps=2)
     assert a["device"] == "/device:GPU:0" and a["stream_lines"] == ["Stream #7(Compute)"]
     assert a["kernel_count_per_step"] == 3
-    assert a["kernel_us_per_step"] == pytest.approx(250.0)
+    assert a["kernel_us_per_step"] == 250.0  # 100 + 100 + 50 per step: the sum, overlaps counted in full
     assert a["kernel_busy_us_per_step"] == pytest.approx(200.0)  # the two fusions overlap by 50 us
     assert a["busy_us_per_step"] == pytest.approx(203.0)
     assert a["top"][0]["name"] == "loop_add_fusion" and a["top"][0]["calls_per_step"] == 2
@@ -73,19 +75,37 @@ def test_bench_latency_tiny(tmp_path, capsys):
     rows = result["rows"]
     assert [(r["batch"], r["prompt_len"]) for r in rows] == [(1, 8), (3, 8), (1, 20), (3, 20)]
     for r in rows:
-        assert r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0
-        assert len(r["raw"][0]["ttft"]) == r["batch"]
-        assert len(r["raw"][0]["itl"]) == r["batch"] * 3  # 4 tokens -> 3 gaps per request
+        run = r["raw"][0]
+        assert len(run["ttft"]) == r["batch"] and len(run["token_ids"]) == r["batch"]
+        assert all(len(t) == 4 for t in run["token_ids"]) and run["output_tokens"] == 4 * r["batch"]
+        assert len(run["itl"]) == r["batch"] * 3  # 4 tokens -> 3 gaps per request
+        assert run["decode_steps"] == 3  # the batch decodes together: one ITL sample per request a step
+        assert r["recompiles_while_measuring"] == 0 and r["runs"] == 1
+        assert r["ttft_p50_ms"] <= r["ttft_p90_ms"] and r["itl_p50_ms"] <= r["itl_p90_ms"]
     assert json.loads((tmp_path / "latency.json").read_text())["rows"][0]["batch"] == 1
     assert "TTFT p50" in capsys.readouterr().out
     assert result["max_num_seqs"] == 3  # the largest batch, unless --max-num-seqs says otherwise
     assert [mod.repeats_for(b, None) for b in (1, 8, 64)] == [30, 4, 3]  # >= 30 first tokens, >= 3 runs
     assert mod.repeats_for(1, 5) == 5
-    one = mod.main(["--model", "tiny", "--batches", "1", "--prompts", "8", "--max-tokens", "2", "--repeats", "1",
-                    "--max-num-seqs", "16", "--out", str(tmp_path / "m16")])
-    assert one["max_num_seqs"] == 16 and one["rows"][0]["ttft_p50_ms"] > 0
     with pytest.raises(SystemExit, match="smaller than the largest batch"):
         mod.main(["--model", "tiny", "--batches", "1,3", "--max-num-seqs", "2", "--out", str(tmp_path)])
+
+
+def test_bench_latency_tokens_equal_llm_generate():
+    """The latency loop's tokens are the engine's: the same greedy requests through ``LLM.generate``."""
+    from jaxpaged import LLM, EngineConfig, LLMEngine, SamplingParams
+    from jaxpaged.models.tiny import tiny_checkpoint_path
+
+    mod = load("bench_latency")
+    prompts = [[5, 17, 99, 3, 250, 8, 41, 7], [300, 2, 2, 61, 9], [1, 2, 3]]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    kw = dict(block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    llm = LLM(tiny_checkpoint_path("qwen3"), dtype="float32", **kw)
+    run = mod.run_batch(LLMEngine(llm.params, EngineConfig(**kw)), prompts, sp)  # (shares the compiled steps)
+    want = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                                                use_tqdm=False)]
+    assert run["token_ids"] == want
+    assert len(run["itl"]) == 3 * 5 and run["decode_steps"] == 5 and len(run["tpot"]) == 3
 
 
 def test_check_step_hlo_tiny(tmp_path):
@@ -104,8 +124,7 @@ def test_bench_attention_big_pool_check_interpret():
     assert rec["ok"] and rec["layer"] == 2, rec
 
 
-def test_throughput_gpu_summary_of_a_synthetic_trace(monkeypatch, capsys):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+def test_throughput_gpu_summary_of_a_synthetic_trace(capsys):
     mod = load("bench_throughput")
     events = [
         {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
@@ -126,7 +145,7 @@ def test_throughput_gpu_summary_of_a_synthetic_trace(monkeypatch, capsys):
     assert "busy 0.002 s of 0.004 s wall (40%)" in capsys.readouterr().out
 
 
-def test_throughput_run_under_the_profiler_tiny(tmp_path, monkeypatch):
+def test_throughput_run_under_the_profiler_tiny(tmp_path):
     """``--trace``'s path end to end on the tiny model (CPU: the trace has no GPU lines, so the summary
     is empty but well formed)."""
     import argparse
@@ -134,23 +153,21 @@ def test_throughput_run_under_the_profiler_tiny(tmp_path, monkeypatch):
     from jaxpaged import SamplingParams, load_params
     from jaxpaged.models.tiny import tiny_checkpoint_path
 
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     mod = load("bench_throughput")
-    from profile_step import find_trace_file, load_trace
-
+    ps = mod.trace_tools()  # tools/profile_step.py
     params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
     args = argparse.Namespace(block_size=16, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
                               backend="auto", async_scheduling=True, trace_dir=str(tmp_path / "trace"))
     prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
     r = mod.run_ours(params, prompts, [SamplingParams(max_tokens=5, ignore_eos=True)] * 2, args)
     assert r["traced"] and r["output_tokens"] == 10
-    path = find_trace_file(args.trace_dir)
+    path = ps.find_trace_file(args.trace_dir)
     assert path is not None
-    g = mod.workload_gpu_summary(load_trace(path), r["seconds"])
+    g = mod.workload_gpu_summary(ps.load_trace(path), r["seconds"])
     assert g["wall_s"] == r["seconds"] and g["gpu_busy_s"] >= 0.0 and isinstance(g["kernels"], list)
 
 
-def test_throughput_trace_windows_tiny(tmp_path, monkeypatch, capsys):
+def test_throughput_trace_windows_tiny(tmp_path, capsys):
     """``--trace-steps``: the untraced run records when each step ends, a second run traces only the
     windows' steps, and each window gets the untraced wall per step (CPU: no GPU lines, busy 0)."""
     import argparse
@@ -158,7 +175,6 @@ def test_throughput_trace_windows_tiny(tmp_path, monkeypatch, capsys):
     from jaxpaged import SamplingParams, load_params
     from jaxpaged.models.tiny import tiny_checkpoint_path
 
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     mod = load("bench_throughput")
     assert mod.parse_windows("2:4, 5:7") == [(2, 4), (5, 7)] and mod.parse_windows(None) == []
     with pytest.raises(SystemExit, match="bad window"):
@@ -185,3 +201,39 @@ def test_throughput_trace_windows_tiny(tmp_path, monkeypatch, capsys):
     assert rows[0]["gpu_busy_ms"] == 0.0 and "error" in rows[1]  # no GPU on CI; window past the run's end
     mod.print_window_summaries(rows)
     assert "untraced wall per step vs GPU busy" in capsys.readouterr().out
+
+
+def test_throughput_defaults_fit_every_model():
+    """Every ``--model`` the help offers runs with the defaults: the workload fits ``max_model_len``
+    and the model's positions; tiny's is small (CPU) and has no Hugging Face baseline."""
+    mod = load("bench_throughput")
+    positions = {"qwen3-0.6b": 40960, "qwen2.5-0.5b": 32768, "qwen2.5-7b": 32768,
+                 "tiny": json.loads((ROOT / "models/tiny/qwen3/config.json").read_text())["max_position_embeddings"]}
+    assert set(mod.MODELS) == set(positions)
+    for model, limit in positions.items():
+        args = mod.parse_args(["--model", model])
+        assert args.max_input_len + args.max_output_len <= args.max_model_len <= limit, model
+        assert args.temperature == 0.6 and args.max_num_seqs <= args.num_seqs
+    tiny = mod.parse_args(["--model", "tiny"])
+    assert (tiny.num_seqs, tiny.max_model_len, tiny.hf_requests) == (16, 256, 0)
+    full = mod.parse_args(["--model", "qwen2.5-7b", "--num-seqs", "8"])
+    assert (full.num_seqs, full.max_input_len, full.max_model_len, full.max_num_batched_tokens) == (8, 1024, 2048, 8192)
+    with pytest.raises(SystemExit, match=">= 100"):
+        mod.parse_args(["--model", "tiny", "--max-input-len", "50"])
+
+
+@pytest.mark.slow  # ~30 s on a CPU
+def test_throughput_tiny_with_its_defaults(tmp_path, capsys):
+    """``--model tiny`` with nothing else: nano-vllm's workload in small (16 requests, prompts and
+    outputs of 100..128 tokens), every request's ``max_tokens`` generated."""
+    mod = load("bench_throughput")
+    result = mod.main(["--model", "tiny", "--out", str(tmp_path)])
+    args = mod.parse_args(["--model", "tiny"])
+    prompts, sps = mod.workload(args, 512)
+    assert len(prompts) == 16 and all(100 <= len(p) <= 128 and max(p) < 512 for p in prompts)
+    assert all(sp.temperature == 0.6 and sp.ignore_eos and 100 <= sp.max_tokens <= 128 for sp in sps)
+    r = result["ours_full"]
+    assert r["output_tokens"] == sum(sp.max_tokens for sp in sps) and r["preemptions"] == 0
+    assert len(r["step_end_s"]) >= max(sp.max_tokens for sp in sps) and "hf_subset" not in result
+    assert json.loads((tmp_path / "throughput.json").read_text())["ours_full"]["output_tokens"] == r["output_tokens"]
+    assert "jaxpaged " in capsys.readouterr().out

@@ -15,9 +15,14 @@ then:
 Only the shapes the run needs are compiled (one or two prefill buckets and the decode bucket), so a
 cold GPU run stays well under two minutes. JSON with everything goes to ``--out``/profile_step.json,
 the trace itself stays under ``--out``/trace for Perfetto (ui.perfetto.dev) or TensorBoard.
+``--min-token-bucket``, ``--step-executables``, ``--cublas-max-tokens`` and ``--copies-max-tokens`` set
+the step's ``StepTuning`` (``jaxpaged/engine/tuning.py``; unset: the device's defaults).
 
-    python benchmarks/profile_step.py --out $OUT [--batch 256] [--ctx 350] [--steps 20]
-    python benchmarks/profile_step.py --model tiny --batch 4 --ctx 32 --steps 4 --out /tmp/p   # CPU
+The trace parsing (:func:`find_trace_file`, :func:`load_trace`, :func:`analyse_trace`) is also what
+``benchmarks/bench_throughput.py --trace`` / ``--trace-steps`` use.
+
+    python tools/profile_step.py --out $OUT [--batch 256] [--ctx 350] [--steps 20]
+    python tools/profile_step.py --model tiny --batch 4 --ctx 32 --steps 4 --out /tmp/p   # CPU
 """
 
 from __future__ import annotations
@@ -28,11 +33,10 @@ import glob
 import gzip
 import json
 import os
+import dataclasses
 import re
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -42,8 +46,8 @@ import numpy as np  # noqa: E402
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from jaxpaged.engine.heap import freeze_long_lived_heap  # noqa: E402
-from jaxpaged.workloads import (BENCHMARK_MODELS, add_decode_path_flags, benchmark_params,  # noqa: E402
-                                decode_path_config, parse_xla_options)
+from jaxpaged.engine.tuning import StepTuning  # noqa: E402
+from jaxpaged.workloads import BENCHMARK_MODELS, benchmark_params  # noqa: E402
 
 MODELS = BENCHMARK_MODELS
 # Lines the profiler derives from the streams (or from the host): never counted as device work.
@@ -57,24 +61,24 @@ load_params = benchmark_params
 
 def build_engine(params, *, batch: int, max_model_len: int, block_size: int = 16,
                  max_num_batched_tokens: int = 8192, backend: str = "auto",
-                 async_scheduling: bool = True, prefix_caching: bool = True, decode_gemv: bool = True,
-                 fused_qkv: bool = True, fuse_matmul_inputs: bool = False, fused_residual: bool = True,
-                 min_token_bucket: int | None = None, longest_first: bool = True,
-                 step_executables: int | None = None, cublas_max_tokens: int | None = None,
-                 max_cudagraph_capture_size: int | None = None, compiler_options: tuple | None = None,
-                 fused_sampler: bool = True, token_readback: str = "auto") -> LLMEngine:
-    """An engine whose pool holds exactly ``batch`` sequences of ``max_model_len`` tokens (+1 block)."""
+                 async_scheduling: bool = True, prefix_caching: bool = True,
+                 tuning: StepTuning | None = None) -> LLMEngine:
+    """An engine whose pool holds exactly ``batch`` sequences of ``max_model_len`` tokens (+1 block);
+    ``tuning``: the step's bucketing and compilation (``None``: the device's defaults)."""
     blocks_per_seq = -(-max_model_len // block_size)
     config = EngineConfig(block_size=block_size, num_blocks=batch * blocks_per_seq + 1, max_num_seqs=batch,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                          attention_backend=backend, dtype=params.dtype, async_scheduling=async_scheduling,
-                          enable_prefix_caching=prefix_caching, decode_gemv=decode_gemv,
-                          fused_qkv=fused_qkv, fuse_matmul_inputs=fuse_matmul_inputs, fused_residual=fused_residual,
-                          min_token_bucket=min_token_bucket, longest_first=longest_first,
-                          step_executables=step_executables, cublas_max_tokens=cublas_max_tokens,
-                          max_cudagraph_capture_size=max_cudagraph_capture_size, compiler_options=compiler_options,
-                          fused_sampler=fused_sampler, token_readback=token_readback)
-    return LLMEngine(params, config)
+                          attention_backend=backend, async_scheduling=async_scheduling,
+                          enable_prefix_caching=prefix_caching)
+    return LLMEngine(params, config, tuning=tuning)
+
+
+def tuning_from_args(args) -> StepTuning:
+    """The device's default ``StepTuning`` with the command line's ``--min-token-bucket``,
+    ``--step-executables``, ``--cublas-max-tokens`` and ``--copies-max-tokens`` where given."""
+    given = {k: getattr(args, k) for k in ("min_token_bucket", "step_executables", "cublas_max_tokens",
+                                           "copies_max_tokens") if getattr(args, k, None) is not None}
+    return dataclasses.replace(StepTuning.default(), **given)
 
 
 def random_prompts(rng: np.random.Generator, vocab: int, num: int, length: int) -> list[list[int]]:
@@ -236,22 +240,6 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
     if cur_e is not None:
         total += cur_e - cur_s
     return total
-
-
-def trace_kernels(calls, prefix: str = "trace_kernels_") -> list[dict]:
-    """Runs ``calls()`` (already compiled work, each call waited for) under ``jax.profiler`` in a
-    temporary directory and returns :func:`analyse_trace`'s kernel table for it as one step (the
-    kernel microbenchmarks' timing: ``bench_gemv.py``, ``bench_splitk.py``)."""
-    trace_dir = tempfile.mkdtemp(prefix=prefix)
-    jax.profiler.start_trace(trace_dir)
-    try:
-        calls()
-    finally:
-        jax.profiler.stop_trace()
-    path = find_trace_file(trace_dir)
-    kernels = analyse_trace(load_trace(path), 1)["kernels"] if path else []
-    shutil.rmtree(trace_dir, ignore_errors=True)
-    return kernels
 
 
 def analyse_trace(events: list[dict], steps: int, step_marker: str = "profile_step:engine.step",
@@ -433,15 +421,16 @@ def main(argv: list[str] | None = None) -> dict:
                     help="read each step's tokens back before dispatching the next (default: async)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--trace-dir", default=None, help="where the profiler writes (default: --out/trace)")
-    add_decode_path_flags(ap)
-    ap.add_argument("--xla-option", action="append", help="name=value, repeatable: EngineConfig.compiler_options")
+    ap.add_argument("--min-token-bucket", type=int, default=None,
+                    help="StepTuning.min_token_bucket: the smallest padded token count of a step")
+    ap.add_argument("--step-executables", type=int, default=None,
+                    help="StepTuning.step_executables: copies of each small compiled step, used in turn")
+    ap.add_argument("--cublas-max-tokens", type=int, default=None,
+                    help="StepTuning.cublas_max_tokens: steps of 33..N padded tokens use cuBLAS GEMMs (0: never)")
     ap.add_argument("--copies-max-tokens", type=int, default=None,
-                    help="experiment: steps of up to N tokens use every step copy (--step-executables), not "
-                         "only those of <= 32 (ModelRunner.copies_max_tokens); with TF_CPP_VMODULE="
-                         "command_buffer_thunk=3 it shows whether copies stop a large step's graph re-patch")
+                    help="StepTuning.copies_max_tokens: the largest padded step that uses every copy")
     ap.add_argument("--all-host-events", action="store_true",
-                    help="list every host event of the trace (CUDA API calls too), top 30; with --xla-option "
-                         "xla_enable_command_buffers_during_profiling=True the traced launch is the real one")
+                    help="list every host event of the trace (CUDA API calls too), top 30")
     ap.add_argument("--ttft", action="store_true",
                     help="profile first tokens instead of decode steps: --steps requests of --ctx tokens, one "
                          "at a time, max_tokens=1; a 'step' is then a request's add_request..finished window")
@@ -459,10 +448,7 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{params.config.max_position_embeddings} positions")
     engine = build_engine(params, batch=args.batch, max_model_len=max_model_len, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend,
-                          async_scheduling=args.async_scheduling, **decode_path_config(args),
-                          compiler_options=parse_xla_options(args.xla_option))
-    if args.copies_max_tokens is not None:
-        engine.runner.copies_max_tokens = args.copies_max_tokens
+                          async_scheduling=args.async_scheduling, tuning=tuning_from_args(args))
     steady = reach_steady_decode(engine, batch=args.batch, ctx=args.ctx, max_tokens=gen,
                                  temperature=args.temperature,
                                  warmup_steps=max(args.warmup_steps, engine.runner.step_executables))  # every copy
@@ -483,7 +469,7 @@ def main(argv: list[str] | None = None) -> dict:
                   device=str(jax.devices()[0]), jax=jax.__version__, backend=engine.runner.attention_backend,
                   compiled_shapes=engine.runner.num_compiled_shapes, compile_seconds=engine.runner.compile_seconds,
                   compiled_executables=engine.runner.num_compiled_executables,
-                  copies_max_tokens=engine.runner.copies_max_tokens,
+                  tuning=dataclasses.asdict(engine.runner.tuning),
                   steady=steady, untraced=untraced, traced=traced, trace_file=path, trace=analysis)
     if analysis and analysis["device"]:
         result["summary"] = dict(
@@ -504,8 +490,7 @@ def main_ttft(args) -> dict:
     params = load_params(args.model)
     engine = build_engine(params, batch=1, max_model_len=args.ctx + 8, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend,
-                          async_scheduling=args.async_scheduling, **decode_path_config(args),
-                          compiler_options=parse_xla_options(args.xla_option))
+                          async_scheduling=args.async_scheduling, tuning=tuning_from_args(args))
     rng = np.random.default_rng(0)
     t0, c0 = time.perf_counter(), engine.runner.compile_seconds
     first_token_requests(engine, args.warmup_steps, args.ctx, rng)  # compiles the prefill shape
