@@ -1,4 +1,4 @@
-"""Command line: ``python -m jaxpaged demo | generate --model PATH --prompt ... | bench``.
+"""Command line: python -m jaxpaged demo | generate --model PATH --prompt ... | bench.
 
 ``demo`` needs nothing: it runs the packaged tiny random Qwen3 checkpoint (so the text is gibberish,
 but every mechanism is real), sends requests that share a system prompt, and prints the generated
@@ -49,14 +49,14 @@ def _print_stats(llm: LLM) -> None:
 def demo(args: argparse.Namespace) -> None:
     path = tiny_checkpoint_path("qwen3")
     print(f"jaxpaged demo: tiny random Qwen3 checkpoint at {path}\n")
-    llm = LLM(path, dtype="float32", block_size=8, num_blocks=128, max_model_len=256,
+    llm = LLM(path, dtype="float32", block_size=8, num_blocks=128, max_model_len=256, max_num_batched_tokens=256,
               attention_backend=args.attention_backend)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     first = llm.generate([DEMO_SYSTEM + DEMO_QUESTIONS[0]], sp, use_tqdm=False)
     rest = llm.generate([DEMO_SYSTEM + q for q in DEMO_QUESTIONS[1:]], sp, use_tqdm=False)
     _print_outputs(first + rest)
-    print(f"\n{len(DEMO_QUESTIONS)} requests in {time.perf_counter() - t0:.2f} s (compilation included)")
+    print(f"\n{len(DEMO_QUESTIONS)} requests in {time.perf_counter() - t0:.2f} s (steps compiled at start-up)")
     print(f"first divergence of two prompts: {llm.explain_prefix(DEMO_SYSTEM + DEMO_QUESTIONS[0], DEMO_SYSTEM + DEMO_QUESTIONS[1])}")
     _print_stats(llm)
 
@@ -70,6 +70,12 @@ def generate_cmd(args: argparse.Namespace) -> None:
     _print_stats(llm)
 
 
+# Workload defaults: the full one (nano-vllm's) for real and random Qwen3-0.6B weights; a small one for
+# the packaged tiny checkpoint (1,024 positions), which runs in seconds on a CPU.
+FULL_BENCH = dict(num_seqs=256, max_len=2048, max_num_batched_tokens=8192)
+TINY_BENCH = dict(num_seqs=16, max_len=512, max_num_batched_tokens=1024)
+
+
 def bench(args: argparse.Namespace) -> None:
     """nano-vllm's throughput workload (scaled by --num-seqs / --max-len) on a checkpoint or random weights."""
     from .engine.llm_engine import LLMEngine
@@ -77,7 +83,11 @@ def bench(args: argparse.Namespace) -> None:
     from .models.checkpoint import load_params
     from .workloads import QWEN3_0_6B, nano_vllm_workload, random_model
 
-    if args.model == "tiny":
+    tiny = args.model == "tiny"
+    for name, value in (TINY_BENCH if tiny else FULL_BENCH).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if tiny:
         params = load_params(tiny_checkpoint_path("qwen3"), "float32")
     elif args.model:
         params = load_params(args.model, args.dtype)
@@ -89,7 +99,7 @@ def bench(args: argparse.Namespace) -> None:
     prompts, sps = nano_vllm_workload(args.num_seqs, half, half)
     vocab = params.config.vocab_size
     prompts = [[t % vocab for t in p] for p in prompts]
-    engine = LLMEngine(params, EngineConfig(dtype=params.dtype, block_size=args.block_size, max_model_len=args.max_len,
+    engine = LLMEngine(params, EngineConfig(block_size=args.block_size, max_model_len=args.max_len,
                                             max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
                                             max_num_batched_tokens=args.max_num_batched_tokens))
     compile_s = engine.warmup()
@@ -124,12 +134,13 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--attention-backend", default="auto")
     b = sub.add_parser("bench", help="throughput on nano-vllm's workload (random Qwen3-0.6B weights by default)")
     b.add_argument("--model", default=None, help="checkpoint folder, 'tiny' for the packaged model, or none")
-    b.add_argument("--num-seqs", type=int, default=256)
-    b.add_argument("--max-len", type=int, default=2048, help="max_model_len; prompts and outputs up to half each")
+    b.add_argument("--num-seqs", type=int, default=None, help="requests (default 256; 16 with --model tiny)")
+    b.add_argument("--max-len", type=int, default=None,
+                   help="max_model_len; prompts and outputs up to half each (default 2048; 512 with --model tiny)")
     b.add_argument("--dtype", default="bfloat16")
     b.add_argument("--block-size", type=int, default=16)
     b.add_argument("--max-num-seqs", type=int, default=256)
-    b.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    b.add_argument("--max-num-batched-tokens", type=int, default=None, help="default 8192; 1024 with --model tiny")
     b.add_argument("--attention-backend", default="auto")
     args = ap.parse_args(argv)
     {"demo": demo, "generate": generate_cmd, "bench": bench}[args.cmd](args)

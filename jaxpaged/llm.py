@@ -19,6 +19,15 @@ from .sampling.sampler import RequestOutputKind, SamplingParams
 from .io.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1 (``"1.50 GiB"``, ``"768.00 KiB"``)."""
+    for unit in ("GiB", "MiB", "KiB"):
+        scale = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10}[unit]
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
 FINAL, DELTA = RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA
 GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -102,9 +111,13 @@ class LLM:
     ``model``: a Hugging Face checkpoint folder, or a Hub id already in the local Hugging Face cache
     (``huggingface-cli download Qwen/Qwen3-0.6B`` first). Without sampling params, ``generate`` and
     ``chat`` use the checkpoint's ``generation_config.json`` defaults, as vLLM does.
+    ``dtype``: the weights' dtype. ``warmup``: compile every step shape and sampler variant now, with a
+    progress bar (``LLMEngine.warmup``), so no request waits for a compilation; ``False`` skips it
+    (steps then compile on first use). ``**config``: ``EngineConfig`` fields.
     """
 
-    def __init__(self, model: str | Path, *, dtype: str = "bfloat16", cache_dir: str | None = None, **config):
+    def __init__(self, model: str | Path, *, dtype: str = "bfloat16", cache_dir: str | None = None,
+                 warmup: bool = True, **config):
         self.model_path = resolve_model_path(model)
         self.params = load_params(self.model_path, dtype, cache_dir=cache_dir,
                                   tensor_parallel_size=config.get("tensor_parallel_size", 1))
@@ -113,8 +126,20 @@ class LLM:
         self.default_sampling_params = default_sampling_params(self.model_path)
         e = self.engine
         print(f"jaxpaged: KV pool {e.num_blocks} blocks x {e.config.block_size} tokens "
-              f"({e.num_blocks * e.config.block_size} tokens, {e.stats()['kv_pool_bytes'] / 2**30:.2f} GiB "
+              f"({e.num_blocks * e.config.block_size} tokens, {format_bytes(e.stats()['kv_pool_bytes'])} "
               f"{e.kv_dtype}), max_model_len {e.max_model_len}")
+        if warmup:
+            e.warmup()
+
+    def close(self) -> None:
+        """Releases the engine's resources outside JAX (``LLMEngine.close``)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _sp(self, sampling_params):
         return self.default_sampling_params if sampling_params is None else sampling_params

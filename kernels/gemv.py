@@ -2,7 +2,7 @@
 
 Why: at batch 1-32 every projection of a decode step is a read of its weight (Qwen3-0.6B: 4-13 MB per
 matmul, 4 per layer) and nothing else; XLA's GEMM fusions reach about 40-45% of the HBM read rate on
-these shapes (``benchmarks/RESULTS.md``, profile of the batch-1 step) because a weight with 1,024
+these shapes (profile of the batch-1 step, ``tools/profile_step.py``) because a weight with 1,024
 output columns gives them too few tiles to keep 132 SMs reading. This kernel splits both the output
 columns and the reduction depth ``K`` so that every shape gets a few hundred programs:
 
@@ -60,7 +60,7 @@ def gemv_config(k: int, n: int, transpose_w: bool = False) -> GemvConfig:
     ``block_n`` 64); transposed ones read ``block_k`` contiguous depths per row. ``splits`` grows
     until the grid has ~2 programs per SM, as long as each still walks at least 2 ``block_k`` steps.
     """
-    block_n, block_k = 64, 128  # also for [N, K] weights (the tied LM head): measured equal, RESULTS.md
+    block_n, block_k = 64, 128  # also for [N, K] weights (the tied LM head): measured equal on the H200
     splits = 1
     col_tiles = -(-n // block_n)
     while col_tiles * splits < 256 and k % (2 * splits * block_k) == 0 and k // (2 * splits) >= 2 * block_k:

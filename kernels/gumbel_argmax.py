@@ -4,9 +4,9 @@ best of a row's part winners.
 
 Why: XLA's sampler (two row reductions over the ``[S, V]`` float32 logits, drawing the noise in the
 first) took 155 us of a 4.4 ms batch-256 decode step on the H200 against 59 us for a bare argmax
-(``benchmarks/bench_sampler.py``, RESULTS.md sessions 6 and 8). The pass is bound by arithmetic, not
+(measured on the H200). The pass is bound by arithmetic, not
 by the read: two accurate ``logf`` per logit (~20 instructions each), a correctly rounded division by
-the temperature and the hash. Session 8's Pallas pass with the same arithmetic was no faster. This one
+the temperature and the hash. A Pallas pass with the same arithmetic was no faster. This one
 draws the same kind of noise with far fewer instructions:
 
   * the temperature is a multiplication by ``1 / T`` (computed once per row by the caller);
@@ -23,8 +23,8 @@ which changes a token only where two candidates tie to that precision. Each row 
 logits, ``1 / T``, seed and counter only (batch invariant). Ties go to the lowest token id and a NaN
 beats every number, as with ``jnp.argmax``: values are compared as ``int32`` order keys
 (:func:`order_key`: NaN above ``+inf``, ``-0 == +0``), each lane keeps its first best across its
-chunks, then one max and one min over the lanes give a part's winner (two block reductions; session 12
-had four, to handle NaN on the float values: 160 -> ~125 us at 256 rows, session 13).
+chunks, then one max and one min over the lanes give a part's winner (two block reductions; with
+four, to handle NaN on the float values, the pass took 160 instead of ~125 us at 256 rows).
 
 The multiplication by ``1 / T`` is ``mul.rn.f32`` on the GPU (no fused multiply-add with the noise), so
 ``x * (1 / T) + g`` is rounded exactly as XLA's ``scaled = x * (1 / T)`` followed by ``scaled * 1 + g``:
@@ -43,11 +43,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxpaged.kernels.shapes import is_pow2
+from jaxpaged.kernels.shapes import is_pow2, num_cores
 
 LN2 = 0.6931471805599453
 SERIES_BELOW = 1.0 / 16  # w = 1 - u below this: -log(u) from its series (see the module docstring)
-NUM_CORES = 132  # H200 SMs: the block size aims at >= 2 programs per SM
 
 
 def mix32(x: jax.Array) -> jax.Array:
@@ -166,17 +165,17 @@ class SamplerConfig:
 def choose_config(num_rows: int, vocab: int) -> SamplerConfig:
     """Chunks of 4,096, 2,048 or 1,024 logits (the largest that still gives >= 2 programs per SM); with
     enough rows, 4 (or 2) chunks per program as long as that leaves >= 4 programs per SM, in two
-    pipeline stages. Measured on the H200 (``bench_sampler.py --configs``, session 13): at 64 and 256
+    pipeline stages. Measured on the H200: at 64 and 256
     rows the looped programs are 0-25% faster than one chunk each, within that call's noise at 256
     rows and temperature 0.6, where the pass is bound by the noise's arithmetic."""
-    block = 1024
+    block, cores = 1024, num_cores()
     for b in (4096, 2048):
-        if num_rows * pl.cdiv(vocab, b) >= 2 * NUM_CORES:
+        if num_rows * pl.cdiv(vocab, b) >= 2 * cores:
             block = b
             break
     chunks = pl.cdiv(vocab, block)
     for steps in (4, 2):
-        if num_rows * pl.cdiv(chunks, steps) >= 4 * NUM_CORES:
+        if num_rows * pl.cdiv(chunks, steps) >= 4 * cores:
             return SamplerConfig(block, steps, num_warps=4, num_stages=2)
     return SamplerConfig(block)
 

@@ -6,7 +6,7 @@ of one layer are one contiguous row and a layer's write is a single scatter. Slo
 ``block_id * block_size + offset``; ``-1`` marks a padding token and writes nothing.
 
 Why one array for every layer: launching a jitted call costs the host about 8 us per donated array on
-the H200 (``benchmarks/bench_dispatch.py``): 56 per-layer K and V arrays cost 0.45 ms a step, a third
+the H200: 56 per-layer K and V arrays cost 0.45 ms a step, a third
 of a whole batch-1 decode step. Why a scatter into the whole array and not a slice of it: a scatter
 ``pool.at[layer, blk, off].set(kv)`` into a *donated* pool runs in place, while slicing a layer out and
 setting it back copies the whole pool (22.7 ms measured). The attention kernels read the layer they

@@ -3,7 +3,7 @@
 Why: XLA and cuBLAS choose a GEMM algorithm (tile shape, split-K, reduction order) from the problem
 shape, so on the GPU row ``i`` of ``x @ w`` can change in its last bits when ``x`` gains or loses rows:
 the same request batched differently then gives different logits (measured on the H200: 3 of 8 bf16
-greedy requests changed, ``shared/GPU.md``). This kernel fixes every choice that could depend on ``M``:
+greedy requests changed, measured on the H200). This kernel fixes every choice that could depend on ``M``:
 
   * one launch configuration per weight shape (:func:`matmul_config` looks at ``K``, ``N`` and the
     dtype, never at ``M``): fixed ``block_m``, ``block_n``, ``block_k``, warps and stages;
@@ -16,9 +16,6 @@ Row ``i`` is computed by the same instructions on the same values whatever ``M``
 that moves is which row of a tile it occupies, and a tensor-core MMA treats its rows alike.
 ``w`` is ``[K, N]``, or ``[N, K]`` with ``transpose_w=True`` (a tied LM head reads the embedding
 ``[V, H]`` as it is: no transposed copy of a 300 MB matrix per step).
-
-:func:`matmul_partials` is the same kernel with ``K`` split across programs (partial sums out), for
-``benchmarks/bench_splitk.py``.
 
 fp32 operands use IEEE fp32 dots (``DotAlgorithmPreset.F32_F32_F32``, lowered to Triton's
 ``input_precision="ieee"``), never TF32; bf16 operands accumulate in fp32.
@@ -71,10 +68,8 @@ def matmul_config(k: int, n: int, dtype) -> MatmulConfig:
     return MatmulConfig()
 
 
-def _matmul_kernel(x_ref, w_ref, o_ref, *, cfg: MatmulConfig, transpose_w: bool, precision, split_steps: int = 0):
-    """One ``block_m x block_n`` output tile over all of ``K`` (``split_steps = 0``), or, in a split-K
-    launch (grid axis 2 = the split), over the split's ``split_steps`` chunks of ``block_k``, stored
-    as that split's partial sum (rows from ``split * M`` of ``o_ref [S * M, N]``)."""
+def _matmul_kernel(x_ref, w_ref, o_ref, *, cfg: MatmulConfig, transpose_w: bool, precision):
+    """One ``block_m x block_n`` output tile over all of ``K``, in ``block_k`` steps, in order."""
     m, k = x_ref.shape
     n = w_ref.shape[0] if transpose_w else w_ref.shape[1]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -83,11 +78,10 @@ def _matmul_kernel(x_ref, w_ref, o_ref, *, cfg: MatmulConfig, transpose_w: bool,
     row_ok = rows < m
     col_ok = cols < n
     depth = lax.broadcasted_iota(jnp.int32, (bk,), 0)
-    first = pl.program_id(2) * split_steps if split_steps else 0
-    steps = split_steps or pl.cdiv(k, bk)
+    steps = pl.cdiv(k, bk)
 
     def body(step, acc):
-        ks = (first + step) * bk + depth
+        ks = step * bk + depth
         k_ok = ks < k
         # Masked lanes read zeros (their indices may point past the array: never dereferenced on GPU,
         # dropped in interpret mode). A zero times anything adds exactly nothing to the sum.
@@ -101,8 +95,7 @@ def _matmul_kernel(x_ref, w_ref, o_ref, *, cfg: MatmulConfig, transpose_w: bool,
         return acc + lax.dot_general(x, w, dims, precision=precision, preferred_element_type=jnp.float32)
 
     acc = lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
-    out_rows = pl.program_id(2) * m + rows if split_steps else rows  # (partials stacked as [S * M, N])
-    plgpu.store(o_ref.at[out_rows[:, None], cols[None, :]], acc.astype(o_ref.dtype),
+    plgpu.store(o_ref.at[rows[:, None], cols[None, :]], acc.astype(o_ref.dtype),
                 mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -145,54 +138,3 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=N
         interpret=interpret,
         name=f"fixed_tile_matmul_m{cfg.block_m}_n{cfg.block_n}_k{cfg.block_k}",
     )(x, w)
-
-
-SPLITK_PROGRAMS = 256  # about two programs per SM of the H200 (132 SMs)
-
-
-def splitk_config(m: int, k: int, n: int) -> tuple[MatmulConfig, int]:
-    """``(config, splits)`` for :func:`matmul_partials` of ``[M, K] @ [K, N]`` (16-bit): ``64 x 128``
-    tiles, ``block_k`` 64, and enough splits (a power of two, at most 16) for about
-    ``SPLITK_PROGRAMS`` programs, each split at least two ``block_k`` steps deep."""
-    cfg = MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
-    tiles = pl.cdiv(m, cfg.block_m) * pl.cdiv(n, cfg.block_n)
-    splits = 1
-    while splits < 16 and tiles * splits * 2 <= SPLITK_PROGRAMS and k >= splits * 2 * 2 * cfg.block_k:
-        splits *= 2
-    return cfg, splits
-
-
-@functools.partial(jax.jit, static_argnames=("splits", "config", "interpret"))
-def matmul_partials(x: jax.Array, w: jax.Array, *, splits: int, config: MatmulConfig | None = None,
-                    interpret: bool = False) -> jax.Array:
-    """Split-K ``x [M, K] @ w [K, N]`` as ``f32[S, M, N]`` partial sums (``S = splits``; their sum is the
-    product), for a consumer that adds them itself (``kernels/add_rms_norm.py`` sums a GEMV's partials
-    the same way).
-
-    Why: a decode-sized step's narrow, deep GEMMs (o_proj ``K = 2048``, down ``K = 3072``, ``N = 1024``
-    for Qwen3-0.6B at ``M = 256``) give a plain tiling only ``(M / block_m) x (N / block_n)`` programs,
-    each walking all of ``K``; cuBLAS's own choice there ran 7.2 us a call on the H200 against a
-    ~1.5 us weight-read floor (RESULTS.md, session 12). Splitting ``K`` multiplies the programs by
-    ``S`` and divides each one's walk by ``S``. Measured slower than cuBLAS all the same (with the
-    partials' add, 8.98 vs 7.96 us a layer for o_proj at ``M = 256``): the engine does not use it;
-    ``benchmarks/bench_splitk.py`` compares them. Split ``s`` reduces depths
-    ``[s * c * block_k, (s + 1) * c * block_k)`` with ``c = ceil(ceil(K / block_k) / S)``, in order,
-    in fp32; a split past ``K`` stores zeros. For 16-bit operands (fp32 keeps XLA's dot)."""
-    k, n = w.shape
-    cfg = config or MatmulConfig()
-    _validate(x, w, False, cfg)
-    if splits < 1:
-        raise ValueError(f"splits must be >= 1, got {splits}")
-    m = x.shape[0]
-    if m == 0:
-        return jnp.zeros((splits, 0, n), jnp.float32)
-    kernel = functools.partial(_matmul_kernel, cfg=cfg, transpose_w=False, precision=kernel_dot_precision(x.dtype),
-                               split_steps=pl.cdiv(pl.cdiv(k, cfg.block_k), splits))
-    return pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(m, cfg.block_m), pl.cdiv(n, cfg.block_n), splits),
-        out_shape=jax.ShapeDtypeStruct((splits * m, n), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=interpret,
-        name=f"splitk_gemm_m{cfg.block_m}_n{cfg.block_n}_k{cfg.block_k}_s{splits}_w{cfg.num_warps}_p{cfg.num_stages}",
-    )(x, w).reshape(splits, m, n)

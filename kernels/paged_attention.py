@@ -52,7 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxpaged.kernels.kv_write import check_pool
-from jaxpaged.kernels.shapes import next_pow2
+from jaxpaged.kernels.shapes import next_pow2, num_cores as device_num_cores
 from jaxpaged.kernels.matmul import kernel_dot_precision
 
 LOG2E = math.log2(math.e)
@@ -236,20 +236,21 @@ def merge_splits(o: jax.Array, lse: jax.Array, dtype) -> jax.Array:
 
 
 def choose_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int,
-                  block_size: int, max_context: int, num_cores: int = 132,
+                  block_size: int, max_context: int, num_cores: int | None = None,
                   decode: bool | None = None) -> AttentionConfig:
     """Static launch configuration: the decode one (small query tiles, split-K) or the prefill one.
 
     ``decode``: an explicit choice; ``None`` (the engine's) decides from the padded shapes
     (``T <= 2 S``), so a 256-slot engine runs every step of <= 512 tokens, prefill chunks included,
-    with the decode configuration. Measured on the H200 (``benchmarks/bench_launch_config.py``,
-    docs/DECISIONS.md): for prefill chunks of <= 512 tokens the 16-row decode tiles are as fast as the
+    with the decode configuration. Measured on the H200 (docs/DECISIONS.md): for prefill chunks of <= 512 tokens the 16-row decode tiles are as fast as the
     prefill tiles (0.85-1.06x), and telling the kernel what each step holds would double the compiled
     step variants (+38 s warm-up), so the engine does not.
     """
     group = num_q_heads // num_kv_heads
     if decode is None:
         decode = num_tokens <= 2 * num_seqs
+    if num_cores is None:
+        num_cores = device_num_cores()
     if decode:
         block_m = max(16, next_pow2(group))
         block_k = max(64, block_size)

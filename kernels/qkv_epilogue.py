@@ -5,7 +5,7 @@ v into the pool, return q.
 Why: XLA runs this stretch of every layer as four to five small kernels (the q norm, the k norm, the
 q rotation, the k rotation fused into the KV scatter, and the GEMV's partial sums); at decode batch
 sizes each is ~1.3-2.5 us of launch-bound GPU time, ~7 us a layer, ~0.2 ms of a Qwen3-0.6B step on
-the H200 (``benchmarks/profile_step.py``, ``benchmarks/RESULTS.md``). Here program ``(token block, head)``
+the H200 (``tools/profile_step.py``). Here program ``(token block, head)``
 does it all for one q head or one KV head of a few tokens (:func:`token_block`: one token and one
 warp up to 32 tokens, so a decode step of a few tokens still spreads over the SMs; 8 tokens and 4
 warps above, so a batch-256 step is 768 programs instead of 6,144).
@@ -40,7 +40,7 @@ def token_block(num_tokens: int) -> tuple[int, int]:
     """``(tokens per program, warps)`` for a step of ``num_tokens``: one token and one warp per program
     up to 32 tokens (a decode step of a few tokens still spreads over the SMs), 8 tokens and 4 warps
     above. Why: at batch 256 one program per (token, head) is 6,144 one-warp programs, ~5.6 us a layer
-    on the H200 for ~4 MB of traffic (``benchmarks/profile_step.py``, RESULTS.md, session 8)."""
+    on the H200 for ~4 MB of traffic (``tools/profile_step.py``)."""
     return (1, 1) if num_tokens <= 32 else (8, 4)
 
 

@@ -1,4 +1,4 @@
-"""Powers of two: the one helper behind every padded shape (token buckets, kernel tiles, block sizes)."""
+"""Shape helpers: powers of two (token buckets, kernel tiles, block sizes) and the device's core count."""
 
 from __future__ import annotations
 
@@ -11,3 +11,14 @@ def next_pow2(n: int, minimum: int = 1) -> int:
 def is_pow2(n: object) -> bool:
     """True for a positive ``int`` power of two (bools are not numbers here)."""
     return isinstance(n, int) and not isinstance(n, bool) and n > 0 and not n & (n - 1)
+
+
+DEFAULT_NUM_CORES = 132  # an H200's SMs: used where the device does not say (a CPU in interpret mode)
+
+
+def num_cores() -> int:
+    """Streaming multiprocessors of this process's first device (``Device.core_count``), which kernels
+    size their grids for; ``DEFAULT_NUM_CORES`` where the device does not say."""
+    import jax
+
+    return getattr(jax.devices()[0], "core_count", None) or DEFAULT_NUM_CORES

@@ -1,4 +1,4 @@
-"""Backend switch: the attention and KV-write functions the model calls.
+"""Model-op selection: which kernels the model's attention, matmuls and norms run on this device.
 
 ``get_attention_fn(backend)`` returns a function with the signature of
 :func:`jaxpaged.kernels.reference.paged_attention_reference`::
@@ -11,19 +11,12 @@ machine without a GPU they run in interpret mode, slowly, which is only useful i
 (pure jnp gather, any platform) or ``"auto"`` (pallas on GPU, reference elsewhere). A Mosaic GPU
 (Hopper) backend can be added here under its own name without touching the model.
 
-Every backend writes K/V with the same XLA scatter (:func:`jaxpaged.kernels.kv_write.write_kv`, in
-place when the step donates the pool), except on a GPU with ``fused_qkv`` (below), where the fused
-qkv epilogue kernel writes them in place itself.
+K/V are written by one XLA scatter (:func:`jaxpaged.kernels.kv_write.write_kv`, in place in the
+donated pool), except on a GPU, where the fused qkv epilogue kernel writes them in place itself.
 
-``batch_invariant=True`` (``EngineConfig.batch_invariant``, docs/NUMERICS.md): the Pallas attention
-runs one fixed launch configuration for every step (:func:`paged_attention.invariant_config`), and
-:func:`get_model_ops` gives the model fixed-tile Pallas matmuls and a row-kernel RMSNorm instead of
-XLA's shape-dependent ones. Otherwise, on a GPU, :func:`get_model_ops` gives the model the decode-path
-kernels (``EngineConfig`` ``decode_gemv``, ``fused_qkv``, ``fuse_matmul_inputs``; docs/DECISIONS.md):
-matmuls of at most 32 rows with 16-bit weights go to the split-K Pallas GEMV
-(:mod:`jaxpaged.kernels.gemv`), the stretch from the qkv projection to the KV write is one Pallas
-kernel (:mod:`jaxpaged.kernels.qkv_epilogue`), and XLA's GEMMs get their input through an
-optimisation barrier (no producer fused into the GEMM). On a CPU the model runs XLA's ops.
+:func:`get_model_ops` gives the model its matmuls, norms and RoPE: XLA's on a CPU, the decode-path
+kernels on a GPU, and fixed-tile Pallas kernels with ``batch_invariant`` (docs/NUMERICS.md), whose
+attention also runs one fixed launch configuration for every step.
 """
 
 from __future__ import annotations
@@ -94,7 +87,7 @@ def silu_mul_matmul_parts(gate_up: jax.Array, w: jax.Array, *, interpret: bool =
     """``ModelOps.silu_mul_matmul_parts``: ``silu(gate) * up @ w`` from the gate/up product's partials
     ``[P, M, 2I]``: the partials' sum and the activation in one XLA fusion, then :func:`matmul_parts`.
     (A GEMV that formed the activation itself, per depth tile, measured 19 us a call instead of ~5.5 us
-    for the fusion + GEMV on the H200 at batch 1: ``benchmarks/RESULTS.md``, session 5.)"""
+    for the fusion + GEMV on the H200 at batch 1.)"""
     gate, up = jax.numpy.split(gemv.sum_partials(gate_up, w.dtype), 2, axis=-1)
     return matmul_parts(jax.nn.silu(gate) * up, w, interpret=interpret, xla_matmul=xla_matmul)
 
@@ -105,7 +98,7 @@ def fused_add_rms_norm(parts: jax.Array, residual: jax.Array, weight: jax.Array,
     the product comes as the GEMV's split-K partials (``P > 1``). A finished product (``P = 1``: XLA's
     GEMM, or a GEMV of one split) keeps XLA's ops: XLA fuses its GEMM's own split-K reduction into the
     residual add, which the kernel would split off again (batch 256 on the H200: +70 us a step;
-    RESULTS.md, session 5); a float32 model keeps XLA's ops too (the numerics its guarantees were
+    measured on the H200); a float32 model keeps XLA's ops too (the numerics its guarantees were
     checked with)."""
     if parts.shape[0] == 1 or residual.dtype == jax.numpy.float32:
         return add_rms_norm.add_rms_norm_ops(parts, residual, weight, eps, DEFAULT_OPS.rms_norm)
@@ -113,16 +106,16 @@ def fused_add_rms_norm(parts: jax.Array, residual: jax.Array, weight: jax.Array,
 
 
 def fused_qkv(x: jax.Array, w: jax.Array, bias, q_norm, k_norm, positions: jax.Array, kv_pool: jax.Array,
-              layer: int, slot_mapping: jax.Array, *, eps: float, theta: float, gemv_ok: bool = True,
+              layer: int, slot_mapping: jax.Array, *, eps: float, theta: float,
               interpret: bool = False, xla_matmul=xla_matmul_unfused_input) -> tuple[jax.Array, jax.Array]:
     """The model's ``ModelOps.qkv_epilogue``: the qkv projection (the GEMV's unsummed partials when it
-    applies and ``gemv_ok``, else XLA's product), then :func:`qkv_epilogue.qkv_epilogue` (bias, q/k
+    applies, else XLA's product), then :func:`qkv_epilogue.qkv_epilogue` (bias, q/k
     norm, RoPE, KV write in one kernel). ``x [T, H]`` -> ``(q [T, Hq, D], kv_pool)``."""
     head_dim = kv_pool.shape[-1]
     if head_dim & (head_dim - 1):  # not a Triton tile: the model's XLA ops for this stretch
         return qkv_epilogue_ops(xla_matmul(x, w), bias, q_norm, k_norm, positions, kv_pool, layer, slot_mapping,
                                 eps=eps, theta=theta, ops=DEFAULT_OPS, write_kv_fn=write_kv)
-    if gemv_ok and gemv.supported(x, w):
+    if gemv.supported(x, w):
         parts = gemv.gemv_partials(x, w, interpret=interpret)
     else:
         parts = xla_matmul(x, w)[None]
@@ -133,29 +126,27 @@ def fused_qkv(x: jax.Array, w: jax.Array, bias, q_norm, k_norm, positions: jax.A
 
 
 @functools.cache
-def get_model_ops(batch_invariant: bool = False, decode_gemv: bool = True, fused_qkv_epilogue: bool = True,
-                  fuse_matmul_inputs: bool = False, fused_residual: bool = True) -> ModelOps:
-    """The model's row-wise ops. ``batch_invariant``: the fixed-tile Pallas matmul and row-kernel RMSNorm
-    whose per-row results never depend on the number of rows (interpret mode off the GPU). Otherwise
-    XLA's (``x @ w``, IEEE fp32 for float32 weights), and on a GPU: the Pallas GEMV for few-row 16-bit
-    matmuls (``decode_gemv``), the fused qkv epilogue (``fused_qkv_epilogue``), XLA's GEMMs without
-    prologue fusion unless ``fuse_matmul_inputs``."""
-    if not batch_invariant:
-        if not _on_gpu():
-            return DEFAULT_OPS
-        base = xla_matmul if fuse_matmul_inputs else xla_matmul_unfused_input
-        ops = dataclasses.replace(DEFAULT_OPS, matmul=base)
-        if decode_gemv:
-            ops = dataclasses.replace(ops, matmul=functools.partial(gemv_or_xla_matmul, xla_matmul=base))
-        if fused_qkv_epilogue:
-            ops = dataclasses.replace(ops, qkv_epilogue=functools.partial(fused_qkv, gemv_ok=decode_gemv,
-                                                                          xla_matmul=base))
-        if fused_residual and decode_gemv:
-            ops = dataclasses.replace(ops, matmul_parts=functools.partial(matmul_parts, xla_matmul=base),
-                                      silu_mul_matmul_parts=functools.partial(silu_mul_matmul_parts, xla_matmul=base),
-                                      add_rms_norm=fused_add_rms_norm)
-        return ops
-    interpret = not _on_gpu()
-    return ModelOps(matmul=functools.partial(matmul.matmul, interpret=interpret),
-                    rms_norm=functools.partial(rms_norm.rms_norm, interpret=interpret),
-                    rotary=functools.partial(rotary, separate_products=True))
+def get_model_ops(batch_invariant: bool = False) -> ModelOps:
+    """The model's row-wise ops for this process's device.
+
+    ``batch_invariant``: the fixed-tile Pallas matmul and row-kernel RMSNorm whose per-row results never
+    depend on the number of rows (interpret mode off the GPU). Otherwise on a CPU XLA's ops
+    (``x @ w``, IEEE fp32 for float32 weights), and on a GPU the decode-path kernels (each measured
+    on the H200, docs/DECISIONS.md): matmuls of at most 32 rows with 16-bit weights by the split-K
+    Pallas GEMV, the stretch from the qkv projection to the KV write as one kernel, the residual add
+    and RMSNorm summing the GEMV's partials in one kernel, and XLA's GEMMs with an optimisation
+    barrier on their input (a producer fused into the GEMM made it ~2x slower at decode sizes)."""
+    if batch_invariant:
+        interpret = not _on_gpu()
+        return ModelOps(matmul=functools.partial(matmul.matmul, interpret=interpret),
+                        rms_norm=functools.partial(rms_norm.rms_norm, interpret=interpret),
+                        rotary=functools.partial(rotary, separate_products=True))
+    if not _on_gpu():
+        return DEFAULT_OPS
+    base = xla_matmul_unfused_input
+    return dataclasses.replace(
+        DEFAULT_OPS, matmul=functools.partial(gemv_or_xla_matmul, xla_matmul=base),
+        qkv_epilogue=functools.partial(fused_qkv, xla_matmul=base),
+        matmul_parts=functools.partial(matmul_parts, xla_matmul=base),
+        silu_mul_matmul_parts=functools.partial(silu_mul_matmul_parts, xla_matmul=base),
+        add_rms_norm=fused_add_rms_norm)

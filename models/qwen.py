@@ -58,7 +58,7 @@ def xla_matmul_unfused_input(x: jax.Array, w: jax.Array, *, transpose_w: bool = 
     """:func:`xla_matmul` with an optimisation barrier on ``x``: XLA cannot fuse the op that produces
     ``x`` (an RMSNorm, SiLU * up) into the GEMM kernel as a prologue. On the H200 such a prologue made
     XLA's Triton GEMMs about 2x slower at decode sizes (M = 16, Qwen3-0.6B: qkv 5.4 vs 2.7 us, gate_up
-    8.3 vs 4.2 us; ``benchmarks/bench_gemv.py --prologue``), while the producer runs as its own small
+    8.3 vs 4.2 us), while the producer runs as its own small
     kernel either way. Same values: the barrier changes only how the program is split into kernels."""
     return xla_matmul(jax.lax.optimization_barrier(x), w, transpose_w=transpose_w, out_dtype=out_dtype)
 

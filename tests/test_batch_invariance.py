@@ -50,7 +50,7 @@ def tokens(outs):
 
 
 def engine(dtype, backend, **overrides):
-    return LLMEngine(params(dtype), EngineConfig(**{**BASE, "dtype": dtype, "attention_backend": backend,
+    return LLMEngine(params(dtype), EngineConfig(**{**BASE, "kv_cache_dtype": dtype, "attention_backend": backend,
                                                     **overrides}))
 
 

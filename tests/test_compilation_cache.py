@@ -14,7 +14,7 @@ from jaxpaged import LLMEngine, EngineConfig, SamplingParams, load_params
 from jaxpaged.llm import run_to_completion
 from jaxpaged.models.tiny import tiny_checkpoint_path
 p = load_params(tiny_checkpoint_path("qwen2"), "float32", use_cache=False)
-e = LLMEngine(p, EngineConfig(dtype="float32", block_size=8, num_blocks=32, max_model_len=64))
+e = LLMEngine(p, EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=32, max_model_len=64))
 out = run_to_completion(e, [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3))
 print("TOKENS", out[0].outputs[0].token_ids, e.compilation_cache_dir)
 print("HITS", counts.get("/jax/compilation_cache/cache_hits", 0), "MISSES",

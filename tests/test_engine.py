@@ -10,6 +10,7 @@ import pytest
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, generate, load_params
 from jaxpaged.llm import run_to_completion
 from jaxpaged.models.tiny import tiny_checkpoint_path
+from jaxpaged.engine.tuning import StepTuning
 from jaxpaged.io.tokenizer import load_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -44,14 +45,14 @@ def token_ids(outs):
 
 def test_greedy_matches_hf_generate_batched(tiny):
     params, ref = tiny
-    outs = generate(params, fixture_prompts(ref), EngineConfig(dtype="float32", block_size=8, num_blocks=64,
+    outs = generate(params, fixture_prompts(ref), EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=64,
                                                                max_model_len=128), GREEDY)
     for i, out in enumerate(outs):
         assert out.outputs[0].token_ids == list(map(int, ref[f"greedy_{i}"])), f"prompt {i}"
         assert out.outputs[0].finish_reason == "length"
 
 
-BASE = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=256)
+BASE = dict(kv_cache_dtype="float32", max_model_len=64, max_num_batched_tokens=256)
 CONFIGS = {
     "no_prefix_cache": dict(block_size=16, num_blocks=64, enable_prefix_caching=False),
     "bs8": dict(block_size=8, num_blocks=64),
@@ -63,9 +64,10 @@ CONFIGS = {
     "few_seqs": dict(block_size=8, num_blocks=64, max_num_seqs=2),
     "sync_scheduling": dict(block_size=8, num_blocks=64, async_scheduling=False),
     "sync_tiny_pool": dict(block_size=8, num_blocks=12, max_num_seqs=8, async_scheduling=False),
-    "token_bucket_1": dict(block_size=8, num_blocks=64, min_token_bucket=1),  # the GPU's default buckets
-    "scheduler_order": dict(block_size=8, num_blocks=64, longest_first=False),  # rows not sorted by context
+    "token_bucket_1": dict(block_size=8, num_blocks=64),  # the GPU's buckets (TUNINGS)
 }
+# The GPU's token buckets (1, 2, 4, ...) on the CPU, where the engine's default starts at 16.
+TUNINGS = {"token_bucket_1": StepTuning(min_token_bucket=1, step_executables=1, cublas_max_tokens=0)}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -73,7 +75,7 @@ def test_greedy_outputs_invariant_to_paging_choices(qwen3, name):
     params, ref = qwen3
     prompts = fixture_prompts(ref) + shared_prefix_prompts(ref)
     config = EngineConfig(**{**BASE, **CONFIGS[name]})
-    engine = LLMEngine(params, config)
+    engine = LLMEngine(params, config, tuning=TUNINGS.get(name))
     # Two waves, so the second finds the first's blocks in the prefix cache.
     outs = run_to_completion(engine, prompts[:4], GREEDY) + run_to_completion(engine, prompts[4:], GREEDY)
     for i in range(4):
@@ -93,7 +95,7 @@ def test_greedy_outputs_invariant_to_paging_choices(qwen3, name):
 def test_prefix_hit_skips_cached_blocks(qwen3):
     params, ref = qwen3
     bs = 8
-    engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=bs, num_blocks=64, max_model_len=128))
+    engine = LLMEngine(params, EngineConfig(kv_cache_dtype="float32", block_size=bs, num_blocks=64, max_model_len=128))
     shared = list(map(int, ref["prompt_2"]))[: 3 * bs]
     first = run_to_completion(engine, [shared + [1, 2, 3, 4, 5]], GREEDY)[0]
     before = engine.stats()["prefill_tokens"]
@@ -101,14 +103,14 @@ def test_prefix_hit_skips_cached_blocks(qwen3):
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens == 3 * bs
     assert engine.stats()["prefill_tokens"] - before == 3  # only the uncached tail was computed
-    alone = generate(params, [shared + [9, 8, 7]], EngineConfig(dtype="float32", block_size=bs, num_blocks=64,
+    alone = generate(params, [shared + [9, 8, 7]], EngineConfig(kv_cache_dtype="float32", block_size=bs, num_blocks=64,
                                                                 max_model_len=128, enable_prefix_caching=False), GREEDY)
     assert second.outputs[0].token_ids == alone[0].outputs[0].token_ids
 
 
 def test_seeded_request_is_independent_of_the_batch(qwen3):
     params, ref = qwen3
-    cfg = EngineConfig(dtype="float32", block_size=8, num_blocks=64, max_model_len=128)
+    cfg = EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=64, max_model_len=128)
     sp = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=12, seed=1234, ignore_eos=True)
     prompts = fixture_prompts(ref)
     alone = generate(params, [prompts[1]], cfg, sp)[0].outputs[0].token_ids
@@ -120,7 +122,7 @@ def test_seeded_request_is_independent_of_the_batch(qwen3):
 
 def test_bad_requests_are_rejected_and_others_complete(qwen3):
     params, ref = qwen3
-    engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=64, max_model_len=64))
+    engine = LLMEngine(params, EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=64, max_model_len=64))
     good = engine.add_request(fixture_prompts(ref)[0], GREEDY)
     engine.step()  # the good request is running when the bad ones arrive
     with pytest.raises(ValueError, match="request 'empty': prompt is empty"):
@@ -144,7 +146,7 @@ def test_bad_requests_are_rejected_and_others_complete(qwen3):
 
 def test_generate_is_all_or_nothing(qwen3):
     params, ref = qwen3
-    engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=64, max_model_len=64))
+    engine = LLMEngine(params, EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=64, max_model_len=64))
     with pytest.raises(ValueError, match="prompt is empty"):
         run_to_completion(engine, [fixture_prompts(ref)[0], []], GREEDY)
     assert not engine.has_unfinished_requests()
@@ -163,23 +165,29 @@ def test_sampling_params_validation(field, value, match):
 def test_pool_too_small_for_one_sequence(qwen3):
     params, _ = qwen3
     with pytest.raises(ValueError, match="cannot hold one sequence of max_model_len=64"):
-        LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=4, max_model_len=64))
+        LLMEngine(params, EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=4, max_model_len=64))
 
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(block_size=12), "power of two"), (dict(reservation="contiguous"), "reservation must be"),
     (dict(attention_backend="cuda"), "attention_backend must be"), (dict(memory_fraction=1.5), "memory_fraction"),
-    (dict(min_token_bucket=3), "min_token_bucket must be a power of two")])
+    (dict(kv_cache_dtype="int8"), "kv_cache_dtype must be one of"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8': an fp8 KV cache is not supported yet")])
 def test_engine_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**kwargs)
+
+
+def test_step_tuning_validation():
+    with pytest.raises(ValueError, match="min_token_bucket must be a power of two"):
+        StepTuning(min_token_bucket=3, step_executables=1, cublas_max_tokens=0)
 
 
 def test_text_prompts_and_eos(tiny):
     params, ref = tiny
     tok = load_tokenizer(params.path)
     texts = [str(t) for t in ref["texts"]]
-    cfg = EngineConfig(dtype="float32", block_size=8, num_blocks=64, max_model_len=128)
+    cfg = EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=64, max_model_len=128)
     outs = generate(params, texts, cfg, GREEDY, tokenizer=tok)
     for i, out in enumerate(outs):
         assert out.prompt == texts[i]
@@ -198,7 +206,7 @@ def test_pallas_backend_engine_matches_hf_and_warmup_covers_all_shapes(qwen3):
     """The engine on the Pallas kernels (interpret mode on CPU): same greedy tokens as transformers;
     after ``warmup()`` no step compiles again."""
     params, ref = qwen3
-    engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=64, max_model_len=64,
+    engine = LLMEngine(params, EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=64, max_model_len=64,
                                             max_num_batched_tokens=32, attention_backend="pallas"))
     engine.warmup(use_tqdm=False, freeze_gc=False)
     compiled = engine.runner.num_compiled_executables
@@ -244,7 +252,7 @@ def test_async_and_sync_scheduling_agree_with_stops_and_sampling(qwen3, num_bloc
            SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
     results = {}
     for mode in (True, False):
-        cfg = EngineConfig(dtype="float32", block_size=8, num_blocks=num_blocks, max_model_len=64,
+        cfg = EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=num_blocks, max_model_len=64,
                            max_num_seqs=8, async_scheduling=mode)
         engine = LLMEngine(params, cfg)
         outs = run_to_completion(engine, prompts, sps)
@@ -263,7 +271,7 @@ def test_async_and_sync_scheduling_agree_with_stops_and_sampling(qwen3, num_bloc
 
 # ---- defects found in review (each failed before its fix) ----------------------------------------------
 
-SMALL = dict(dtype="float32", block_size=8, num_blocks=64, max_model_len=64)
+SMALL = dict(kv_cache_dtype="float32", block_size=8, num_blocks=64, max_model_len=64)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -294,7 +302,7 @@ def test_abort_returns_an_abort_output(qwen3, async_scheduling):
 
 def test_prompt_over_the_budget_without_chunked_prefill_is_rejected(qwen3):
     params, _ = qwen3
-    engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=128, max_num_batched_tokens=32,
+    engine = LLMEngine(params, EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=128, max_num_batched_tokens=32,
                                             enable_chunked_prefill=False))  # max_model_len: the model's (1024)
     with pytest.raises(ValueError, match=r"request '0'.*max_num_batched_tokens \(32\).*chunked prefill is off"):
         engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=8))
@@ -309,6 +317,17 @@ def test_auto_request_ids_never_collide_with_chosen_ones(qwen3):
     assert engine.add_request([1, 2], GREEDY, request_id="1") == "1"
     ids = [engine.add_request([1, 2], GREEDY) for _ in range(3)]
     assert ids == ["0", "2", "3"]
+
+
+def test_a_refused_request_takes_no_id(qwen3):
+    params, _ = qwen3
+    engine = LLMEngine(params, EngineConfig(**SMALL))
+    with pytest.raises(ValueError, match="request '0': prompt is empty"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(ValueError, match="prompt 1: request '1': prompt token id 1000000"):
+        engine.add_requests([[1, 2], [10**6]], GREEDY)
+    assert engine.add_request([1, 2], GREEDY) == "0"  # the first accepted request gets the first id
+    assert engine.add_requests([[3], [4]], GREEDY) == ["1", "2"]
 
 
 def test_any_error_withdraws_the_whole_batch(qwen3):
@@ -358,22 +377,8 @@ def test_pool_dtype_defaults_to_the_weights(dtype):
     params = load_params(tiny_checkpoint_path("qwen2"), dtype, use_cache=False)
     engine = LLMEngine(params, EngineConfig(block_size=8, num_blocks=16, max_model_len=64, compilation_cache=False))
     assert engine.kv_pool.dtype == np.dtype(dtype) and engine.stats()["kv_dtype"] == dtype
-    assert LLMEngine(params, EngineConfig(block_size=8, num_blocks=16, max_model_len=64, dtype="float32")
+    assert LLMEngine(params, EngineConfig(block_size=8, num_blocks=16, max_model_len=64, kv_cache_dtype="float32")
                      ).kv_pool.dtype == np.float32
-
-
-def test_compiler_options_reach_the_step_and_key_the_runner(qwen3):
-    params, _ = qwen3
-    opts = (("xla_gpu_enable_triton_gemm", False),)
-    plain = LLMEngine(params, EngineConfig(**SMALL))
-    tuned = LLMEngine(params, EngineConfig(**SMALL, compiler_options=opts))
-    assert tuned.runner is not plain.runner and tuned.runner.compiler_options == dict(opts)
-    a = run_to_completion(plain, [[1, 2, 3]], GREEDY)[0].outputs[0].token_ids
-    b = run_to_completion(tuned, [[1, 2, 3]], GREEDY)[0].outputs[0].token_ids
-    assert a == b
-    with pytest.raises(Exception, match="no_such_option"):
-        run_to_completion(LLMEngine(params, EngineConfig(**SMALL, compiler_options=(("no_such_option", 1),))),
-                          [[1, 2, 3]], GREEDY)
 
 
 def test_a_dropped_engine_frees_its_pool_at_once(qwen3):

@@ -9,13 +9,13 @@ import pytest
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
 from jaxpaged.engine.step_inputs import bucket, build_step_inputs
-from jaxpaged.engine.model_runner import entry_param_readers, pool_hlo_report
+from jaxpaged.engine.hlo import entry_param_readers, pool_hlo_report
 from jaxpaged.models.tiny import tiny_checkpoint_path
 
 
 def test_step_hlo_aliases_pool_and_never_copies_it():
     params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
-    engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=64, max_model_len=64))
+    engine = LLMEngine(params, EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=64, max_model_len=64))
     engine.add_request([1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=4))
     engine.add_request([9, 8, 7], SamplingParams(max_tokens=4))
     inputs = build_step_inputs(engine.scheduler.schedule(), engine.kv.tables, 8)
@@ -29,9 +29,9 @@ def test_step_hlo_aliases_pool_and_never_copies_it():
 def test_step_inputs_are_read_once():
     """``transfer.to_step_memory``: the packed inputs and the previous tokens (fresh buffers every
     step) are each read by one copy, so XLA's CUDA graph needs no per-launch patching of the many
-    kernels that read slot mappings, block tables and lengths (RESULTS.md, session 5)."""
+    kernels that read slot mappings, block tables and lengths."""
     params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
-    engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=64, max_model_len=64))
+    engine = LLMEngine(params, EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=64, max_model_len=64))
     engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=4))
     inputs = build_step_inputs(engine.scheduler.schedule(), engine.kv.tables, 8)
     hlo = engine.runner.lower_text(params.state, engine.kv_pool, inputs)
@@ -45,12 +45,12 @@ def test_tokens_are_written_into_a_recycled_buffer():
     steps before; the engine's two spare buffers at first, and again after it idled between requests),
     never into a fresh allocation and never into the buffer the step reads its placeholders from: a
     fresh 1 KB output each step moved XLA's temporary buffer, and with it every node of the step's CUDA
-    graph (RESULTS.md, session 11). Outputs are the same with and without async scheduling."""
+    graph. Outputs are the same with and without async scheduling."""
     params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
     waves = [[[1, 2, 3, 4, 5], [7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6]], [[2, 7, 1, 8]]]
     want = None
     for async_scheduling in (True, False):
-        engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=64, max_model_len=64,
+        engine = LLMEngine(params, EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=64, max_model_len=64,
                                                 async_scheduling=async_scheduling, compilation_cache=False))
         first_spares = list(engine._free_tokens)
         calls = []  # (prev_tokens, spare_tokens, output) per step
@@ -119,7 +119,9 @@ def test_step_inputs_layout():
 def test_inputs_travel_as_one_buffer_and_the_step_has_no_host_round_trip():
     """13 input arrays pack into one i32 buffer (one host-to-device copy) and unpack bit-exactly; the
     compiled step contains no conditional (XLA reads a cond's predicate back to the host mid-step)."""
-    from jaxpaged.engine.transfer import pack, unpack
+    import dataclasses
+
+    from jaxpaged.engine.step_inputs import pack, unpack
 
     params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
     engine = LLMEngine(params, EngineConfig(block_size=8, num_blocks=64, max_model_len=64))
@@ -130,7 +132,7 @@ def test_inputs_travel_as_one_buffer_and_the_step_has_no_host_round_trip():
     packed, layout = pack(inputs)
     assert packed.dtype == np.int32 and packed.ndim == 1
     back = unpack(packed, layout)
-    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(inputs)):
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(dataclasses.replace(inputs, packed=None))):
         assert np.asarray(got).dtype == np.asarray(want).dtype
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     hlo = engine.runner.lower_text(params.state, engine.kv_pool, inputs)
@@ -146,8 +148,7 @@ def test_built_inputs_are_their_own_packed_buffer():
     inputs without the buffer), for a mixed prefill + decode step with padded tokens and rows."""
     import dataclasses
 
-    from jaxpaged.engine.step_inputs import PACKED_ATTR
-    from jaxpaged.engine.transfer import pack
+    from jaxpaged.engine.step_inputs import pack
 
     params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
     engine = LLMEngine(params, EngineConfig(block_size=8, num_blocks=64, max_model_len=64, max_num_seqs=4,
@@ -160,19 +161,18 @@ def test_built_inputs_are_their_own_packed_buffer():
     for width in (None, 16):
         inputs = build_step_inputs(scheduled, engine.kv.tables, 8, width=width, max_seqs=4, min_tokens=8)
         fast, layout = pack(inputs)
-        assert fast is inputs.__dict__[PACKED_ATTR]
-        slow, slow_layout = pack(dataclasses.replace(inputs))
+        assert fast is inputs.packed
+        slow, slow_layout = pack(dataclasses.replace(inputs, packed=None))
         assert layout == slow_layout and fast.dtype == slow.dtype == np.int32
         np.testing.assert_array_equal(fast, slow)
         assert inputs.meta.slot_mapping.shape == (8,) and inputs.meta.slot_mapping[4:].tolist() == [-1] * 4
 
 
 def test_step_copies_alternate_and_give_the_same_tokens():
-    """``step_executables=2``: two jitted copies of a small step are launched in turn (each compiled
-    once per shape), and a step's tokens do not depend on which copy ran it."""
-    import numpy as np
-
+    """``StepTuning.step_executables=2``: two jitted copies of a small step are launched in turn (each
+    compiled once per shape), and a step's tokens do not depend on which copy ran it."""
     from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
+    from jaxpaged.engine.tuning import StepTuning
     from jaxpaged.llm import run_to_completion
     from jaxpaged.models.tiny import tiny_checkpoint_path
 
@@ -181,8 +181,9 @@ def test_step_copies_alternate_and_give_the_same_tokens():
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
     outs = {}
     for n in (1, 2):
-        engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=32, max_model_len=32,
-                                                step_executables=n, compilation_cache=False))
+        tuning = StepTuning(min_token_bucket=16, step_executables=n, cublas_max_tokens=0)
+        engine = LLMEngine(params, EngineConfig(block_size=8, num_blocks=32, max_model_len=32, compilation_cache=False),
+                           tuning=tuning)
         runner = engine.runner
         assert runner.step_executables == n and len(runner._flat(engine.params.state)[0]) == n
         outs[n] = [o.outputs[0].token_ids for o in run_to_completion(engine, prompts, sp)]
@@ -191,90 +192,31 @@ def test_step_copies_alternate_and_give_the_same_tokens():
         assert runner.num_compiled_shapes == len({k[:-1] for k in runner._shapes_seen})
         assert runner.num_compiled_executables == len(runner._shapes_seen) >= runner.num_compiled_shapes
         assert runner.num_copies(32) == n and runner.num_copies(64) == 1  # large steps: one copy
-        runner.copies_max_tokens = 64  # (an experiment's override: profile_step.py --copies-max-tokens)
-        assert runner.num_copies(64) == n and runner.num_copies(128) == 1
-        runner.copies_max_tokens = 32
     assert outs[1] == outs[2]
     np.testing.assert_array_equal([len(t) for t in outs[2]], [6, 6])
 
 
-def test_cublas_variant_covers_decode_sized_steps_only():
-    """``cublas_max_tokens``: steps of 33..N padded tokens run a separately compiled variant (XLA's GEMMs
-    through cuBLAS on a GPU), smaller and larger steps the default one; tokens do not change (on the
+def test_cublas_covers_decode_sized_steps_only():
+    """``StepTuning.cublas_max_tokens``: steps of 33..N padded tokens compile separately (XLA's GEMMs
+    through cuBLAS on a GPU), smaller and larger steps the default way; tokens do not change (on the
     CPU the option has no effect); the default is 0 (never) off a GPU."""
     from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
-    from jaxpaged.llm import run_to_completion
-    from jaxpaged.models.tiny import tiny_checkpoint_path
     from jaxpaged.engine.model_runner import CUBLAS_OPTIONS
-
-    params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
-    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    outs = {}
-    for n in (0, 64):
-        engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=32, max_model_len=64,
-                                                cublas_max_tokens=n, compilation_cache=False))
-        runner = engine.runner
-        assert runner.cublas_max_tokens == n
-        assert [runner.variant(t) for t in (16, 32, 64, 128)] == \
-            ["default", "default", "cublas" if n else "default", "default"]
-        outs[n] = run_to_completion(engine, [list(range(40))], sp)[0].outputs[0].token_ids  # a 64-token prefill
-        variants = sorted(key[-2] for key in runner._shapes_seen)
-        assert variants == (["cublas", "default"] if n else ["default", "default"])
-    assert outs[0] == outs[64]
-    assert dict(CUBLAS_OPTIONS) == {"xla_gpu_enable_triton_gemm": False}
-    with pytest.raises(ValueError, match="cublas_max_tokens"):
-        EngineConfig(cublas_max_tokens=-1)
-
-
-def test_eager_variant_above_max_cudagraph_capture_size():
-    """``max_cudagraph_capture_size``: steps of more padded tokens compile without XLA's command buffers
-    (the ``eager`` variant, combined with ``cublas`` where both apply), smaller ones keep the default;
-    tokens do not change; the default keeps graphs everywhere."""
-    from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
+    from jaxpaged.engine.tuning import StepTuning
     from jaxpaged.llm import run_to_completion
     from jaxpaged.models.tiny import tiny_checkpoint_path
-    from jaxpaged.engine.model_runner import EAGER_OPTIONS, VARIANTS
 
     params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     outs = {}
-    for size in (None, 16):
-        engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=32, max_model_len=64,
-                                                cublas_max_tokens=64, max_cudagraph_capture_size=size,
-                                                step_executables=2, compilation_cache=False))
+    assert StepTuning.default().cublas_max_tokens == (512 if jax.default_backend() == "gpu" else 0)
+    for n in (0, 64):
+        tuning = StepTuning(min_token_bucket=16, step_executables=1, cublas_max_tokens=n)
+        engine = LLMEngine(params, EngineConfig(block_size=8, num_blocks=32, max_model_len=64, compilation_cache=False),
+                           tuning=tuning)
         runner = engine.runner
-        assert runner.cudagraph_max_tokens == size
-        # Copies exist for the graphs' buffer addresses: an eager step of <= 32 tokens keeps one.
-        assert [runner.num_copies(t) for t in (16, 32)] == ([2, 2] if size is None else [2, 1])
-        got = [runner.variant(t) for t in (16, 32, 64, 128)]
-        assert got == (["default", "default", "cublas", "default"] if size is None
-                       else ["default", "eager", "cublas+eager", "eager"])
-        assert set(got) <= set(VARIANTS)
-        outs[size] = run_to_completion(engine, [list(range(40))], sp)[0].outputs[0].token_ids  # a 64-token prefill
-        assert sorted({key[-2] for key in runner._shapes_seen}) == (
-            ["cublas", "default"] if size is None else ["cublas+eager", "default"])
-    assert outs[None] == outs[16]
-    assert dict(EAGER_OPTIONS) == {"xla_gpu_enable_command_buffer": ""}
-    with pytest.raises(ValueError, match="max_cudagraph_capture_size"):
-        EngineConfig(max_cudagraph_capture_size=-1)
-
-
-def test_donated_spare_buffer_becomes_the_output():
-    """With the spare donated (what a GPU does: ``ModelRunner.donate_spare_tokens``), the step's tokens
-    land in the spare's own buffer, the compiled step aliases it, and the tokens are those of a step
-    given no spare."""
-    params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
-    engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=64, max_model_len=64,
-                                            compilation_cache=False))
-    engine.runner.donate_spare_tokens = True  # before the first step: its executables are built with it
-    engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=4, temperature=0))
-    inputs = build_step_inputs(engine.scheduler.schedule(), engine.kv.tables, 8)
-    hlo = engine.runner.lower_text(params.state, engine.kv_pool, inputs)
-    assert pool_hlo_report(hlo, engine.kv_pool.shape)["aliases"] == 2
-    spare = jax.numpy.zeros(engine._prev_tokens.shape, jax.numpy.int32)
-    address = spare.unsafe_buffer_pointer()
-    pool = jax.numpy.copy(engine.kv_pool)
-    tokens, _ = engine.runner.step(params.state, engine.kv_pool, inputs, engine._prev_tokens, spare)
-    assert spare.is_deleted() and tokens.unsafe_buffer_pointer() == address
-    fresh, _ = engine.runner.step(params.state, pool, inputs, engine._prev_tokens)
-    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(fresh))
+        assert [runner.uses_cublas(t) for t in (16, 32, 64, 128)] == [False, False, bool(n), False]
+        outs[n] = run_to_completion(engine, [list(range(40))], sp)[0].outputs[0].token_ids  # a 64-token prefill
+        assert sorted(key[-2] for key in runner._shapes_seen) == ([False, True] if n else [False, False])
+    assert outs[0] == outs[64]
+    assert CUBLAS_OPTIONS == {"xla_gpu_enable_triton_gemm": False}

@@ -19,7 +19,7 @@ def test_simultaneous_requests_compute_a_shared_prefix_once():
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     results = {}
     for caching in (True, False):
-        engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=16, num_blocks=128, max_model_len=256,
+        engine = LLMEngine(params, EngineConfig(kv_cache_dtype="float32", block_size=16, num_blocks=128, max_model_len=256,
                                                 enable_prefix_caching=caching))
         outs = run_to_completion(engine, prompts, sp)
         results[caching] = ([o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs],

@@ -123,7 +123,7 @@ def test_engine_outputs_unchanged_and_invariants_hold():
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     results = {}
     for policy in ("fcfs", "prefix_affinity"):
-        engine = LLMEngine(params, EngineConfig(dtype="float32", block_size=16, num_blocks=10, max_model_len=64,
+        engine = LLMEngine(params, EngineConfig(kv_cache_dtype="float32", block_size=16, num_blocks=10, max_model_len=64,
                                                 max_num_seqs=2, max_num_batched_tokens=64,
                                                 scheduling_policy=policy))
         outs = run_to_completion(engine, prompts, sp)

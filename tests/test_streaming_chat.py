@@ -48,12 +48,12 @@ def collect(engine, prompts, sps):
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_deltas_concatenate_to_the_final_text(llm, async_scheduling):
-    engine = LLMEngine(llm.params, EngineConfig(dtype="float32", **CFG, async_scheduling=async_scheduling), llm.tokenizer)
+    engine = LLMEngine(llm.params, EngineConfig(kv_cache_dtype="float32", **CFG, async_scheduling=async_scheduling), llm.tokenizer)
     prompts = ["Hello, world!", TEXT, "The quick brown fox"]
     sps = [SamplingParams(temperature=0.9, seed=1, max_tokens=20, ignore_eos=True),
            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1),
            SamplingParams(temperature=1.0, seed=4, max_tokens=16, n=2, stop=["e ", "zz"])]
-    final = run_to_completion(LLMEngine(llm.params, EngineConfig(dtype="float32", **CFG), llm.tokenizer), prompts, sps)
+    final = run_to_completion(LLMEngine(llm.params, EngineConfig(kv_cache_dtype="float32", **CFG), llm.tokenizer), prompts, sps)
     streamed, _ = collect(engine, prompts, sps)
     for rid, want in zip(sorted(streamed, key=int), final):
         outs = streamed[rid]

@@ -36,7 +36,7 @@ sp = SamplingParams(temperature=0, max_tokens=6)
 
 
 def engine(params, tp, backend="reference"):
-    return LLMEngine(params, EngineConfig(dtype="float32", block_size=8, num_blocks=32, max_model_len=64,
+    return LLMEngine(params, EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=32, max_model_len=64,
                                           max_num_batched_tokens=32, max_num_seqs=4, attention_backend=backend,
                                           tensor_parallel_size=tp, compilation_cache=False))
 
@@ -218,7 +218,7 @@ from jaxpaged.llm import run_to_completion
 from jaxpaged.models.tiny import tiny_checkpoint_path
 p = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False, tensor_parallel_size=2)
 assert {s.data.shape for s in p.state["embed_tokens"][...].addressable_shards} == {(256, 128)}  # this host's half
-e = LLMEngine(p, EngineConfig(dtype="float32", block_size=8, num_blocks=32, max_model_len=64,
+e = LLMEngine(p, EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=32, max_model_len=64,
                               attention_backend="reference", max_num_batched_tokens=32, max_num_seqs=4,
                               tensor_parallel_size=2, compilation_cache=False))
 out = run_to_completion(e, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [9, 8, 7], list(range(20, 45))],
@@ -251,7 +251,7 @@ def test_two_processes_through_jax_distributed(tmp_path):
         assert proc.returncode == 0, stderr[-3000:]
         outs.append([line for line in stdout.splitlines() if line.startswith("TOKENS")][0])
     one = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
-    e = LLMEngine(one, EngineConfig(dtype="float32", block_size=8, num_blocks=32, max_model_len=64,
+    e = LLMEngine(one, EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=32, max_model_len=64,
                                     attention_backend="reference", max_num_batched_tokens=32, max_num_seqs=4))
     want = run_to_completion(e, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [9, 8, 7], list(range(20, 45))],
                              SamplingParams(temperature=0, max_tokens=6))

@@ -2,12 +2,12 @@
 cyclic garbage collector's reach once the engine is warmed up.
 
 Why: Python's full (generation-2) collection walks every tracked object. After compiling the steps the
-process holds hundreds of thousands of them (289k on the dev CPU with a tiny model, more with the real
+process holds hundreds of thousands of them (289k on a CPU with a tiny model, more with the real
 one on a GPU), and the requests' allocations trigger a full collection sooner or later: on the H200
-machines' hosts it stopped nano-vllm's workload for 0.70-0.92 s at the same engine step in every run of
-sessions 8-9 (11-15% of the workload's time; ``benchmarks/RESULTS.md``, session 9). ``gc.freeze()`` (vLLM
+machines' hosts it stopped nano-vllm's workload for 0.70-0.92 s at the same engine step in every run
+(11-15% of the workload's time). ``gc.freeze()`` (vLLM
 does the same after start-up) moves every object alive now to a permanent generation the collector
-skips: on the dev CPU that collection went from 171 ms to 4.8 ms.
+skips: on a CPU that collection went from 171 ms to 4.8 ms.
 
 The cost: a frozen object that later becomes cyclic garbage is never collected (objects freed by their
 reference count, like a dropped engine and its KV pool, still are). So it runs once, after the warm-up

@@ -1,9 +1,18 @@
 """LLMEngine: the loop over one model and one paged KV pool (entry points for users: ``llm.py``).
 
 One engine owns one KV pool (one ``[L, num_blocks, block_size, 2, Hkv, D]`` array on the device), the
-host-side ``KVCacheManager`` that hands out its blocks, the ``Scheduler`` and the jitted step. Each
-``step()``: schedule -> build padded inputs -> run the donated step -> append tokens, cache full
-blocks, free finished requests.
+host-side ``KVCacheManager`` that hands out its blocks, the ``Scheduler`` and the jitted step
+(``ModelRunner``). Each ``step()`` is vLLM's schedule -> execute -> update:
+
+    scheduled = scheduler.schedule()                  # which sequences, how many new tokens each
+    inputs = build_step_inputs(scheduled, ...)        # padded arrays in one buffer
+    tokens = runner.step(weights, kv_pool, inputs)    # one jitted call, pool donated (runs async)
+    samples = scheduler.advance(scheduled)            # book it: placeholders for the tokens in flight
+    resolve(previous step)  /  resolve(this step)     # async (default) / sync: fill tokens in, stop, output
+
+With async scheduling the step is dispatched before the previous step's tokens are read back: the
+device fills the placeholders in from the previous step's output, so the host schedules step N+1
+while the device runs step N. Both modes share one bookkeeping path (advance, then resolve).
 """
 
 from __future__ import annotations
@@ -18,73 +27,58 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .step_inputs import MIN_SEQS, MIN_TOKENS, PLACEHOLDER, bucket, build_step_inputs, longest_first, padding_step_inputs
 from ..config import EngineConfig
-from ..kv import KVCacheManager, PrefixDivergence, explain_prefix
-from .metrics import EngineMetrics, StepRecord
-from ..models.checkpoint import ModelParams
-from ..io.outputs import RequestOutput
-from .heap import freeze_long_lived_heap
-from ..models.ops import resolve_backend
-from ..io.prompts import broadcast_sampling_params, parse_prompt, parse_prompts
 from ..io.output_processor import OutputProcessor, RequestState, make_detokenizer
+from ..io.outputs import RequestOutput
+from ..io.prompts import broadcast_sampling_params, parse_prompt, parse_prompts
+from ..kv import KVCacheManager, PrefixDivergence, explain_prefix
 from ..kv.pool_size import check_pool, size_pool
-from .readback import make_token_reader
-from .model_runner import DEFAULT_COMPILER_OPTIONS, ModelRunner, enable_compilation_cache
-from ..sampling.sampler import SamplingParams
-from ..sampling.params import RequestOutputKind
-from ..sampling.features import prompt_logprob_positions
-from .scheduler import Scheduler
+from ..models.checkpoint import ModelParams
+from ..models.ops import resolve_backend
 from ..models.sharding import kv_bytes_per_token_per_device, make_kv_pool, params_tp
+from ..sampling import RequestOutputKind, SamplingParams
+from ..sampling.features import prompt_logprob_positions
+from ..sampling.sampler import SAMPLING_MODES
+from .heap import freeze_long_lived_heap
+from .metrics import EngineMetrics, StepRecord
+from .model_runner import ModelRunner, enable_compilation_cache
+from .readback import make_token_reader
+from .scheduler import Samples, ScheduledBatch, Scheduler
 from .sequence import Sequence
+from .step_inputs import MIN_SEQS, PLACEHOLDER, bucket, build_step_inputs, longest_first, padding_step_inputs
+from .tuning import StepTuning
 
 log = logging.getLogger(__name__)
 
 
 def get_runner(params: ModelParams, backend: str, batch_invariant: bool = False,
-               compiler_options: tuple | None = None, decode_gemv: bool = True,
-               fused_qkv: bool = True, fuse_matmul_inputs: bool = False, fused_residual: bool = True,
-               step_executables: int = 1, cublas_max_tokens: int = 0,
-               cudagraph_max_tokens: int | None = None, fused_sampler: bool = True) -> ModelRunner:
-    """One runner (one jitted step, its compiled shapes) per weights object, backend and numerics mode.
-
-    Kept in ``params.derived``, so engines over the same weights share compiled steps, and dropping
-    the weights releases the runner (and its executables) with them.
-    """
-    options = DEFAULT_COMPILER_OPTIONS if compiler_options is None else tuple(compiler_options)
-    key = ("runner", resolve_backend(backend), batch_invariant, options, decode_gemv, fused_qkv, fuse_matmul_inputs,
-           fused_residual, step_executables, cublas_max_tokens, cudagraph_max_tokens, fused_sampler)
+               tuning: StepTuning | None = None) -> ModelRunner:
+    """One runner (one jitted step, its compiled shapes) per weights object, backend, numerics mode and
+    tuning. Kept in ``params.derived``, so engines over the same weights share compiled steps, and
+    dropping the weights releases the runner (and its executables) with them."""
+    tuning = tuning or StepTuning.default(batch_invariant)
+    key = ("runner", resolve_backend(backend), batch_invariant, tuning)
     if key not in params.derived:
-        params.derived[key] = ModelRunner(params.graphdef, backend, batch_invariant, dict(options), mesh=params.mesh,
-                                          decode_gemv=decode_gemv, fused_qkv=fused_qkv,
-                                          fuse_matmul_inputs=fuse_matmul_inputs, fused_residual=fused_residual,
-                                          step_executables=step_executables, cublas_max_tokens=cublas_max_tokens,
-                                          cudagraph_max_tokens=cudagraph_max_tokens, fused_sampler=fused_sampler)
+        params.derived[key] = ModelRunner(params.graphdef, backend, batch_invariant, mesh=params.mesh, tuning=tuning)
     return params.derived[key]
 
 
-DEFAULT_CUBLAS_MAX_TOKENS = 512  # EngineConfig.cublas_max_tokens on a GPU
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched step whose tokens the host has not read yet."""
 
-
-def default_cublas_max_tokens(config: EngineConfig) -> int:
-    """``config.cublas_max_tokens``, or its default: 512 on a GPU, 0 on a CPU or with ``batch_invariant``."""
-    if config.cublas_max_tokens is not None:
-        return config.cublas_max_tokens
-    if config.batch_invariant or jax.default_backend() != "gpu":
-        return 0
-    return DEFAULT_CUBLAS_MAX_TOKENS
-
-
-def detokenize_token(seq: Sequence) -> str | None:
-    """The scheduler's per-token hook: grows the detokenized text, returns a stop string it ended on."""
-    d = seq.detokenizer
-    return None if d is None else d.add_token(seq.token_ids)
+    samples: Samples  # (row, sequence, index of its placeholder)
+    tokens: jax.Array  # i32[R] on the device
+    aux: dict | None  # logprob arrays of a logprobs variant
+    prompt_rows: list  # (row, sequence, position) of prompt logprobs
 
 
 class LLMEngine:
     """Continuous-batching engine over one model and one paged KV pool."""
 
-    def __init__(self, params: ModelParams, config: EngineConfig | None = None, tokenizer=None):
+    def __init__(self, params: ModelParams, config: EngineConfig | None = None, tokenizer=None, *,
+                 tuning: StepTuning | None = None):
+        """``tuning``: the step's internal tuning (benchmarks only; default: measured per device)."""
         config = config or EngineConfig()
         self.params, self.config, self.tokenizer = params, config, tokenizer
         cfg = params.config
@@ -92,7 +86,7 @@ class LLMEngine:
             raise ValueError(f"EngineConfig(tensor_parallel_size={config.tensor_parallel_size}) but the weights "
                              f"were loaded for {params_tp(params)} device(s): load them with "
                              f"load_params(path, tensor_parallel_size={config.tensor_parallel_size})")
-        self.kv_dtype = config.dtype or params.dtype  # the pool's dtype: the weights' unless set
+        self.kv_dtype = config.resolved_kv_cache_dtype(params.dtype)
         self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)
         self.num_blocks = size_pool(params, config, self.max_model_len, self.kv_dtype)
         if config.max_model_len is None and self.num_blocks * config.block_size < self.max_model_len:
@@ -116,17 +110,12 @@ class LLMEngine:
                  config.block_size, self.num_blocks * config.block_size,
                  self.num_blocks * config.block_size * self.bytes_per_token / 2**30, self.kv_dtype, self.max_model_len)
         self.compilation_cache_dir = enable_compilation_cache() if config.compilation_cache else None
-        self.min_token_bucket = config.min_token_bucket or (1 if jax.default_backend() == "gpu" else MIN_TOKENS)
-        self.runner = get_runner(params, config.attention_backend, config.batch_invariant, config.compiler_options,
-                                 config.decode_gemv, config.fused_qkv, config.fuse_matmul_inputs, config.fused_residual,
-                                 config.step_executables or (2 if jax.default_backend() == "gpu" else 1),
-                                 default_cublas_max_tokens(config), config.max_cudagraph_capture_size,
-                                 config.fused_sampler)
+        self.runner = get_runner(params, config.attention_backend, config.batch_invariant, tuning)
+        self.min_token_bucket = self.runner.tuning.min_token_bucket
         # Compilations are counted per engine: steps compiled by an earlier engine are not ours.
         self._compile_base = (self.runner.compile_seconds, self.runner.num_compiled_shapes)
-        # Pallas reads block tables only up to each kv_len: one fixed width, fewer compilations.
-        max_blocks = -(-self.max_model_len // config.block_size)
-        self._table_width = bucket(max_blocks, 1) if self.runner.attention_backend == "pallas" else None
+        # Block tables have one fixed width (enough for max_model_len), so a token bucket is one shape.
+        self._table_width = bucket(-(-self.max_model_len // config.block_size), 1)
         self.metrics = EngineMetrics()
         self._rng = np.random.default_rng(config.seed)
         self._next_id = 0
@@ -134,19 +123,17 @@ class LLMEngine:
         self._aborted: list[RequestState] = []  # aborted since the last step (their outputs are due)
         self._num_feature_requests = 0  # unfinished requests using penalties / min_p / logprobs / ...
         self._outputs = OutputProcessor(tokenizer)
-        self.scheduler.on_token = detokenize_token  # a plain function: no cycle back to the engine
-        # Async scheduling: the step in flight (its placeholders) and its device output.
-        self._pending: tuple | None = None  # (samples, tokens, aux, prompt logprob rows)
-        self._pending_rows: dict[Sequence, int] | None = None  # keyed by identity (Sequence has no __eq__)
+        # Async scheduling: the step in flight and the rows of its placeholders (by sequence identity).
+        self._in_flight: InFlight | None = None
+        self._pending_rows: dict[Sequence, int] | None = None
         self._prev_tokens = jnp.zeros(bucket(config.max_num_seqs, MIN_SEQS), jnp.int32)
         # Token buffers whose values are read back (or never needed): each step writes its tokens into
         # one of them (donated; ``ModelRunner.step``: a fresh output buffer each step moved the CUDA
         # graph's temporaries). Two made here, so no step allocates one, the first or after an idle step.
         self._free_tokens: list[jax.Array] = [jnp.zeros_like(self._prev_tokens) for _ in range(2)]
-        # How sampled tokens reach the host (readback.py): jax's np.asarray, or a stream-ordered copy.
-        readback = config.token_readback if config.tensor_parallel_size == 1 else "jax"
-        self.token_readback, self._read_tokens = make_token_reader(readback, jax.local_devices()[0],
-                                                                   self._prev_tokens.shape[0])
+        # How sampled tokens reach the host (readback.py): a stream-ordered copy on one GPU, else jax's.
+        self.token_readback, self._read_tokens = make_token_reader(
+            jax.local_devices()[0], self._prev_tokens.shape[0], stream=config.tensor_parallel_size == 1)
 
     # ---- requests ------------------------------------------------------------------------------
     def _tokenize(self, prompt, rid: str) -> tuple[str | None, list[int]]:
@@ -157,17 +144,17 @@ class LLMEngine:
             raise ValueError(f"request {rid!r}: a text prompt needs a tokenizer; pass token ids instead")
         return p.text, self.tokenizer.encode(p.text)
 
-    def _new_request_id(self) -> str:
-        while str(self._next_id) in self._requests:  # never take an id a user chose
-            self._next_id += 1
-        rid = str(self._next_id)
-        self._next_id += 1
-        return rid
+    def _next_request_id(self, reserved: set[str]) -> str:
+        """The next free automatic id (not yet taken: ``_queue`` takes it, so a refused request uses none)."""
+        n = self._next_id
+        while str(n) in self._requests or str(n) in reserved:  # never take an id a user chose
+            n += 1
+        return str(n)
 
     def _prepare(self, prompt, sampling_params, request_id: str | None, cache_salt=None,
                  reserved: set[str] = frozenset()) -> RequestState:
         """Checks one request completely (``TypeError`` / ``ValueError`` naming it) without queueing it."""
-        rid = self._new_request_id() if request_id is None else request_id
+        rid = self._next_request_id(reserved) if request_id is None else request_id
         if not isinstance(rid, str):
             raise TypeError(f"request_id must be a str, got {type(rid).__name__} {rid!r}")
         if rid in self._requests or rid in reserved:
@@ -227,7 +214,9 @@ class LLMEngine:
         state.sent_tokens, state.sent_chars, state.sent_finished = [0] * sp.n, [0] * sp.n, [False] * sp.n
         return state
 
-    def _queue(self, state: RequestState) -> str:
+    def _queue(self, state: RequestState, auto_id: bool) -> str:
+        if auto_id:  # taken only now: a refused request leaves the next id free
+            self._next_id = int(state.request_id) + 1
         self._requests[state.request_id] = state
         # (counted from a sample's params: a private copy, so a user mutating theirs cannot skew it)
         self._num_feature_requests += state.seqs[0].sampling_params.uses_device_features
@@ -242,7 +231,7 @@ class LLMEngine:
 
         ``prompt``: text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``.
         """
-        return self._queue(self._prepare(prompt, sampling_params, request_id, cache_salt))
+        return self._queue(self._prepare(prompt, sampling_params, request_id, cache_salt), request_id is None)
 
     def add_requests(self, prompts, sampling_params=None) -> list[str]:
         """Checks every prompt first, then queues them all: a bad one leaves nothing queued."""
@@ -257,7 +246,7 @@ class LLMEngine:
                 raise type(err)(f"prompt {i}: {err}") from None
             reserved.add(state.request_id)
             states.append(state)
-        return [self._queue(st) for st in states]
+        return [self._queue(st, True) for st in states]
 
     def abort_request(self, request_id: str) -> None:
         """Withdraws a queued or running request (all its samples), releasing its blocks. The next
@@ -275,80 +264,55 @@ class LLMEngine:
         self._aborted.append(state)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._pending is not None or bool(self._aborted)
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._aborted)
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one engine iteration; returns the outputs it produced: finished requests, aborted
-        ones, and, for requests that stream (``output_kind`` CUMULATIVE / DELTA), new tokens.
-
-        With ``async_scheduling`` the step is dispatched before the previous step's tokens are read
-        back: the device fills the placeholder tokens in from the previous output, and the host's
-        scheduling and bookkeeping overlap the device's work. Outputs are the same either way.
-        """
+        ones, and, for requests that stream (``output_kind`` CUMULATIVE / DELTA), new tokens."""
         t0 = time.perf_counter()
         aborted, self._aborted = self._aborted, []
         outputs = [o for o in map(self._outputs.make_output, aborted) if o is not None]
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            touched = self._resolve_pending()
+            touched = self._resolve(self._in_flight)
             if not touched and not aborted and self.scheduler.has_unfinished():
                 raise RuntimeError("no request could be scheduled although some are waiting (pool exhausted)")
             return outputs + self._make_outputs(touched)
-        if self.config.longest_first and len(scheduled) > 1:
-            scheduled = longest_first(scheduled)
+        scheduled = longest_first(scheduled)  # the longest KV reads launch first (same results)
+        num_decode = sum(1 for seq, n in scheduled if n == 1 and len(seq.token_ids) > seq.num_prompt_tokens)
+        inputs = self._build_inputs(scheduled)
+        t1 = time.perf_counter()
+        tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs, self._prev_tokens,
+                                                self._take_free_tokens())
+        tokens, aux = tokens if isinstance(tokens, tuple) else (tokens, None)  # (a logprobs variant: aux arrays)
+        if self.token_readback == "jax":
+            tokens.copy_to_host_async()  # the read-back starts as soon as the step ends, not when asked
+        prompt_rows = prompt_logprob_positions(scheduled) if inputs.features.prompt_logprobs >= 0 else []
+        if self.config.async_scheduling:  # the previous step's tokens (ready, or nearly), then book this one
+            outputs += self._make_outputs(self._resolve(self._in_flight))
+        step = InFlight(self.scheduler.advance(scheduled), tokens, aux, prompt_rows)
+        if self.config.async_scheduling:
+            self._in_flight, self._prev_tokens = step, tokens
+            self._pending_rows = {seq: row for row, seq, _ in step.samples}
+        else:
+            self._free_tokens.append(tokens)
+            outputs += self._make_outputs(self._resolve(step))
+        self._record_step(scheduled, num_decode, inputs, t0, t1)
+        return outputs
+
+    def _build_inputs(self, scheduled: ScheduledBatch):
+        """The step's padded inputs; notes each request's first scheduling (its queueing time ends)."""
         now = time.monotonic()
         for seq, _ in scheduled:
             state = seq.parent
             if state.first_scheduled is None:
                 state.first_scheduled = now
                 state.num_cached_tokens = seq.num_cached_tokens
-        num_decode = sum(1 for seq, n in scheduled if n == 1 and len(seq.token_ids) > seq.num_prompt_tokens)
-        num_tokens = sum(n for _, n in scheduled)
-        inputs = build_step_inputs(scheduled, self.kv.tables, self.config.block_size, width=self._table_width,
-                                   max_seqs=self.config.max_num_seqs, prev_rows=self._pending_rows,
-                                   eos_token_ids=self.params.config.eos_token_id,
-                                   maybe_features=self._num_feature_requests > 0,
-                                   min_tokens=self.min_token_bucket)
-        prompt_rows = prompt_logprob_positions(scheduled) if inputs.features.prompt_logprobs >= 0 else []
-        t1 = time.perf_counter()
-        tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs, self._prev_tokens,
-                                                self._take_free_tokens())
-        aux = None
-        if isinstance(tokens, tuple):  # a logprobs variant: (tokens, aux arrays)
-            tokens, aux = tokens
-        if self.config.async_scheduling:
-            if self.token_readback == "jax":
-                tokens.copy_to_host_async()  # the read-back starts as soon as the step ends, not when asked
-            touched = self._resolve_pending()  # the previous step's tokens: ready, or nearly
-            t2 = time.perf_counter()
-            outputs += self._make_outputs(touched)  # before advance() books new placeholders
-            samples = self.scheduler.advance(scheduled)
-            self._pending = (samples, tokens, aux, prompt_rows)
-            self._pending_rows = {seq: row for row, seq, _ in samples}
-            self._prev_tokens = tokens
-        else:
-            host_tokens = self._read_tokens(tokens)[: len(scheduled)]
-            self._free_tokens.append(tokens)
-            t2 = time.perf_counter()
-            samples = [(row, seq, len(seq.token_ids)) for row, (seq, n) in enumerate(scheduled)
-                       if seq.num_computed_tokens + n == len(seq.token_ids)]
-            finished = self.scheduler.postprocess(scheduled, host_tokens)
-            del finished  # every finished sequence sampled in this step: it is in ``samples``
-            self._record_logprobs(samples, aux, prompt_rows)
-            outputs += self._make_outputs([seq for _, seq, _ in samples])
-        self.metrics.host_seconds += t1 - t0
-        self.metrics.device_seconds += t2 - t1
-        kv = self.kv
-        used = kv.num_used_blocks
-        self.metrics.record(StepRecord(
-            step=self.metrics.total_steps, num_seqs=len(scheduled), num_prefill_tokens=num_tokens - num_decode,
-            num_decode_tokens=num_decode, num_padded_tokens=int(inputs.token_ids.shape[0]),
-            blocks_used=used, blocks_cached=kv.num_cached_blocks,
-            kv_bytes_in_use=used * self.config.block_size * self.bytes_per_token,
-            block_utilisation=kv.block_utilisation(), seconds=time.perf_counter() - t0))
-        self.metrics.host_seconds += time.perf_counter() - t2
-        return outputs
+        return build_step_inputs(scheduled, self.kv.tables, self.config.block_size, width=self._table_width,
+                                 max_seqs=self.config.max_num_seqs, prev_rows=self._pending_rows,
+                                 eos_token_ids=self.params.config.eos_token_id,
+                                 maybe_features=self._num_feature_requests > 0, min_tokens=self.min_token_bucket)
 
     def _take_free_tokens(self) -> jax.Array | None:
         """A read-back token buffer for the next step's output, never the one the step reads its
@@ -358,20 +322,43 @@ class LLMEngine:
                 return self._free_tokens.pop(i)
         return None  # (not reached: two buffers and at most one is the feedback)
 
-    def _resolve_pending(self) -> list[Sequence]:
-        """Reads back the step in flight (async scheduling) and fills its placeholder tokens. Returns
-        the sequences that got a token."""
-        if self._pending is None:
+    def _resolve(self, step: InFlight | None) -> list[Sequence]:
+        """Reads a booked step's tokens back and fills its placeholders in; ends sequences on stop
+        tokens and stop strings; keeps logprobs. Returns the sequences that got a token."""
+        if step is None:
             return []
-        samples, tokens, aux, prompt_rows = self._pending
-        self._pending, self._pending_rows = None, None
-        self._free_tokens.append(tokens)  # (read back below, or never needed)
-        if not samples and not prompt_rows:
+        if step is self._in_flight:
+            self._in_flight, self._pending_rows = None, None
+            self._free_tokens.append(step.tokens)  # (read back below, or never needed)
+        if not step.samples and not step.prompt_rows:
             return []
-        self.scheduler.resolve(samples, self._read_tokens(tokens))
-        live = [(row, seq, pos) for row, seq, pos in samples if seq.finish_reason != "abort"]
-        self._record_logprobs(live, aux, [r for r in prompt_rows if r[1].finish_reason != "abort"])
-        return [seq for _, seq, _ in live]
+        t = time.perf_counter()
+        host_tokens = self._read_tokens(step.tokens)
+        self.metrics.device_seconds += time.perf_counter() - t  # (waiting for the device, and the copy)
+        got = self.scheduler.resolve(step.samples, host_tokens)
+        for seq, stop in self._outputs.stop_strings(got):
+            if seq.is_finished:
+                if seq.finish_reason == "length":  # a stop string on the last allowed token
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+            else:
+                seq.stop_reason = stop
+                self.scheduler.finish(seq, "stop")
+        live = [(row, seq, pos) for row, seq, pos in step.samples if seq.finish_reason != "abort"]
+        self._record_logprobs(live, step.aux, [r for r in step.prompt_rows if r[1].finish_reason != "abort"])
+        return got
+
+    def _record_step(self, scheduled: ScheduledBatch, num_decode: int, inputs, t0: float, t1: float) -> None:
+        """Per-step metrics: the host's time before the launch and overall, and the pool's use."""
+        num_tokens = sum(n for _, n in scheduled)
+        kv, used = self.kv, self.kv.num_used_blocks
+        now = time.perf_counter()
+        self.metrics.host_seconds += t1 - t0
+        self.metrics.record(StepRecord(
+            step=self.metrics.total_steps, num_seqs=len(scheduled), num_prefill_tokens=num_tokens - num_decode,
+            num_decode_tokens=num_decode, num_padded_tokens=int(inputs.token_ids.shape[0]),
+            blocks_used=used, blocks_cached=kv.num_cached_blocks,
+            kv_bytes_in_use=used * self.config.block_size * self.bytes_per_token,
+            block_utilisation=kv.block_utilisation(), seconds=now - t0))
 
     def _record_logprobs(self, samples, aux, prompt_rows) -> None:
         """Keeps the logprobs of the sampled tokens (``samples``: ``(row, seq, _)``) and of prompt
@@ -409,31 +396,31 @@ class LLMEngine:
         return outs
 
     def warmup(self, use_tqdm: bool = True, freeze_gc: bool = True) -> float:
-        """Compiles the step for every token bucket up to ``max_num_batched_tokens`` ahead of time.
+        """Compiles every step a plain request can need, ahead of time: each token bucket up to
+        ``max_num_batched_tokens``, in each sampler variant (``random``, and ``filtered`` for top-k /
+        top-p), every copy of each. Returns the seconds spent.
 
-        Runs each shape once on an all-padding batch (no sequence, every slot -1: nothing is written
-        or read). Returns the seconds spent. On the Pallas backend later steps then never stop to
-        compile; the jnp reference backend pads block tables per step, so it still compiles new widths.
+        Runs each on an all-padding batch (no sequence, every slot -1: nothing is written or read).
+        Not compiled here, on first use instead: the variants of penalties, min_p, min_tokens with
+        stop tokens, and logprobs (``sampling/features.py``: one per combination in use).
         ``freeze_gc``: then moves the process's long-lived objects out of the cyclic garbage
         collector's reach (``heap.freeze_long_lived_heap``), so a full collection in the middle of a
         workload takes milliseconds, not most of a second.
         """
-        max_blocks = -(-self.max_model_len // self.config.block_size)
-        width = self._table_width or bucket(max_blocks, 1)
-        sizes = []
-        t = self.min_token_bucket
+        sizes, t = [], self.min_token_bucket
         s_max = bucket(self.config.max_num_seqs, MIN_SEQS)
         while t < bucket(self.config.max_num_batched_tokens, self.min_token_bucket) * 2:
             sizes.append(t)
             t *= 2
+        shapes = [(t_pad, mode) for t_pad in sizes for mode in SAMPLING_MODES]
         t0 = time.perf_counter()
-        it = sizes
+        it = shapes
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            it = tqdm(sizes, desc="compile step buckets", unit="shape")
-        for t_pad in it:
-            inputs = padding_step_inputs(t_pad, min(t_pad, s_max), width)
+            it = tqdm(shapes, desc="jaxpaged: compiling steps", unit="step")
+        for t_pad, mode in it:
+            inputs = padding_step_inputs(t_pad, min(t_pad, s_max), self._table_width, mode)
             for _ in range(self.runner.num_copies(t_pad)):  # every copy of the step (runner docstring)
                 tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs,
                                                         jnp.zeros_like(self._prev_tokens))
@@ -441,6 +428,13 @@ class LLMEngine:
         if freeze_gc:
             freeze_long_lived_heap()
         return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Releases what the engine acquired outside JAX (the stream token reader's CUDA stream and
+        pinned buffer). The engine cannot step afterwards; dropping it does the same."""
+        close = getattr(self._read_tokens, "close", None)
+        if close is not None:
+            close()
 
     # ---- observability -------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -1,16 +1,15 @@
-"""The jitted step: ``(state, kv_pool, inputs) -> (tokens, kv_pool)``, with the KV pool donated.
+"""ModelRunner: the jitted step ``(weights, kv_pool, inputs) -> (tokens, kv_pool)``, pool donated.
 
 Everything the device does in one engine iteration is one XLA program: embed, every layer (K/V
 written in place into the donated pool, paged attention), the final norm, logits only at the
-sampled positions, and sampling. The graph definition and the attention functions are fixed per
-``ModelRunner``, so they are closed over; weights and pool are arguments (never constants).
+sampled positions, and sampling. The graph definition, the attention function and the model's ops
+are fixed per runner, so they are closed over; weights and pool are arguments (never constants).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import time
 from pathlib import Path
 from typing import Callable
@@ -20,64 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .step_inputs import StepInputs
-from ..models.ops import get_attention_fn, get_model_ops, resolve_backend
 from ..kernels.gemv import ROWS as GEMV_ROWS
 from ..kernels.kv_write import write_kv
+from ..models.ops import get_attention_fn, get_model_ops, resolve_backend
 from ..models.qwen import DEFAULT_OPS, KVPool, ModelOps
 from ..sampling.features import sample_step
-from .transfer import pack, to_step_memory, unpack
-
-
-# XLA options the engine compiles its step with (per executable, never a global flag). Empty until a
-# whole-workload measurement shows an option helps (benchmarks/RESULTS.md, exp_xla_flags.py).
-DEFAULT_COMPILER_OPTIONS: tuple[tuple[str, object], ...] = ()
-
-
-def pool_hlo_report(hlo: str, pool_shape: tuple[int, ...]) -> dict:
-    """How a compiled step (``hlo``: its text) treats the pool ``[L, N, bs, 2, Hkv, D]``.
-
-    ``aliased``: pool-shaped parameters aliased to outputs (the donated pool: 1); ``aliases``: all
-    parameters aliased to outputs (the pool and the recycled token buffer: 2). ``copies``: copies of the whole
-    pool. ``slices``: values holding part of the pool, i.e. any array with the pool's ``N, bs`` axes that
-    is not the pool itself (a layer, ``[1, N, ...]``, keys only, ...): XLA copies a slice before a custom
-    call, so the step must index the pool, never slice it. Both must be 0.
-    """
-    lines = hlo.splitlines()
-    dims = ",".join(map(str, pool_shape))
-    n, bs = pool_shape[1], pool_shape[2]
-    copies = sum(1 for ln in lines if re.search(rf"\w+\[{dims}\]", ln) and re.search(r"\bcopy(-start)?\(", ln))
-    slices = 0
-    for ln in lines:
-        m = re.search(r"= \w+\[([\d,]+)\]", ln)
-        if m and m.group(1) != dims and re.search(rf"(^|,){n},{bs}(,|$)", m.group(1)):
-            slices += 1
-    aliased_params = [int(k) for k in re.findall(r"\{\d+\}: \((\d+), \{\}, (?:may|must)-alias\)", lines[0])]
-    pool_params = {int(m.group(1)) for ln in lines
-                   if (m := re.search(rf"= \w+\[{dims}\](?:\{{[\d,]*\}})? parameter\((\d+)\)", ln))}
-    return dict(aliased=sum(1 for k in aliased_params if k in pool_params), aliases=len(aliased_params),
-                copies=copies, slices=slices)
-
-
-def entry_param_readers(hlo: str, params: list[int]) -> dict[int, int]:
-    """How many instructions of a compiled step's entry computation read each of its parameters
-    ``params`` (numbers as in ``parameter(K)``). The step's packed inputs and previous tokens must be
-    read by one each (``transfer.to_step_memory``'s copy), or every launch patches the CUDA graph's
-    nodes that read them."""
-    lines = hlo.splitlines()
-    start = next(i for i, ln in enumerate(lines) if ln.startswith("ENTRY"))
-    body = []
-    for ln in lines[start + 1:]:
-        if ln.startswith("}"):
-            break
-        body.append(ln)
-    names = {}
-    for ln in body:
-        m = re.search(r"(%[\w.\-]+) = [^=]*\bparameter\((\d+)\)", ln)
-        if m and int(m.group(2)) in params:
-            names[int(m.group(2))] = m.group(1)
-    return {k: sum(1 for ln in body if "parameter(" not in ln and re.search(re.escape(name) + r"(?![\w.\-])", ln))
-            for k, name in names.items()}
+from .step_inputs import StepInputs, pack, to_step_memory, unpack
+from .tuning import StepTuning
 
 
 def gspmd_partitioner():
@@ -86,7 +34,7 @@ def gspmd_partitioner():
     Why: on the H200 machine (jax 0.11.2, CUDA 13, 2026-11-29) XLA's GPU compiler segfaults while
     compiling the tensor-parallel step (shard_map over the ``tp`` mesh) when Shardy partitions it, at
     every size, with either attention backend and with command buffers, Triton GEMMs, autotuning or
-    the latency-hiding scheduler off; with GSPMD it compiles and runs (``bench_tp.py``, RESULTS.md).
+    the latency-hiding scheduler off; with GSPMD it compiles and runs (``benchmarks/bench_tp.py``).
     Scoped to the step's trace and compile, never set globally; it is part of jit's cache key, so every
     call of the step runs inside it.
     """
@@ -114,10 +62,10 @@ def enable_compilation_cache(cache_dir: str | Path | None = None) -> str | None:
 
 
 def make_step_fn(graphdef: nnx.GraphDef, attention_fn: Callable, write_kv_fn: Callable,
-                 ops: ModelOps = DEFAULT_OPS, batch_invariant: bool = False, fused_sampler: bool = True) -> Callable:
+                 ops: ModelOps = DEFAULT_OPS, batch_invariant: bool = False) -> Callable:
     """The pure step function (not jitted): used by ``ModelRunner`` and by HLO inspection tests.
-    ``ops``: the model's matmul / RMSNorm; ``batch_invariant``: fixed-order sums in the sampler;
-    ``fused_sampler``: the sampler's Pallas pass on a GPU (``EngineConfig.fused_sampler``)."""
+    ``ops``: the model's matmul / RMSNorm (``models.ops.get_model_ops``); ``batch_invariant``:
+    fixed-order sums in the sampler."""
 
     def step(state: nnx.State, kv_pool: KVPool, inputs: StepInputs,
              prev_tokens: jax.Array) -> tuple[jax.Array, KVPool]:
@@ -131,87 +79,57 @@ def make_step_fn(graphdef: nnx.GraphDef, attention_fn: Callable, write_kv_fn: Ca
         hidden, kv_pool = model(token_ids, inputs.positions, kv_pool, inputs.meta,
                                 attention_fn=attention_fn, write_kv_fn=write_kv_fn, ops=ops)
         # Logits at the sampled positions, then the sampler (plus penalties / logprobs in their variants).
-        tokens, aux = sample_step(hidden, lambda h: model.compute_logits(h, ops), inputs, token_ids, batch_invariant,
-                                  fused_sampler)
+        tokens, aux = sample_step(hidden, lambda h: model.compute_logits(h, ops), inputs, token_ids, batch_invariant)
         out = jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens)
         return ((out, aux) if aux else out), kv_pool
 
     return step
 
 
-COPIES_MAX_TOKENS = 32  # steps of at most this many tokens use every copy of the step (ModelRunner)
-# XLA options of the steps that ``cublas_max_tokens`` covers: XLA's GEMMs through cuBLAS, not Triton.
-CUBLAS_OPTIONS: tuple[tuple[str, object], ...] = (("xla_gpu_enable_triton_gemm", False),)
-# XLA options of the steps above ``cudagraph_max_tokens``: no command buffers (CUDA graphs), plain launches.
-EAGER_OPTIONS: tuple[tuple[str, object], ...] = (("xla_gpu_enable_command_buffer", ""),)
-VARIANT_OPTIONS = {"cublas": CUBLAS_OPTIONS, "eager": EAGER_OPTIONS}
-VARIANTS = ("default", "cublas", "eager", "cublas+eager")  # every variant name ModelRunner.variant returns
+# XLA options of the steps that ``StepTuning.cublas_max_tokens`` covers: XLA's GEMMs through cuBLAS.
+CUBLAS_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
 class ModelRunner:
-    """Owns the jitted step for one model and attention backend; counts compilations.
+    """Owns the jitted step for one model, attention backend and numerics mode; counts compilations.
 
-    ``mesh``: a tensor-parallel mesh (``jaxpaged.models.sharding``): ``graphdef`` is then the per-shard model
-    and the step body runs on every shard under ``shard_map``; ``None`` (one device) is the plain step.
-
+    ``mesh``: a tensor-parallel mesh (``models/sharding.py``): ``graphdef`` is then the per-shard
+    model and the step body runs on every shard under ``shard_map``; ``None`` is the plain step.
     ``batch_invariant``: every token's result is bitwise independent of the batch it is computed in
-    (fixed-tile Pallas matmuls and norms, one attention launch configuration, fixed-order sampler sums;
-    docs/NUMERICS.md).
+    (docs/NUMERICS.md). ``tuning``: bucketing and compilation choices (``tuning.StepTuning``).
 
     The weights are passed to the jitted function as a flat list of arrays, flattened once per
     state object: flattening an NNX ``State`` in Python on every call costs ~0.3 ms a step, while a
     list of arrays goes through jit's C++ fast path. The step's inputs travel packed in one buffer
-    (``transfer.pack``: one host-to-device copy instead of 13) with a static ``StepLayout``.
+    (``step_inputs.pack``: one host-to-device copy instead of 13) with a static ``StepLayout``.
 
-    ``step_executables``: copies of each compiled step, used in turn (``EngineConfig``). A step's
-    CUDA graph records the address of every buffer its kernels touch, and XLA patches the nodes whose
-    buffers moved before each launch. With async scheduling the token buffers the step reads and
-    writes alternate between two (``step``'s ``spare_tokens``); with two copies used in turn (per
-    shape) each copy always sees the same two. Measured on the H200 (RESULTS.md, session 6): at batch
-    1 ITL p50 1.37 -> 1.02 and 1.16 -> 0.98 ms in two paired runs. Until session 11 a larger step's
-    temporary buffer moved at every launch anyway (a fresh token output was allocated before it) and
-    copies did not help there, so steps of more than ``COPIES_MAX_TOKENS`` tokens keep one copy and
-    one compile (the few nodes that touch the token buffers are patched: 0.07-0.3 ms at batch 256).
-    Each copy is a separate jit of the same function (compiled separately).
-
-    ``cublas_max_tokens``: steps of more than ``GEMV_ROWS`` and at most this many padded tokens
-    (decode-sized steps) are compiled with ``CUBLAS_OPTIONS`` on top of ``compiler_options``, so their
-    XLA GEMMs are cuBLAS calls; larger (prefill) steps keep XLA's Triton GEMM fusions. 0: never.
-    Measured on the H200 (RESULTS.md, session 7): a batch-256 decode step's GPU time -4%, while the
-    whole workload with cuBLAS everywhere was 0.89x (its prefill steps slower; session 3).
-
-    ``cudagraph_max_tokens``: steps of more padded tokens than this are compiled with ``EAGER_OPTIONS``
-    (no XLA command buffers: each kernel is launched on its own, and the GPU starts on the first while
-    the host launches the rest); ``None`` (the default): every step runs as CUDA graphs. Why it exists:
-    a large step's graph was re-patched before every launch (1.3-4 ms at batch 256, RESULTS.md
-    sessions 6 and 8; fixed in session 11, see ``step``), and launching kernel by kernel did not pay.
+    Copies (``tuning.step_executables``): a step's CUDA graph records the address of every buffer its
+    kernels touch, and XLA patches the nodes whose buffers moved before each launch. With async
+    scheduling the token buffers a step reads and writes alternate between two; with two copies of
+    each small step used in turn, each copy always sees the same two (batch-1 ITL on the H200 1.37 ->
+    1.02 ms). Steps above ``tuning.copies_max_tokens`` keep one copy and one compile.
+    Decode-sized steps (more than the GEMV's 32 rows, at most ``tuning.cublas_max_tokens``) compile
+    with ``CUBLAS_OPTIONS``; larger (prefill) steps keep XLA's Triton GEMM fusions.
     """
 
     def __init__(self, graphdef: nnx.GraphDef, attention_backend: str = "auto", batch_invariant: bool = False,
-                 compiler_options: dict | None = None, mesh=None, decode_gemv: bool = True,
-                 fused_qkv: bool = True, fuse_matmul_inputs: bool = False, fused_residual: bool = True,
-                 step_executables: int = 1, cublas_max_tokens: int = 0, cudagraph_max_tokens: int | None = None,
-                 fused_sampler: bool = True):
-        if step_executables < 1:
-            raise ValueError(f"step_executables must be >= 1, got {step_executables}")
-        self.step_executables = 1 if mesh is not None else step_executables
+                 mesh=None, tuning: StepTuning | None = None):
+        tuning = tuning or StepTuning.default(batch_invariant)
+        self.tuning = tuning
+        self.step_executables = 1 if mesh is not None else tuning.step_executables
         self._turns: dict[tuple, int] = {}  # step shape -> the copy that ran it last
-        self.cublas_max_tokens = cublas_max_tokens
-        self.cudagraph_max_tokens = cudagraph_max_tokens
-        self.copies_max_tokens = COPIES_MAX_TOKENS  # (experiments may raise it: benchmarks/profile_step.py)
         self.attention_backend = resolve_backend(attention_backend)
         self.batch_invariant = batch_invariant
-        self.compiler_options = dict(compiler_options or {})
-        self.mesh = mesh  # tensor parallelism: the step runs per shard under shard_map (jaxpaged.models.sharding)
+        self.mesh = mesh
         self._replicated = None  # the mesh's replicated sharding, made on first use
-        ops = get_model_ops(batch_invariant, decode_gemv, fused_qkv, fuse_matmul_inputs, fused_residual)
+        ops = get_model_ops(batch_invariant)
         if mesh is not None:
             from ..models.sharding import tp_model_ops
 
             ops = tp_model_ops(ops)
         self._step_fn = make_step_fn(graphdef, get_attention_fn(attention_backend, batch_invariant), write_kv,
-                                     ops, batch_invariant, fused_sampler)
-        self._jitted: dict = {}  # (state treedef, variant) -> the jitted step's copies (over flat weight leaves)
+                                     ops, batch_invariant)
+        self._jitted: dict = {}  # (state treedef, cublas?) -> the jitted step's copies (over flat weight leaves)
         self._state: nnx.State | None = None
         self._leaves: list[jax.Array] = []
         self._treedef = None
@@ -244,48 +162,23 @@ class ModelRunner:
                        compiler_options=compiler_options or None, **shardings)
 
     def num_copies(self, num_tokens: int) -> int:
-        """How many copies of the step a padded step of ``num_tokens`` tokens uses in turn: all of them
-        up to ``copies_max_tokens`` (``COPIES_MAX_TOKENS``) tokens, one above or without CUDA graphs (the
-        copies exist for the graphs' buffer addresses; see the class docstring)."""
-        if num_tokens > self.copies_max_tokens or "eager" in self.variant(num_tokens):
-            return 1
-        return self.step_executables
+        """How many copies of the step a padded step of ``num_tokens`` tokens uses in turn."""
+        return self.step_executables if num_tokens <= self.tuning.copies_max_tokens else 1
 
-    def variant(self, num_tokens: int) -> str:
-        """Which compiled variant a padded step of ``num_tokens`` tokens runs: ``"default"``, or its
-        options' names joined by ``+`` (one of ``VARIANTS``): ``"cublas"`` (see ``cublas_max_tokens``),
-        ``"eager"`` (see ``cudagraph_max_tokens``)."""
-        names = []
-        if GEMV_ROWS < num_tokens <= self.cublas_max_tokens:
-            names.append("cublas")
-        if self.cudagraph_max_tokens is not None and num_tokens > self.cudagraph_max_tokens:
-            names.append("eager")
-        return "+".join(names) or "default"
+    def uses_cublas(self, num_tokens: int) -> bool:
+        """Whether a padded step of ``num_tokens`` tokens compiles its GEMMs as cuBLAS calls."""
+        return GEMV_ROWS < num_tokens <= self.tuning.cublas_max_tokens
 
-    def set_jitted(self, state: nnx.State, jitted: Callable) -> None:
-        """Replaces the jitted step for ``state``'s structure, for every step size (experiments with
-        compiler options): one jitted function, or a tuple of copies as ``_flat`` returns them."""
-        self._flat(state)
-        copies = jitted if isinstance(jitted, tuple) else (jitted,)
-        for variant in VARIANTS:
-            self._jitted[self._treedef, variant] = copies
-        self._shapes_seen.clear()
-
-    def _flat(self, state: nnx.State, variant: str = "default"):
-        """``(copies, leaves)``: the jitted copies of ``variant`` for ``state``'s structure (made on first
-        use) and ``state``'s flat leaves (flattened once per state object)."""
+    def _flat(self, state: nnx.State, cublas: bool = False):
+        """``(copies, leaves)``: the jitted copies for ``state``'s structure (made on first use) and
+        ``state``'s flat leaves (flattened once per state object)."""
         if state is not self._state:
             self._leaves, self._treedef = jax.tree.flatten(state)
             self._state = state
-        key = (self._treedef, variant)
+        key = (self._treedef, cublas)
         if key not in self._jitted:
-            options = {}
-            if variant != "default":
-                for name in variant.split("+"):
-                    options.update(VARIANT_OPTIONS[name])
-            options.update(self.compiler_options)  # the user's own options win
-            self._jitted[key] = tuple(self.make_jitted(self._treedef, options)
-                                      for _ in range(self.step_executables))
+            options = CUBLAS_OPTIONS if cublas else None
+            self._jitted[key] = tuple(self.make_jitted(self._treedef, options) for _ in range(self.step_executables))
         return self._jitted[key], self._leaves
 
     def step(self, state: nnx.State, kv_pool: KVPool, inputs: StepInputs,
@@ -299,7 +192,7 @@ class ModelRunner:
         before its temporary buffer; a fresh 1 KB token array each step lands at the start of the free
         space and pushes the temporary buffer up by 1 KB, so every kernel node of the step's CUDA graph
         had to be re-patched before each launch (1.6-2.8 ms of host time at batch 256 on the H200;
-        XLA's allocator log, benchmarks/RESULTS.md, session 11). Written into a recycled buffer, the
+        XLA's allocator log). Written into a recycled buffer, the
         temporary buffer keeps its address.
         """
         if prev_tokens is None:
@@ -307,13 +200,13 @@ class ModelRunner:
         if spare_tokens is None:
             spare_tokens = jnp.zeros(prev_tokens.shape, jnp.int32)
         num_tokens = inputs.token_ids.shape[0]
-        variant = self.variant(num_tokens)
-        copies, leaves = self._flat(state, variant)
+        cublas = self.uses_cublas(num_tokens)
+        copies, leaves = self._flat(state, cublas)
         if self.mesh is not None:  # one executable for fresh and fed-back tokens (committed or not)
             prev_tokens, spare_tokens = self._replicate(prev_tokens), self._replicate(spare_tokens)
         packed, layout = pack(inputs)  # (a numpy argument: jit's own transfer was measured cheaper
-        # than a jax.device_put before the call, 350 vs 467 us a call; bench_dispatch.py, RESULTS.md)
-        base_key = (layout, prev_tokens.shape, kv_pool.shape, kv_pool.dtype, variant)
+        # than a jax.device_put before the call, 350 vs 467 us a call on the H200)
+        base_key = (layout, prev_tokens.shape, kv_pool.shape, kv_pool.dtype, cublas)
         n = min(len(copies), self.num_copies(num_tokens))
         self._turns[base_key] = turn = (self._turns.get(base_key, -1) + 1) % n  # in turn, per shape
         jitted = copies[turn]
@@ -355,7 +248,7 @@ class ModelRunner:
     def compiled(self, state: nnx.State, kv_pool: KVPool, inputs: StepInputs):
         """The step compiled for ``inputs``' shapes (``jax.stages.Compiled``: its HLO text and XLA's memory
         analysis, to check that the pool is never copied). Runs nothing."""
-        copies, leaves = self._flat(state, self.variant(inputs.token_ids.shape[0]))
+        copies, leaves = self._flat(state, self.uses_cublas(inputs.token_ids.shape[0]))
         prev_tokens = np.zeros(inputs.logits_indices.shape, np.int32)
         spare = jax.ShapeDtypeStruct(prev_tokens.shape, jnp.int32)
         packed, layout = pack(inputs)

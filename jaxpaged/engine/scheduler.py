@@ -18,8 +18,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Callable
-
 import numpy as np
 
 from .step_inputs import PLACEHOLDER
@@ -55,9 +53,6 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.enable_chunked_prefill = enable_chunked_prefill
-        # Called once per sampled token once it is known (the engine's detokenizer): returns a stop
-        # string the token completed, or None. Stop conditions all wait for ``min_tokens``.
-        self.on_token: Callable[[Sequence], str | None] | None = None
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
@@ -170,46 +165,7 @@ class Scheduler:
                     keys.add(key)
         return keys
 
-    def postprocess(self, scheduled: ScheduledBatch, tokens: np.ndarray) -> list[Sequence]:
-        """Advances progress, appends sampled tokens, caches full blocks, frees finished sequences.
-
-        ``tokens[i]`` is the token sampled for ``scheduled[i]``; it is used only if that sequence's
-        chunk reached its last known token (a mid-prompt chunk samples nothing). Returns the
-        sequences that finished in this step.
-        """
-        now = time.monotonic()
-        finished = []
-        c = self.counters
-        c.steps += 1
-        cache_full_blocks = self.kv.cache_full_blocks
-        for (seq, n), token in zip(scheduled, np.asarray(tokens).tolist()):
-            if self._advance_progress(seq, n):
-                seq.append_token(token, now)
-                c.generated_tokens += 1
-                reason = self._finish_reason(seq, token)
-                if reason is not None:
-                    seq.finish(reason, now)
-            cache_full_blocks(seq)
-            if seq.status is SequenceStatus.FINISHED:
-                self.kv.free(seq)
-                finished.append(seq)
-        if finished:
-            done = set(map(id, finished))
-            self.running = [s for s in self.running if id(s) not in done]
-        return finished
-
-    def _advance_progress(self, seq: Sequence, n: int) -> bool:
-        """Counts ``n`` computed tokens of ``seq``; True if they reached its last known token (so the
-        step sampled a token for it). ``advance`` inlines the same bookkeeping in its loop (the
-        batch-256 host path): keep the two in step."""
-        if n == 1 and len(seq.token_ids) > seq.num_prompt_tokens:
-            self.counters.decode_tokens += 1
-        else:
-            self.counters.prefill_tokens += n
-        seq.num_computed_tokens += n
-        return seq.num_computed_tokens == len(seq.token_ids)
-
-    # ---- async scheduling: book a step before its tokens reach the host ---------------------------
+    # ---- after a step: book it when dispatched (advance), fill its tokens in when read (resolve) ----
     def advance(self, scheduled: ScheduledBatch) -> Samples:
         """Books a dispatched step whose sampled tokens are not known yet.
 
@@ -231,7 +187,7 @@ class Scheduler:
                 continue
             tokens_list = seq.token_ids
             num_tokens = len(tokens_list)
-            # _advance_progress, inlined: the counters are added once after the loop.
+            # (the counters are added once after the loop: the batch-256 host path)
             if n == 1 and num_tokens > seq.num_prompt_tokens:
                 decode_tokens += 1
             else:
@@ -253,43 +209,44 @@ class Scheduler:
         return samples
 
     def resolve(self, samples: Samples, tokens: np.ndarray) -> list[Sequence]:
-        """Fills the placeholders of a step with its sampled ``tokens``; stops sequences that sampled a
-        stop token. Returns the sequences whose last token this was (finished)."""
+        """Fills the placeholders of a step with its sampled ``tokens`` and stops the sequences that
+        sampled EOS or one of their ``stop_token_ids`` (after ``min_tokens``). Returns the sequences
+        that got their token (not those aborted meanwhile). Stop strings are the output side's
+        (``OutputProcessor.stop_strings``), which then calls :meth:`finish`."""
         now = time.monotonic()
-        finished = []
-        c = self.counters
-        generated = 0
-        finished_status, is_stop = SequenceStatus.FINISHED, self._is_stop
+        got = []
+        finished_status, is_stop = SequenceStatus.FINISHED, self._is_stop_token
         for (row, seq, pos), token in zip(samples, np.asarray(tokens)[[r for r, _, _ in samples]].tolist()):
             if seq.finish_reason == "abort":  # aborted while this step ran: already removed
                 continue
             seq.token_ids[pos] = token
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            generated += 1
-            if seq.status is finished_status:
-                if seq.finish_reason == "length" and self._is_stop(seq, token):
+            got.append(seq)
+            if seq.status is finished_status:  # finished by length when booked (advance)
+                if seq.finish_reason == "length" and is_stop(seq, token):
                     seq.finish_reason = "stop"
                 seq.finish_time = now
-                finished.append(seq)
             elif is_stop(seq, token):
-                if seq.status is SequenceStatus.RUNNING:
-                    self.kv.free(seq)
-                    self.running.remove(seq)
-                elif seq in self.waiting:  # preempted while its token was in flight
-                    self.waiting.remove(seq)
-                    if self.policy is not None:
-                        self.policy.remove(seq)
-                seq.finish("stop", now)
-                finished.append(seq)
-        c.generated_tokens += generated
-        return finished
+                self.finish(seq, "stop", now)
+        self.counters.generated_tokens += len(got)
+        return got
 
-    def _is_stop(self, seq: Sequence, token: int) -> bool:
+    def finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
+        """Ends an unfinished sequence now (running, or waiting after a preemption), releasing its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.kv.free(seq)
+            self.running.remove(seq)
+        elif seq in self.waiting:  # preempted while its token was in flight
+            self.waiting.remove(seq)
+            if self.policy is not None:
+                self.policy.remove(seq)
+        seq.finish(reason, now)
+
+    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
         """True if ``token`` (just placed at the end of ``seq``'s known tokens) ends it; records why in
-        ``seq.stop_reason`` (vLLM's: the stop token id or string; None for EOS). Call once per token."""
+        ``seq.stop_reason`` (vLLM's: the stop token id; None for EOS)."""
         sp = seq.sampling_params
-        stop_str = self.on_token(seq) if self.on_token is not None else None
         if sp.min_tokens and seq.num_output_tokens < sp.min_tokens:
             return False
         if not sp.ignore_eos and token in self.eos_token_ids:
@@ -297,17 +254,7 @@ class Scheduler:
         if sp.stop_token_ids and token in sp.stop_token_ids:
             seq.stop_reason = token
             return True
-        if stop_str is not None:
-            seq.stop_reason = stop_str
-            return True
         return False
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        if self._is_stop(seq, token):
-            return "stop"
-        if seq.num_output_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
 
     def abort(self, seq: Sequence) -> None:
         """Removes a request wherever it is, releasing its blocks."""

@@ -1,9 +1,15 @@
-"""StepInputs: one scheduled step as device arrays, padded to shape buckets so XLA compiles few shapes.
+"""StepInputs: one scheduled step as device arrays, padded to shape buckets so XLA compiles few shapes,
+and packed into one int32 buffer so they reach the device in one host-to-device copy.
 
 A step is a list of ``(sequence, num_new_tokens)``: decodes (1 new token) and prefill chunks mixed, in
 the scheduler's order. Token ``t`` of the step belongs to one sequence; its K/V go to
 ``slot_mapping[t]``; each sequence's last new token is where its logits are taken
 (``logits_indices``). Padding tokens write nowhere (slot -1) and padding sequences have no tokens.
+
+One table, :func:`input_fields`, names every array with its shape and dtype: the host builds the
+arrays as views of one buffer laid out by it (:func:`build_step_inputs`), :func:`pack` sends that
+buffer, and :func:`unpack` slices the arrays back out inside the jitted step, where slices are free.
+Passed to ``jit`` one by one, the 13 arrays were 13 transfers a step, each with its own host cost.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from ..kernels.metadata import AttentionMetadata
 from ..kernels.shapes import next_pow2
@@ -25,7 +33,6 @@ from .sequence import Sequence
 PLACEHOLDER = -1  # a token sampled by the step in flight, not yet on the host (async scheduling)
 
 MIN_TOKENS, MIN_SEQS, MIN_WIDTH = 16, 8, 4
-PACKED_ATTR = "_packed"  # StepInputs built by build_step_inputs carry their one-buffer form here (not a field)
 
 
 bucket = next_pow2  # bucket(n, minimum): the padded size of n (a power of two >= minimum)
@@ -44,7 +51,9 @@ class StepInputs:
     generated so far (the per-request PRNG stream position).
     sampling_mode: static, the sampler variant the step needs (``sampling.sampling_mode``).
     extras / features: the inputs and static description of penalties, min_p, min_tokens and logprobs
-    (``sampling_features``); ``None`` / ``NO_FEATURES`` in a step that uses none of them.
+    (``sampling/features.py``); ``None`` / ``NO_FEATURES`` in a step that uses none of them.
+    packed: on the host, the int32 buffer the arrays are views of (``build_step_inputs``), sent to the
+    device as it is; ``None`` otherwise. The arrays' names, shapes and dtypes are ``input_fields``.
     """
 
     token_ids: jax.Array
@@ -60,11 +69,12 @@ class StepInputs:
     sampling_mode: str = dataclasses.field(default="random", metadata=dict(static=True))
     extras: FeatureInputs | None = None
     features: SamplerFeatures = dataclasses.field(default=NO_FEATURES, metadata=dict(static=True))
+    packed: np.ndarray | None = None  # host side: the arrays above as views of this one buffer (``pack``)
 
 
 def input_fields(num_tokens: int, num_seqs: int, width: int) -> tuple[tuple[str, tuple[int, ...], np.dtype], ...]:
     """``(name, shape, dtype)`` of a step's 13 input arrays, in the order of its one int32 buffer
-    (``transfer.StepLayout`` appends the sampler features' arrays)."""
+    (``StepLayout`` appends the sampler features' arrays)."""
     t, s = num_tokens, num_seqs
     i32, f32, u32 = np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.uint32)
     return (("token_ids", (t,), i32), ("positions", (t,), i32), ("slot_mapping", (t,), i32),
@@ -135,12 +145,11 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
     token is still a ``PLACEHOLDER`` (the device fills it in from that output). ``eos_token_ids``: the
     tokens min_tokens masks (with each request's stop_token_ids). ``maybe_features=False``: the caller
     knows no request uses penalties / min_p / min_tokens / logprobs (skips even looking).
-    ``min_tokens``: the smallest padded token count (``EngineConfig.min_token_bucket``).
+    ``min_tokens``: the smallest padded token count (``StepTuning.min_token_bucket``).
 
     The arrays are views of one int32 buffer (:func:`input_buffer`), kept on the result
-    (attribute ``PACKED_ATTR``, outside the pytree) so ``transfer.pack`` sends it without copying;
-    a step with sampler features packs the usual way (``pack`` at batch 1 on the dev CPU: 10 -> 1 us;
-    the engine's host time per step: RESULTS.md, session 8).
+    (its ``packed`` field) so ``pack`` sends it without copying;
+    a step with sampler features packs the usual way (``pack`` at batch 1 on a CPU: 10 -> 1 us).
     """
     seqs = [s for s, _ in scheduled]
     new_list = [n for _, n in scheduled]
@@ -156,7 +165,7 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
     if width is None or width < longest:
         width = bucket(longest, MIN_WIDTH)
 
-    # Every array is a view of one int32 buffer, so ``transfer.pack`` hands it over as it is.
+    # Every array is a view of one int32 buffer, so ``pack`` hands it over as it is.
     buf, v = input_buffer(t_pad, s_pad, width)
     token_ids, positions, slots, prev_index = v["token_ids"], v["positions"], v["slot_mapping"], v["prev_index"]
     cu, kv_lens, logits_indices, block_tables = v["cu_q_lens"], v["kv_lens"], v["logits_indices"], v["block_tables"]
@@ -202,12 +211,11 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
     features, extras = NO_FEATURES, None
     if maybe_features:
         features, extras = build_feature_inputs(scheduled, s_pad, cu, eos_token_ids)
-    inputs = StepInputs(token_ids=token_ids, positions=positions, meta=meta, prev_index=prev_index,
-                        logits_indices=logits_indices, temperature=temperature, top_k=top_k, top_p=top_p,
-                        seeds=seeds, counters=counters, sampling_mode=mode, extras=extras, features=features)
-    if extras is None:  # the feature variants' extra arrays are not in the buffer: pack() copies those
-        object.__setattr__(inputs, PACKED_ATTR, buf)
-    return inputs
+    # (the feature variants' extra arrays are not in the buffer: pack() lays those out anew)
+    return StepInputs(token_ids=token_ids, positions=positions, meta=meta, prev_index=prev_index,
+                      logits_indices=logits_indices, temperature=temperature, top_k=top_k, top_p=top_p,
+                      seeds=seeds, counters=counters, sampling_mode=mode, extras=extras, features=features,
+                      packed=buf if extras is None else None)
 
 
 def build_chunk_step(chunks: list[tuple[list[int], int, list[int]]], block_size: int,
@@ -232,3 +240,84 @@ def padding_step_inputs(num_tokens: int, num_seqs: int, width: int, mode: str = 
                       temperature=z(num_seqs, np.float32), top_k=np.full(num_seqs, -1, np.int32),
                       top_p=np.ones(num_seqs, np.float32), seeds=z(num_seqs, np.uint32), counters=z(num_seqs),
                       sampling_mode=mode)
+
+
+# ---- the packed form: one host-to-device copy per step ------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """Static description of a packed step: ``T`` tokens, ``S`` sequences, block-table width ``W``."""
+
+    num_tokens: int
+    num_seqs: int
+    width: int
+    sampling_mode: str
+    features: SamplerFeatures = NO_FEATURES  # penalties / min_p / logprobs variant (sampling/features.py)
+
+    def fields(self) -> tuple[tuple[str, tuple[int, ...], np.dtype], ...]:
+        """``(name, shape, dtype)`` in buffer order: ``batch.input_fields``, then the features' arrays."""
+        s = self.num_seqs
+        return input_fields(self.num_tokens, s, self.width) + (self.features.fields(s) if self.features else ())
+
+
+META_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionMetadata))  # input_fields kept in ``meta``
+
+
+def _field(inputs: StepInputs, name: str):
+    """The array of ``input_fields`` / feature field ``name`` in ``inputs``."""
+    if name in META_FIELDS:
+        return getattr(inputs.meta, name)
+    if hasattr(inputs, name):
+        return getattr(inputs, name)
+    return getattr(inputs.extras, name)
+
+
+def pack(inputs: StepInputs) -> tuple[np.ndarray, StepLayout]:
+    """Host side: the step's numpy arrays as one ``i32[N]`` buffer, and its static layout. Inputs from
+    ``build_step_inputs`` (no sampler features) already are views of such a buffer: it is
+    returned as it is (their arrays' current values, since they are views of it). So a caller must
+    not write to a step's input arrays once it has handed them to ``runner.step`` (none does; jax
+    copies a numpy argument today, but need not)."""
+    t, (s, w) = inputs.token_ids.shape[0], inputs.meta.block_tables.shape
+    layout = StepLayout(t, s, w, inputs.sampling_mode, inputs.features)
+    if inputs.packed is not None:
+        return inputs.packed, layout
+    parts = []
+    for name, shape, dtype in layout.fields():
+        a = np.asarray(_field(inputs, name))
+        if a.shape != shape or a.dtype != dtype:
+            raise ValueError(f"step input {name}: expected {dtype}{list(shape)}, got {a.dtype}{list(a.shape)}")
+        parts.append(a.reshape(-1).view(np.int32))
+    return np.concatenate(parts), layout
+
+
+def unpack(buffer: jax.Array, layout: StepLayout) -> StepInputs:
+    """Device side (inside ``jit``): the ``StepInputs`` a packed buffer holds."""
+    out, start = {}, 0
+    for name, shape, dtype in layout.fields():
+        size = int(np.prod(shape))
+        a = lax.slice(buffer, (start,), (start + size,)).reshape(shape)
+        out[name] = a if dtype == np.int32 else lax.bitcast_convert_type(a, jnp.dtype(dtype))
+        start += size
+    meta = AttentionMetadata(**{name: out.pop(name) for name in META_FIELDS})
+    extras = None
+    if layout.features:
+        extras = FeatureInputs(**{f.name: out.pop(f.name) for f in dataclasses.fields(FeatureInputs)})
+    return StepInputs(meta=meta, sampling_mode=layout.sampling_mode, extras=extras, features=layout.features, **out)
+
+
+def to_step_memory(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """Inside ``jit``: ``arrays`` copied into the step's own (temporary) memory, one small kernel each.
+
+    Why: XLA runs the step as a CUDA graph and, before every launch, patches each graph node whose
+    buffers moved since the last launch. A step's inputs arrive in a fresh buffer every step; read
+    in place, the packed inputs make every kernel that reads a slot mapping, a block table or a
+    length (the attention and the qkv epilogue of every layer) a node to patch: 295 of a batch-1
+    step's nodes, 0.1-0.18 ms of host time per launch on the H200 (``TF_CPP_VMODULE=
+    command_buffer_thunk=3``). Copied first, only the copy reads the
+    new buffer; the step's temporary memory keeps its address from step to step. The zero is hidden
+    from XLA's simplifier behind an optimisation barrier, and the barrier on the result keeps the copy
+    from being fused back into its readers.
+    """
+    zero = lax.optimization_barrier(jnp.zeros((), jnp.int32))
+    return lax.optimization_barrier(tuple(a + zero.astype(a.dtype) for a in arrays))

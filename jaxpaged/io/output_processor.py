@@ -96,6 +96,20 @@ class OutputProcessor:
         return [None] + [to_logprob_dict(ids[p + 1], *seq.prompt_logprobs[p], k=k, decode=self._piece)
                          if p in seq.prompt_logprobs else None for p in range(len(ids) - 1)]
 
+    @staticmethod
+    def stop_strings(seqs: list[Sequence]) -> list[tuple[Sequence, str]]:
+        """Grows the text of each sequence that is detokenized as it runs by its newest token; returns
+        ``(sequence, stop string)`` for those whose text now holds one of their stop strings (after
+        ``min_tokens``). The engine then ends them (``Scheduler.finish``)."""
+        hits = []
+        for seq in seqs:
+            d = seq.detokenizer
+            if d is not None:
+                stop = d.add_token(seq.token_ids)
+                if stop is not None:
+                    hits.append((seq, stop))
+        return hits
+
     def make_output(self, state: RequestState) -> RequestOutput | None:
         """The output for ``state`` now, by its ``output_kind``; None if there is nothing to send."""
         kind = state.sampling_params.output_kind

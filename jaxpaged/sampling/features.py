@@ -135,19 +135,18 @@ def build_feature_inputs(scheduled, s_pad: int, cu_q_lens: np.ndarray,
 
 
 def sample_step(hidden: jax.Array, compute_logits: Callable[[jax.Array], jax.Array], inputs, token_ids: jax.Array,
-                batch_invariant: bool = False, fused_sampler: bool = True) -> tuple[jax.Array, dict]:
+                batch_invariant: bool = False) -> tuple[jax.Array, dict]:
     """Device side: logits at ``inputs.logits_indices`` -> ``(tokens i32[S], aux)``.
 
     ``hidden [T, hidden]``: the model's final hidden states; ``token_ids i32[T]``: the step's tokens
     with placeholders filled in. Without features this is exactly the default sampler (``aux == {}``).
-    ``fused_sampler``: ``False`` keeps XLA's sampler on a GPU too (``sampling.sample``'s ``argmax_kernel``).
+    On a GPU the noise and argmax run as one Pallas pass (``sampler.sample``).
     """
-    kernel = None if fused_sampler else False
     logits = compute_logits(hidden[inputs.logits_indices])  # [S, V] fp32
     f, x = inputs.features, inputs.extras
     if not f:
         return sample(logits, inputs.temperature, inputs.top_k, inputs.top_p, inputs.seeds, inputs.counters,
-                      inputs.sampling_mode, batch_invariant=batch_invariant, argmax_kernel=kernel), {}
+                      inputs.sampling_mode, batch_invariant=batch_invariant), {}
     processed = logits.astype(jnp.float32)
     if f.penalties:
         rows = jnp.arange(x.history.shape[0])
@@ -159,8 +158,7 @@ def sample_step(hidden: jax.Array, compute_logits: Callable[[jax.Array], jax.Arr
     if f.min_tokens:
         processed = mask_stop_tokens(processed, x.stop_ids, inputs.counters < x.min_tokens)
     tokens = sample(processed, inputs.temperature, inputs.top_k, inputs.top_p, inputs.seeds, inputs.counters,
-                    inputs.sampling_mode, batch_invariant=batch_invariant, min_p=x.min_p if f.min_p else None,
-                    argmax_kernel=kernel)
+                    inputs.sampling_mode, batch_invariant=batch_invariant, min_p=x.min_p if f.min_p else None)
     aux = {}
     if f.logprobs >= 0:
         aux["logprobs"] = token_logprobs(logits, tokens, f.logprobs, batch_invariant)
