@@ -108,7 +108,7 @@ def simulate(s: dict, policy: str, prompts, max_model_len: int) -> dict:
             sched.add(Sequence(str(i), p, sampling_params=sp))
             arrived[str(i)] = step
         scheduled = sched.schedule()
-        sched.postprocess(scheduled, np.full(len(scheduled), 7))
+        sched.resolve(sched.advance(scheduled), np.full(len(scheduled), 7))  # every sampled token is 7
         for seq, _ in scheduled:
             if seq.num_output_tokens and seq.request_id not in first:
                 first[seq.request_id] = step
