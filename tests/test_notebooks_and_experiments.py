@@ -90,6 +90,7 @@ def test_exp_prefix_cache(tmp_path):
     assert ts["hit_rate_inside"] < ts["hit_rate_moved"]
 
 
+@pytest.mark.slow  # ~22 s on a CPU
 def test_exp_block_size(tmp_path):
     exp = load_module(ROOT / "benchmarks" / "experiments" / "exp_block_size.py")
     report = exp.main(["--out", str(tmp_path), "--block-sizes", "8", "16", "32", "--kv-tokens", "2048",
