@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a Python >= 3.12 virtual environment in .venv (once) and runs one job in it.
 #   ./dev.sh demo    generate with the embedded tiny Qwen model and print KV statistics
-#   ./dev.sh test    run the test suite (CPU; Pallas kernels in interpret mode)
+#   ./dev.sh test    run the test suite (CPU; Pallas kernels in interpret mode; under 10 minutes on 2 cores;
+#                    ./dev.sh test -m "not slow" for the quick subset)
 #   ./dev.sh <cmd>   run any command inside the environment, e.g. ./dev.sh python -m jaxpaged --help
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -31,7 +32,8 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; sys.exit(sys.
 fi
 if [ ! -f .venv/.installed ] || [ pyproject.toml -nt .venv/.installed ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[test]'
+  # (quiet: setuptools warns about every editable install of a package-dir mapping, which is intended here)
+  PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -e '.[test]'
   touch .venv/.installed
 fi
 

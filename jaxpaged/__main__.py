@@ -72,8 +72,8 @@ def generate_cmd(args: argparse.Namespace) -> None:
 
 # Workload defaults: the full one (nano-vllm's) for real and random Qwen3-0.6B weights; a small one for
 # the packaged tiny checkpoint (1,024 positions), which runs in seconds on a CPU.
-FULL_BENCH = dict(num_seqs=256, max_len=2048, max_num_batched_tokens=8192)
-TINY_BENCH = dict(num_seqs=16, max_len=512, max_num_batched_tokens=1024)
+FULL_BENCH = dict(num_seqs=256, max_len=2048, max_num_batched_tokens=8192, max_num_seqs=256)
+TINY_BENCH = dict(num_seqs=16, max_len=512, max_num_batched_tokens=512, max_num_seqs=16)
 
 
 def bench(args: argparse.Namespace) -> None:
@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="max_model_len; prompts and outputs up to half each (default 2048; 512 with --model tiny)")
     b.add_argument("--dtype", default="bfloat16")
     b.add_argument("--block-size", type=int, default=16)
-    b.add_argument("--max-num-seqs", type=int, default=256)
-    b.add_argument("--max-num-batched-tokens", type=int, default=None, help="default 8192; 1024 with --model tiny")
+    b.add_argument("--max-num-seqs", type=int, default=None, help="default 256; 16 with --model tiny")
+    b.add_argument("--max-num-batched-tokens", type=int, default=None, help="default 8192; 512 with --model tiny")
     b.add_argument("--attention-backend", default="auto")
     args = ap.parse_args(argv)
     {"demo": demo, "generate": generate_cmd, "bench": bench}[args.cmd](args)

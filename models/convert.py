@@ -140,7 +140,7 @@ def convert_tensors(cfg: QwenConfig, tensors: dict[str, np.ndarray], dtype: str)
     """Builds our state from HF tensors, checking every name and shape; arrays land on the default device."""
     dtype = canonical_dtype(dtype)
     _, state = abstract_model(cfg, dtype)
-    pure = state.to_pure_dict()
+    pure = nnx.to_pure_dict(state)
     for rule in name_table(cfg):
         parts = []
         for name, shape in rule.sources:
@@ -154,7 +154,7 @@ def convert_tensors(cfg: QwenConfig, tensors: dict[str, np.ndarray], dtype: str)
         value = rule.combine(parts)
         assert value.shape == expected, (rule.path, value.shape, expected)
         node[rule.path[-1]] = jnp.asarray(value)
-    state.replace_by_pure_dict(pure)
+    nnx.replace_by_pure_dict(state, pure)
     return state
 
 

@@ -13,10 +13,10 @@ def test_demo_prints_tokens_text_and_kv_stats(capsys):
     assert "24 from the prefix cache" in out  # later requests reuse the shared system prompt's blocks
 
 
-def test_bench_on_the_tiny_model(capsys):
-    main(["bench", "--model", "tiny", "--num-seqs", "4", "--max-len", "256", "--max-num-batched-tokens", "128"])
+def test_bench_on_the_tiny_model_with_its_defaults(capsys):
+    main(["bench", "--model", "tiny"])
     out = capsys.readouterr().out
-    assert "4 requests" in out and "output tok/s" in out
+    assert "16 requests" in out and "output tok/s" in out and "preemptions 0" in out
 
 
 def test_generate_on_a_checkpoint_folder(capsys):

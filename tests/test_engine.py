@@ -223,7 +223,7 @@ def test_warmup_freezes_the_long_lived_heap_and_the_pool_is_still_freed(qwen3):
     import weakref
 
     params, _ = qwen3
-    engine = LLMEngine(params, EngineConfig(**SMALL))
+    engine = LLMEngine(params, EngineConfig(**SMALL, max_num_batched_tokens=32))
     try:
         engine.warmup(use_tqdm=False)
         frozen = gc.get_freeze_count()

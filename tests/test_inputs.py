@@ -20,7 +20,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(tiny_checkpoint_path("qwen3"), dtype="float32", block_size=8, num_blocks=64, max_model_len=64)
+    return LLM(tiny_checkpoint_path("qwen3"), dtype="float32", block_size=8, num_blocks=64, max_model_len=64,
+               warmup=False)
 
 
 BAD_GENERATE = [  # (prompts, sampling_params, error, message)

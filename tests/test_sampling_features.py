@@ -16,7 +16,7 @@ from jaxpaged.sampling.penalties import apply_penalties, mask_stop_tokens
 from jaxpaged.sampling.sampler import apply_min_p
 
 FIXTURES = Path(__file__).parent / "fixtures"
-CFG = dict(dtype="float32", block_size=8, num_blocks=96, max_model_len=96)
+CFG = dict(kv_cache_dtype="float32", block_size=8, num_blocks=96, max_model_len=96)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ TEXT = "héllo wörld: naïve café 🙂 日本語 ünïcödé"
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(tiny_checkpoint_path("qwen3"), dtype="float32", **CFG)
+    return LLM(tiny_checkpoint_path("qwen3"), dtype="float32", warmup=False, **CFG)
 
 
 def test_incremental_detokenizer_never_splits_a_character():
@@ -117,7 +117,7 @@ def test_sampling_defaults_come_from_generation_config(tmp_path):
     (path / "generation_config.json").write_text(json.dumps(
         {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1,
          "max_new_tokens": 99, "eos_token_id": 0}))
-    llm = LLM(path, dtype="float32", cache_dir=str(tmp_path / "cache"), **CFG)
+    llm = LLM(path, dtype="float32", cache_dir=str(tmp_path / "cache"), warmup=False, **CFG)
     d = llm.default_sampling_params
     assert (d.temperature, d.top_p, d.top_k, d.repetition_penalty, d.max_tokens) == (0.6, 0.95, 20, 1.1, 16)
     out = llm.generate("Hello", use_tqdm=False)[0]

@@ -398,33 +398,42 @@ class LLMEngine:
     def warmup(self, use_tqdm: bool = True, freeze_gc: bool = True) -> float:
         """Compiles every step a plain request can need, ahead of time: each token bucket up to
         ``max_num_batched_tokens``, in each sampler variant (``random``, and ``filtered`` for top-k /
-        top-p), every copy of each. Returns the seconds spent.
+        top-p), every copy of each (``ModelRunner.precompile``: XLA compiles them in parallel). On a GPU
+        each then runs once on an all-padding batch (no sequence, every slot -1: nothing is written or
+        read), so its first real launch finds everything loaded. Returns the seconds spent.
 
-        Runs each on an all-padding batch (no sequence, every slot -1: nothing is written or read).
         Not compiled here, on first use instead: the variants of penalties, min_p, min_tokens with
         stop tokens, and logprobs (``sampling/features.py``: one per combination in use).
         ``freeze_gc``: then moves the process's long-lived objects out of the cyclic garbage
         collector's reach (``heap.freeze_long_lived_heap``), so a full collection in the middle of a
         workload takes milliseconds, not most of a second.
         """
+        t0 = time.perf_counter()
         sizes, t = [], self.min_token_bucket
         s_max = bucket(self.config.max_num_seqs, MIN_SEQS)
         while t < bucket(self.config.max_num_batched_tokens, self.min_token_bucket) * 2:
             sizes.append(t)
             t *= 2
-        shapes = [(t_pad, mode) for t_pad in sizes for mode in SAMPLING_MODES]
-        t0 = time.perf_counter()
-        it = shapes
+        steps = [padding_step_inputs(t_pad, min(t_pad, s_max), self._table_width, mode)
+                 for t_pad in sizes for mode in SAMPLING_MODES]
+        bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            it = tqdm(shapes, desc="jaxpaged: compiling steps", unit="step")
-        for t_pad, mode in it:
-            inputs = padding_step_inputs(t_pad, min(t_pad, s_max), self._table_width, mode)
-            for _ in range(self.runner.num_copies(t_pad)):  # every copy of the step (runner docstring)
+            bar = tqdm(total=2 if jax.default_backend() == "gpu" else 1, unit="phase",
+                       desc=f"jaxpaged: compiling {len(steps)} step shapes")
+        compiled = self.runner.precompile(self.params.state, self.kv_pool, steps, self._prev_tokens)
+        if bar is not None:
+            bar.update(1)
+        if jax.default_backend() == "gpu":
+            for inputs, _ in compiled:  # (each copy in turn: the runner alternates them)
                 tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs,
                                                         jnp.zeros_like(self._prev_tokens))
                 tokens.block_until_ready()
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
         if freeze_gc:
             freeze_long_lived_heap()
         return time.perf_counter() - t0

@@ -8,6 +8,7 @@ are fixed per runner, so they are closed over; weights and pool are arguments (n
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import time
@@ -220,6 +221,35 @@ class ModelRunner:
                 self._shapes_seen.add(shape_key)
                 return tokens, kv_pool
             return jitted(leaves, kv_pool, packed, prev_tokens, spare_tokens, layout)
+
+    def precompile(self, state: nnx.State, kv_pool: KVPool, steps: list[StepInputs], prev_tokens: jax.Array,
+                   threads: int | None = None) -> list[tuple[StepInputs, int]]:
+        """Compiles, without running, every copy of the step for each of ``steps``' shapes not compiled
+        yet; returns ``(inputs, copy)`` for each executable compiled. Tracing and lowering run here in
+        turn; XLA's compilations (most of the time) run in ``threads`` threads at once (default: the
+        host's cores). A compiled executable lands in jit's own cache, so a later ``step`` of that
+        shape runs it without compiling."""
+        spare = jnp.zeros(prev_tokens.shape, jnp.int32)
+        if self.mesh is not None:
+            prev_tokens, spare = self._replicate(prev_tokens), self._replicate(spare)
+        todo = []
+        t0 = time.perf_counter()
+        with self._partitioner():
+            for inputs in steps:
+                num_tokens = inputs.token_ids.shape[0]
+                copies, leaves = self._flat(state, self.uses_cublas(num_tokens))
+                packed, layout = pack(inputs)
+                base_key = (layout, prev_tokens.shape, kv_pool.shape, kv_pool.dtype, self.uses_cublas(num_tokens))
+                for turn in range(min(len(copies), self.num_copies(num_tokens))):
+                    if base_key + (turn,) not in self._shapes_seen:
+                        lowered = copies[turn].lower(leaves, kv_pool, packed, prev_tokens, spare, layout)
+                        todo.append((base_key + (turn,), lowered, inputs, turn))
+            with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
+                list(pool.map(lambda item: item[1].compile(), todo))
+        for key, *_ in todo:
+            self._shapes_seen.add(key)
+        self.compile_seconds += time.perf_counter() - t0
+        return [(inputs, turn) for _, _, inputs, turn in todo]
 
     def _partitioner(self):
         """GSPMD for the tensor-parallel step (see :func:`gspmd_partitioner`); nothing on one device."""

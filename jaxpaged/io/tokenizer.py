@@ -7,6 +7,8 @@ vLLM use), so an instruct checkpoint's prompts are formatted exactly as it was t
 
 from __future__ import annotations
 
+import logging
+
 import json
 from pathlib import Path
 
@@ -47,11 +49,23 @@ class Tokenizer:
             raise ValueError("this tokenizer has no chat template (no 'chat_template' in tokenizer_config.json "
                              "nor chat_template.jinja): pass chat_template=... to chat()")
         if self._hf is None:
-            from transformers import PreTrainedTokenizerFast
-
-            self._hf = PreTrainedTokenizerFast(tokenizer_object=self._tok)
+            self._hf = _hf_tokenizer(self._tok)
         return self._hf.apply_chat_template(conversation, chat_template=template, tokenize=False,
                                             add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+def _hf_tokenizer(tok):
+    """transformers' tokenizer around ``tok``, for its chat-template rendering. Imported quietly: without
+    PyTorch, transformers announces at import that models are unavailable, which reads as a missing
+    dependency here (only its tokenizer utilities are used)."""
+    hf_logger = logging.getLogger("transformers")
+    level = hf_logger.level
+    hf_logger.setLevel(logging.ERROR)
+    try:
+        from transformers import PreTrainedTokenizerFast
+    finally:
+        hf_logger.setLevel(level)
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
 def _read_chat_template(folder: Path) -> str | None:

@@ -1,0 +1,49 @@
+"""Start-up: ``LLM`` compiles every step a request can select before the first request, so none waits
+for a compilation; ``warmup=False`` skips it."""
+
+from __future__ import annotations
+
+import jax
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.models.tiny import tiny_checkpoint_path
+
+SMALL = dict(dtype="float32", block_size=8, num_blocks=64, max_model_len=64, max_num_seqs=8,
+             max_num_batched_tokens=32, compilation_cache=False)
+
+
+class CompileCounter:
+    """Counts XLA backend compilations (JAX's own monitoring event) while active."""
+
+    def __init__(self):
+        self.count, self.active = 0, False
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event: str, duration: float, **_kw) -> None:
+        if self.active and event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+
+def test_llm_warms_up_and_no_request_compiles_afterwards():
+    counter = CompileCounter()
+    llm = LLM(tiny_checkpoint_path("qwen3"), **SMALL)
+    runner = llm.engine.runner
+    # Both sampler variants of both token buckets (16, 32): compiled at construction.
+    assert runner.num_compiled_executables == 4
+    counter.active = True
+    sps = [SamplingParams(temperature=0, max_tokens=5), SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=5),
+           SamplingParams(temperature=0.7, top_k=5, seed=2, max_tokens=5), SamplingParams(temperature=1.0, seed=3)]
+    outs = llm.generate([[1, 2, 3], [4, 5, 6, 7], list(range(1, 30)), [9]], sps, use_tqdm=False)
+    counter.active = False
+    assert [len(o.outputs[0].token_ids) for o in outs[:3]] == [5, 5, 5]
+    assert runner.num_compiled_executables == 4
+    assert counter.count == 0, f"{counter.count} XLA compilations after warm-up"
+    llm.close()
+
+
+def test_warmup_can_be_skipped():
+    llm = LLM(tiny_checkpoint_path("qwen3"), warmup=False, **SMALL)
+    assert llm.engine.runner.num_compiled_executables == 0
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    assert llm.engine.runner.num_compiled_executables == 1  # compiled on first use instead
