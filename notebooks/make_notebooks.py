@@ -1,30 +1,53 @@
-"""Writes the notebooks in this folder from the Python strings below (json only; no outputs stored).
+"""Writes the notebooks in this folder from the Python strings below.
 
 Edit the cells here, then run ``python notebooks/make_notebooks.py``: the ``.ipynb`` files are
-generated, so a review reads this file. ``tests/test_notebooks_and_experiments.py`` runs every code
-cell of every notebook on CPU.
+generated, so a review reads this file. A cell whose id and source are unchanged keeps the outputs
+stored in the existing notebook (e.g. from a run on a GPU); ``--clear-outputs`` drops them all.
+``tests/test_notebooks_and_experiments.py`` checks the sources match this file and runs every code
+cell of every notebook on a CPU, on a copy.
 
-Every notebook runs on a CPU in well under a minute on the packaged tiny random Qwen3 checkpoint
+Every notebook runs on a CPU in about a minute or less on the packaged tiny random Qwen3 checkpoint
 (its text is gibberish; every mechanism is real). Install with ``pip install -e '.[notebooks]'``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import textwrap
 from pathlib import Path
 
 HERE = Path(__file__).parent
 
+INSTALL = """\
+# Installing jaxpaged. Locally: `pip install -e '.[notebooks]'` in a clone of the repository (add the
+# `cuda12` extra, i.e. `jax[cuda12]`, on an NVIDIA GPU), then start Jupyter; this cell does nothing.
+# In Colab: upload or clone the repository to /content/jaxpaged (or set JAXPAGED_DIR), then run this
+# cell: it installs it with its notebook extras, plus `jax[cuda12]` on a GPU runtime.
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+if "google.colab" in sys.modules:
+    JAXPAGED_DIR = Path(os.environ.get("JAXPAGED_DIR", "/content/jaxpaged"))
+    if not (JAXPAGED_DIR / "pyproject.toml").is_file():
+        raise FileNotFoundError(f"no jaxpaged clone at {JAXPAGED_DIR}: upload or clone it there first")
+    extras = "notebooks,cuda12" if shutil.which("nvidia-smi") else "notebooks"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"{JAXPAGED_DIR}[{extras}]"], check=True)
+"""
+
 REAL_MODEL_NOTE = """\
 **Runs anywhere.** On a CPU this uses the packaged tiny random Qwen3 checkpoint (`float32`, text is
 gibberish, every mechanism is real) and the `jnp` reference attention. For a real model on a GPU, install
 `pip install -e '.[cuda12,notebooks]'`, set `MODEL` to a Hugging Face Qwen2 / Qwen2.5 / Qwen3 folder
-(e.g. `"/models/Qwen3-0.6B"`) and `DTYPE = "bfloat16"`; `attention_backend="auto"` then picks the Pallas
-kernels, and you can raise the pool sizes below."""
+(e.g. `"/models/Qwen3-0.6B"`) and `DTYPE = "bfloat16"` (the weights' dtype; the KV cache follows it);
+`attention_backend="auto"` then picks the Pallas kernels, and you can raise the pool sizes below."""
 
 
 def md(*parts: str) -> dict:
+    """A markdown cell; each part is dedented (a line indented like code would render as code)."""
     return {"cell_type": "markdown", "metadata": {}, "source": _lines(parts)}
 
 
@@ -34,15 +57,18 @@ def code(*parts: str) -> dict:
 
 
 def _lines(parts: tuple[str, ...]) -> list[str]:
-    text = "\n".join(textwrap.dedent(p).strip("\n") for p in parts)
-    return text.splitlines(keepends=True)
+    blocks = [textwrap.dedent(p).strip("\n") for p in parts]
+    for block in blocks:
+        if block[:1].isspace():  # a line indented less than the first one stops the dedent
+            raise ValueError(f"cell text is not dedented (is a line indented less than the first?): {block[:80]!r}")
+    return "\n\n".join(blocks).splitlines(keepends=True)
 
 
 def notebook(cells: list[dict], name: str) -> dict:
     """nbformat 4.5 JSON; cell ids are stable (``<notebook>-<index>``) so regenerating changes nothing."""
     stem = Path(name).stem.replace("_", "-")
     return {
-        "cells": [{"id": f"{stem}-{i}", **cell} for i, cell in enumerate(cells)],
+        "cells": [{"id": f"{stem}-{i}", **cell} for i, cell in enumerate([code(INSTALL), *cells])],
         "metadata": {
             "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
             "language_info": {"name": "python", "pygments_lexer": "ipython3"},
@@ -50,6 +76,20 @@ def notebook(cells: list[dict], name: str) -> dict:
         "nbformat": 4,
         "nbformat_minor": 5,
     }
+
+
+def source(cell: dict) -> str:
+    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+
+def keep_outputs(nb: dict, old: dict) -> dict:
+    """``nb`` with the stored outputs of ``old``'s code cells whose id and source are unchanged."""
+    stored = {c.get("id"): c for c in old.get("cells", []) if c["cell_type"] == "code"}
+    for cell in nb["cells"]:
+        prev = stored.get(cell["id"])
+        if cell["cell_type"] == "code" and prev is not None and source(prev) == source(cell):
+            cell["outputs"], cell["execution_count"] = prev.get("outputs", []), prev.get("execution_count")
+    return nb
 
 
 SETUP = """\
@@ -85,14 +125,16 @@ QUICKSTART = [
                   max_num_batched_tokens=64, event_log=True)
         s = llm.stats()
         print(f"pool: {s['num_blocks']} blocks x {s['block_size']} tokens = {s['kv_pool_bytes'] / 2**20:.2f} MiB "
-              f"({s['kv_bytes_per_token']} bytes of K+V per token), attention: {s['attention_backend']}")
+              f"of {s['kv_dtype']} ({s['kv_bytes_per_token']} bytes of K+V per token), "
+              f"attention: {s['attention_backend']}, {s['compiled_shapes']} step shapes compiled")
         """),
     md("""
         ## Generate
 
         Prompts are text (tokenized with the checkpoint's `tokenizer.json`) or lists of token ids. Outputs come back in
-        input order, vLLM-shaped. `temperature=0` is greedy. The first call compiles the step (a few seconds on CPU),
-which is why its TTFT is long: `llm.engine.warmup()` compiles every step shape ahead of time.
+        input order, vLLM-shaped. `temperature=0` is greedy. `LLM(...)` compiled every step shape when it was made
+        (the progress bar above; `LLM(..., warmup=False)` skips that and compiles each shape on first use), so no
+        request waits for a compilation.
         """),
     code("""
         greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -165,12 +207,37 @@ which is why its TTFT is long: `llm.engine.warmup()` compiles every step shape a
     md("""
         ## Per-step metrics
 
-        `engine.metrics.as_columns()` gives one list per field (ready for `pandas.DataFrame` or a plot): sequences and
-        prefill / decode tokens in the step, padded tokens the device computed, blocks used and cached after it, KV bytes
-        in use, block utilisation (filled / allocated slots) and wall time.
+        `engine.metrics.as_columns()` gives one list per field of the step records (ready for `pandas.DataFrame` or a
+        plot): sequences and prefill / decode tokens in the step, padded tokens the device computed, blocks used and
+        cached after it, KV bytes in use, block utilisation (filled / allocated slots) and wall time. Below, over every
+        step this engine ran: the tokens each step computed (prefills of up to `max_num_batched_tokens=64`, then decode
+        steps of one token per sequence) and where the pool's blocks are: held by running requests, or unreferenced but
+        still holding a cached prefix (those grow with each finished request and are evicted only when the pool needs
+        room); the rest are free.
         """),
     code("""
+        import matplotlib.pyplot as plt
+
         cols = llm.engine.metrics.as_columns()
+        fig, axes = plt.subplots(1, 2, figsize=(13, 3.6))
+        axes[0].bar(cols["step"], cols["num_prefill_tokens"], label="prefill tokens")
+        axes[0].bar(cols["step"], cols["num_decode_tokens"], bottom=cols["num_prefill_tokens"], label="decode tokens")
+        axes[0].plot(cols["step"], cols["num_padded_tokens"], "k.", ms=3, label="computed (with padding)")
+        axes[0].set(xlabel="engine step", ylabel="tokens", title="tokens per step",
+                    ylim=(0, 1.3 * max(cols["num_padded_tokens"])))
+        axes[0].legend(loc="upper center", ncols=3, fontsize="small")
+        axes[1].stackplot(cols["step"], cols["blocks_used"], cols["blocks_cached"],
+                          labels=["used by running requests", "cached, unreferenced (evictable)"])
+        axes[1].axhline(llm.stats()["num_blocks"], color="gray", ls="--", label="pool size")
+        axes[1].set(xlabel="engine step", ylabel="KV blocks", title="KV pool after each step")
+        axes[1].legend()
+        fig.tight_layout()
+        plt.show()
+        """),
+    md("""
+        The first steps as a table:
+        """),
+    code("""
         show = {"step": "step", "num_seqs": "seqs", "num_prefill_tokens": "prefill", "num_decode_tokens": "decode",
                 "num_padded_tokens": "padded", "blocks_used": "used", "blocks_cached": "cached",
                 "block_utilisation": "utilisation"}
@@ -185,7 +252,7 @@ which is why its TTFT is long: `llm.engine.warmup()` compiles every step shape a
         compiled steps are reused across engines of the same model.
         """),
     code("""
-        config = EngineConfig(dtype=DTYPE, block_size=16, num_blocks=128, max_model_len=512, max_num_batched_tokens=64)
+        config = EngineConfig(block_size=16, num_blocks=128, max_model_len=512, max_num_batched_tokens=64)
         outs = jaxpaged.generate(llm.params, [[7, 8, 9, 10, 11, 12]], config=config, sampling_params=greedy)
         print(outs[0].outputs[0].token_ids)
         """),
@@ -231,7 +298,7 @@ MEMORY = [
 
         runs = {}
         for policy in ("paged", "max_len"):
-            config = EngineConfig(dtype=DTYPE, block_size=16, num_blocks=128, max_model_len=512,
+            config = EngineConfig(block_size=16, num_blocks=128, max_model_len=512,
                                   max_num_batched_tokens=64, reservation=policy, enable_prefix_caching=False)
             engine = LLMEngine(params, config)
             outs = run_to_completion(engine, prompts, sps)
@@ -304,7 +371,7 @@ PREFIX_CACHE = [
         prompts = [system + [rng.randrange(1, vocab) for _ in range(rng.randint(16, 32))] for _ in range(6)]
 
         def run(caching, prompts=prompts):
-            config = EngineConfig(dtype=DTYPE, block_size=16, num_blocks=128, max_model_len=512,
+            config = EngineConfig(block_size=16, num_blocks=128, max_model_len=512,
                                   max_num_batched_tokens=64, enable_prefix_caching=caching)
             engine = LLMEngine(params, config)
             outs = [run_to_completion(engine, [p], greedy)[0] for p in prompts]
@@ -394,8 +461,8 @@ BLOCK_SIZE = [
         BLOCK_SIZES, KV_TOKENS = (8, 16, 32), 2048
 
         def engine_for(block_size):
-            return LLMEngine(params, EngineConfig(dtype=DTYPE, block_size=block_size, num_blocks=KV_TOKENS // block_size,
-                                                  max_model_len=256, max_num_batched_tokens=64))
+            return LLMEngine(params, EngineConfig(block_size=block_size, num_blocks=KV_TOKENS // block_size,
+                                                   max_model_len=256, max_num_batched_tokens=64))
 
         def utilisation(cols):
             # filled / allocated KV slots per step; NaN on steps that end holding no block (reported as 1.0)
@@ -466,10 +533,16 @@ NOTEBOOKS = {
 }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clear-outputs", action="store_true", help="drop the outputs stored in the notebooks")
+    args = ap.parse_args(argv)
     for name, cells in NOTEBOOKS.items():
         path = HERE / name
-        path.write_text(json.dumps(notebook(cells, name), indent=1, ensure_ascii=False) + "\n")
+        nb = notebook(cells, name)
+        if path.is_file() and not args.clear_outputs:
+            nb = keep_outputs(nb, json.loads(path.read_text()))
+        path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
         print("wrote", path)
 
 

@@ -1,15 +1,19 @@
 """The notebooks and the experiment scripts run, on CPU, on the tiny checkpoint.
 
-Every code cell of every notebook runs in order in one namespace (lines starting with ``%`` or ``!``
-are IPython magics/shell and are dropped; nothing else is skipped), with matplotlib on the Agg
-backend. Each experiment script's ``main()`` runs on small settings; its JSON report is checked.
-Settings are chosen so the notebooks and scripts share pool shapes, hence compiled steps.
+The notebooks' cell sources must be what ``notebooks/make_notebooks.py`` generates (outputs aside:
+committed notebooks may hold outputs of a run on a GPU). Each notebook runs from a copy in a
+temporary folder, which is also the working directory, so nothing is written back into notebooks/:
+every code cell runs in order in one namespace (lines starting with ``%`` or ``!`` are IPython
+magics/shell and are dropped; nothing else is skipped), with matplotlib on the Agg backend. Each
+experiment script's ``main()`` runs on small settings; its JSON report is checked. Settings are
+chosen so the notebooks and scripts share pool shapes, hence compiled steps.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import matplotlib
@@ -30,40 +34,69 @@ def load_module(path: Path):
     return module
 
 
+def cell_source(cell: dict) -> str:
+    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+
 def code_cells(path: Path) -> list[str]:
     nb = json.loads(path.read_text())
     assert nb["nbformat"] == 4
-    cells = []
-    for cell in nb["cells"]:
-        if cell["cell_type"] != "code":
-            continue
-        assert cell["outputs"] == [] and cell["execution_count"] is None, f"{path.name}: outputs stored"
-        source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-        cells.append("\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!"))))
-    return cells
+    return ["\n".join(line for line in cell_source(cell).splitlines() if not line.lstrip().startswith(("%", "!")))
+            for cell in nb["cells"] if cell["cell_type"] == "code"]
 
 
 def test_notebooks_are_generated_from_make_notebooks():
     make = load_module(NOTEBOOKS / "make_notebooks.py")
     assert sorted(make.NOTEBOOKS) == sorted(NOTEBOOK_NAMES)
     for name, cells in make.NOTEBOOKS.items():
-        expected = json.dumps(make.notebook(cells, name), indent=1, ensure_ascii=False) + "\n"
-        assert (NOTEBOOKS / name).read_text() == expected, f"{name} is stale: run python notebooks/make_notebooks.py"
+        expected, stored = make.notebook(cells, name), json.loads((NOTEBOOKS / name).read_text())
+        sources = lambda nb: [(c["id"], c["cell_type"], cell_source(c)) for c in nb["cells"]]  # noqa: E731
+        assert sources(stored) == sources(expected), f"{name} is stale: run python notebooks/make_notebooks.py"
+        assert stored["nbformat"] == 4 and stored["metadata"]["kernelspec"]["language"] == "python"
+        for cell in stored["cells"]:
+            if cell["cell_type"] == "markdown":  # a line indented 4+ spaces would render as a code block
+                first = cell_source(cell).splitlines()[0]
+                assert not first.startswith(" "), f"{name} {cell['id']}: markdown not dedented: {first!r}"
+        install = cell_source(stored["cells"][0])
+        assert stored["cells"][0]["cell_type"] == "code" and 'if "google.colab" in sys.modules:' in install
+
+
+def test_make_notebooks_keeps_outputs_of_unchanged_cells():
+    make = load_module(NOTEBOOKS / "make_notebooks.py")
+    old = make.notebook(make.NOTEBOOKS["quickstart.ipynb"], "quickstart.ipynb")
+    output = {"output_type": "stream", "name": "stdout", "text": ["on a GPU\n"]}
+    code = [c for c in old["cells"] if c["cell_type"] == "code"]
+    for c in code:
+        c["outputs"], c["execution_count"] = [output], 1
+    code[1]["source"] = ["an edited cell\n"]
+    new = make.keep_outputs(make.notebook(make.NOTEBOOKS["quickstart.ipynb"], "quickstart.ipynb"), old)
+    new_code = [c for c in new["cells"] if c["cell_type"] == "code"]
+    assert new_code[0]["outputs"] == [output] and new_code[0]["execution_count"] == 1
+    assert new_code[1]["outputs"] == [] and new_code[1]["execution_count"] is None
+    assert all(c["outputs"] == [output] for c in new_code[2:])
 
 
 @pytest.mark.parametrize("name", NOTEBOOK_NAMES)
-def test_notebook_runs(name):
-    path = NOTEBOOKS / name
+def test_notebook_runs(name, tmp_path, monkeypatch):
+    original = (NOTEBOOKS / name).read_bytes()
+    path = tmp_path / name
+    shutil.copyfile(NOTEBOOKS / name, path)
+    monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "__main__"}
+    plt.close("all")
     try:
         for i, source in enumerate(code_cells(path)):
             exec(compile(source, f"{name}[code cell {i}]", "exec"), namespace)
+        assert plt.get_fignums(), f"{name} draws no plot"
     finally:
         plt.close("all")
+    assert (NOTEBOOKS / name).read_bytes() == original  # the committed notebook is left as it was
     if name == "quickstart.ipynb":
         assert namespace["b"].num_cached_tokens > 0  # the shared system prompt hit
         assert namespace["d"].num_cached_tokens < namespace["b"].num_cached_tokens  # the timestamp miss
         assert len(namespace["events"].of_kind("hit")) > 0
+        cols = namespace["cols"]
+        assert max(cols["blocks_cached"]) > 0 and max(cols["num_decode_tokens"]) > 0
     if name == "prefix_cache.ipynb":
         on, off = namespace["results"][True][0].stats(), namespace["results"][False][0].stats()
         assert on["prefill_tokens"] < off["prefill_tokens"] and namespace["same"]
