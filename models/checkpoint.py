@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import orbax.checkpoint as ocp
+import jax
 from flax import nnx
 
 from .config import QwenConfig, canonical_dtype
@@ -106,12 +107,19 @@ def load_params(path: str | Path, dtype: str | None = None, *, cache_dir: str | 
         cached = Path(cache_dir or default_cache_dir()) / "params" / cache_key(path, dtype)
         if cached.is_dir():
             try:
-                state = restore_state(cached, abstract_state)
+                state = _on_device(restore_state(cached, abstract_state))
                 return ModelParams(cfg, graphdef, state, dtype, path, from_cache=True)
             except Exception as err:  # a damaged cache is rebuilt, never fatal
                 log.warning("param cache %s unreadable (%s); converting again", cached, err)
-    state = convert_tensors(cfg, read_hf_tensors(path), dtype)
+    state = _on_device(convert_tensors(cfg, read_hf_tensors(path), dtype))
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         save_state(cached, state)
     return ModelParams(cfg, graphdef, state, dtype, path, from_cache=False)
+
+
+def _on_device(state: nnx.State) -> nnx.State:
+    """Every weight committed to the first device, however it was made (converted here, or restored by
+    Orbax with a sharding of its own): the compiled step is specific to its arguments' placement, so
+    weights placed alike in every process let a second process reuse the first one's compiled steps."""
+    return jax.device_put(state, jax.local_devices()[0])

@@ -126,11 +126,13 @@ class LLMEngine:
         # Async scheduling: the step in flight and the rows of its placeholders (by sequence identity).
         self._in_flight: InFlight | None = None
         self._pending_rows: dict[Sequence, int] | None = None
-        self._prev_tokens = jnp.zeros(bucket(config.max_num_seqs, MIN_SEQS), jnp.int32)
+        # Token buffers are committed to the device, as every step's output is: jit compiles a separate
+        # executable for an uncommitted argument, which would make the first real step compile again.
+        self._prev_tokens = self.runner.token_buffer(bucket(config.max_num_seqs, MIN_SEQS))
         # Token buffers whose values are read back (or never needed): each step writes its tokens into
         # one of them (donated; ``ModelRunner.step``: a fresh output buffer each step moved the CUDA
         # graph's temporaries). Two made here, so no step allocates one, the first or after an idle step.
-        self._free_tokens: list[jax.Array] = [jnp.zeros_like(self._prev_tokens) for _ in range(2)]
+        self._free_tokens: list[jax.Array] = [self.runner.token_buffer(self._prev_tokens.shape[0]) for _ in range(2)]
         # How sampled tokens reach the host (readback.py): a stream-ordered copy on one GPU, else jax's.
         self.token_readback, self._read_tokens = make_token_reader(
             jax.local_devices()[0], self._prev_tokens.shape[0], stream=config.tensor_parallel_size == 1)
@@ -428,7 +430,7 @@ class LLMEngine:
         if jax.default_backend() == "gpu":
             for inputs, _ in compiled:  # (each copy in turn: the runner alternates them)
                 tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs,
-                                                        jnp.zeros_like(self._prev_tokens))
+                                                        self.runner.token_buffer(self._prev_tokens.shape[0]))
                 tokens.block_until_ready()
             if bar is not None:
                 bar.update(1)

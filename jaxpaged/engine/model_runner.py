@@ -199,7 +199,7 @@ class ModelRunner:
         if prev_tokens is None:
             prev_tokens = np.zeros(inputs.logits_indices.shape, np.int32)
         if spare_tokens is None:
-            spare_tokens = jnp.zeros(prev_tokens.shape, jnp.int32)
+            spare_tokens = self.token_buffer(prev_tokens.shape[0])
         num_tokens = inputs.token_ids.shape[0]
         cublas = self.uses_cublas(num_tokens)
         copies, leaves = self._flat(state, cublas)
@@ -222,6 +222,14 @@ class ModelRunner:
                 return tokens, kv_pool
             return jitted(leaves, kv_pool, packed, prev_tokens, spare_tokens, layout)
 
+    def token_buffer(self, rows: int) -> jax.Array:
+        """A zeroed ``i32[rows]`` token buffer committed where the step's outputs live (the first device,
+        or replicated over the mesh), so fresh buffers and fed-back outputs select one executable."""
+        zeros = np.zeros(rows, np.int32)
+        if self.mesh is not None:
+            return self._replicate(zeros)
+        return jax.device_put(zeros, jax.local_devices()[0])
+
     def precompile(self, state: nnx.State, kv_pool: KVPool, steps: list[StepInputs], prev_tokens: jax.Array,
                    threads: int | None = None) -> list[tuple[StepInputs, int]]:
         """Compiles, without running, every copy of the step for each of ``steps``' shapes not compiled
@@ -229,7 +237,7 @@ class ModelRunner:
         turn; XLA's compilations (most of the time) run in ``threads`` threads at once (default: the
         host's cores). A compiled executable lands in jit's own cache, so a later ``step`` of that
         shape runs it without compiling."""
-        spare = jnp.zeros(prev_tokens.shape, jnp.int32)
+        spare = self.token_buffer(prev_tokens.shape[0])
         if self.mesh is not None:
             prev_tokens, spare = self._replicate(prev_tokens), self._replicate(spare)
         todo = []
