@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxpaged.kernels.kv_write import pool_from_caches, pool_shape, write_kv
 from jaxpaged.kernels.paged_attention import AttentionConfig, choose_config, paged_attention
-from jaxpaged.kernels.reference import paged_attention_reference
+from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 HQ, HKV, D, BS = 16, 8, 128, 16

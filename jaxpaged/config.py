@@ -24,7 +24,8 @@ class EngineConfig:
 
     block_size: tokens per KV block (a power of two).
     num_blocks: KV pool size in blocks; ``None`` sizes it from ``memory_fraction`` of the device
-      memory left after the weights. On a CPU: a quarter of the available host memory, at most 4 GiB,
+      memory left after the weights, at most 4 x what ``max_num_seqs`` sequences of ``max_model_len``
+      tokens need (a small model on a large GPU gets a pool it can use, not all memory). On a CPU: a quarter of the available host memory, at most 4 GiB,
       and at most what ``min(max_num_seqs, 16)`` sequences of ``max_model_len`` tokens need
       (``jaxpaged/kv/pool_size.py``).
     memory_fraction: share of the free device memory the pool takes when ``num_blocks`` is None.

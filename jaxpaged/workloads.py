@@ -69,7 +69,7 @@ def random_model(raw_config: dict, dtype: str = "bfloat16", seed: int = 0,
         graphdef, state = random_sharded_state(shard_config(cfg, tensor_parallel_size), mesh, dtype, seed)
         return ModelParams(cfg, graphdef, state, dtype, mesh=mesh)
     graphdef, state = nnx.split(Qwen(cfg, dtype, rngs=nnx.Rngs(seed)))
-    return ModelParams(cfg, graphdef, state, dtype)
+    return ModelParams(cfg, graphdef, jax.device_put(state, jax.local_devices()[0]), dtype)  # (committed: see load_params)
 
 
 def experiment_params(full: bool, model: str | None = None) -> ModelParams:

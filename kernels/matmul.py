@@ -138,3 +138,12 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=N
         interpret=interpret,
         name=f"fixed_tile_matmul_m{cfg.block_m}_n{cfg.block_n}_k{cfg.block_k}",
     )(x, w)
+
+
+def matmul_reference(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=None) -> jax.Array:
+    """``x [M, K] @ w`` (``w [K, N]``, or ``[N, K]`` with ``transpose_w``) with fp32 accumulation, IEEE
+    fp32 for float32 operands; result in ``out_dtype`` (default ``x.dtype``). Ground truth for
+    :func:`jaxpaged.kernels.matmul.matmul`."""
+    w = w.T if transpose_w else w
+    out = jnp.matmul(x, w, preferred_element_type=jnp.float32, precision=dot_precision(x.dtype, w.dtype))
+    return out.astype(out_dtype or x.dtype)

@@ -14,7 +14,7 @@ class AttentionMetadata:
 
     Fields (``T`` tokens in the step, ``S`` sequences, ``W`` block-table width):
       slot_mapping: ``i32[T]`` pool slot ``block_id * block_size + offset`` of each token; -1 = padding.
-      cu_q_lens: ``i32[S+1]`` cumulative new-token counts (see ``kernels.reference``).
+      cu_q_lens: ``i32[S+1]`` cumulative new-token counts (see ``kernels/paged_attention_reference.py``).
       kv_lens: ``i32[S]`` context length of each sequence including its new tokens.
       block_tables: ``i32[S, W]`` physical block of each logical block.
     """

@@ -1,6 +1,6 @@
 """Ragged paged attention on GPU: one Pallas (Triton lowering) kernel, two launch configurations.
 
-Same contract as :func:`jaxpaged.kernels.reference.paged_attention_reference` (read its module
+Same contract as :func:`jaxpaged.kernels.paged_attention_reference.paged_attention_reference` (read its module
 docstring): ``q[T, Hq, D]`` new tokens of ``S`` sequences (``cu_q_lens``), ``kv_lens`` including the new
 tokens, layer ``layer`` of the pool ``[L, num_blocks, block_size, 2, Hkv, D]`` (one array for every
 layer, see ``kv_write.py``) read through ``block_tables[S, W]``; causal; padding tokens give zeros; keys

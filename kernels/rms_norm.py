@@ -7,7 +7,7 @@ function of the row length only) and sums each row in registers with one ``tt.re
 ``[block_rows, next_pow2(H)]`` tile: every row goes through the same reduction tree, and rows past the
 end and columns past ``H`` are zeros that add nothing.
 
-Same math as :func:`jaxpaged.kernels.reference.rms_norm_reference` (Hugging Face's Qwen RMSNorm):
+Same math as :func:`jaxpaged.kernels.rms_norm.rms_norm_reference` (Hugging Face's Qwen RMSNorm):
 ``weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).astype(x.dtype)``.
 """
 
@@ -63,3 +63,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, interpret: bool = F
         name=f"rms_norm_rows{block_rows}",
     )(rows, weight.astype(x.dtype))
     return out.reshape(x.shape)
+
+
+def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Hugging Face's Qwen RMSNorm over the last axis: normalise in fp32, cast back, scale by ``weight``."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)

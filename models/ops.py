@@ -1,7 +1,7 @@
 """Model-op selection: which kernels the model's attention, matmuls and norms run on this device.
 
 ``get_attention_fn(backend)`` returns a function with the signature of
-:func:`jaxpaged.kernels.reference.paged_attention_reference`::
+:func:`jaxpaged.kernels.paged_attention_reference.paged_attention_reference`::
 
     fn(q[T, Hq, D], kv_pool[L, N, bs, 2, Hkv, D], layer (int), cu_q_lens i32[S+1], kv_lens i32[S],
        block_tables i32[S, W], *, scale=None) -> [T, Hq, D]
@@ -27,7 +27,7 @@ from typing import Callable
 
 import jax
 
-from jaxpaged.kernels import add_rms_norm, gemv, matmul, paged_attention, qkv_epilogue, reference, rms_norm
+from jaxpaged.kernels import add_rms_norm, gemv, matmul, paged_attention, paged_attention_reference, qkv_epilogue, rms_norm
 from jaxpaged.kernels.kv_write import write_kv
 from jaxpaged.models.qwen import (DEFAULT_OPS, ModelOps, qkv_epilogue_ops, rope_cos_sin, rotary, xla_matmul,
                                   xla_matmul_unfused_input)
@@ -59,7 +59,7 @@ def get_attention_fn(backend: str = "auto", batch_invariant: bool = False) -> Ca
     """
     backend = resolve_backend(backend)
     if backend == "reference":
-        return reference.paged_attention_reference
+        return paged_attention_reference.paged_attention_reference
     return functools.partial(paged_attention.paged_attention, interpret=not _on_gpu(),
                              batch_invariant=batch_invariant)
 

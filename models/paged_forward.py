@@ -15,7 +15,7 @@ from flax import nnx
 
 from ..kernels.kv_write import write_kv
 from ..kernels.metadata import AttentionMetadata
-from ..kernels.reference import paged_attention_reference
+from ..kernels.paged_attention_reference import paged_attention_reference
 from .qwen import DEFAULT_OPS, ModelOps
 
 

@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import logging
 import time
+from pathlib import Path
 from typing import Sequence as SequenceT
 
 import jax
@@ -39,13 +40,14 @@ from ..models.sharding import kv_bytes_per_token_per_device, make_kv_pool, param
 from ..sampling import RequestOutputKind, SamplingParams
 from ..sampling.features import prompt_logprob_positions
 from ..sampling.sampler import SAMPLING_MODES
+from .executable_cache import ExecutableCache, cache_key
 from .heap import freeze_long_lived_heap
 from .metrics import EngineMetrics, StepRecord
 from .model_runner import ModelRunner, enable_compilation_cache
 from .readback import make_token_reader
 from .scheduler import Samples, ScheduledBatch, Scheduler
-from .sequence import Sequence
-from .step_inputs import MIN_SEQS, PLACEHOLDER, bucket, build_step_inputs, longest_first, padding_step_inputs
+from .sequence import PLACEHOLDER, Sequence
+from .step_inputs import MIN_SEQS, bucket, build_step_inputs, longest_first, padding_step_inputs
 from .tuning import StepTuning
 
 log = logging.getLogger(__name__)
@@ -111,12 +113,20 @@ class LLMEngine:
                  self.num_blocks * config.block_size * self.bytes_per_token / 2**30, self.kv_dtype, self.max_model_len)
         self.compilation_cache_dir = enable_compilation_cache() if config.compilation_cache else None
         self.runner = get_runner(params, config.attention_backend, config.batch_invariant, tuning)
+        if self.compilation_cache_dir and self.runner.executable_cache is None and params.mesh is None:
+            key = cache_key(params.config, params.dtype, str(jax.tree.structure(params.state)),
+                            self.runner.attention_backend, config.batch_invariant, self.runner.tuning)
+            self.runner.executable_cache = ExecutableCache(Path(self.compilation_cache_dir + "-steps") / key)
         self.min_token_bucket = self.runner.tuning.min_token_bucket
         # Compilations are counted per engine: steps compiled by an earlier engine are not ours.
         self._compile_base = (self.runner.compile_seconds, self.runner.num_compiled_shapes)
-        # Block tables have one fixed width (enough for max_model_len), so a token bucket is one shape.
-        self._table_width = bucket(-(-self.max_model_len // config.block_size), 1)
+        # Pallas reads block tables only up to each kv_len: one fixed width (enough for max_model_len),
+        # so a token bucket is one shape. The jnp reference gathers every table entry for every token,
+        # so its tables are padded per step instead (None), and a new width compiles on first use.
+        self._max_width = bucket(-(-self.max_model_len // config.block_size), 1)
+        self._table_width = self._max_width if self.runner.attention_backend == "pallas" else None
         self.metrics = EngineMetrics()
+        self.warmup_profile: dict = {}  # where the last warm-up's time went (``warmup``)
         self._rng = np.random.default_rng(config.seed)
         self._next_id = 0
         self._requests: dict[str, RequestState] = {}  # unfinished user requests by id
@@ -405,7 +415,9 @@ class LLMEngine:
         read), so its first real launch finds everything loaded. Returns the seconds spent.
 
         Not compiled here, on first use instead: the variants of penalties, min_p, min_tokens with
-        stop tokens, and logprobs (``sampling/features.py``: one per combination in use).
+        stop tokens, and logprobs (``sampling/features.py``: one per combination in use); on the jnp
+        reference backend (a CPU's default), steps whose block tables are narrower than
+        ``max_model_len`` needs (their width is padded per step there).
         ``freeze_gc``: then moves the process's long-lived objects out of the cyclic garbage
         collector's reach (``heap.freeze_long_lived_heap``), so a full collection in the middle of a
         workload takes milliseconds, not most of a second.
@@ -416,7 +428,7 @@ class LLMEngine:
         while t < bucket(self.config.max_num_batched_tokens, self.min_token_bucket) * 2:
             sizes.append(t)
             t *= 2
-        steps = [padding_step_inputs(t_pad, min(t_pad, s_max), self._table_width, mode)
+        steps = [padding_step_inputs(t_pad, min(t_pad, s_max), self._table_width or self._max_width, mode)
                  for t_pad in sizes for mode in SAMPLING_MODES]
         bar = None
         if use_tqdm:
@@ -427,6 +439,7 @@ class LLMEngine:
         compiled = self.runner.precompile(self.params.state, self.kv_pool, steps, self._prev_tokens)
         if bar is not None:
             bar.update(1)
+        t_run = time.perf_counter()
         if jax.default_backend() == "gpu":
             for inputs, _ in compiled:  # (each copy in turn: the runner alternates them)
                 tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs,
@@ -436,9 +449,11 @@ class LLMEngine:
                 bar.update(1)
         if bar is not None:
             bar.close()
+        self.warmup_profile = dict(self.runner.last_precompile, run_seconds=time.perf_counter() - t_run,
+                                   total_seconds=time.perf_counter() - t0)
         if freeze_gc:
             freeze_long_lived_heap()
-        return time.perf_counter() - t0
+        return self.warmup_profile["total_seconds"]
 
     def close(self) -> None:
         """Releases what the engine acquired outside JAX (the stream token reader's CUDA stream and

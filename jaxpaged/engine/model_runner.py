@@ -13,7 +13,7 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +136,13 @@ class ModelRunner:
         self._treedef = None
         self._shapes_seen: set[tuple] = set()
         self.compile_seconds = 0.0
+        # The last precompile's split: executables, seconds tracing and lowering (one at a time; Pallas
+        # kernels compile here), seconds of XLA compilation (in parallel threads).
+        self.last_precompile: dict = {}
+        # Steps compiled ahead of time (``precompile``), called directly by ``step``; on one device they
+        # are also kept on disk when the engine gives an ``ExecutableCache`` (``executable_cache.py``).
+        self._executables: dict[tuple, Any] = {}
+        self.executable_cache = None
         # The spare token buffer is donated on a GPU only: a CPU has no CUDA graphs, so the recycled
         # buffer buys nothing there, and there ``np.asarray`` may return a view of the buffer itself
         # (cached on the array), which a donated buffer would overwrite under its reader.
@@ -212,6 +219,9 @@ class ModelRunner:
         self._turns[base_key] = turn = (self._turns.get(base_key, -1) + 1) % n  # in turn, per shape
         jitted = copies[turn]
         shape_key = base_key + (turn,)
+        exe = self._executables.get(shape_key)
+        if exe is not None:  # compiled ahead of time, or loaded from disk: no jit dispatch
+            return exe(leaves, kv_pool, packed, prev_tokens, spare_tokens)
         with self._partitioner():
             if shape_key not in self._shapes_seen:
                 t0 = time.perf_counter()
@@ -233,14 +243,15 @@ class ModelRunner:
     def precompile(self, state: nnx.State, kv_pool: KVPool, steps: list[StepInputs], prev_tokens: jax.Array,
                    threads: int | None = None) -> list[tuple[StepInputs, int]]:
         """Compiles, without running, every copy of the step for each of ``steps``' shapes not compiled
-        yet; returns ``(inputs, copy)`` for each executable compiled. Tracing and lowering run here in
-        turn; XLA's compilations (most of the time) run in ``threads`` threads at once (default: the
-        host's cores). A compiled executable lands in jit's own cache, so a later ``step`` of that
-        shape runs it without compiling."""
+        yet; returns ``(inputs, copy)`` for each. An executable in ``executable_cache`` is loaded
+        instead (no tracing, lowering or compiling). Otherwise tracing and lowering run here in turn and
+        XLA's compilations in ``threads`` threads at once (default: the host's cores). ``step`` then
+        calls these executables directly (on a mesh: through jit, whose cache they fill)."""
         spare = self.token_buffer(prev_tokens.shape[0])
         if self.mesh is not None:
             prev_tokens, spare = self._replicate(prev_tokens), self._replicate(spare)
-        todo = []
+        todo, done = [], []
+        cache = self.executable_cache if self.mesh is None else None
         t0 = time.perf_counter()
         with self._partitioner():
             for inputs in steps:
@@ -249,15 +260,32 @@ class ModelRunner:
                 packed, layout = pack(inputs)
                 base_key = (layout, prev_tokens.shape, kv_pool.shape, kv_pool.dtype, self.uses_cublas(num_tokens))
                 for turn in range(min(len(copies), self.num_copies(num_tokens))):
-                    if base_key + (turn,) not in self._shapes_seen:
-                        lowered = copies[turn].lower(leaves, kv_pool, packed, prev_tokens, spare, layout)
-                        todo.append((base_key + (turn,), lowered, inputs, turn))
+                    key = base_key + (turn,)
+                    if key in self._shapes_seen:
+                        continue
+                    loaded = cache.load(repr(key)) if cache is not None else None
+                    if loaded is not None:
+                        self._executables[key] = loaded
+                        done.append((key, inputs, turn))
+                    else:
+                        todo.append((key, copies[turn].lower(leaves, kv_pool, packed, prev_tokens, spare, layout),
+                                     inputs, turn))
+            t1 = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
-                list(pool.map(lambda item: item[1].compile(), todo))
-        for key, *_ in todo:
+                compiled = list(pool.map(lambda item: item[1].compile(), todo))
+        for (key, _, inputs, turn), exe in zip(todo, compiled):
+            if self.mesh is None:
+                self._executables[key] = exe
+                if cache is not None:
+                    cache.store(repr(key), exe)
+            done.append((key, inputs, turn))
+        for key, _, _ in done:
             self._shapes_seen.add(key)
-        self.compile_seconds += time.perf_counter() - t0
-        return [(inputs, turn) for _, _, inputs, turn in todo]
+        t2 = time.perf_counter()
+        self.compile_seconds += t2 - t0
+        self.last_precompile = {"executables": len(done), "loaded": len(done) - len(todo),
+                                "lower_seconds": t1 - t0, "compile_seconds": t2 - t1}
+        return [(inputs, turn) for _, inputs, turn in done]
 
     def _partitioner(self):
         """GSPMD for the tensor-parallel step (see :func:`gspmd_partitioner`); nothing on one device."""

@@ -20,10 +20,9 @@ import dataclasses
 import time
 import numpy as np
 
-from .step_inputs import PLACEHOLDER
 from ..kv import KVCacheManager
 from .scheduling_policy import make_policy
-from .sequence import Sequence, SequenceStatus
+from .sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 ScheduledBatch = list[tuple[Sequence, int]]
 Samples = list[tuple[int, Sequence, int]]  # (row in the step's output, sequence, index in its token_ids)

@@ -16,6 +16,8 @@ import time
 from typing import Any, Hashable, Sequence as SequenceT
 
 
+PLACEHOLDER = -1  # a token sampled by the step in flight, not yet on the host (async scheduling)
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no blocks
     RUNNING = "running"  # admitted: holds a block table

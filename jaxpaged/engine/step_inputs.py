@@ -28,9 +28,8 @@ from ..kernels.shapes import next_pow2
 from ..kv.block_tables import BlockTables
 from ..sampling.sampler import SamplingParams, sampling_mode
 from ..sampling.features import NO_FEATURES, FeatureInputs, SamplerFeatures, build_feature_inputs
-from .sequence import Sequence
+from .sequence import PLACEHOLDER, Sequence
 
-PLACEHOLDER = -1  # a token sampled by the step in flight, not yet on the host (async scheduling)
 
 MIN_TOKENS, MIN_SEQS, MIN_WIDTH = 16, 8, 4
 

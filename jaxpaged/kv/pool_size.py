@@ -16,6 +16,10 @@ from ..models.sharding import kv_bytes_per_token_per_device
 
 CPU_POOL_FRACTION = 0.25  # of the host memory available when the engine starts
 CPU_POOL_CAP_BYTES = 4 << 30  # never more than this on a CPU without num_blocks
+# A GPU pool holds at most this many times what max_num_seqs sequences of max_model_len tokens need:
+# room for every running sequence and for the prefix cache, while a small model on a large GPU does not
+# take (and initialise, and make XLA plan around) a pool of millions of blocks it can never use.
+GPU_POOL_CAP_SEQUENCES = 4
 
 
 def available_host_memory() -> int | None:
@@ -45,7 +49,8 @@ def free_device_memory(device) -> int | None:
 def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dtype: str) -> int:
     """Blocks in the pool: ``num_blocks`` if given; on a GPU ``memory_fraction`` of the free device
     memory (with tensor parallelism: of the device with the least free memory, per device's share of a
-    block); on a CPU ``CPU_POOL_FRACTION`` of the available host memory, at most ``CPU_POOL_CAP_BYTES``
+    block), at most ``GPU_POOL_CAP_SEQUENCES`` times what ``max_num_seqs`` full-length sequences need;
+    on a CPU ``CPU_POOL_FRACTION`` of the available host memory, at most ``CPU_POOL_CAP_BYTES``
     and at most what ``min(max_num_seqs, 16)`` full-length sequences need."""
     bs = config.block_size
     block_bytes = kv_bytes_per_token_per_device(params, jnp.dtype(dtype).itemsize) * bs
@@ -54,9 +59,11 @@ def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dty
     devices = [jax.devices()[0]] if params.mesh is None else \
         [d for d in params.mesh.devices.flat if d.process_index == jax.process_index()]
     frees = [free_device_memory(d) for d in devices]
+    blocks_per_seq = math.ceil(max_model_len / bs)
     if all(f is not None for f in frees):
-        return int(min(frees) * config.memory_fraction // block_bytes)
-    enough = math.ceil(max_model_len / bs) * min(config.max_num_seqs, 16)
+        return min(int(min(frees) * config.memory_fraction // block_bytes),
+                   GPU_POOL_CAP_SEQUENCES * config.max_num_seqs * blocks_per_seq)
+    enough = blocks_per_seq * min(config.max_num_seqs, 16)
     host = available_host_memory()
     budget = CPU_POOL_CAP_BYTES if host is None else min(int(host * CPU_POOL_FRACTION), CPU_POOL_CAP_BYTES)
     return max(1, min(enough, budget // block_bytes))

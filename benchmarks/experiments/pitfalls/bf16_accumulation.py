@@ -9,7 +9,7 @@ only the inputs (K/V in the pool) and the output are bf16.
 Measured here, for one decode query per head (8 heads, head_dim 128) over ``L`` keys of bf16 K/V,
 against a float64 computation on the same bf16 inputs: relative error of
 
-* ``fp32 accumulation``: the reference kernel (``kernels/reference.py``), bf16 in, fp32 math;
+* ``fp32 accumulation``: the reference kernel (``kernels/paged_attention_reference.py``), bf16 in, fp32 math;
 * ``bf16 accumulation``: the same online softmax over tiles of 16 keys (flash-attention style) with
   scores, running max, running sum and accumulator rounded to bf16 after every tile (written here
   for the demo; no jaxpaged kernel does this).
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.kernels.kv_write import pool_from_caches
-from jaxpaged.kernels.reference import paged_attention_reference
+from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
 
 HEADS, DIM, TILE = 8, 128, 16
 

@@ -5,7 +5,7 @@ mask every key at or past ``kv_lens`` *before* it touches the values: a softmax 
 does not help, because ``0 * NaN = NaN``. Two demonstrations:
 
 1. one attention call over a block whose unused slots hold NaN: the reference kernel (masked values,
-   ``kernels/reference.py``) gives finite output; a naive variant that multiplies the probabilities
+   ``kernels/paged_attention_reference.py``) gives finite output; a naive variant that multiplies the probabilities
    by the mask afterwards gives NaN;
 2. the engine: greedy tokens from a NaN-poisoned pool, and from blocks reused after other requests,
    equal those from a fresh zeroed pool.
@@ -27,7 +27,7 @@ from _common import tiny_engine  # noqa: E402
 
 from jaxpaged import SamplingParams  # noqa: E402
 from jaxpaged.kernels.kv_write import pool_from_caches  # noqa: E402
-from jaxpaged.kernels.reference import paged_attention_reference  # noqa: E402
+from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
 from jaxpaged.llm import run_to_completion  # noqa: E402
 
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jaxpaged.kernels.kv_write import pool_from_caches
-from jaxpaged.kernels.reference import paged_attention_reference, token_layout
+from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
+from jaxpaged.kernels.paged_attention_reference import token_layout
 
 
 def dense_attention(q, k_seq, v_seq, kv_len, scale):

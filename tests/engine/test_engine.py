@@ -13,7 +13,7 @@ from jaxpaged.models.tiny import tiny_checkpoint_path
 from jaxpaged.engine.tuning import StepTuning
 from jaxpaged.io.tokenizer import load_tokenizer
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 

@@ -1,4 +1,5 @@
-"""Pure-jnp reference kernels: the ground truth every Pallas kernel is tested against.
+"""Ragged paged attention in plain jnp: the ground truth the Pallas kernel is tested against, and
+the attention of the ``reference`` backend (any platform).
 
 KV pool layout: one array for the whole model, ``kv_pool: [L, num_blocks, block_size, 2, Hkv, D]``
 (``[..., 0, :, :]`` keys, ``[..., 1, :, :]`` values); attention reads layer ``layer`` (a static index:
@@ -92,19 +93,3 @@ def paged_attention_reference(
     out = jnp.einsum("tkgs,tskd->tkgd", p, values, precision=hi) / jnp.where(denom == 0, 1.0, denom)
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
-
-
-def matmul_reference(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=None) -> jax.Array:
-    """``x [M, K] @ w`` (``w [K, N]``, or ``[N, K]`` with ``transpose_w``) with fp32 accumulation, IEEE
-    fp32 for float32 operands; result in ``out_dtype`` (default ``x.dtype``). Ground truth for
-    :func:`jaxpaged.kernels.matmul.matmul`."""
-    w = w.T if transpose_w else w
-    out = jnp.matmul(x, w, preferred_element_type=jnp.float32, precision=dot_precision(x.dtype, w.dtype))
-    return out.astype(out_dtype or x.dtype)
-
-
-def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """Hugging Face's Qwen RMSNorm over the last axis: normalise in fp32, cast back, scale by ``weight``."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)

@@ -19,7 +19,7 @@ from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps
 from jaxpaged.kernels.add_rms_norm import add_rms_norm
 from jaxpaged.models.ops import fused_qkv, gemv_or_xla_matmul, matmul_parts, silu_mul_matmul_parts
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BLOCK_SIZE = 8
 NUM_BLOCKS = 32
 

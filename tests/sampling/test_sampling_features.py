@@ -15,7 +15,7 @@ from jaxpaged.models.tiny import tiny_checkpoint_path
 from jaxpaged.sampling.penalties import apply_penalties, mask_stop_tokens
 from jaxpaged.sampling.sampler import apply_min_p
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 CFG = dict(kv_cache_dtype="float32", block_size=8, num_blocks=96, max_model_len=96)
 
 

@@ -19,7 +19,7 @@ from jaxpaged import EngineConfig
 from jaxpaged.models.config import QwenConfig
 from jaxpaged.models.sharding import check_divisible, kv_heads_of_shard, param_spec, shard_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = r"""
 import re

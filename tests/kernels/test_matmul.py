@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jaxpaged.kernels.matmul import MatmulConfig, matmul
-from jaxpaged.kernels.reference import matmul_reference, rms_norm_reference
+from jaxpaged.kernels.matmul import matmul_reference
+from jaxpaged.kernels.rms_norm import rms_norm_reference
 from jaxpaged.kernels.rms_norm import rms_norm
 
 SMALL = MatmulConfig(block_m=16, block_n=32, block_k=16)  # several tiles on tiny shapes

@@ -18,7 +18,7 @@ from jaxpaged.models.config import QwenConfig  # noqa: E402
 from jaxpaged.models.qwen import Qwen  # noqa: E402
 from jaxpaged.workloads import QWEN2_5_7B  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load(name: str):

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.kernels import backend
+from jaxpaged.models import ops as backend
 from jaxpaged.kernels.kv_write import pool_from_caches, write_kv, write_kv_donated
 from jaxpaged.kernels.paged_attention import AttentionConfig, choose_config, invariant_config, paged_attention
-from jaxpaged.kernels.reference import paged_attention_reference
+from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
 from test_reference import random_batch
 
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}

@@ -6,7 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-PITFALLS = Path(__file__).resolve().parent.parent / "benchmarks" / "experiments" / "pitfalls"
+PITFALLS = Path(__file__).resolve().parents[2] / "benchmarks" / "experiments" / "pitfalls"
 
 
 def load(name: str):

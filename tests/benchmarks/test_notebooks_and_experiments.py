@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 NOTEBOOK_NAMES = ["quickstart.ipynb", "memory.ipynb", "prefix_cache.ipynb", "block_size.ipynb"]
 

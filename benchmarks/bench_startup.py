@@ -1,0 +1,102 @@
+"""Start-up: how long a new process takes from ``import jaxpaged`` to a warmed-up engine, where the warm-up's
+time goes, and the first request's TTFT against the same request in steady state.
+
+Each measurement is a fresh Python process (what a user restarting a notebook or a server meets), run
+twice over one compilation-cache folder: ``cold`` (empty cache) and ``cached`` (a second process).
+
+    python benchmarks/bench_startup.py --model qwen3-0.6b --out $OUT     # GPU
+    python benchmarks/bench_startup.py --model tiny                       # CPU or GPU: LLM(tiny checkpoint)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import jax
+compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **kw: compiles.append(secs) if name == "/jax/core/compile/backend_compile_duration" else None)
+import numpy as np
+import jaxpaged
+from jaxpaged import EngineConfig, LLMEngine, SamplingParams
+from jaxpaged.llm import LLM, run_to_completion
+model, max_model_len = sys.argv[1], int(sys.argv[2])
+t_import = time.perf_counter()
+if model == "tiny":
+    from jaxpaged.models.tiny import tiny_checkpoint_path
+    llm = LLM(tiny_checkpoint_path("qwen3"), max_model_len=max_model_len)
+    engine = llm.engine
+    t_engine = t_ready = time.perf_counter()
+else:
+    from jaxpaged.workloads import QWEN2_5_7B, QWEN3_0_6B, random_model
+    params = random_model({"qwen3-0.6b": QWEN3_0_6B, "qwen2.5-7b": QWEN2_5_7B}[model])
+    jax.block_until_ready(params.state)
+    t_params = time.perf_counter()
+    engine = LLMEngine(params, EngineConfig(max_model_len=max_model_len))
+    t_engine = time.perf_counter()
+    engine.warmup(use_tqdm=False)
+    t_ready = time.perf_counter()
+warm_compiles = len(compiles)
+sp = SamplingParams(temperature=0, max_tokens=1)
+def ttft():
+    t = time.perf_counter()
+    run_to_completion(engine, [list(range(1, 33))], sp)
+    return time.perf_counter() - t
+first = ttft()
+steady = [ttft() for _ in range(20)]
+print("RESULT", json.dumps(dict(
+    import_s=t_import - t0, engine_s=t_engine - t_import, warmup_s=t_ready - t_engine, start_s=t_ready - t0,
+    warmup=engine.warmup_profile, first_ttft_ms=first * 1e3, steady_ttft_ms=float(np.median(steady)) * 1e3,
+    compiles_during_warmup=warm_compiles, compiles_after_warmup=len(compiles) - warm_compiles,
+    num_blocks=engine.num_blocks, kv_pool_gib=engine.stats()["kv_pool_bytes"] / 2**30)))
+"""
+
+
+def run_child(model: str, max_model_len: int, cache: str) -> dict:
+    env = dict(os.environ, JAXPAGED_COMPILE_CACHE=cache, PYTHONUNBUFFERED="1")
+    res = subprocess.run([sys.executable, "-c", CHILD, model, str(max_model_len)], env=env, capture_output=True,
+                         text=True)
+    if res.returncode:
+        raise SystemExit(res.stderr[-3000:])
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    out = json.loads(line[len("RESULT "):])
+    out["warnings"] = [ln for ln in res.stderr.splitlines() if "W" in ln[:1] or "Warning" in ln][:20]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("qwen3-0.6b", "qwen2.5-7b", "tiny"), default="qwen3-0.6b")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default 4096 (128 for tiny)")
+    ap.add_argument("--cache", default=None, help="compilation cache folder (default: a fresh temporary one)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    max_len = args.max_model_len or (128 if args.model == "tiny" else 4096)
+    cache = args.cache or tempfile.mkdtemp(prefix="jaxpaged-startup-")
+    rows = {kind: run_child(args.model, max_len, cache) for kind in ("cold", "cached")}
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"startup_{args.model}.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    print(f"\nstart-up, {args.model}, max_model_len {max_len}, pool {rows['cold']['num_blocks']} blocks "
+          f"({rows['cold']['kv_pool_gib']:.2f} GiB)")
+    print("run     import s  engine s  warm-up s (lower / XLA / run)  start s  first TTFT ms  steady TTFT ms"
+          "  compiles after warm-up  warnings")
+    for kind, r in rows.items():
+        w = r["warmup"] or {}
+        split = f"{w.get('lower_seconds', 0):.1f} / {w.get('compile_seconds', 0):.1f} / {w.get('run_seconds', 0):.1f}"
+        print(f"{kind:7} {r['import_s']:8.1f} {r['engine_s']:9.1f} {r['warmup_s']:9.1f} ({split:>17})"
+              f" {r['start_s']:8.1f} {r['first_ttft_ms']:14.2f} {r['steady_ttft_ms']:15.2f}"
+              f" {r['compiles_after_warmup']:23d} {len(r['warnings']):9d}")
+
+
+if __name__ == "__main__":
+    main()

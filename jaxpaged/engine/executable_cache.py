@@ -1,0 +1,109 @@
+"""Compiled steps kept on disk whole, so a new process skips tracing, lowering and compiling them.
+
+Why: JAX's persistent compilation cache keeps XLA's output only. A new process still traces the
+model, lowers it (the Pallas-Triton kernels compile during lowering) and looks the result up: on the
+H200 that was half of a cold start. Here each warmed-up step is stored as a serialised executable
+(``jax.experimental.serialize_executable``) and loaded back as a callable ``jax.stages.Compiled``.
+
+Entries live in ``<compilation cache dir>-steps/<key>/``, where ``<key>`` hashes everything an
+executable depends on: jax and jaxlib versions, the device kind, the model's config, the weights'
+structure and dtype, the engine's step options and the engine's own source code. A different version,
+GPU or model config therefore never loads a wrong entry. Writes are atomic (a temporary file, then a
+rename), so concurrent engines can share a folder; an unreadable entry is reported once, deleted and
+compiled again, never fatal.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+
+log = logging.getLogger(__name__)
+_warned = False
+
+
+@functools.cache
+def source_hash() -> str:
+    """A hash of the engine's Python sources (jaxpaged, its kernels and models): a changed line of code
+    must never run an executable compiled from the old one."""
+    import jaxpaged
+    import jaxpaged.kernels
+    import jaxpaged.models
+
+    h = hashlib.sha256()
+    for pkg in (jaxpaged, jaxpaged.kernels, jaxpaged.models):
+        root = Path(pkg.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_key(*parts: Any) -> str:
+    """The folder name for executables that depend on ``parts`` (and on jax, the device and the code)."""
+    import jaxlib
+
+    device = jax.local_devices()[0]
+    text = repr((jax.__version__, jaxlib.__version__, device.platform, device.device_kind, source_hash()) + parts)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+class ExecutableCache:
+    """Serialised step executables in ``folder``, one file per step shape (``name``)."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.loaded = 0
+        self.stored = 0
+
+    def _path(self, name: str) -> Path:
+        return self.folder / f"{hashlib.sha256(name.encode()).hexdigest()[:24]}.step"
+
+    def load(self, name: str):
+        """The executable stored for ``name``, or None (absent or unreadable: then deleted)."""
+        path = self._path(name)
+        if not path.is_file():
+            return None
+        try:
+            from jax.experimental.serialize_executable import deserialize_and_load
+
+            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+            compiled = deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as err:  # noqa: BLE001  (a damaged or foreign entry: compile again)
+            global _warned
+            if not _warned:
+                log.warning("jaxpaged: ignoring an unreadable compiled step in %s (%s: %s); compiling it again",
+                            self.folder, type(err).__name__, err)
+                _warned = True
+            path.unlink(missing_ok=True)
+            return None
+        self.loaded += 1
+        return compiled
+
+    def store(self, name: str, compiled) -> None:
+        """Writes ``compiled`` for ``name`` (atomically); an executable that cannot be serialised is skipped."""
+        try:
+            from jax.experimental.serialize_executable import serialize
+
+            payload, in_tree, out_tree = serialize(compiled)
+            data = pickle.dumps((payload, in_tree, out_tree))
+        except Exception as err:  # noqa: BLE001
+            log.debug("step not cached (%s)", err)
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self._path(name))
+            self.stored += 1
+        except OSError:
+            Path(tmp).unlink(missing_ok=True)

@@ -1,0 +1,59 @@
+"""Start-up from the caches: a second process loads every warmed-up step from disk (both sampler
+variants) and compiles nothing; no request compiles after the warm-up in either process; a damaged
+cache entry is reported once and compiled again, never fatal."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = """
+import json, jax
+counts = {}
+jax.monitoring.register_event_listener(lambda name, **kw: counts.__setitem__(name, counts.get(name, 0) + 1))
+compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **kw: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.models.tiny import tiny_checkpoint_path
+llm = LLM(tiny_checkpoint_path("qwen2"), dtype="float32", block_size=16, num_blocks=16, max_model_len=64,
+          max_num_batched_tokens=32, max_num_seqs=8)
+warm = len(compiles)
+sps = [SamplingParams(temperature=0, max_tokens=3), SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=3)]
+out = llm.generate([[1, 2, 3], [4, 5, 6, 7]], sps, use_tqdm=False)
+print("RESULT", json.dumps(dict(tokens=[o.outputs[0].token_ids for o in out], cache=llm.engine.compilation_cache_dir,
+      xla_misses=counts.get("/jax/compilation_cache/cache_misses", 0), warmup=llm.engine.warmup_profile,
+      compiles_during_warmup=warm, compiles_after_warmup=len(compiles) - warm)))
+"""
+
+
+def run(env) -> tuple[dict, str]:
+    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")][0]
+    return json.loads(line[len("RESULT "):]), res.stderr
+
+
+def test_second_process_loads_every_step_and_survives_a_damaged_entry(tmp_path):
+    cache = tmp_path / "xla"
+    env = dict(os.environ, JAXPAGED_COMPILE_CACHE=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_LOG_COMPILES="1")
+    first, _ = run(env)
+    steps = sorted((tmp_path / "xla-steps").rglob("*.step"))
+    assert first["cache"] == str(cache)
+    assert len(steps) == first["warmup"]["executables"] == 4  # 2 token buckets x 2 sampler variants
+    assert first["warmup"]["loaded"] == 0 and first["compiles_after_warmup"] == 0
+    second, stderr = run(env)
+    assert second["tokens"] == first["tokens"]
+    # Every step came from disk: the step was never traced, lowered or compiled (JAX logs each compile).
+    assert second["warmup"]["loaded"] == 4 and "Compiling jit(step)" not in stderr
+    assert second["compiles_after_warmup"] == 0
+    for path in steps:  # damage every entry
+        path.write_bytes(b"not an executable")
+    third, stderr = run(env)
+    assert third["tokens"] == first["tokens"] and third["warmup"]["loaded"] == 0
+    assert stderr.count("ignoring an unreadable compiled step") == 1  # one warning, not one per entry
+    assert all(Path(p).read_bytes() != b"not an executable" for p in steps)  # rewritten

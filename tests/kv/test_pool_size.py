@@ -1,0 +1,42 @@
+"""How many blocks a pool gets without ``num_blocks``: a share of the free device memory, capped by what
+the engine's sequences can use, so a small model on a large GPU starts with a small pool."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from jaxpaged import EngineConfig, QwenConfig
+from jaxpaged.kv import pool_size
+
+QWEN3_06B = QwenConfig(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960)
+TINY = QwenConfig(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+
+
+def _device(platform, stats):
+    return types.SimpleNamespace(platform=platform, memory_stats=lambda: stats)
+
+
+def test_free_memory_is_the_allocator_limit_minus_its_use():
+    assert pool_size.free_device_memory(_device("gpu", {"bytes_limit": 100, "bytes_in_use": 30})) == 70
+    assert pool_size.free_device_memory(_device("cpu", None)) is None
+
+
+@pytest.mark.parametrize("cfg, max_len, capped", [(TINY, 128, True), (QWEN3_06B, 4096, False)])
+def test_gpu_pool_takes_free_memory_up_to_what_its_sequences_can_use(monkeypatch, cfg, max_len, capped):
+    gib = 1 << 30
+    monkeypatch.setattr(pool_size, "free_device_memory", lambda d: 100 * gib)  # an H200 after the weights
+    params = types.SimpleNamespace(config=cfg, mesh=None)
+    config = EngineConfig(max_model_len=max_len)
+    blocks = pool_size.size_pool(params, config, max_len, "bfloat16")
+    by_memory = int(100 * gib * config.memory_fraction // (cfg.kv_bytes_per_token(2) * config.block_size))
+    cap = pool_size.GPU_POOL_CAP_SEQUENCES * config.max_num_seqs * (max_len // config.block_size)
+    assert blocks == (cap if capped else by_memory)
+    assert blocks == min(by_memory, cap)
+    if capped:  # the tiny model: 8,192 blocks instead of millions
+        assert blocks == 4 * 256 * 8 and by_memory > 1_000_000
+    assert pool_size.size_pool(params, EngineConfig(num_blocks=7), max_len, "bfloat16") == 7  # as given
