@@ -17,6 +17,10 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from jaxpaged.llm import format_bytes  # noqa: E402
+
 CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
@@ -87,7 +91,7 @@ def main() -> None:
         with open(os.path.join(args.out, f"startup_{args.model}.json"), "w") as f:
             json.dump(rows, f, indent=1)
     print(f"\nstart-up, {args.model}, max_model_len {max_len}, pool {rows['cold']['num_blocks']} blocks "
-          f"({rows['cold']['kv_pool_gib']:.2f} GiB)")
+          f"({format_bytes(int(rows['cold']['kv_pool_gib'] * 2**30))})")
     print("run     import s  engine s  warm-up s (lower / XLA / run)  start s  first TTFT ms  steady TTFT ms"
           "  compiles after warm-up  warnings")
     for kind, r in rows.items():

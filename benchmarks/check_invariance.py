@@ -298,12 +298,13 @@ def print_table(report: dict) -> None:
     if "arrangements" in report:
         a = report["arrangements"]
         modes = a["modes"]
-        names = [k for k in modes["False"] if k != "alone_seconds"]
+        names = [k for k in next(iter(modes.values())) if k != "alone_seconds"]
+        cell = lambda mode, n: f"{modes[mode][n]['num_differ']:d}" if mode in modes else "-"  # noqa: E731
         print(f"\nrequests differing from alone ({a['requests']} requests, {a['max_tokens']} tokens each, bf16):")
         print(f"{'arrangement':24s} {'default':>8s} {'invariant':>9s} {'preempt':>7s}")
         for n in names:
-            print(f"{n:24s} {modes['False'][n]['num_differ']:8d} {modes['True'][n]['num_differ']:9d} "
-                  f"{modes['True'][n]['preemptions']:7d}")
+            last = modes[list(modes)[-1]][n]
+            print(f"{n:24s} {cell('False', n):>8s} {cell('True', n):>9s} {last['preemptions']:7d}")
     if "hf" in report:
         bad = {k: v["num_differ"] for k, v in report["hf"].items() if v["num_differ"]}
         print(f"\nfloat32 vs transformers (greedy, Pallas): {len(report['hf']) - len(bad)}/{len(report['hf'])} "

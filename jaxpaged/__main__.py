@@ -62,8 +62,9 @@ def demo(args: argparse.Namespace) -> None:
 
 
 def generate_cmd(args: argparse.Namespace) -> None:
+    # One batch of prompts: compiling every step shape first would cost more than it saves.
     llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
-              attention_backend=args.attention_backend)
+              attention_backend=args.attention_backend, warmup=False)
     sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                         max_tokens=args.max_tokens, seed=args.seed)
     _print_outputs(llm.generate(args.prompt, sp, use_tqdm=False))

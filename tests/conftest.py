@@ -47,9 +47,23 @@ def pytest_configure(config):
     import jax
 
     jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+    config._jaxpaged_compiles = [0, 0.0]  # summed over pytest-xdist workers on the controller
 
 
-def pytest_terminal_summary(terminalreporter):
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: hand the counts to the controller
+        workeroutput["jaxpaged_compiles"] = (_COMPILES["count"], _COMPILES["seconds"])
+
+
+def pytest_testnodedown(node, error):
+    count, seconds = getattr(node, "workeroutput", {}).get("jaxpaged_compiles", (0, 0.0))
+    node.config._jaxpaged_compiles[0] += count
+    node.config._jaxpaged_compiles[1] += seconds
+
+
+def pytest_terminal_summary(terminalreporter, config):
     """The suite's cost in XLA compilations (what keeps it slow on a CPU), printed after the results."""
-    terminalreporter.write_line(f"XLA executables compiled: {_COMPILES['count']} "
-                                f"({_COMPILES['seconds']:.0f} s of backend compile)")
+    count = _COMPILES["count"] + config._jaxpaged_compiles[0]
+    seconds = _COMPILES["seconds"] + config._jaxpaged_compiles[1]
+    terminalreporter.write_line(f"XLA executables compiled: {count} ({seconds:.0f} s of backend compile)")

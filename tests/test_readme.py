@@ -22,9 +22,25 @@ def test_the_readme_marks_its_tiny_snippets():
     assert len(snippets) >= 3 and all("tiny_checkpoint_path" in s for s in snippets)
 
 
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """The snippets run as a user's process would: with the compilation cache on (in a temporary folder),
+    so the later snippets load the steps the first one compiled. Off again afterwards."""
+    import os
+
+    import jax
+    from jax._src import compilation_cache as jax_cache
+
+    os.environ["JAXPAGED_COMPILE_CACHE"] = str(tmp_path_factory.mktemp("readme") / "xla")
+    yield
+    os.environ["JAXPAGED_COMPILE_CACHE"] = ""
+    jax.config.update("jax_compilation_cache_dir", None)
+    jax_cache.reset_cache()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(tiny_snippets())))
-def test_readme_snippet_runs(index, capsys):
+def test_readme_snippet_runs(index, capsys, compile_cache):
     code = tiny_snippets()[index]
     exec(compile(code, f"README.md snippet {index}", "exec"), {"__name__": f"readme_snippet_{index}"})
     assert capsys.readouterr().out.strip()  # every snippet prints what it shows

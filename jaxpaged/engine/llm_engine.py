@@ -51,6 +51,7 @@ from .step_inputs import MIN_SEQS, bucket, build_step_inputs, longest_first, pad
 from .tuning import StepTuning
 
 log = logging.getLogger(__name__)
+WARMUP_RUNS = 3  # launches of each executable in a GPU warm-up (see warmup)
 
 
 def get_runner(params: ModelParams, backend: str, batch_invariant: bool = False,
@@ -441,9 +442,12 @@ class LLMEngine:
             bar.update(1)
         t_run = time.perf_counter()
         if jax.default_backend() == "gpu":
-            for inputs, _ in compiled:  # (each copy in turn: the runner alternates them)
-                tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs,
-                                                        self.runner.token_buffer(self._prev_tokens.shape[0]))
+            # Each executable runs a few times (each copy in turn: the runner alternates them): XLA builds
+            # a step's CUDA graph over its first launches, which the first request must not pay for.
+            for _ in range(WARMUP_RUNS):
+                for inputs, _ in compiled:
+                    tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs,
+                                                            self.runner.token_buffer(self._prev_tokens.shape[0]))
                 tokens.block_until_ready()
             if bar is not None:
                 bar.update(1)

@@ -33,7 +33,7 @@ def run_step(sched: Scheduler) -> list[str]:
     """One step with a fake model (every sampled token is 7); returns the admitted request ids."""
     before = {id(s) for s in sched.running}
     scheduled = sched.schedule()
-    sched.postprocess(scheduled, np.full(len(scheduled), 7))
+    sched.resolve(sched.advance(scheduled), np.full(len(scheduled), 7))  # book the step, then its tokens
     sched.kv.check_invariants()
     return [s.request_id for s, _ in scheduled if id(s) not in before]
 
@@ -91,7 +91,7 @@ def test_request_being_computed_waits_without_blocking_the_queue():
     for policy in ("fcfs", "prefix_affinity"):
         sched = make_scheduler(policy, max_num_seqs=4)
         sched.add(seq("a0", PREFIX_A, 0))
-        first = schedule_only(sched)  # a0's blocks are being computed (no postprocess yet)
+        first = schedule_only(sched)  # a0's blocks are being computed (not booked yet)
         sched.add(seq("a1", PREFIX_A, 1))
         sched.add(seq("b0", PREFIX_B, 0))
         admitted[policy] = (first, schedule_only(sched))

@@ -3,7 +3,7 @@
 Attention over ``L`` keys sums ``L`` exponentials (the softmax denominator) and ``L`` weighted value
 rows. A bf16 accumulator keeps 8 significant bits: once the running sum is ~256 times a new term,
 that term rounds away, so the error grows with ``L``. Our kernels keep scores, running max, sum and
-the output accumulator in fp32 whatever the storage dtype (``ARCHITECTURE.md``: "Attention math");
+the output accumulator in fp32 whatever the storage dtype (``docs/NUMERICS.md``);
 only the inputs (K/V in the pool) and the output are bf16.
 
 Measured here, for one decode query per head (8 heads, head_dim 128) over ``L`` keys of bf16 K/V,
