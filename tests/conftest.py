@@ -3,8 +3,15 @@
 import os
 import tempfile
 
-os.environ.setdefault("JAXPAGED_COMPILE_CACHE", "")  # the suite compiles fresh; one test checks the cache
+os.environ.setdefault("JAXPAGED_COMPILE_CACHE", "")  # no jaxpaged caching (compiled steps on disk): tests that
+# check it set their own folder
 os.environ.setdefault("JAXPAGED_CACHE", tempfile.mkdtemp(prefix="jaxpaged-test-cache-"))
+# JAX's own persistent cache, one folder per run (shared by pytest-xdist's workers, which inherit this
+# environment): an executable that several test modules compile again (conftest drops jit's caches
+# after each module) or several workers compile is compiled once, then loaded.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxpaged-test-xla-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 import gc  # noqa: E402

@@ -24,18 +24,13 @@ def test_the_readme_marks_its_tiny_snippets():
 
 @pytest.fixture(scope="module")
 def compile_cache(tmp_path_factory):
-    """The snippets run as a user's process would: with the compilation cache on (in a temporary folder),
-    so the later snippets load the steps the first one compiled. Off again afterwards."""
+    """The snippets run as a user's process would: with jaxpaged's caches on, so the later snippets load
+    the steps the first one compiled (into the suite's JAX cache folder if it has one). Off afterwards."""
     import os
-
-    import jax
-    from jax._src import compilation_cache as jax_cache
 
     os.environ["JAXPAGED_COMPILE_CACHE"] = str(tmp_path_factory.mktemp("readme") / "xla")
     yield
     os.environ["JAXPAGED_COMPILE_CACHE"] = ""
-    jax.config.update("jax_compilation_cache_dir", None)
-    jax_cache.reset_cache()
 
 
 @pytest.mark.slow

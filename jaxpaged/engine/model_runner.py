@@ -49,15 +49,15 @@ def enable_compilation_cache(cache_dir: str | Path | None = None) -> str | None:
     """Turns on JAX's persistent compilation cache, so a new process reuses compiled steps.
 
     Leaves an existing user setting alone. Directory: ``cache_dir``, else ``$JAXPAGED_COMPILE_CACHE``,
-    else ``~/.cache/jaxpaged/xla``. Returns the directory in use (``None`` if disabled by an empty
-    ``$JAXPAGED_COMPILE_CACHE``).
+    else ``~/.cache/jaxpaged/xla``. Returns the directory in use; ``None`` (no caching by jaxpaged, the
+    compiled steps on disk included) if ``$JAXPAGED_COMPILE_CACHE`` is set and empty.
     """
+    if cache_dir is None and os.environ.get("JAXPAGED_COMPILE_CACHE") == "":
+        return None
     current = jax.config.jax_compilation_cache_dir
     if current:
         return current
-    path = cache_dir or os.environ.get("JAXPAGED_COMPILE_CACHE", str(Path.home() / ".cache" / "jaxpaged" / "xla"))
-    if not path:
-        return None
+    path = cache_dir or os.environ.get("JAXPAGED_COMPILE_CACHE") or str(Path.home() / ".cache" / "jaxpaged" / "xla")
     jax.config.update("jax_compilation_cache_dir", str(path))
     try:  # a compilation before this point (any jnp call) settled "no cache" for the whole process
         from jax._src import compilation_cache as jax_cache

@@ -111,7 +111,9 @@ def test_block_sizes(dtype, backend, bs, num_blocks):
 
 @pytest.mark.parametrize("dtype,backend", CASES)
 def test_preemption_with_async_scheduling(dtype, backend):
-    eng = engine(dtype, backend, block_size=8, num_blocks=9, async_scheduling=True, enable_prefix_caching=False)
+    # 6 blocks of 8 tokens: the two longest requests (up to 43 tokens) never fit together.
+    eng = engine(dtype, backend, block_size=8, num_blocks=6, max_model_len=48, async_scheduling=True,
+                 enable_prefix_caching=False)
     check(dtype, backend, tokens(run_to_completion(eng, PROMPTS, SPS)), "tiny pool, async")
     assert eng.stats()["preemptions"] > 0
     assert eng.stats()["preemptions"] > 0

@@ -41,6 +41,7 @@ def test_second_process_loads_every_step_and_survives_a_damaged_entry(tmp_path):
     cache = tmp_path / "xla"
     env = dict(os.environ, JAXPAGED_COMPILE_CACHE=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_LOG_COMPILES="1")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # (the suite's own cache: this process uses jaxpaged's)
     first, _ = run(env)
     steps = sorted((tmp_path / "xla-steps").rglob("*.step"))
     assert first["cache"] == str(cache)
