@@ -618,7 +618,7 @@ class KVMachine(RuleBasedStateMachine):
         assert mgr.stats().blocks_used == 0
 
 
-KVMachine.TestCase.settings = settings(max_examples=500, stateful_step_count=80, deadline=None)
+KVMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=80, deadline=None)
 TestKVMachine = KVMachine.TestCase
 
 

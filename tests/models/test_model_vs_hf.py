@@ -137,8 +137,8 @@ def test_tokenizer_matches_hf(model):
         assert tok.encode(str(text)).ids == list(ref[f"prompt_{i}"])
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_fused_residual_bf16_matches_unfused_gemv_path(family):
+@pytest.mark.parametrize("family", ["qwen3"])  # (the residual path is the same in both families; the f32
+def test_fused_residual_bf16_matches_unfused_gemv_path(family):  # test above runs it for both against HF)
     """bf16, the GPU's decode path in interpret mode (GEMV partials into the add + RMSNorm kernel)
     against the same GEMVs with the model's own adds and norms, both against the float32 model: a
     1-token step, a 3-token step (4 rows), a 16-token and a 24-token chunk (the GEMV's 32-row tile).
