@@ -41,6 +41,6 @@ job=${1:-demo}
 shift || true
 case "$job" in
   demo) exec .venv/bin/python -m jaxpaged demo "$@" ;;
-  test) exec .venv/bin/python -m pytest tests -n auto --dist worksteal --durations=10 "$@" ;;
+  test) exec .venv/bin/python -m pytest tests -n 3 --dist worksteal --durations=10 "$@" ;;
   *) exec .venv/bin/"$job" "$@" ;;
 esac

@@ -74,3 +74,17 @@ def pytest_terminal_summary(terminalreporter, config):
     count = _COMPILES["count"] + config._jaxpaged_compiles[0]
     seconds = _COMPILES["seconds"] + config._jaxpaged_compiles[1]
     terminalreporter.write_line(f"XLA executables compiled: {count} ({seconds:.0f} s of backend compile)")
+
+
+# Modules marked slow as a whole (``./dev.sh test -m "not slow"`` is the quick edit-test loop): the
+# interpret-mode batch-invariance engine runs, multi-device and multi-process runs, the compilation
+# cache's processes, and end-to-end runs of the CLI, README, benchmarks, experiments and notebooks.
+SLOW_MODULES = {"test_batch_invariance.py", "test_tensor_parallel.py", "test_compilation_cache.py",
+                "test_readme.py", "test_cli.py", "test_warmup.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.path
+        if path.name in SLOW_MODULES or path.parent.name == "benchmarks":
+            item.add_marker(pytest.mark.slow)

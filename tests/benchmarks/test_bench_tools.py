@@ -223,14 +223,15 @@ def test_throughput_defaults_fit_every_model():
 
 
 @pytest.mark.slow  # ~30 s on a CPU
-def test_throughput_tiny_with_its_defaults(tmp_path, capsys):
-    """``--model tiny`` with nothing else: nano-vllm's workload in small (16 requests, prompts and
-    outputs of 100..128 tokens), every request's ``max_tokens`` generated."""
+def test_throughput_tiny(tmp_path, capsys):
+    """``--model tiny``: nano-vllm's workload in small (prompts and outputs of 100..128 tokens; 16
+    requests by default, 4 here), every request's ``max_tokens`` generated."""
     mod = load("bench_throughput")
-    result = mod.main(["--model", "tiny", "--out", str(tmp_path)])
-    args = mod.parse_args(["--model", "tiny"])
+    result = mod.main(["--model", "tiny", "--num-seqs", "4", "--out", str(tmp_path)])
+    args = mod.parse_args(["--model", "tiny", "--num-seqs", "4"])
+    assert mod.parse_args(["--model", "tiny"]).num_seqs in (None, 16)
     prompts, sps = mod.workload(args, 512)
-    assert len(prompts) == 16 and all(100 <= len(p) <= 128 and max(p) < 512 for p in prompts)
+    assert len(prompts) == 4 and all(100 <= len(p) <= 128 and max(p) < 512 for p in prompts)
     assert all(sp.temperature == 0.6 and sp.ignore_eos and 100 <= sp.max_tokens <= 128 for sp in sps)
     r = result["ours_full"]
     assert r["output_tokens"] == sum(sp.max_tokens for sp in sps) and r["preemptions"] == 0
