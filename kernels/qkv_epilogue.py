@@ -19,7 +19,7 @@ before the add (``rotary(separate_products=True)``; bitwise equal to it in the i
 in float32 the compiler may contract the second product and the add into one FMA, so values can
 differ from XLA's in the last bit, as XLA's own fusions of ``rotary`` do between step shapes. The pool
 is updated in place (``input_output_aliases``): a token with slot ``-1`` (padding), or a slot past the
-pool, writes nothing. ``head_dim`` must be a power of two (a Triton tile); ``kernels.backend.fused_qkv``
+pool, writes nothing. ``head_dim`` must be a power of two (a Triton tile); ``models.ops.fused_qkv``
 takes the XLA path otherwise.
 """
 

@@ -32,5 +32,5 @@ def forward_all_logits(graphdef: nnx.GraphDef, state: nnx.State, kv_pool, token_
                        attention_fn: Callable = paged_attention_reference,
                        write_kv_fn: Callable = write_kv, ops: ModelOps = DEFAULT_OPS):
     """fp32 logits ``[T, vocab]`` at every token of a ragged step, and the updated (donated) pool.
-    ``ops``: the model's matmul / RMSNorm / RoPE (``kernels.backend.get_model_ops``)."""
+    ``ops``: the model's matmul / RMSNorm / RoPE (``models.ops.get_model_ops``)."""
     return _forward(graphdef, state, kv_pool, token_ids, positions, meta, attention_fn, write_kv_fn, ops)

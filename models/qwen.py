@@ -7,7 +7,7 @@ and attends through ``attention_fn`` (the Pallas kernel or the jnp reference, sa
 same model code runs every backend. The matmuls, RMSNorms and RoPE go through
 ``ops`` (:class:`ModelOps`), passed in the same way: the default is XLA (``x @ w``, IEEE fp32 for
 float32 weights); the batch-invariant mode passes fixed-tile Pallas kernels
-(``kernels.backend.get_model_ops``).
+(``models.ops.get_model_ops``).
 
 Weights are stored ``[in, out]``; q/k/v and gate/up are fused into one matmul each (the converter
 concatenates Hugging Face's separate tensors). Differences between the families:
@@ -115,11 +115,11 @@ class ModelOps:
     qkv_epilogue: ``None`` (the steps above, then ``write_kv_fn``), or one function for the whole
     stretch from the qkv matmul to the KV write: ``(x [T, H], w_qkv, bias | None, q_norm | None,
     k_norm | None, positions, kv_pool, layer, slot_mapping, *, eps, theta) -> (q [T, Hq, D], kv_pool)``
-    (``kernels.backend.fused_qkv``: the GEMV's partials, bias, q/k norm, RoPE and the KV write in
+    (``models.ops.fused_qkv``: the GEMV's partials, bias, q/k norm, RoPE and the KV write in
     one kernel). When set, that stretch does not call ``matmul``, ``rms_norm``, ``rotary`` or the
     model's ``write_kv_fn``: the function owns all of it.
 
-    The residual stream with unsummed products (``kernels.backend.get_model_ops`` on a GPU, one
+    The residual stream with unsummed products (``models.ops.get_model_ops`` on a GPU, one
     device; all three set or none): ``matmul_parts: (x [M, K], w [K, N]) -> [P, M, N]`` (a product as
     ``P`` split-K partial sums in fp32, or ``P = 1`` finished product in the model dtype) for o_proj and
     gate_up; ``silu_mul_matmul_parts: (gate_up [P, M, 2I], w_down [I, H]) -> [P, M, H]`` (the MLP's

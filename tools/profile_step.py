@@ -358,7 +358,7 @@ def print_report(r: dict, top: int) -> None:
     print(f"steady state after {r['steady']['prefill_steps']} prefill/mixed steps "
           f"({r['steady']['seconds']:.1f} s, compile {r['steady']['compile_seconds']:.1f} s)")
     print(f"wall per step, untraced: median {u['wall_median_s'] * ms:.3f} ms (min {u['wall_min_s'] * ms:.3f}); "
-          f"host (schedule/build/postprocess) {u['host_s_per_step'] * ms:.3f} ms, "
+          f"host (schedule/build/book) {u['host_s_per_step'] * ms:.3f} ms, "
           f"launch+wait for tokens {u['device_wait_s_per_step'] * ms:.3f} ms (the launch alone: median "
           f"{u.get('launch_median_s', float('nan')) * ms:.3f} ms)")
     print(f"wall per step, traced:   median {t['wall_median_s'] * ms:.3f} ms (profiler overhead included)")

@@ -41,7 +41,7 @@ class EngineMetrics:
         self.keep_steps = keep_steps
         self.total_seconds = 0.0
         self.total_steps = 0
-        self.host_seconds = 0.0  # scheduling, input building, postprocessing
+        self.host_seconds = 0.0  # scheduling, input building, booking and resolving steps
         self.device_seconds = 0.0  # from launching the step until its tokens are on the host
 
     def record(self, rec: StepRecord) -> None:
