@@ -211,7 +211,7 @@ class ModelRunner:
         temporary buffer keeps its address.
         """
         if prev_tokens is None:
-            prev_tokens = np.zeros(inputs.logits_indices.shape, np.int32)
+            prev_tokens = self.token_buffer(inputs.logits_indices.shape[0])
         if spare_tokens is None:
             spare_tokens = self.token_buffer(prev_tokens.shape[0])
         num_tokens = inputs.token_ids.shape[0]
@@ -221,7 +221,7 @@ class ModelRunner:
             prev_tokens, spare_tokens = self._replicate(prev_tokens), self._replicate(spare_tokens)
         packed, layout = pack(inputs)  # (a numpy argument: jit's own transfer was measured cheaper
         # than a jax.device_put before the call, 350 vs 467 us a call on the H200)
-        base_key = (layout, prev_tokens.shape, kv_pool.shape, kv_pool.dtype, cublas)
+        base_key = self._base_key(layout, prev_tokens, kv_pool, cublas)
         n = min(len(copies), self.num_copies(num_tokens))
         self._turns[base_key] = turn = (self._turns.get(base_key, -1) + 1) % n  # in turn, per shape
         jitted = copies[turn]
@@ -238,6 +238,12 @@ class ModelRunner:
                 self._shapes_seen.add(shape_key)
                 return tokens, kv_pool
             return jitted(leaves, kv_pool, packed, prev_tokens, spare_tokens, layout)
+
+    @staticmethod
+    def _base_key(layout, prev_tokens, kv_pool, cublas: bool) -> tuple:
+        """What selects a compiled step (a copy's index is appended): the static layout, the token
+        buffers' and pool's shapes and the pool's dtype, and the cuBLAS option."""
+        return (layout, prev_tokens.shape, kv_pool.shape, kv_pool.dtype, cublas)
 
     def token_buffer(self, rows: int) -> jax.Array:
         """A zeroed ``i32[rows]`` token buffer committed where the step's outputs live (the first device,
@@ -263,21 +269,22 @@ class ModelRunner:
         with self._partitioner():
             for inputs in steps:
                 num_tokens = inputs.token_ids.shape[0]
-                copies, leaves = self._flat(state, self.uses_cublas(num_tokens))
+                cublas = self.uses_cublas(num_tokens)
+                copies, leaves = self._flat(state, cublas)
                 packed, layout = pack(inputs)
-                base_key = (layout, prev_tokens.shape, kv_pool.shape, kv_pool.dtype, self.uses_cublas(num_tokens))
-                wanted += [(base_key + (turn,), inputs, turn, copies[turn], (leaves, kv_pool, packed, layout))
+                base_key = self._base_key(layout, prev_tokens, kv_pool, cublas)
+                wanted += [(base_key + (turn,), inputs, turn, copies[turn], (leaves, packed, layout))
                            for turn in range(min(len(copies), self.num_copies(num_tokens)))
                            if base_key + (turn,) not in self._shapes_seen]
             with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
                 # Executables on disk load in parallel (each ~0.25 s on the H200, mostly in XLA's runtime).
                 loads = list(pool.map(lambda w: cache.load(repr(w[0])), wanted)) if cache else [None] * len(wanted)
-                for (key, inputs, turn, jitted, (leaves, kv_pool_, packed, layout)), loaded in zip(wanted, loads):
+                for (key, inputs, turn, jitted, (leaves, packed, layout)), loaded in zip(wanted, loads):
                     if loaded is not None:
                         self._executables[key] = loaded
                         done.append((key, inputs, turn))
                     else:
-                        todo.append((key, jitted.lower(leaves, kv_pool_, packed, prev_tokens, spare, layout),
+                        todo.append((key, jitted.lower(leaves, kv_pool, packed, prev_tokens, spare, layout),
                                      inputs, turn))
                 t1 = time.perf_counter()
                 compiled = list(pool.map(lambda item: item[1].compile(), todo))
