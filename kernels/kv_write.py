@@ -34,18 +34,25 @@ def pool_from_caches(k_cache: jax.Array, v_cache: jax.Array) -> jax.Array:
     return jnp.stack([k_cache, v_cache], axis=2)[None]
 
 
-def check_pool(kv_pool: jax.Array, layer: int) -> None:
+Layer = int | jax.Array  # a pool layer: a Python int, or an i32[] operand (one traced layer serves all)
+
+
+def check_pool(kv_pool: jax.Array, layer: Layer) -> None:
     """Raises a ValueError naming the problem if ``kv_pool`` is not ``[L, N, bs, 2, Hkv, D]`` or
-    ``layer`` is not one of its layers."""
+    ``layer`` is not one of its layers (a Python int in range, or an integer scalar array: its value is
+    the caller's to keep in range, as the model's layer loop does)."""
     if kv_pool.ndim != 6 or kv_pool.shape[3] != 2:
         raise ValueError(f"kv_pool must be [L, num_blocks, block_size, 2, Hkv, D]; got {kv_pool.shape}")
-    if not isinstance(layer, int) or not 0 <= layer < kv_pool.shape[0]:
-        raise ValueError(f"layer must be a Python int in [0, {kv_pool.shape[0]}), got {layer!r}")
+    if isinstance(layer, jax.Array) and layer.shape == () and jnp.issubdtype(layer.dtype, jnp.integer):
+        return
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < kv_pool.shape[0]:
+        raise ValueError(f"layer must be an int in [0, {kv_pool.shape[0]}) or an integer scalar array, "
+                         f"got {layer!r}")
 
 
 def write_kv(
     kv_pool: jax.Array,
-    layer: int,
+    layer: Layer,
     k: jax.Array,
     v: jax.Array,
     slot_mapping: jax.Array,

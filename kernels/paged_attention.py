@@ -90,14 +90,14 @@ def _dot(a, b, b_contract: int, precision):
 
 
 def _ragged_attention_kernel(
-    cu_ref, kv_lens_ref, tables_ref, q_ref, kv_ref, *out_refs,
-    layer: int, scale_log2: float, block_m: int, group: int, block_k: int, num_splits: int,
+    layer_ref, cu_ref, kv_lens_ref, tables_ref, q_ref, kv_ref, *out_refs,
+    scale_log2: float, block_m: int, group: int, block_k: int, num_splits: int,
     reverse_tiles: bool, mask_all: bool, mask_loads: bool, precision,
 ):
     """One program: KV head ``program_id(0)``, query tile ``program_id(1)``, split ``program_id(2)``.
 
-    Refs: ``cu_ref i32[S+1]``, ``kv_lens_ref i32[S]``, ``tables_ref i32[S, W]``, ``q_ref [T, Hq, D]``,
-    ``kv_ref [L, N, bs, 2, Hkv, D]`` (read at the static ``layer``); outputs ``o_ref [T, Hq, D]`` (one split) or
+    Refs: ``layer_ref i32[1]`` (the pool layer to read), ``cu_ref i32[S+1]``, ``kv_lens_ref i32[S]``,
+    ``tables_ref i32[S, W]``, ``q_ref [T, Hq, D]``, ``kv_ref [L, N, bs, 2, Hkv, D]``; outputs ``o_ref [T, Hq, D]`` (one split) or
     ``o_ref f32[splits, T, Hq, D]`` and ``lse_ref f32[splits, T, Hq]`` (base-2 log-sum-exp).
     """
     num_tokens, _, head_dim = q_ref.shape
@@ -110,6 +110,7 @@ def _ragged_attention_kernel(
     if reverse_tiles:
         tile = pl.num_programs(1) - 1 - tile
     split = pl.program_id(2)
+    layer = layer_ref[0]
 
     # Sequence of this tile: the largest i in [0, S] with cu[i] // block_q + i <= tile (that start is
     # increasing in i). One vector load of cu_q_lens instead of a chain of dependent scalar loads.
@@ -193,7 +194,7 @@ def _ragged_attention_kernel(
         plgpu.store(lse_ref.at[split, row_tok, head_ix[:, 0]], lse, mask=row_ok)
 
 
-def _ragged_attention_call(q, kv_pool, layer: int, cu_q_lens, kv_lens, block_tables, *, scale: float,
+def _ragged_attention_call(q, kv_pool, layer: jax.Array, cu_q_lens, kv_lens, block_tables, *, scale: float,
                            config: AttentionConfig, interpret: bool):
     """pallas_call wrapper. Returns ``[T, Hq, D]`` (one split) or ``(o f32[P,T,Hq,D], lse f32[P,T,Hq])``."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -211,7 +212,7 @@ def _ragged_attention_call(q, kv_pool, layer: int, cu_q_lens, kv_lens, block_tab
             jax.ShapeDtypeStruct((splits, num_tokens, num_q_heads), jnp.float32),
         )
     kernel = functools.partial(
-        _ragged_attention_kernel, layer=layer, scale_log2=scale * LOG2E, block_m=config.block_m, group=group,
+        _ragged_attention_kernel, scale_log2=scale * LOG2E, block_m=config.block_m, group=group,
         block_k=config.block_k, num_splits=splits, reverse_tiles=config.reverse_tiles,
         mask_all=config.mask_all, mask_loads=config.mask_loads, precision=kernel_dot_precision(kv_pool.dtype),
     )
@@ -222,7 +223,7 @@ def _ragged_attention_call(q, kv_pool, layer: int, cu_q_lens, kv_lens, block_tab
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name=f"ragged_paged_attention_m{config.block_m}_k{config.block_k}_p{splits}",
-    )(cu_q_lens, kv_lens, block_tables, q, kv_pool)
+    )(jnp.reshape(layer, (1,)), cu_q_lens, kv_lens, block_tables, q, kv_pool)
 
 
 def merge_splits(o: jax.Array, lse: jax.Array, dtype) -> jax.Array:
@@ -300,8 +301,6 @@ def _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables):
             raise ValueError(f"{name} must be int32, got {a.dtype}")
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "scale", "interpret", "config", "decode",
-                                             "batch_invariant"))
 def paged_attention(
     q: jax.Array,
     kv_pool: jax.Array,
@@ -329,8 +328,22 @@ def paged_attention(
       batch_invariant: with no ``config``, use :func:`invariant_config` (``decode`` is then ignored):
         each token's output is bitwise independent of the batch and of prefill chunking.
     Returns ``[T, Hq, D]`` in ``q.dtype``; zeros for padding tokens.
+
+    The layer reaches the kernel as an operand, not a constant: every layer of a step then calls one
+    traced and lowered kernel (a model's step traces and lowers its attention once, not once a layer:
+    on the H200 lowering a Qwen3-0.6B step took 3.6-6.3 s with 57 Pallas lowerings, most of a cold
+    start's lowering time).
     """
     _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables)
+    return _paged_attention(q, kv_pool, jnp.asarray(layer, jnp.int32), cu_q_lens, kv_lens, block_tables,
+                            scale=scale, interpret=interpret, config=config, decode=decode,
+                            batch_invariant=batch_invariant)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "decode", "batch_invariant"))
+def _paged_attention(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, scale, interpret, config, decode,
+                     batch_invariant):
+    """:func:`paged_attention` after validation; ``layer`` an ``i32[]`` operand."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, _, num_kv_heads, _ = kv_pool.shape
     if scale is None:

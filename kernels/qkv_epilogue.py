@@ -44,14 +44,15 @@ def token_block(num_tokens: int) -> tuple[int, int]:
     return (1, 1) if num_tokens <= 32 else (8, 4)
 
 
-def _kernel(parts_ref, bias_ref, qw_ref, kw_ref, cos_ref, sin_ref, slot_ref, pool_in_ref, q_out_ref, pool_ref, *,
-            layer: int, num_q_heads: int, num_kv_heads: int, eps: float, has_bias: bool, has_norm: bool,
+def _kernel(layer_ref, parts_ref, bias_ref, qw_ref, kw_ref, cos_ref, sin_ref, slot_ref, pool_in_ref, q_out_ref,
+            pool_ref, *, num_q_heads: int, num_kv_heads: int, eps: float, has_bias: bool, has_norm: bool,
             block_tokens: int):
     """Program ``(i, j)``: tokens ``[i * block_tokens, (i + 1) * block_tokens)`` (those past the step
     masked); head ``j`` of q (``j < Hq``: normed, rotated, stored to ``q_out``) or KV head ``j - Hq``
     (k normed and rotated, v as it is, both written to the pool). Rows are independent: every value
-    is computed per token as with one token per program."""
+    is computed per token as with one token per program. ``layer_ref i32[1]``: the pool layer written."""
     del pool_in_ref  # the same buffer as pool_ref (aliased)
+    layer = layer_ref[0]
     num_parts, num_tokens = parts_ref.shape[0], parts_ref.shape[1]
     head_dim = cos_ref.shape[1]
     block_size = pool_ref.shape[2]
@@ -113,7 +114,6 @@ def _kernel(parts_ref, bias_ref, qw_ref, kw_ref, cos_ref, sin_ref, slot_ref, poo
     plgpu.store(pool_ref.at[layer, blk, off, 1, kvh, dims], v.astype(pool_ref.dtype), mask=write)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "eps", "dtype", "block_tokens", "interpret"))
 def qkv_epilogue(parts: jax.Array, bias: jax.Array | None, q_norm: jax.Array | None, k_norm: jax.Array | None,
                  cos: jax.Array, sin: jax.Array, kv_pool: jax.Array, layer: int, slot_mapping: jax.Array, *,
                  eps: float, dtype, block_tokens: int | None = None,
@@ -124,8 +124,17 @@ def qkv_epilogue(parts: jax.Array, bias: jax.Array | None, q_norm: jax.Array | N
     position, in ``dtype``), ``kv_pool [L, N, bs, 2, Hkv, D]``, ``slot_mapping i32[T]`` ->
     ``(q [T, Hq, D] in dtype, kv_pool with k and v written at layer ``layer``)``. The head counts
     come from the shapes (``Hkv`` from the pool), so a tensor-parallel shard passes its own.
-    ``block_tokens``: tokens per program (default :func:`token_block`; any value gives the same result)."""
+    ``block_tokens``: tokens per program (default :func:`token_block`; any value gives the same result).
+    The layer reaches the kernel as an operand (as in ``paged_attention``): one lowering serves every layer."""
     check_pool(kv_pool, layer)
+    return _qkv_epilogue(parts, bias, q_norm, k_norm, cos, sin, kv_pool, jnp.asarray(layer, jnp.int32), slot_mapping,
+                         eps=eps, dtype=dtype, block_tokens=block_tokens, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "dtype", "block_tokens", "interpret"))
+def _qkv_epilogue(parts, bias, q_norm, k_norm, cos, sin, kv_pool, layer, slot_mapping, *, eps, dtype, block_tokens,
+                  interpret):
+    """:func:`qkv_epilogue` after the pool check; ``layer`` an ``i32[]`` operand."""
     num_parts, num_tokens, width = parts.shape
     num_kv_heads, head_dim = kv_pool.shape[4], kv_pool.shape[5]
     num_q_heads = width // head_dim - 2 * num_kv_heads
@@ -151,17 +160,17 @@ def qkv_epilogue(parts: jax.Array, bias: jax.Array | None, q_norm: jax.Array | N
         if block_tokens < 1 or block_tokens & (block_tokens - 1):
             raise ValueError(f"block_tokens must be a power of two, got {block_tokens}")
         block, num_warps = block_tokens, 1 if block_tokens == 1 else 4
-    kernel = functools.partial(_kernel, layer=layer, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+    kernel = functools.partial(_kernel, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                eps=float(eps), has_bias=has_bias, has_norm=has_norm, block_tokens=block)
     q, pool = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(num_tokens, block), num_q_heads + num_kv_heads),
         out_shape=(jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), dtype),
                    jax.ShapeDtypeStruct(kv_pool.shape, kv_pool.dtype)),
-        input_output_aliases={7: 1},
+        input_output_aliases={8: 1},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="qkv_epilogue" if block == 1 else f"qkv_epilogue_t{block}",
-    )(parts, bias if has_bias else dummy, q_norm if has_norm else dummy, k_norm if has_norm else dummy,
+    )(jnp.reshape(layer, (1,)), parts, bias if has_bias else dummy, q_norm if has_norm else dummy, k_norm if has_norm else dummy,
       cos.astype(dtype), sin.astype(dtype), slot_mapping.astype(jnp.int32), kv_pool)
     return q, pool

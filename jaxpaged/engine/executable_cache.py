@@ -56,6 +56,14 @@ def cache_key(*parts: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
+def clone(compiled):
+    """A second, independent executable of ``compiled`` (serialised and loaded again: no tracing, lowering or
+    compiling; ~0.1-0.2 s for a Qwen3-0.6B step on the H200). Each copy keeps its own CUDA graphs."""
+    from jax.experimental.serialize_executable import deserialize_and_load, serialize
+
+    return deserialize_and_load(*serialize(compiled))
+
+
 class ExecutableCache:
     """Serialised step executables in ``folder``, one file per step shape (``name``)."""
 

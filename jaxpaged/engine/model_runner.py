@@ -25,6 +25,7 @@ from ..kernels.kv_write import write_kv
 from ..models.ops import get_attention_fn, get_model_ops, resolve_backend
 from ..models.qwen import DEFAULT_OPS, KVPool, ModelOps
 from ..sampling.features import sample_step
+from .executable_cache import clone
 from .step_inputs import StepInputs, pack, to_step_memory, unpack
 from .tuning import StepTuning
 
@@ -258,8 +259,10 @@ class ModelRunner:
         """Compiles, without running, every copy of the step for each of ``steps``' shapes not compiled
         yet; returns ``(inputs, copy)`` for each. An executable in ``executable_cache`` is loaded
         instead (no tracing, lowering or compiling). Otherwise tracing and lowering run here in turn and
-        XLA's compilations in ``threads`` threads at once (default: the host's cores). ``step`` then
-        calls these executables directly (on a mesh: through jit, whose cache they fill)."""
+        XLA's compilations in ``threads`` threads at once (default: the host's cores). A shape's first
+        copy is compiled (or loaded); its other copies are clones of it (``executable_cache.clone``),
+        never lowered or compiled again. ``step`` then calls these executables directly (on a mesh:
+        through jit, whose cache they fill)."""
         spare = self.token_buffer(prev_tokens.shape[0])
         if self.mesh is not None:
             prev_tokens, spare = self._replicate(prev_tokens), self._replicate(spare)
@@ -273,34 +276,37 @@ class ModelRunner:
                 copies, leaves = self._flat(state, cublas)
                 packed, layout = pack(inputs)
                 base_key = self._base_key(layout, prev_tokens, kv_pool, cublas)
-                wanted += [(base_key + (turn,), inputs, turn, copies[turn], (leaves, packed, layout))
-                           for turn in range(min(len(copies), self.num_copies(num_tokens)))
-                           if base_key + (turn,) not in self._shapes_seen]
+                if base_key + (0,) not in self._shapes_seen:
+                    turns = min(len(copies), self.num_copies(num_tokens))
+                    wanted.append((base_key, inputs, turns, copies[0], (leaves, packed, layout)))
             with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
                 # Executables on disk load in parallel (each ~0.25 s on the H200, mostly in XLA's runtime).
-                loads = list(pool.map(lambda w: cache.load(repr(w[0])), wanted)) if cache else [None] * len(wanted)
-                for (key, inputs, turn, jitted, (leaves, packed, layout)), loaded in zip(wanted, loads):
+                loads = (list(pool.map(lambda w: cache.load(repr(w[0] + (0,))), wanted)) if cache
+                         else [None] * len(wanted))
+                for (base_key, inputs, turns, jitted, (leaves, packed, layout)), loaded in zip(wanted, loads):
                     if loaded is not None:
-                        self._executables[key] = loaded
-                        done.append((key, inputs, turn))
+                        done.append((base_key, inputs, turns, loaded))
                     else:
-                        todo.append((key, jitted.lower(leaves, kv_pool, packed, prev_tokens, spare, layout),
-                                     inputs, turn))
+                        todo.append((base_key, inputs, turns,
+                                     jitted.lower(leaves, kv_pool, packed, prev_tokens, spare, layout)))
                 t1 = time.perf_counter()
-                compiled = list(pool.map(lambda item: item[1].compile(), todo))
-        for (key, _, inputs, turn), exe in zip(todo, compiled):
-            if self.mesh is None:
-                self._executables[key] = exe
-                if cache is not None:
-                    cache.store(repr(key), exe)
-            done.append((key, inputs, turn))
-        for key, _, _ in done:
-            self._shapes_seen.add(key)
+                compiled = list(pool.map(lambda item: item[3].compile(), todo))
+                for (base_key, inputs, turns, _), exe in zip(todo, compiled):
+                    if cache is not None:
+                        cache.store(repr(base_key + (0,)), exe)
+                    done.append((base_key, inputs, turns, exe))
+                if self.mesh is None:
+                    clones = [(base_key + (turn,), exe) for base_key, _, turns, exe in done for turn in range(1, turns)]
+                    self._executables.update(zip([k for k, _ in clones], pool.map(lambda c: clone(c[1]), clones)))
+                    self._executables.update((base_key + (0,), exe) for base_key, _, _, exe in done)
+        for base_key, _, turns, _ in done:
+            self._shapes_seen.update(base_key + (turn,) for turn in range(turns))
         t2 = time.perf_counter()
         self.compile_seconds += t2 - t0
-        self.last_precompile = {"executables": len(done), "loaded": len(done) - len(todo),
-                                "lower_seconds": t1 - t0, "compile_seconds": t2 - t1}
-        return [(inputs, turn) for _, inputs, turn in done]
+        self.last_precompile = {"executables": sum(turns for _, _, turns, _ in done),
+                                "loaded": len(done) - len(todo), "lower_seconds": t1 - t0,
+                                "compile_seconds": t2 - t1}
+        return [(inputs, turn) for _, inputs, turns, _ in done for turn in range(turns)]
 
     def _partitioner(self):
         """GSPMD for the tensor-parallel step (see :func:`gspmd_partitioner`); nothing on one device."""
