@@ -10,11 +10,9 @@ from __future__ import annotations
 import random
 
 import jax
-from flax import nnx
 
 from .models.checkpoint import ModelParams
 from .models.config import QwenConfig
-from .models.qwen import Qwen
 from .sampling.sampler import SamplingParams
 
 QWEN3_0_6B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
@@ -57,30 +55,20 @@ def nano_vllm_workload(num_seqs: int = 256, max_input_len: int = 1024, max_outpu
 
 def random_model(raw_config: dict, dtype: str = "bfloat16", seed: int = 0,
                  tensor_parallel_size: int = 1) -> ModelParams:
-    """A randomly initialised model of the given Hugging Face config (no download needed).
+    """A randomly initialised model of the given Hugging Face config (no download needed): weights
+    normal * 0.02 and norms one (``models.sharding.random_state``), committed to the first device.
 
-    ``tensor_parallel_size > 1``: created directly split over that many devices
-    (``sharding.random_sharded_state``), never whole on one device."""
+    ``tensor_parallel_size > 1``: created directly split over that many devices, never whole on one
+    device (the same values as on one device)."""
+    from .models.sharding import make_mesh, random_state, shard_config
+
     cfg = QwenConfig.from_dict(raw_config)
     if tensor_parallel_size > 1:
-        from .models.sharding import make_mesh, random_sharded_state, shard_config
-
         mesh = make_mesh(tensor_parallel_size)
-        graphdef, state = random_sharded_state(shard_config(cfg, tensor_parallel_size), mesh, dtype, seed)
+        graphdef, state = random_state(shard_config(cfg, tensor_parallel_size), dtype, seed, mesh)
         return ModelParams(cfg, graphdef, state, dtype, mesh=mesh)
     graphdef, state = random_state(cfg, dtype, seed)
     return ModelParams(cfg, graphdef, state, dtype)
-
-
-def random_state(cfg: QwenConfig, dtype: str, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
-    """``Qwen(cfg, dtype, rngs=nnx.Rngs(seed))`` split into graph and state, its weights made by one jitted
-    program committed to the first device (as ``load_params`` commits them). Why one program: built
-    eagerly, every weight's random draw is its own small compilation (6.8 s for Qwen3-0.6B shapes on
-    the H200, most of a cached start)."""
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Qwen(cfg, dtype, rngs=nnx.Rngs(seed))))
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    state = jax.jit(lambda: nnx.state(Qwen(cfg, dtype, rngs=nnx.Rngs(seed))), out_shardings=device)()
-    return graphdef, state
 
 
 def experiment_params(full: bool, model: str | None = None) -> ModelParams:

@@ -26,7 +26,9 @@ slice of the same blocks, so the host side (scheduler, block tables) is unchange
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 from typing import Any, Callable, Sequence
 
 import jax
@@ -190,34 +192,51 @@ def init_sharded_kv_pool(shard_cfg: QwenConfig, mesh: Mesh, num_blocks: int, blo
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, POOL_SPEC))()
 
 
-def random_sharded_state(shard_cfg: QwenConfig, mesh: Mesh, dtype: str, seed: int = 0):
-    """``(graphdef, state)`` of random weights (normal * 0.02, norms one) created directly split
-    (``jit`` with ``out_shardings``; random bits are generated per shard): no device ever holds a
-    whole matrix. ``graphdef`` is the per-shard model, as ``load_params(..., tensor_parallel_size)``."""
+def random_leaves(shapes: Sequence[tuple[int, ...]], shardings: Sequence[Any], ones: Sequence[bool], dtype: str,
+                  seed: int = 0) -> list[jax.Array]:
+    """Random weights (normal * 0.02, or ones where ``ones``), each made directly with its sharding by one
+    compiled initialiser per (shape, sharding, ones), which layers share (compiled in parallel); leaf ``i`` draws from the
+    ``i``-th key of ``seed``, so the values do not depend on how a leaf is split. Why not the model's
+    eager initialisers: one small compilation per draw (6.8 s for Qwen3-0.6B shapes on the H200), and
+    one program for the whole model compiled for as long."""
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    kinds = list(dict.fromkeys(zip(map(tuple, shapes), shardings, ones)))
+
+    def compile_maker(kind):
+        shape, sharding, one = kind
+        if one:
+            fn = jax.jit(lambda k: jnp.ones(shape, dtype), out_shardings=sharding)
+        else:
+            fn = jax.jit(lambda k: (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(dtype),
+                         out_shardings=sharding)
+        return fn.lower(keys[0]).compile()
+
+    with concurrent.futures.ThreadPoolExecutor(min(len(kinds), os.cpu_count() or 1) or 1) as pool:
+        makers = dict(zip(kinds, pool.map(compile_maker, kinds)))  # (compiled in parallel: ~0.5 s each on a GPU)
+    return [makers[(tuple(shape), sharding, one)](keys[i])
+            for i, (shape, sharding, one) in enumerate(zip(shapes, shardings, ones))]
+
+
+def random_state(cfg: QwenConfig, dtype: str, seed: int = 0, mesh: Mesh | None = None):
+    """``(graphdef, state)`` of random weights (normal * 0.02, RMSNorm weights one; ``random_leaves``).
+    ``mesh``: created directly split over its ``tp`` axis (random bits are generated per shard, no device
+    ever holds a whole matrix), ``cfg`` then being the per-shard config and ``graphdef`` the per-shard
+    model, as ``load_params(..., tensor_parallel_size)``; ``None``: committed to the first device."""
     from .convert import abstract_model
 
-    tp = mesh.shape[TP_AXIS]
-    graphdef, abstract = abstract_model(shard_cfg, dtype)
-    leaves, treedef = jax.tree.flatten(abstract)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    makers: dict = {}  # one compiled initialiser per (shape, spec): layers share them
-
-    def maker(shape, spec, ones):
-        key = (shape, spec, ones)
-        if key not in makers:
-            out = NamedSharding(mesh, spec)
-            if ones:
-                makers[key] = jax.jit(lambda k: jnp.ones(shape, dtype), out_shardings=out)
-            else:
-                makers[key] = jax.jit(lambda k: (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(dtype),
-                                      out_shardings=out)
-        return makers[key]
-
-    out = []
-    for i, (leaf, spec) in enumerate(zip(leaves, state_specs(treedef))):
-        shape = global_shape(tuple(leaf.shape), spec, tp)
-        out.append(maker(shape, spec, len(shape) == 1 and spec == P())(keys[i]))  # 1-D replicated: RMSNorm
-    return graphdef, jax.tree.unflatten(treedef, out)
+    graphdef, abstract = abstract_model(cfg, dtype)
+    paths, treedef = jax.tree.flatten_with_path(abstract)
+    leaves = [leaf for _, leaf in paths]
+    ones = ["norm" in jax.tree_util.keystr(path) for path, _ in paths]  # the RMSNorm weights
+    if mesh is None:
+        shapes = [tuple(leaf.shape) for leaf in leaves]
+        shardings = [jax.sharding.SingleDeviceSharding(jax.local_devices()[0])] * len(leaves)
+    else:
+        tp = mesh.shape[TP_AXIS]
+        specs = state_specs(treedef)
+        shapes = [global_shape(tuple(leaf.shape), spec, tp) for leaf, spec in zip(leaves, specs)]
+        shardings = [NamedSharding(mesh, spec) for spec in specs]
+    return graphdef, jax.tree.unflatten(treedef, random_leaves(shapes, shardings, ones, dtype, seed))
 
 
 def per_device_bytes(tree: Any) -> dict[str, int]:

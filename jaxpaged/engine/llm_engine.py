@@ -442,13 +442,20 @@ class LLMEngine:
             bar.update(1)
         t_run = time.perf_counter()
         if jax.default_backend() == "gpu":
-            # Each executable runs a few times (each copy in turn: the runner alternates them): XLA builds
-            # a step's CUDA graph over its first launches, which the first request must not pay for.
-            for _ in range(WARMUP_RUNS):
-                for inputs, _ in compiled:
+            # Each shape runs a few times in a row, each copy in turn (the runner alternates them), with
+            # the token buffers passed around as a run of real steps passes them: XLA builds a step's
+            # CUDA graph over its first launches and re-patches it whenever a buffer it reads moved
+            # (~2.5 ms on a first request after a warm-up on fresh buffers), which the first request
+            # must not pay for.
+            for inputs, turn in compiled:
+                if turn:
+                    continue
+                for _ in range(WARMUP_RUNS * self.runner.num_copies(inputs.token_ids.shape[0])):
                     tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs,
-                                                            self.runner.token_buffer(self._prev_tokens.shape[0]))
-                tokens.block_until_ready()
+                                                            self._prev_tokens, self._take_free_tokens())
+                    self._free_tokens.append(self._prev_tokens)
+                    self._prev_tokens = tokens
+            tokens.block_until_ready()
             if bar is not None:
                 bar.update(1)
         if bar is not None:

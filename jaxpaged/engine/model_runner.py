@@ -259,7 +259,9 @@ class ModelRunner:
         """Compiles, without running, every copy of the step for each of ``steps``' shapes not compiled
         yet; returns ``(inputs, copy)`` for each. An executable in ``executable_cache`` is loaded
         instead (no tracing, lowering or compiling). Otherwise tracing and lowering run here in turn and
-        XLA's compilations in ``threads`` threads at once (default: the host's cores). A shape's first
+        XLA's compilations in ``threads`` threads at once (default: the host's cores), each starting as
+        soon as its shape is lowered. ``last_precompile``: lowering seconds (the time XLA's compilations
+        overlap), seconds left after the last lowering, the whole, and the slowest compilation. A shape's first
         copy is compiled (or loaded); its other copies are clones of it (``executable_cache.clone``),
         never lowered or compiled again. ``step`` then calls these executables directly (on a mesh:
         through jit, whose cache they fill)."""
@@ -279,33 +281,52 @@ class ModelRunner:
                 if base_key + (0,) not in self._shapes_seen:
                     turns = min(len(copies), self.num_copies(num_tokens))
                     wanted.append((base_key, inputs, turns, copies[0], (leaves, packed, layout)))
+            compile_times: list[tuple[str, float]] = []
+
+            def finish(base_key, turns, exe=None, lowered=None):
+                """A shape's executables: ``exe`` loaded, or ``lowered`` compiled (and stored); then its clones."""
+                if exe is None:
+                    tc = time.perf_counter()
+                    exe = lowered.compile()
+                    compile_times.append((repr(base_key[0]), time.perf_counter() - tc))
+                    if cache is not None:
+                        cache.store(repr(base_key + (0,)), exe)
+                return [exe] + [clone(exe) for _ in range(1, turns)] if self.mesh is None else [exe]
+
             with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
                 # Executables on disk load in parallel (each ~0.25 s on the H200, mostly in XLA's runtime).
                 loads = (list(pool.map(lambda w: cache.load(repr(w[0] + (0,))), wanted)) if cache
                          else [None] * len(wanted))
-                for (base_key, inputs, turns, jitted, (leaves, packed, layout)), loaded in zip(wanted, loads):
+                futures = {}
+                for i, loaded in enumerate(loads):
                     if loaded is not None:
-                        done.append((base_key, inputs, turns, loaded))
-                    else:
-                        todo.append((base_key, inputs, turns,
-                                     jitted.lower(leaves, kv_pool, packed, prev_tokens, spare, layout)))
+                        futures[i] = pool.submit(finish, wanted[i][0], wanted[i][2], exe=loaded)
+                # The rest: lowered one at a time here (largest first: the longest compilations start
+                # first), each handed to XLA's compiler in a thread as soon as it is lowered.
+                todo = sorted((i for i, loaded in enumerate(loads) if loaded is None),
+                              key=lambda i: -wanted[i][1].token_ids.shape[0])
+                lower_seconds = 0.0
+                for i in todo:
+                    base_key, _, turns, jitted, (leaves, packed, layout) = wanted[i]
+                    tl = time.perf_counter()
+                    lowered = jitted.lower(leaves, kv_pool, packed, prev_tokens, spare, layout)
+                    lower_seconds += time.perf_counter() - tl
+                    futures[i] = pool.submit(finish, base_key, turns, lowered=lowered)
                 t1 = time.perf_counter()
-                compiled = list(pool.map(lambda item: item[3].compile(), todo))
-                for (base_key, inputs, turns, _), exe in zip(todo, compiled):
-                    if cache is not None:
-                        cache.store(repr(base_key + (0,)), exe)
-                    done.append((base_key, inputs, turns, exe))
-                if self.mesh is None:
-                    clones = [(base_key + (turn,), exe) for base_key, _, turns, exe in done for turn in range(1, turns)]
-                    self._executables.update(zip([k for k, _ in clones], pool.map(lambda c: clone(c[1]), clones)))
-                    self._executables.update((base_key + (0,), exe) for base_key, _, _, exe in done)
+                for i, (base_key, inputs, turns, _, _) in enumerate(wanted):
+                    exes = futures[i].result()
+                    if self.mesh is None:
+                        self._executables.update((base_key + (turn,), exe) for turn, exe in enumerate(exes))
+                    done.append((base_key, inputs, turns, exes[0]))
         for base_key, _, turns, _ in done:
             self._shapes_seen.update(base_key + (turn,) for turn in range(turns))
         t2 = time.perf_counter()
         self.compile_seconds += t2 - t0
         self.last_precompile = {"executables": sum(turns for _, _, turns, _ in done),
-                                "loaded": len(done) - len(todo), "lower_seconds": t1 - t0,
-                                "compile_seconds": t2 - t1}
+                                "loaded": len(done) - len(todo), "lower_seconds": lower_seconds,
+                                "compile_seconds": t2 - t1, "wall_seconds": t2 - t0,
+                                "slowest_compile_seconds": max((t for _, t in compile_times), default=0.0),
+                                "slowest_compile": max(compile_times, key=lambda c: c[1], default=("", 0))[0]}
         return [(inputs, turn) for _, inputs, turns, _ in done for turn in range(turns)]
 
     def _partitioner(self):
