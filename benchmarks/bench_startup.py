@@ -92,7 +92,7 @@ def main() -> None:
             json.dump(rows, f, indent=1)
     print(f"\nstart-up, {args.model}, max_model_len {max_len}, pool {rows['cold']['num_blocks']} blocks "
           f"({format_bytes(int(rows['cold']['kv_pool_gib'] * 2**30))})")
-    print("run     import s  engine s  warm-up s (lower / XLA / run)  start s  first TTFT ms  steady TTFT ms"
+    print("run     import s  engine s  warm-up s (lower / XLA after / run)  start s  first TTFT ms  steady TTFT ms"
           "  compiles after warm-up  warnings")
     for kind, r in rows.items():
         w = r["warmup"] or {}
