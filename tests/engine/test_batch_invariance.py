@@ -31,11 +31,13 @@ RNG = np.random.default_rng(7)
 SHARED = [int(t) for t in RNG.integers(1, 512, 24)]
 PROMPTS = [SHARED + [int(t) for t in RNG.integers(1, 512, n)] for n in (3, 11, 1)] + \
           [SHARED[:9] + [5, 6, 7], [int(t) for t in RNG.integers(1, 512, 17)]]
-SPS = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
-       SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=9, seed=3, ignore_eos=True),
-       SamplingParams(temperature=1.0, max_tokens=12, seed=11, ignore_eos=True),
-       SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
-       SamplingParams(temperature=0.7, top_p=0.8, max_tokens=6, seed=5, ignore_eos=True)]
+# Few output tokens each (every step runs the Pallas kernels in interpret mode on a CPU), different
+# lengths, so requests finish at different steps and the batch changes under the survivors.
+SPS = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+       SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=5, seed=3, ignore_eos=True),
+       SamplingParams(temperature=1.0, max_tokens=7, seed=11, ignore_eos=True),
+       SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+       SamplingParams(temperature=0.7, top_p=0.8, max_tokens=4, seed=5, ignore_eos=True)]
 BASE = dict(block_size=16, num_blocks=48, max_model_len=64, max_num_batched_tokens=64, batch_invariant=True)
 CASES = [("float32", "pallas"), ("bfloat16", "pallas")]
 # Each arrangement in one dtype, the dtypes alternating over the arrangements (interpret-mode kernels
@@ -112,9 +114,8 @@ def test_block_sizes(dtype, backend, bs, num_blocks):
 
 @pytest.mark.parametrize("dtype,backend", BF16)
 def test_preemption_with_async_scheduling(dtype, backend):
-    eng = engine(dtype, backend, block_size=8, num_blocks=9, async_scheduling=True, enable_prefix_caching=False)
+    eng = engine(dtype, backend, block_size=8, num_blocks=10, async_scheduling=True, enable_prefix_caching=False)
     check(dtype, backend, tokens(run_to_completion(eng, PROMPTS, SPS)), "tiny pool, async")
-    assert eng.stats()["preemptions"] > 0
     assert eng.stats()["preemptions"] > 0
 
 

@@ -150,8 +150,14 @@ print("DONE")
 """
 
 
+def with_device_count(devices: int | None) -> str:
+    """This run's XLA flags (the suite's, see conftest.py) with ``devices`` forced CPU devices (None: one)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    return " ".join(flags + ([f"--xla_force_host_platform_device_count={devices}"] if devices else []))
+
+
 def run_forced(script: str, devices: int, timeout: int = 600) -> str:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=with_device_count(devices), JAX_PLATFORMS="cpu")
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout,
                          cwd=ROOT)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
@@ -185,7 +191,7 @@ def test_shard_config_and_kv_head_replication():
 
 def test_bench_tp_tiny_on_two_cpu_devices(tmp_path):
     """benchmarks/bench_tp.py's parts (each its own process) on 2 forced CPU devices, tiny shapes."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=with_device_count(2), JAX_PLATFORMS="cpu")
     res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_tp.py"), "--tiny", "--out",
                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -239,7 +245,7 @@ def test_two_processes_through_jax_distributed(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=with_device_count(None))
     procs = [subprocess.Popen([sys.executable, "-c", MULTI_PROCESS, address, str(i)], env=env, cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = []
