@@ -202,6 +202,7 @@ def test_text_prompts_and_eos(tiny):
     assert stop not in out.token_ids[:-1]
 
 
+@pytest.mark.slow  # (an interpret-mode Pallas engine's warm-up: ~15 s on a CPU)
 def test_pallas_backend_engine_matches_hf_and_warmup_covers_all_shapes(qwen3):
     """The engine on the Pallas kernels (interpret mode on CPU): same greedy tokens as transformers;
     after ``warmup()`` no step compiles again."""

@@ -137,6 +137,7 @@ def test_tokenizer_matches_hf(model):
         assert tok.encode(str(text)).ids == list(ref[f"prompt_{i}"])
 
 
+@pytest.mark.slow  # (interpret-mode kernels over a whole bf16 model: ~30 s on a CPU)
 @pytest.mark.parametrize("family", ["qwen3"])  # (the residual path is the same in both families; the f32
 def test_fused_residual_bf16_matches_unfused_gemv_path(family):  # test above runs it for both against HF)
     """bf16, the GPU's decode path in interpret mode (GEMV partials into the add + RMSNorm kernel)
