@@ -14,8 +14,7 @@ from .kv.allocator import check_block_size
 ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 RESERVATIONS = ("paged", "max_len")
 SCHEDULING_POLICIES = ("fcfs", "prefix_affinity")  # jaxpaged/engine/scheduling_policy.py
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
-FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; not supported yet
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +37,9 @@ class EngineConfig:
     reservation: ``paged`` (blocks on demand) or ``max_len`` (reserve ``max_model_len`` at admission,
       like a contiguous KV cache; for the memory experiments).
     kv_cache_dtype: the KV pool's dtype: ``"auto"`` (the weights' dtype, ``LLM(path, dtype=...)``),
-      ``"bfloat16"``, ``"float16"`` or ``"float32"``.
+      ``"bfloat16"``, ``"float16"``, ``"float32"``, or 8-bit: ``"fp8"`` (= ``"fp8_e4m3"``) or
+      ``"fp8_e5m2"``, with a power-of-two scale per token, KV head and K or V chosen as each token is
+      written (``kernels/fp8.py``; no calibration): about twice the tokens in the same memory.
     attention_backend: ``auto`` (Pallas on a GPU, the jnp reference elsewhere), ``pallas``, ``reference``.
     seed: the engine's generator for requests without a seed.
     event_log: keep a log of KV block events (``True``, or the number of events to keep).
@@ -94,9 +95,6 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
-        if self.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: an fp8 KV cache is not supported yet; "
-                             f"use one of {KV_CACHE_DTYPES}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.reservation not in RESERVATIONS:
@@ -110,8 +108,12 @@ class EngineConfig:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
 
     def resolved_kv_cache_dtype(self, weights_dtype: str) -> str:
-        """The pool's dtype: the weights' for ``"auto"``, else ``kv_cache_dtype``."""
-        return weights_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        """The pool's dtype: the weights' for ``"auto"``, the fp8 names' jnp dtype, else ``kv_cache_dtype``."""
+        from .kernels.fp8 import FP8_DTYPES
+
+        if self.kv_cache_dtype == "auto":
+            return weights_dtype
+        return FP8_DTYPES.get(self.kv_cache_dtype, self.kv_cache_dtype)
 
     def resolved_max_model_len(self, max_position_embeddings: int) -> int:
         if self.max_model_len is None:

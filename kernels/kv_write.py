@@ -21,11 +21,23 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from .fp8 import is_fp8, quantize, scale_rows
+
+
+def block_size_of(kv_pool: jax.Array) -> int:
+    """Token slots per block of ``kv_pool`` (an fp8 pool's blocks have one more row: the scales)."""
+    return kv_pool.shape[2] - scale_rows(kv_pool.dtype)
+
 
 def pool_shape(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-               head_dim: int) -> tuple[int, ...]:
-    """``(L, num_blocks, block_size, 2, Hkv, D)``: the shape of a KV pool."""
-    return (num_layers, num_blocks, block_size, 2, num_kv_heads, head_dim)
+               head_dim: int, dtype=None) -> tuple[int, ...]:
+    """``(L, num_blocks, block_size, 2, Hkv, D)``: the shape of a KV pool; a pool of an fp8 ``dtype`` has
+    ``block_size + 1`` rows a block (its scales, ``kernels/fp8.py``), which needs ``block_size <= D``."""
+    rows = scale_rows(dtype) if dtype is not None else 0
+    if rows and block_size > head_dim:
+        raise ValueError(f"an fp8 KV pool keeps a block's scales in one row of head_dim={head_dim} entries: "
+                         f"block_size must be <= {head_dim}, got {block_size}")
+    return (num_layers, num_blocks, block_size + rows, 2, num_kv_heads, head_dim)
 
 
 def pool_from_caches(k_cache: jax.Array, v_cache: jax.Array) -> jax.Array:
@@ -61,10 +73,13 @@ def write_kv(
     ``kv_pool [L, N, bs, 2, Hkv, D]``.
 
     Traceable (call it inside the model's jitted step). Padding slots (``-1``) point one block past the
-    end and are dropped. Returns the updated pool; in place when the pool is donated.
+    end and are dropped. Returns the updated pool; in place when the pool is donated. An fp8 pool gets
+    each token's K and V quantised with their own scales, written to the block's scale row
+    (``kernels/fp8.py``).
     """
     check_pool(kv_pool, layer)
-    num_blocks, block_size, _, hkv, d = kv_pool.shape[1:]
+    num_blocks, _, _, hkv, d = kv_pool.shape[1:]
+    block_size = block_size_of(kv_pool)
     if k.ndim != 3 or k.shape != v.shape or k.shape[1:] != (hkv, d):
         raise ValueError(f"k and v must both be [T, {hkv}, {d}]; got {k.shape} and {v.shape}")
     if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != jnp.int32:
@@ -72,8 +87,12 @@ def write_kv(
                          f"{list(slot_mapping.shape)}")
     blk = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
     off = jnp.where(slot_mapping < 0, 0, slot_mapping % block_size)
-    rows = jnp.stack([k, v], axis=1).astype(kv_pool.dtype)  # [T, 2, Hkv, D]
-    return kv_pool.at[layer, blk, off].set(rows, mode="drop")
+    rows = jnp.stack([k, v], axis=1)  # [T, 2, Hkv, D]
+    if not is_fp8(kv_pool.dtype):
+        return kv_pool.at[layer, blk, off].set(rows.astype(kv_pool.dtype), mode="drop")
+    values, scales = quantize(rows, kv_pool.dtype)  # scales [T, 2, Hkv]: each token's, in the scale row
+    kv_pool = kv_pool.at[layer, blk, off].set(values, mode="drop")
+    return kv_pool.at[layer, blk, block_size, :, :, off].set(scales.astype(kv_pool.dtype), mode="drop")
 
 
 @functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(0,))

@@ -51,7 +51,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxpaged.kernels.kv_write import check_pool
+from jaxpaged.kernels.fp8 import is_fp8
+from jaxpaged.kernels.kv_write import block_size_of, check_pool
 from jaxpaged.kernels.shapes import next_pow2, num_cores as device_num_cores
 from jaxpaged.kernels.matmul import kernel_dot_precision
 
@@ -92,16 +93,17 @@ def _dot(a, b, b_contract: int, precision):
 def _ragged_attention_kernel(
     layer_ref, cu_ref, kv_lens_ref, tables_ref, q_ref, kv_ref, *out_refs,
     scale_log2: float, block_m: int, group: int, block_k: int, num_splits: int,
-    reverse_tiles: bool, mask_all: bool, mask_loads: bool, precision,
+    reverse_tiles: bool, mask_all: bool, mask_loads: bool, precision, fp8: bool,
 ):
     """One program: KV head ``program_id(0)``, query tile ``program_id(1)``, split ``program_id(2)``.
 
     Refs: ``layer_ref i32[1]`` (the pool layer to read), ``cu_ref i32[S+1]``, ``kv_lens_ref i32[S]``,
-    ``tables_ref i32[S, W]``, ``q_ref [T, Hq, D]``, ``kv_ref [L, N, bs, 2, Hkv, D]``; outputs ``o_ref [T, Hq, D]`` (one split) or
+    ``tables_ref i32[S, W]``, ``q_ref [T, Hq, D]``, ``kv_ref [L, N, bs, 2, Hkv, D]`` (``fp8``: ``bs + 1``
+    rows a block, the last holding each slot's K and V scales, ``kernels/fp8.py``); outputs ``o_ref [T, Hq, D]`` (one split) or
     ``o_ref f32[splits, T, Hq, D]`` and ``lse_ref f32[splits, T, Hq]`` (base-2 log-sum-exp).
     """
     num_tokens, _, head_dim = q_ref.shape
-    block_size = kv_ref.shape[2]
+    block_size = kv_ref.shape[2] - (1 if fp8 else 0)
     num_seqs = kv_lens_ref.shape[0]
     width = tables_ref.shape[1]
     block_q = block_m // group
@@ -163,14 +165,20 @@ def _ragged_attention_kernel(
             if masked:  # (mask_loads=False, benchmarks only: the whole tile read, its tail zeroed)
                 k = jnp.where(kv_ok, k, jnp.zeros_like(k))
                 v = jnp.where(kv_ok, v, jnp.zeros_like(v))
-        s = _dot(q, k, 1, precision) * scale_log2  # [block_m, block_k] f32
+        if fp8:  # fp8 -> the query's dtype (exact); the scales go on the scores' and probabilities' columns
+            k_scale, v_scale = (_load_scales(kv_ref, layer, phys, block_size, i, h, off, pos < kv_end if masked else None)
+                                for i in (0, 1))
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+            s = _dot(q, k, 1, precision) * (scale_log2 * k_scale)[None, :]
+        else:
+            s = _dot(q, k, 1, precision) * scale_log2  # [block_m, block_k] f32
         if masked:
             s = jnp.where(pos[None, :] <= row_pos[:, None], s, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(s - m_new[:, None])
         l_new = l_i * alpha + jnp.sum(p, axis=1)
-        pv = _dot(p.astype(v.dtype), v, 0, precision)
+        pv = _dot((p * v_scale[None, :] if fp8 else p).astype(v.dtype), v, 0, precision)
         return acc * alpha[:, None] + pv, m_new, l_new
 
     carry = (
@@ -194,6 +202,14 @@ def _ragged_attention_kernel(
         plgpu.store(lse_ref.at[split, row_tok, head_ix[:, 0]], lse, mask=row_ok)
 
 
+def _load_scales(kv_ref, layer, phys, block_size: int, kv: int, h, off, ok):
+    """``f32[block_k]``: the K (``kv = 0``) or V (1) scales of a tile's slots (block ``phys``, offset
+    ``off``) from an fp8 pool's scale rows; slots past the sequence (``ok`` False) read as 0."""
+    if ok is None:
+        return kv_ref[layer, phys, block_size, kv, h, off].astype(jnp.float32)
+    return plgpu.load(kv_ref.at[layer, phys, block_size, kv, h, off], mask=ok, other=0).astype(jnp.float32)
+
+
 def _ragged_attention_call(q, kv_pool, layer: jax.Array, cu_q_lens, kv_lens, block_tables, *, scale: float,
                            config: AttentionConfig, interpret: bool):
     """pallas_call wrapper. Returns ``[T, Hq, D]`` (one split) or ``(o f32[P,T,Hq,D], lse f32[P,T,Hq])``."""
@@ -214,7 +230,8 @@ def _ragged_attention_call(q, kv_pool, layer: jax.Array, cu_q_lens, kv_lens, blo
     kernel = functools.partial(
         _ragged_attention_kernel, scale_log2=scale * LOG2E, block_m=config.block_m, group=group,
         block_k=config.block_k, num_splits=splits, reverse_tiles=config.reverse_tiles,
-        mask_all=config.mask_all, mask_loads=config.mask_loads, precision=kernel_dot_precision(kv_pool.dtype),
+        mask_all=config.mask_all, mask_loads=config.mask_loads, fp8=is_fp8(kv_pool.dtype),
+        precision=kernel_dot_precision(q.dtype if is_fp8(kv_pool.dtype) else kv_pool.dtype),
     )
     return pl.pallas_call(
         kernel,
@@ -283,7 +300,8 @@ def _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables):
         raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
     check_pool(kv_pool, layer)
     num_q_heads, head_dim = q.shape[1:]
-    _, _, block_size, _, num_kv_heads, d = kv_pool.shape
+    _, _, _, _, num_kv_heads, d = kv_pool.shape
+    block_size = block_size_of(kv_pool)
     if d != head_dim:
         raise ValueError(f"head_dim of q ({head_dim}) != head_dim of the pool ({d})")
     if num_q_heads % num_kv_heads:
@@ -345,7 +363,7 @@ def _paged_attention(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, sca
                      batch_invariant):
     """:func:`paged_attention` after validation; ``layer`` an ``i32[]`` operand."""
     num_tokens, num_q_heads, head_dim = q.shape
-    _, _, block_size, _, num_kv_heads, _ = kv_pool.shape
+    num_kv_heads, block_size = kv_pool.shape[4], block_size_of(kv_pool)
     if scale is None:
         scale = head_dim**-0.5
     if config is None and batch_invariant:

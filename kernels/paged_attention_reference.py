@@ -24,6 +24,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxpaged.kernels.fp8 import dequantize, is_fp8
+from jaxpaged.kernels.kv_write import block_size_of
 from jaxpaged.kernels.matmul import dot_precision
 
 
@@ -60,13 +62,14 @@ def paged_attention_reference(
       q: ``[T, Hq, D]`` queries of the new tokens (``Hq`` a multiple of ``Hkv``; query head ``h``
         reads KV head ``h // (Hq // Hkv)``, Hugging Face's ``repeat_kv`` order).
       kv_pool: ``[L, num_blocks, block_size, 2, Hkv, D]``, layer ``layer`` already holding the new
-        tokens' K/V.
+        tokens' K/V (fp8: ``block_size + 1`` rows a block, the last the scales; ``kernels/fp8.py``).
       cu_q_lens, kv_lens, block_tables: see the module docstring.
       scale: softmax scale, default ``1/sqrt(D)``.
     Returns ``[T, Hq, D]`` in ``q.dtype``; scores, max and sum in fp32; padding tokens give zeros.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    _, _, block_size, _, num_kv_heads, _ = kv_pool.shape
+    num_kv_heads = kv_pool.shape[4]
+    block_size = block_size_of(kv_pool)
     group = num_q_heads // num_kv_heads
     if scale is None:
         scale = head_dim**-0.5
@@ -74,6 +77,9 @@ def paged_attention_reference(
     tables = block_tables[seq_ids]  # [T, W]
     width = tables.shape[1]
     rows = kv_pool[layer, tables]  # [T, W, bs, 2, Hkv, D]: a gather, never a copy of the layer
+    if is_fp8(kv_pool.dtype):  # row bs holds each slot's scales at [.., bs, kv, h, slot]: dequantise in fp32
+        scales = jnp.moveaxis(rows[:, :, block_size, :, :, :block_size], -1, 2)  # [T, W, bs, 2, Hkv]
+        rows = dequantize(rows[:, :, :block_size], scales)
     keys = rows[:, :, :, 0].reshape(num_tokens, width * block_size, num_kv_heads, head_dim)
     values = rows[:, :, :, 1].reshape(num_tokens, width * block_size, num_kv_heads, head_dim)
     key_pos = jnp.arange(width * block_size, dtype=jnp.int32)

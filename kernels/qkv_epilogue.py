@@ -33,6 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .fp8 import is_fp8, quantize, scale_rows
 from .kv_write import check_pool
 
 
@@ -55,7 +56,8 @@ def _kernel(layer_ref, parts_ref, bias_ref, qw_ref, kw_ref, cos_ref, sin_ref, sl
     layer = layer_ref[0]
     num_parts, num_tokens = parts_ref.shape[0], parts_ref.shape[1]
     head_dim = cos_ref.shape[1]
-    block_size = pool_ref.shape[2]
+    fp8 = is_fp8(pool_ref.dtype)
+    block_size = pool_ref.shape[2] - scale_rows(pool_ref.dtype)
     dtype = q_out_ref.dtype
     toks = pl.program_id(0) * block_tokens + lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)  # [B, 1]
     tok_ok = toks < num_tokens
@@ -110,8 +112,16 @@ def _kernel(layer_ref, parts_ref, bias_ref, qw_ref, kw_ref, cos_ref, sin_ref, sl
     kvh = jnp.maximum(kv_head, 0) + jnp.zeros_like(dims)
     v = load_head((num_q_heads + num_kv_heads) * head_dim + jnp.maximum(kv_head, 0) * head_dim, dims,
                   mask=(~is_q) & row_ok)
-    plgpu.store(pool_ref.at[layer, blk, off, 0, kvh, dims], out.astype(pool_ref.dtype), mask=write)
-    plgpu.store(pool_ref.at[layer, blk, off, 1, kvh, dims], v.astype(pool_ref.dtype), mask=write)
+    if not fp8:
+        plgpu.store(pool_ref.at[layer, blk, off, 0, kvh, dims], out.astype(pool_ref.dtype), mask=write)
+        plgpu.store(pool_ref.at[layer, blk, off, 1, kvh, dims], v.astype(pool_ref.dtype), mask=write)
+        return
+    # fp8: each token's K and V quantised with their own scales, stored in the block's scale row.
+    for kv, x in ((0, out), (1, v)):
+        values, scale = quantize(x, pool_ref.dtype)  # [B, D], [B]
+        plgpu.store(pool_ref.at[layer, blk, off, kv, kvh, dims], values, mask=write)
+        plgpu.store(pool_ref.at[layer, blk[:, 0], block_size, kv, kvh[:, 0], off[:, 0]],
+                    scale.astype(pool_ref.dtype), mask=write[:, 0])
 
 
 def qkv_epilogue(parts: jax.Array, bias: jax.Array | None, q_norm: jax.Array | None, k_norm: jax.Array | None,

@@ -318,5 +318,5 @@ def init_kv_pool(cfg: QwenConfig, num_blocks: int, block_size: int, dtype: str |
     select a separately compiled step."""
     from ..kernels.kv_write import pool_shape
 
-    shape = pool_shape(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    shape = pool_shape(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype)
     return jnp.zeros(shape, dtype, device=device or jax.local_devices()[0])

@@ -188,7 +188,7 @@ def init_sharded_kv_pool(shard_cfg: QwenConfig, mesh: Mesh, num_blocks: int, blo
 
     tp = mesh.shape[TP_AXIS]
     shape = pool_shape(shard_cfg.num_hidden_layers, num_blocks, block_size, tp * shard_cfg.num_key_value_heads,
-                       shard_cfg.head_dim)
+                       shard_cfg.head_dim, dtype)
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, POOL_SPEC))()
 
 

@@ -33,6 +33,7 @@ from ..io.output_processor import OutputProcessor, RequestState, make_detokenize
 from ..io.outputs import RequestOutput
 from ..io.prompts import broadcast_sampling_params, parse_prompt, parse_prompts
 from ..kv import KVCacheManager, PrefixDivergence, explain_prefix
+from ..kernels.fp8 import is_fp8, scale_rows
 from ..kv.pool_size import check_pool, size_pool
 from ..models.checkpoint import ModelParams
 from ..models.ops import resolve_backend
@@ -76,6 +77,20 @@ class InFlight:
     prompt_rows: list  # (row, sequence, position) of prompt logprobs
 
 
+def check_fp8_support(name: str, block_size: int, head_dim: int) -> None:
+    """Raises a ValueError naming ``kv_cache_dtype`` if this device or pool geometry cannot hold an fp8
+    KV cache: a GPU needs fp8 conversions (compute capability 8.9: Ada, Hopper and later), and a
+    block's scales fit one row of ``head_dim`` entries (``block_size <= head_dim``)."""
+    device = jax.local_devices()[0]
+    cc = getattr(device, "compute_capability", None)
+    if device.platform == "gpu" and cc is not None and tuple(map(int, str(cc).split(".")[:2])) < (8, 9):
+        raise ValueError(f"kv_cache_dtype={name!r} needs a GPU with fp8 support (compute capability >= 8.9); "
+                         f"{device.device_kind} has {cc}")
+    if block_size > head_dim:
+        raise ValueError(f"kv_cache_dtype={name!r} keeps a block's scales in one row of head_dim={head_dim} "
+                         f"entries: block_size must be <= {head_dim}, got {block_size}")
+
+
 class LLMEngine:
     """Continuous-batching engine over one model and one paged KV pool."""
 
@@ -90,15 +105,19 @@ class LLMEngine:
                              f"were loaded for {params_tp(params)} device(s): load them with "
                              f"load_params(path, tensor_parallel_size={config.tensor_parallel_size})")
         self.kv_dtype = config.resolved_kv_cache_dtype(params.dtype)
+        if is_fp8(self.kv_dtype):
+            check_fp8_support(config.kv_cache_dtype, config.block_size, cfg.head_dim)
         self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)
         self.num_blocks = size_pool(params, config, self.max_model_len, self.kv_dtype)
         if config.max_model_len is None and self.num_blocks * config.block_size < self.max_model_len:
             # The default max_model_len does not fit the pool (a small CPU host): use what fits.
             self.max_model_len = self.num_blocks * config.block_size
         check_pool(self.num_blocks, config.block_size, self.max_model_len)
-        # Over all devices (KV heads replicated when tp > num_key_value_heads count each time).
+        # Over all devices (KV heads replicated when tp > num_key_value_heads count each time); an fp8
+        # pool's scale row a block included (its share per token slot).
         self.bytes_per_token = params_tp(params) * kv_bytes_per_token_per_device(
-            params, jnp.dtype(self.kv_dtype).itemsize)
+            params, jnp.dtype(self.kv_dtype).itemsize) * (config.block_size + scale_rows(self.kv_dtype)) \
+            // config.block_size
         prefix_caching = config.enable_prefix_caching and config.reservation == "paged"
         self.kv = KVCacheManager(self.num_blocks, config.block_size, enable_prefix_caching=prefix_caching,
                                  reservation=config.reservation, max_model_len=self.max_model_len,

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from ..config import EngineConfig
 from ..models.checkpoint import ModelParams
+from ..kernels.fp8 import scale_rows
 from ..models.sharding import kv_bytes_per_token_per_device
 
 
@@ -53,7 +54,7 @@ def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dty
     on a CPU ``CPU_POOL_FRACTION`` of the available host memory, at most ``CPU_POOL_CAP_BYTES``
     and at most what ``min(max_num_seqs, 16)`` full-length sequences need."""
     bs = config.block_size
-    block_bytes = kv_bytes_per_token_per_device(params, jnp.dtype(dtype).itemsize) * bs
+    block_bytes = kv_bytes_per_token_per_device(params, jnp.dtype(dtype).itemsize) * (bs + scale_rows(dtype))
     if config.num_blocks is not None:
         return config.num_blocks
     devices = [jax.devices()[0]] if params.mesh is None else \

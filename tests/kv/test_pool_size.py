@@ -40,3 +40,16 @@ def test_gpu_pool_takes_free_memory_up_to_what_its_sequences_can_use(monkeypatch
     if capped:  # the tiny model: 8,192 blocks instead of millions
         assert blocks == 4 * 256 * 8 and by_memory > 1_000_000
     assert pool_size.size_pool(params, EngineConfig(num_blocks=7), max_len, "bfloat16") == 7  # as given
+
+
+def test_an_fp8_pool_holds_about_twice_the_blocks_in_the_same_memory(monkeypatch):
+    """Qwen3-0.6B on 100 GiB free: an fp8 pool (one byte an element plus a scale row a block of 16) gets
+    2 * 16/17 times the blocks of a bf16 pool."""
+    monkeypatch.setattr(pool_size, "free_device_memory", lambda d: 100 << 30)
+    params = types.SimpleNamespace(config=QWEN3_06B, mesh=None)
+    config = EngineConfig(max_model_len=4096, kv_cache_dtype="fp8")
+    bf16 = pool_size.size_pool(params, config, 4096, "bfloat16")
+    fp8 = pool_size.size_pool(params, config, 4096, config.resolved_kv_cache_dtype("bfloat16"))
+    assert config.resolved_kv_cache_dtype("bfloat16") == "float8_e4m3fn"
+    assert fp8 == int((100 << 30) * 0.9 // (QWEN3_06B.kv_bytes_per_token(1) * 17))
+    assert abs(fp8 / bf16 - 2 * 16 / 17) < 1e-4

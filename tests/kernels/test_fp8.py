@@ -1,0 +1,161 @@
+"""The fp8 KV cache: the number format (kernels/fp8.py), the K/V writes (XLA scatter and the fused qkv
+epilogue), and the Pallas attention kernel (interpret mode) against the jnp reference, which
+dequantises in fp32. Pools are NaN-poisoned wherever nothing was written, scale rows included."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from jaxpaged.kernels.fp8 import dequantize, exponent_range, quantize, scale_rows
+from jaxpaged.kernels.kv_write import block_size_of, pool_shape, write_kv
+from jaxpaged.kernels.paged_attention import choose_config, invariant_config, paged_attention
+from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
+from jaxpaged.kernels.qkv_epilogue import qkv_epilogue
+from jaxpaged.models.qwen import rope_cos_sin
+from test_decode_kernels import rand, xla_epilogue
+from test_reference import random_batch
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+MANTISSA_BITS = {E4M3: 3, E5M2: 2}
+
+
+@settings(max_examples=40, deadline=None)
+@given(log_magnitude=st.floats(-12, 14), seed=st.integers(0, 2**16), fp8=st.sampled_from([E4M3, E5M2]))
+def test_quantize_error_is_bounded_and_scales_are_powers_of_two(log_magnitude, seed, fp8):
+    """Each element within half an fp8 ulp of itself (relative to the row's scale for subnormals); the
+    scale a power of two the fp8 format stores exactly; never inf or NaN."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((6, 64)) * 2.0 ** log_magnitude).astype(np.float32)
+    x[0] = 0
+    q, scale = quantize(jnp.asarray(x), fp8)
+    scale = np.asarray(scale)
+    assert q.dtype == fp8 and np.all(np.isfinite(np.asarray(q, np.float32)))
+    assert np.all(np.exp2(np.round(np.log2(scale))) == scale)
+    assert np.all(np.asarray(jnp.asarray(scale).astype(fp8).astype(jnp.float32)) == scale)
+    lo, hi = exponent_range(fp8)
+    fmax = float(jnp.finfo(fp8).max)
+    back = np.asarray(dequantize(q, jnp.asarray(scale)))
+    in_range = np.abs(x).max(axis=1) <= fmax * 2.0 ** hi
+    ulp_rel = 2.0 ** -(MANTISSA_BITS[fp8] + 1)
+    tiny = scale[:, None] * 2.0 ** (lo - 1)  # half the smallest subnormal step, in the row's scale
+    err = np.abs(back - x)
+    assert np.all((err <= ulp_rel * np.abs(x) + tiny)[in_range])
+    assert np.all(back[0] == 0)
+
+
+def test_quantize_clips_beyond_the_largest_scale():
+    x = jnp.asarray([[1e9, -1e9, 1.0, 0.0]], jnp.float32)
+    q, scale = quantize(x, E4M3)
+    back = np.asarray(dequantize(q, scale))
+    assert np.all(np.isfinite(back)) and back[0, 0] == 448 * 2.0 ** 8 and back[0, 1] == -back[0, 0]
+
+
+def fp8_pool(k, v, fp8, layers=3, layer=1):
+    """A pool ``[layers, N, bs + 1, 2, Hkv, D]`` in ``fp8`` whose layer ``layer`` holds ``k, v [N, bs, Hkv, D]``
+    quantised per slot and head, the others NaN; NaN slots (never written) get NaN scales."""
+    rows = jnp.stack([jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32)], axis=2)  # [N, bs, 2, Hkv, D]
+    values, scales = quantize(rows, fp8)
+    scales = jnp.where(jnp.isnan(rows).any(-1), jnp.nan, scales)  # [N, bs, 2, Hkv]
+    n, bs, _, hkv, d = rows.shape
+    srow = jnp.full((n, 2, hkv, d), jnp.nan).at[..., :bs].set(jnp.moveaxis(scales, 1, -1))
+    one = jnp.concatenate([values, srow[:, None].astype(fp8)], axis=1)  # [N, bs + 1, 2, Hkv, D]
+    pool = jnp.full((layers,) + one.shape, jnp.nan, fp8).at[layer].set(one)
+    assert pool.shape == pool_shape(layers, n, bs, hkv, d, fp8) and block_size_of(pool) == bs
+    return pool
+
+
+def run_case(seed, q_lens, kv_lens, bs, hq, hkv, d, fp8=E4M3, config=None, dtype=jnp.bfloat16):
+    rng = np.random.default_rng(seed)
+    q, k, v, cu, kl, tables = random_batch(rng, q_lens, kv_lens, bs, hq, hkv, d)
+    args = (jnp.asarray(q, dtype), fp8_pool(k * 3, v, fp8), 1, jnp.asarray(cu), jnp.asarray(kl), jnp.asarray(tables))
+    out = np.asarray(paged_attention(*args, interpret=True, config=config), np.float32)
+    ref = np.asarray(paged_attention_reference(*args), np.float32)
+    assert np.all(np.isfinite(out)), "NaN or inf in the output (a stale slot or scale read?)"
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2)
+    assert np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30) < 1e-2
+    assert np.all(out[cu[-1]:] == 0)
+    # and the fp8 cache is close to attention over the unquantised K/V (the format's own error)
+    exact = np.asarray(paged_attention_reference(jnp.asarray(q, jnp.float32), fp32_pool(k * 3, v), 0,
+                                                 *args[3:]), np.float32)
+    assert np.linalg.norm(out - exact) / max(np.linalg.norm(exact), 1e-30) < (0.06 if fp8 == E4M3 else 0.12)
+
+
+def fp32_pool(k, v):
+    return jnp.stack([jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32)], axis=2)[None]
+
+
+# Ragged batches (decode, prefill, prefix hits, an empty sequence), lengths 1, bs-1, bs, bs+1 and long.
+CASES = [
+    ([1, 1, 12, 1, 0, 1], [1, 15, 28, 17, 4, 200], 16, 16, 8, 128, E4M3),
+    ([5, 1, 1, 33], [12, 7, 9, 33], 8, 8, 1, 64, E4M3),  # MQA
+    ([1, 1, 1, 40], [1, 31, 33, 300], 32, 4, 2, 64, E5M2),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_attention_over_an_fp8_pool_matches_the_reference(case):
+    run_case(300 + case, *CASES[case])
+
+
+def test_attention_over_an_fp8_pool_every_configuration():
+    q_lens, kv_lens, bs, hq, hkv, d = [1] * 6, [1, 15, 16, 17, 115, 320], 16, 16, 8, 64
+    decode = choose_config(6, 6, hq, hkv, bs, 320)
+    assert decode.num_splits > 1
+    run_case(401, q_lens, kv_lens, bs, hq, hkv, d, config=decode)
+    run_case(402, [70, 33], [70, 70], bs, hq, hkv, d, config=choose_config(103, 2, hq, hkv, bs, 80, decode=False))
+    run_case(403, [1, 19, 1, 6], [1, 40, 16, 17], bs, hq, hkv, d, config=invariant_config(hq, hkv, bs))
+    run_case(404, [2, 1, 17], [2, 100, 30], bs, hq, hkv, d, dtype=jnp.float32)
+
+
+def test_write_kv_quantises_each_token_into_the_scale_row():
+    rng = np.random.default_rng(3)
+    layers, n, bs, hkv, d, t = 2, 5, 8, 2, 32, 9
+    pool = jnp.zeros(pool_shape(layers, n, bs, hkv, d, E4M3), E4M3)
+    k, v = rand(rng, (t, hkv, d), jnp.bfloat16, 4.0), rand(rng, (t, hkv, d), jnp.bfloat16, 0.01)
+    slots = jnp.asarray(rng.permutation(n * bs)[:t], jnp.int32).at[2].set(-1)
+    new = write_kv(pool, 1, k, v, slots)
+    assert new.shape == pool.shape and new.dtype == E4M3 and scale_rows(new.dtype) == 1
+    for i, s in enumerate(np.asarray(slots)):
+        if s < 0:
+            continue
+        blk, off = s // bs, s % bs
+        for kv, x in ((0, k[i]), (1, v[i])):
+            want_q, want_s = quantize(x, E4M3)
+            np.testing.assert_array_equal(np.asarray(new[1, blk, off, kv], np.float32), np.asarray(want_q, np.float32))
+            np.testing.assert_array_equal(np.asarray(new[1, blk, bs, kv, :, off], np.float32), np.asarray(want_s))
+    written = np.zeros((layers, n, bs + 1), bool)
+    for s in np.asarray(slots):
+        if s >= 0:
+            written[1, s // bs, [s % bs, bs]] = True
+    changed = np.any(np.asarray(new, np.float32) != 0, axis=(3, 4, 5))
+    assert not np.any(changed & ~written)
+    with pytest.raises(ValueError, match="block_size must be <= 32"):
+        pool_shape(1, 4, 64, 2, 32, E4M3)
+
+
+@pytest.mark.parametrize("family,t", [("qwen3", 5), ("qwen2", 11)])
+def test_fused_qkv_epilogue_writes_what_write_kv_writes(family, t):
+    """The GPU's fused qkv epilogue (interpret mode) quantises exactly as the XLA path: pools bitwise equal."""
+    rng = np.random.default_rng(9 + t)
+    hq, hkv, d, layers, blocks, bs = 6, 2, 32, 2, 6, 8
+    width = (hq + 2 * hkv) * d
+    qkv = rand(rng, (t, width), jnp.bfloat16, 3.0)
+    bias = rand(rng, (width,), jnp.bfloat16, 0.5) if family == "qwen2" else None
+    qn, kn = (rand(rng, (d,), jnp.bfloat16, 0.3) + 1, rand(rng, (d,), jnp.bfloat16, 0.3) + 1) \
+        if family == "qwen3" else (None, None)
+    positions = jnp.asarray(rng.integers(0, 5000, t), jnp.int32)
+    slots = jnp.asarray(rng.permutation(blocks * bs)[:t], jnp.int32).at[1].set(-1)
+    pool = jnp.full(pool_shape(layers, blocks, bs, hkv, d, E4M3), jnp.nan, E4M3)
+    want_q, want_pool = xla_epilogue(qkv, bias, qn, kn, positions, pool, 1, slots, hq, hkv, d, 1e-6, 1e6)
+    cos, sin = rope_cos_sin(positions, d, 1e6, jnp.bfloat16)
+    q, got_pool = qkv_epilogue(qkv[None], bias, qn, kn, cos, sin, pool, 1, slots, eps=1e-6, dtype=jnp.bfloat16,
+                               interpret=True)
+    np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(want_q, np.float32))
+    got, want = np.asarray(got_pool, np.float32), np.asarray(want_pool, np.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.nan_to_num(got), np.nan_to_num(want))
+    assert not np.all(np.isnan(got[1]))
