@@ -90,7 +90,8 @@ def run_ours(params, prompts, sps, args):
                           max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.backend,
                           memory_fraction=0.9, async_scheduling=args.async_scheduling,
-                          batch_invariant=getattr(args, "batch_invariant", False))
+                          batch_invariant=getattr(args, "batch_invariant", False),
+                          kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     engine = LLMEngine(params, config)
     compile_s = engine.warmup(use_tqdm=False)
     run_to_completion(engine, [prompts[0][:16]], SamplingParams(max_tokens=4))  # one tiny real request
@@ -309,6 +310,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sync-scheduling", dest="async_scheduling", action="store_false",
                     help="read each step's tokens back before dispatching the next (default: async)")
     ap.add_argument("--batch-invariant", action="store_true", help="EngineConfig(batch_invariant=True)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig(kv_cache_dtype=...): auto, fp8, ...")
     ap.add_argument("--compare-async", action="store_true", help="also run the full workload the other way")
     ap.add_argument("--trace-steps", default=None,
                     help="a:b[,c:d...]: after the untraced run, run the workload again tracing engine steps [a, b) "

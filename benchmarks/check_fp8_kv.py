@@ -1,0 +1,186 @@
+"""The fp8 KV cache against bf16: the compiled kernels' agreement with the jnp reference, decode attention
+time and bandwidth, and how far the model's logits move.
+
+  kernels   the Pallas attention kernel over an fp8 pool vs the reference (fp32 dequantisation), and the
+            fused qkv epilogue's fp8 writes vs the XLA path's (must be bitwise equal), compiled
+  attention decode attention, batch 256 x context 1,024 (one layer of Qwen3-0.6B's heads): bf16 vs fp8
+            pool, microseconds and bytes read per second against the HBM ceiling given by --hbm-tbps
+  logits    a model's logits for every position of ``--prompts`` random prompts of ``--prompt-len`` tokens,
+            computed over an fp8 pool and over a bf16 pool (the K/V of each chunk written, then read):
+            max and mean absolute difference, top-1 agreement. Random weights are not a trained model:
+            its activations, and so what fp8 rounding does to them, differ from a real checkpoint's.
+
+    python benchmarks/check_fp8_kv.py --out $OUT                  # GPU, Qwen3-0.6B shapes
+    python benchmarks/check_fp8_kv.py --tiny --out /tmp/x         # CPU: tiny checkpoints, interpret mode
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxpaged.engine.step_inputs import build_chunk_step  # noqa: E402
+from jaxpaged.kernels.fp8 import FP8_DTYPES, quantize  # noqa: E402
+from jaxpaged.kernels.kv_write import pool_shape, write_kv  # noqa: E402
+from jaxpaged.kernels.paged_attention import paged_attention  # noqa: E402
+from jaxpaged.kernels.paged_attention_reference import paged_attention_reference  # noqa: E402
+from jaxpaged.models.ops import get_attention_fn, get_model_ops  # noqa: E402
+from jaxpaged.models.paged_forward import forward_all_logits  # noqa: E402
+from jaxpaged.models.qwen import init_kv_pool  # noqa: E402
+
+SECTIONS = ("kernels", "attention", "logits")
+
+
+def interpret() -> bool:
+    return jax.default_backend() != "gpu"
+
+
+def random_fp8_case(rng, num_seqs, ctx, bs, hq, hkv, d, fp8):
+    """A decode batch over a pool filled through ``write_kv`` (the engine's write): ``(args_fp8, args_bf16)``."""
+    blocks_per_seq = -(-ctx // bs)
+    num_blocks = num_seqs * blocks_per_seq + 3
+    tables = rng.permutation(num_blocks)[: num_seqs * blocks_per_seq].reshape(num_seqs, blocks_per_seq).astype(np.int32)
+    slots = (tables[:, :, None] * bs + np.arange(bs)).reshape(num_seqs, -1)[:, :ctx].reshape(-1).astype(np.int32)
+    k = jnp.asarray(rng.standard_normal((slots.size, hkv, d)) * 2, jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((slots.size, hkv, d)), jnp.bfloat16)
+    pools = {}
+    for dtype in (fp8, jnp.bfloat16):
+        pool = jnp.zeros(pool_shape(1, num_blocks, bs, hkv, d, dtype), dtype)
+        pools[dtype] = jax.jit(write_kv, static_argnums=1)(pool, 0, k, v, jnp.asarray(slots))
+    q = jnp.asarray(rng.standard_normal((num_seqs, hq, d)), jnp.bfloat16)
+    meta = (jnp.arange(num_seqs + 1, dtype=jnp.int32), jnp.full(num_seqs, ctx, jnp.int32), jnp.asarray(tables))
+    return (q, pools[fp8], 0, *meta), (q, pools[jnp.bfloat16], 0, *meta)
+
+
+def check_kernels(fp8) -> dict:
+    rng = np.random.default_rng(0)
+    out = {}
+    for name, (s, ctx) in {"decode": (64, 300), "long": (8, 1500)}.items():
+        args, _ = random_fp8_case(rng, s, ctx, 16, 16, 8, 128, fp8)
+        got = np.asarray(paged_attention(*args, interpret=interpret()), np.float32)
+        with jax.default_matmul_precision("highest"):
+            ref = np.asarray(paged_attention_reference(*args), np.float32)
+        out[f"attention_{name}_rel_err"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+        out[f"attention_{name}_finite"] = bool(np.all(np.isfinite(got)))
+    from jaxpaged.kernels.qkv_epilogue import qkv_epilogue
+    from jaxpaged.models.qwen import ModelOps, qkv_epilogue_ops, rope_cos_sin, rotary
+    import functools
+
+    t, hq, hkv, d, bs = 37, 16, 8, 128, 16
+    qkv = jnp.asarray(rng.standard_normal((t, (hq + 2 * hkv) * d)) * 3, jnp.bfloat16)
+    qn = kn = jnp.ones((d,), jnp.bfloat16)
+    positions = jnp.asarray(rng.integers(0, 4000, t), jnp.int32)
+    slots = jnp.asarray(rng.permutation(8 * bs)[:t], jnp.int32)
+    pool = jnp.zeros(pool_shape(2, 8, bs, hkv, d, fp8), fp8)
+    ops = ModelOps(rotary=functools.partial(rotary, separate_products=True))
+    _, want = qkv_epilogue_ops(qkv, None, qn, kn, positions, pool, 1, slots, eps=1e-6, theta=1e6, ops=ops,
+                               write_kv_fn=write_kv)
+    cos, sin = rope_cos_sin(positions, d, 1e6, jnp.bfloat16)
+    _, got = qkv_epilogue(qkv[None], None, qn, kn, cos, sin, pool, 1, slots, eps=1e-6, dtype=jnp.bfloat16,
+                          interpret=interpret())
+    out["qkv_epilogue_bitwise_equal"] = bool(np.array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32)))
+    return out
+
+
+def check_attention(fp8, hbm_tbps: float, tiny: bool) -> dict:
+    from bench_attention import chain_time
+
+    rng = np.random.default_rng(1)
+    s, ctx = (8, 64) if tiny else (256, 1024)
+    res = {}
+    for name, args in zip(("fp8", "bf16"), random_fp8_case(rng, s, ctx, 16, 16, 8, 128, fp8)):
+        q, pool, layer, cu, kl, tables = args
+        call = lambda qq, p, tb: paged_attention(qq, p, 0, cu, kl, tb, interpret=interpret())  # noqa: E731
+        _, t = chain_time(call, q, pool, [tables], reps=5 if tiny else 50, chain=1 if tiny else 8)
+        kv_bytes = s * ctx * 2 * 8 * 128 * jnp.dtype(pool.dtype).itemsize * (17 / 16 if name == "fp8" else 1)
+        res[name] = dict(us=t * 1e6, kv_bytes=kv_bytes, tbps=kv_bytes / t / 1e12, of_ceiling=kv_bytes / t / 1e12 / hbm_tbps)
+    res["fp8_over_bf16_time"] = res["fp8"]["us"] / res["bf16"]["us"]
+    return res
+
+
+def check_logits(fp8, tiny: bool, prompts: int, prompt_len: int) -> dict:
+    from jaxpaged.models.checkpoint import load_params
+    from jaxpaged.models.tiny import tiny_checkpoint_path
+    from jaxpaged.workloads import QWEN2_5_7B, QWEN3_0_6B, random_model
+
+    models = {"tiny-qwen2": None, "tiny-qwen3": None} if tiny else {"qwen3-0.6b": QWEN3_0_6B, "qwen2.5-7b": QWEN2_5_7B}
+    backend = "pallas" if not interpret() else "reference"
+    out = {}
+    for name, raw in models.items():
+        params = (load_params(tiny_checkpoint_path(name.split("-")[1]), "bfloat16", use_cache=False) if raw is None
+                  else random_model(raw))
+        cfg = params.config
+        attn, ops = get_attention_fn(backend), get_model_ops(False)
+        rng = np.random.default_rng(2)
+        bs, chunk = 16, 256 if not tiny else 32
+        stats = dict(max_abs=0.0, sum_abs=0.0, count=0, agree=0, positions=0)
+        for _ in range(prompts):
+            seq = [int(t) for t in rng.integers(1, cfg.vocab_size, prompt_len)]
+            table = list(range(-(-prompt_len // bs)))
+            logits = {}
+            for dtype in (fp8, jnp.bfloat16):
+                pool = init_kv_pool(cfg, len(table) + 1, bs, dtype)
+                rows = []
+                for start in range(0, prompt_len, chunk):
+                    piece = seq[start:start + chunk]
+                    inp = build_chunk_step([(piece, start, table)], bs, width=len(table))
+                    lg, pool = forward_all_logits(params.graphdef, params.state, pool, inp.token_ids, inp.positions,
+                                                  inp.meta, attn, write_kv, ops)
+                    rows.append(lg[: len(piece)])
+                logits[dtype] = jnp.concatenate(rows)
+            a, b = logits[fp8], logits[jnp.bfloat16]
+            diff = jnp.abs(a - b)
+            stats["max_abs"] = max(stats["max_abs"], float(diff.max()))
+            stats["sum_abs"] += float(diff.mean()) * prompt_len
+            stats["count"] += prompt_len
+            stats["agree"] += int(jnp.sum(jnp.argmax(a, -1) == jnp.argmax(b, -1)))
+            stats["positions"] += prompt_len
+            stats["logit_std"] = float(jnp.std(b))
+        out[name] = dict(max_abs_diff=stats["max_abs"], mean_abs_diff=stats["sum_abs"] / stats["count"],
+                         top1_agreement=stats["agree"] / stats["positions"], positions=stats["positions"],
+                         bf16_logit_std=stats["logit_std"])
+        del params
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tiny", action="store_true", help="CPU mode: tiny checkpoints, small shapes, interpret mode")
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    ap.add_argument("--kv-cache-dtype", default="fp8", choices=sorted(FP8_DTYPES))
+    ap.add_argument("--hbm-tbps", type=float, default=4.8, help="the HBM ceiling to report against (H200: 4.8)")
+    ap.add_argument("--prompts", type=int, default=None, help="logits: prompts (5; tiny 2)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="logits: tokens each (2048; tiny 64)")
+    args = ap.parse_args(argv)
+    fp8 = jnp.dtype(FP8_DTYPES[args.kv_cache_dtype])
+    report = {"kv_cache_dtype": args.kv_cache_dtype, "device": jax.devices()[0].device_kind}
+    t0 = time.perf_counter()
+    if "kernels" in args.sections:
+        report["kernels"] = check_kernels(fp8)
+        print("kernels", report["kernels"], flush=True)
+    if "attention" in args.sections:
+        report["attention"] = check_attention(fp8, args.hbm_tbps, args.tiny)
+        print("attention", report["attention"], flush=True)
+    if "logits" in args.sections:
+        report["logits"] = check_logits(fp8, args.tiny, args.prompts or (2 if args.tiny else 5),
+                                        args.prompt_len or (64 if args.tiny else 2048))
+        print("logits", report["logits"], flush=True)
+    report["seconds"] = time.perf_counter() - t0
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "check_fp8_kv.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
