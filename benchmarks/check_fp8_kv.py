@@ -107,12 +107,13 @@ def check_attention(fp8, hbm_tbps: float, tiny: bool) -> dict:
     return res
 
 
-def check_logits(fp8, tiny: bool, prompts: int, prompt_len: int) -> dict:
+def check_logits(fp8, tiny: bool, prompts: int, prompt_len: int, only: list[str] | None = None) -> dict:
     from jaxpaged.models.checkpoint import load_params
     from jaxpaged.models.tiny import tiny_checkpoint_path
     from jaxpaged.workloads import QWEN2_5_7B, QWEN3_0_6B, random_model
 
     models = {"tiny-qwen2": None, "tiny-qwen3": None} if tiny else {"qwen3-0.6b": QWEN3_0_6B, "qwen2.5-7b": QWEN2_5_7B}
+    models = {k: v for k, v in models.items() if not only or k in only}
     backend = "pallas" if not interpret() else "reference"
     out = {}
     for name, raw in models.items():
@@ -161,6 +162,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--hbm-tbps", type=float, default=4.8, help="the HBM ceiling to report against (H200: 4.8)")
     ap.add_argument("--prompts", type=int, default=None, help="logits: prompts (5; tiny 2)")
     ap.add_argument("--prompt-len", type=int, default=None, help="logits: tokens each (2048; tiny 64)")
+    ap.add_argument("--models", nargs="*", default=None, help="logits: only these (qwen3-0.6b qwen2.5-7b)")
     args = ap.parse_args(argv)
     fp8 = jnp.dtype(FP8_DTYPES[args.kv_cache_dtype])
     report = {"kv_cache_dtype": args.kv_cache_dtype, "device": jax.devices()[0].device_kind}
@@ -173,7 +175,7 @@ def main(argv=None) -> dict:
         print("attention", report["attention"], flush=True)
     if "logits" in args.sections:
         report["logits"] = check_logits(fp8, args.tiny, args.prompts or (2 if args.tiny else 5),
-                                        args.prompt_len or (64 if args.tiny else 2048))
+                                        args.prompt_len or (64 if args.tiny else 2048), args.models)
         print("logits", report["logits"], flush=True)
     report["seconds"] = time.perf_counter() - t0
     os.makedirs(args.out, exist_ok=True)

@@ -156,19 +156,24 @@ def _ragged_attention_kernel(
         phys = tables_ref[seq_c, blk]  # [block_k] physical block ids
         off = pos % block_size
         kv_ok = (pos < kv_end)[:, None] if masked else None
-        if masked and mask_loads:  # the tail past kv_end is never read; it loads as zeros
+        if masked and mask_loads and fp8:  # (Triton has no fp8 fill value: masked lanes zeroed after the cast)
+            k = plgpu.load(kv_ref.at[layer, phys[:, None], off[:, None], 0, h, dims], mask=kv_ok)
+            v = plgpu.load(kv_ref.at[layer, phys[:, None], off[:, None], 1, h, dims], mask=kv_ok)
+        elif masked and mask_loads:  # the tail past kv_end is never read; it loads as zeros
             k = plgpu.load(kv_ref.at[layer, phys[:, None], off[:, None], 0, h, dims], mask=kv_ok, other=0)
             v = plgpu.load(kv_ref.at[layer, phys[:, None], off[:, None], 1, h, dims], mask=kv_ok, other=0)
         else:
             k = kv_ref[layer, phys[:, None], off[:, None], 0, h, dims]  # [block_k, D]
             v = kv_ref[layer, phys[:, None], off[:, None], 1, h, dims]
-            if masked:  # (mask_loads=False, benchmarks only: the whole tile read, its tail zeroed)
+            if masked and not fp8:  # (mask_loads=False, benchmarks only: the whole tile read, its tail zeroed)
                 k = jnp.where(kv_ok, k, jnp.zeros_like(k))
                 v = jnp.where(kv_ok, v, jnp.zeros_like(v))
         if fp8:  # fp8 -> the query's dtype (exact); the scales go on the scores' and probabilities' columns
             k_scale, v_scale = (_load_scales(kv_ref, layer, phys, block_size, i, h, off, pos < kv_end if masked else None)
                                 for i in (0, 1))
             k, v = k.astype(q.dtype), v.astype(q.dtype)
+            if masked:
+                k, v = jnp.where(kv_ok, k, jnp.zeros_like(k)), jnp.where(kv_ok, v, jnp.zeros_like(v))
             s = _dot(q, k, 1, precision) * (scale_log2 * k_scale)[None, :]
         else:
             s = _dot(q, k, 1, precision) * scale_log2  # [block_m, block_k] f32
@@ -207,7 +212,8 @@ def _load_scales(kv_ref, layer, phys, block_size: int, kv: int, h, off, ok):
     ``off``) from an fp8 pool's scale rows; slots past the sequence (``ok`` False) read as 0."""
     if ok is None:
         return kv_ref[layer, phys, block_size, kv, h, off].astype(jnp.float32)
-    return plgpu.load(kv_ref.at[layer, phys, block_size, kv, h, off], mask=ok, other=0).astype(jnp.float32)
+    scales = plgpu.load(kv_ref.at[layer, phys, block_size, kv, h, off], mask=ok).astype(jnp.float32)
+    return jnp.where(ok, scales, 0.0)  # (no fp8 fill value in Triton: masked lanes zeroed after the cast)
 
 
 def _ragged_attention_call(q, kv_pool, layer: jax.Array, cu_q_lens, kv_lens, block_tables, *, scale: float,
