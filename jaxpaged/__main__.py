@@ -1,4 +1,4 @@
-"""Command line: python -m jaxpaged demo | generate --model PATH --prompt ... | bench.
+"""Command line: python -m jaxpaged demo | generate --model PATH --prompt ... | bench | serve MODEL.
 
 ``demo`` needs nothing: it runs the packaged tiny random Qwen3 checkpoint (so the text is gibberish,
 but every mechanism is real), sends requests that share a system prompt, and prints the generated
@@ -115,6 +115,24 @@ def bench(args: argparse.Namespace) -> None:
           f"device wait {s['device_wait_seconds']:.2f} s, peak KV {(s['peak_kv_bytes_in_use'] or 0) / 2**30:.2f} GiB")
 
 
+def serve_cmd(args: argparse.Namespace) -> None:
+    """The OpenAI-compatible server (``jaxpaged/serve``): loads and warms up the model, then listens."""
+    import os
+
+    try:
+        from .serve.api_server import serve
+    except ImportError as err:
+        raise SystemExit(f"serve needs the server's dependencies: pip install 'jaxpaged[serve]' ({err})")
+    model = str(tiny_checkpoint_path("qwen3")) if args.model == "tiny" else args.model
+    config = dict(block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, memory_fraction=args.gpu_memory_utilization,
+                  enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+                  tensor_parallel_size=args.tensor_parallel_size, attention_backend=args.attention_backend,
+                  num_blocks=args.num_blocks, seed=args.seed)
+    llm = LLM(model, dtype=args.dtype, **config)
+    serve(llm, args.host, args.port, args.served_model_name, args.api_key or os.environ.get("JAXPAGED_API_KEY"))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m jaxpaged", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -143,8 +161,28 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--max-num-seqs", type=int, default=None, help="default 256; 16 with --model tiny")
     b.add_argument("--max-num-batched-tokens", type=int, default=None, help="default 8192; 512 with --model tiny")
     b.add_argument("--attention-backend", default="auto")
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install 'jaxpaged[serve]')")
+    s.add_argument("model", help="checkpoint folder or Hub id in the local cache ('tiny': the packaged model)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' (or $JAXPAGED_API_KEY)")
+    s.add_argument("--served-model-name", default=None, help="the name clients use (default: the model argument)")
+    s.add_argument("--dtype", default="bfloat16")
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    s.add_argument("--num-blocks", type=int, default=None)
+    s.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.memory_fraction)
+    s.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    s.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
+    s.add_argument("--kv-cache-dtype", default="auto")
+    s.add_argument("--tensor-parallel-size", type=int, default=1)
+    s.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    s.add_argument("--attention-backend", default="auto")
+    s.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    {"demo": demo, "generate": generate_cmd, "bench": bench}[args.cmd](args)
+    if args.cmd == "serve" and args.served_model_name is None:
+        args.served_model_name = args.model
+    {"demo": demo, "generate": generate_cmd, "bench": bench, "serve": serve_cmd}[args.cmd](args)
 
 
 if __name__ == "__main__":

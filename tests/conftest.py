@@ -85,9 +85,9 @@ def pytest_terminal_summary(terminalreporter, config):
 
 # Modules marked slow as a whole (``./dev.sh test -m "not slow"`` is the quick edit-test loop): the
 # interpret-mode batch-invariance engine runs, multi-device and multi-process runs, the compilation
-# cache's processes, and end-to-end runs of the CLI, README, benchmarks, experiments and notebooks.
+# cache's processes, and end-to-end runs of the CLI, the server, README, benchmarks, experiments and notebooks.
 SLOW_MODULES = {"test_batch_invariance.py", "test_tensor_parallel.py", "test_compilation_cache.py",
-                "test_readme.py", "test_cli.py", "test_warmup.py"}
+                "test_readme.py", "test_cli.py", "test_warmup.py", "test_api_server.py"}
 
 
 def pytest_collection_modifyitems(config, items):
