@@ -21,7 +21,7 @@ SKIP = ["batched, cache off", "batched, cache cold", "batched, cache warm", "rev
 def test_check_invariance_tiny(tmp_path):
     # (the throughput section is bench_throughput's own run, tested in test_bench_tools.py; the hf section's
     # comparison with transformers is tests/models/test_model_vs_hf.py's)
-    report = check_invariance.main(["--tiny", "--requests", "3", "--max-tokens", "3", "--modes", "True", "--skip-arrangements", *SKIP,
+    report = check_invariance.main(["--tiny", "--requests", "2", "--max-tokens", "2", "--modes", "True", "--skip-arrangements", *SKIP,
                                     "--sections", "precision", "rows", "arrangements", "--out", str(tmp_path)])
     assert (tmp_path / "check_invariance.json").exists()
     assert report["precision"]["pallas_matmul"] < 1e-5 and report["precision"]["pallas_attention_invariant"] < 1e-5

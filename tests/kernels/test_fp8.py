@@ -91,8 +91,7 @@ def fp32_pool(k, v):
 # Ragged batches (decode, prefill, prefix hits, an empty sequence), lengths 1, bs-1, bs, bs+1 and long.
 CASES = [
     ([1, 1, 12, 1, 0, 1], [1, 15, 28, 17, 4, 200], 16, 16, 8, 128, E4M3),
-    ([5, 1, 1, 33], [12, 7, 9, 33], 8, 8, 1, 64, E4M3),  # MQA
-    ([1, 1, 1, 40], [1, 31, 33, 300], 32, 4, 2, 64, E5M2),
+    ([5, 1, 1, 33], [12, 31, 33, 300], 32, 8, 1, 64, E5M2),  # MQA
 ]
 
 
@@ -107,8 +106,8 @@ def test_attention_over_an_fp8_pool_every_configuration():
     assert decode.num_splits > 1
     run_case(401, q_lens, kv_lens, bs, hq, hkv, d, config=decode)
     run_case(402, [70, 33], [70, 70], bs, hq, hkv, d, config=choose_config(103, 2, hq, hkv, bs, 80, decode=False))
-    run_case(403, [1, 19, 1, 6], [1, 40, 16, 17], bs, hq, hkv, d, config=invariant_config(hq, hkv, bs))
-    run_case(404, [2, 1, 17], [2, 100, 30], bs, hq, hkv, d, dtype=jnp.float32)
+    run_case(403, [1, 19, 1, 6], [1, 40, 16, 17], bs, hq, hkv, d, config=invariant_config(hq, hkv, bs),
+             dtype=jnp.float32)
 
 
 def test_write_kv_quantises_each_token_into_the_scale_row():
