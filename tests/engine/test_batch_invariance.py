@@ -119,10 +119,12 @@ def test_preemption_with_async_scheduling(dtype, backend):
     assert eng.stats()["preemptions"] > 0
 
 
-@pytest.mark.parametrize("dtype,backend", CASES)
-def test_logits_of_a_token_do_not_depend_on_its_step(dtype, backend):
+@pytest.mark.parametrize("dtype,backend,kv_dtype", [(d, b, d) for d, b in CASES] +
+                         [("bfloat16", "pallas", "float8_e4m3fn")])  # an fp8 KV cache: per-token scales
+def test_logits_of_a_token_do_not_depend_on_its_step(dtype, backend, kv_dtype):
     """Model level: the logits of one sequence's tokens, computed in one prefill alone, in a padded
-    batch with another sequence, and as a prefill chunk followed by decode steps, are bitwise equal."""
+    batch with another sequence, and as a prefill chunk followed by decode steps, are bitwise equal
+    (with an fp8 KV cache too: each token's scales depend on that token alone)."""
     p = params(dtype)
     cfg = p.config
     attn, write = get_attention_fn(backend, True), write_kv
@@ -131,7 +133,7 @@ def test_logits_of_a_token_do_not_depend_on_its_step(dtype, backend):
     table, other_table = list(range(1, 7)), list(range(7, 12))
 
     def run(chunks):
-        pool = init_kv_pool(cfg, 16, bs, dtype)
+        pool = init_kv_pool(cfg, 16, bs, kv_dtype)
         rows = []
         for step in chunks:
             inp = build_chunk_step(step, bs, width=8)  # padded to the engine's token / sequence buckets
@@ -147,21 +149,3 @@ def test_logits_of_a_token_do_not_depend_on_its_step(dtype, backend):
     np.testing.assert_array_equal(batched[: len(seq)], one_prefill)
     np.testing.assert_array_equal(chunked, one_prefill)
     assert np.all(np.isfinite(one_prefill))
-
-
-def test_fp8_kv_cache_batched_and_from_the_prefix_cache():
-    """An fp8 KV cache (scales chosen per token as it is written, kept with the block) keeps the guarantee:
-    requests batched, and batched again over their cached prefix blocks, give what each gives alone;
-    the pool reports fp8 sizes."""
-    fp8 = dict(BASE, kv_cache_dtype="fp8", attention_backend="pallas")
-    p = params("bfloat16")
-    prompts, sps = PROMPTS[:2], SPS[:2]  # (a shared 24-token prefix: one cached block of 16)
-    one_at_a_time = LLMEngine(p, EngineConfig(**fp8, enable_prefix_caching=False))
-    alone_fp8 = [tokens(run_to_completion(one_at_a_time, [q], sp))[0] for q, sp in zip(prompts, sps)]
-    eng = LLMEngine(p, EngineConfig(**fp8))
-    assert eng.kv_pool.dtype == jnp.float8_e4m3fn and eng.kv_pool.shape[2] == BASE["block_size"] + 1
-    bf16 = LLMEngine(p, EngineConfig(**dict(fp8, kv_cache_dtype="auto")))
-    assert eng.stats()["kv_bytes_per_token"] == bf16.stats()["kv_bytes_per_token"] // 2 * 17 // 16
-    assert tokens(run_to_completion(eng, prompts, sps)) == alone_fp8
-    assert tokens(run_to_completion(eng, prompts[::-1], sps[::-1]))[::-1] == alone_fp8
-    assert eng.stats()["prefix_hit_tokens"] > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -160,6 +161,22 @@ def test_generate_is_all_or_nothing(qwen3):
 def test_sampling_params_validation(field, value, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**{field: value})
+
+
+def test_fp8_kv_cache_pool_and_stats(qwen3):
+    """An fp8 pool: one byte an element plus a scale row a block; the stats report its sizes; a block
+    larger than head_dim (no room for its scales) is refused naming the field."""
+    params, _ = qwen3
+    kw = dict(block_size=16, num_blocks=32, max_model_len=128)
+    fp8 = LLMEngine(params, EngineConfig(kv_cache_dtype="fp8", **kw))
+    full = LLMEngine(params, EngineConfig(kv_cache_dtype="bfloat16", **kw))
+    assert fp8.kv_pool.dtype == jnp.float8_e4m3fn and fp8.kv_pool.shape[2] == 17
+    assert fp8.stats()["kv_bytes_per_token"] == full.stats()["kv_bytes_per_token"] // 2 * 17 // 16
+    assert fp8.stats()["kv_pool_bytes"] == fp8.kv_pool.nbytes
+    e5 = LLMEngine(params, EngineConfig(kv_cache_dtype="fp8_e5m2", **kw))
+    assert e5.kv_pool.dtype == jnp.float8_e5m2
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'.*block_size must be <= 32"):
+        LLMEngine(params, EngineConfig(kv_cache_dtype="fp8", block_size=64, num_blocks=8, max_model_len=128))
 
 
 def test_pool_too_small_for_one_sequence(qwen3):
