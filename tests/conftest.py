@@ -95,6 +95,3 @@ def pytest_collection_modifyitems(config, items):
         path = item.path
         if path.name in SLOW_MODULES or path.parent.name == "benchmarks":
             item.add_marker(pytest.mark.slow)
-    # Slow tests first (stable, module order kept within each group): pytest-xdist's workers then end on
-    # short tests and finish together, instead of one waiting while the other runs a last long test.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
