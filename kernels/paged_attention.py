@@ -51,7 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxpaged.kernels.fp8 import is_fp8
+from jaxpaged.kernels.fp8 import is_fp8, scale_rows
 from jaxpaged.kernels.kv_write import block_size_of, check_pool
 from jaxpaged.kernels.shapes import next_pow2, num_cores as device_num_cores
 from jaxpaged.kernels.matmul import kernel_dot_precision
@@ -103,7 +103,7 @@ def _ragged_attention_kernel(
     ``o_ref f32[splits, T, Hq, D]`` and ``lse_ref f32[splits, T, Hq]`` (base-2 log-sum-exp).
     """
     num_tokens, _, head_dim = q_ref.shape
-    block_size = kv_ref.shape[2] - (1 if fp8 else 0)
+    block_size = kv_ref.shape[2] - scale_rows(kv_ref.dtype)
     num_seqs = kv_lens_ref.shape[0]
     width = tables_ref.shape[1]
     block_q = block_m // group
@@ -156,12 +156,10 @@ def _ragged_attention_kernel(
         phys = tables_ref[seq_c, blk]  # [block_k] physical block ids
         off = pos % block_size
         kv_ok = (pos < kv_end)[:, None] if masked else None
-        if masked and mask_loads and fp8:  # (Triton has no fp8 fill value: masked lanes zeroed after the cast)
-            k = plgpu.load(kv_ref.at[layer, phys[:, None], off[:, None], 0, h, dims], mask=kv_ok)
-            v = plgpu.load(kv_ref.at[layer, phys[:, None], off[:, None], 1, h, dims], mask=kv_ok)
-        elif masked and mask_loads:  # the tail past kv_end is never read; it loads as zeros
-            k = plgpu.load(kv_ref.at[layer, phys[:, None], off[:, None], 0, h, dims], mask=kv_ok, other=0)
-            v = plgpu.load(kv_ref.at[layer, phys[:, None], off[:, None], 1, h, dims], mask=kv_ok, other=0)
+        if masked and mask_loads:  # the tail past kv_end is never read; it loads as zeros (fp8: Triton has
+            fill = None if fp8 else 0  # no fp8 fill value, so those lanes are zeroed after the cast below)
+            k = plgpu.load(kv_ref.at[layer, phys[:, None], off[:, None], 0, h, dims], mask=kv_ok, other=fill)
+            v = plgpu.load(kv_ref.at[layer, phys[:, None], off[:, None], 1, h, dims], mask=kv_ok, other=fill)
         else:
             k = kv_ref[layer, phys[:, None], off[:, None], 0, h, dims]  # [block_k, D]
             v = kv_ref[layer, phys[:, None], off[:, None], 1, h, dims]

@@ -152,6 +152,7 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
         check_model(body)
         sp = sampling(body, max_tokens, logprobs)
         rid, now = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+        chunk_obj = f"{obj}.chunk" if obj == "chat.completion" else obj
         streams = await start(prompts, sp, body.cache_salt)
         n = body.n
         if not body.stream:
@@ -171,16 +172,15 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
                         generated += sum(len(c.token_ids) for c in out.outputs)
                         for c in out.outputs:
                             per_sample[i, c.index] = per_sample.get((i, c.index), 0) + len(c.token_ids)
-                            yield sse({"id": rid, "object": f"{obj}.chunk" if obj == "chat.completion" else obj,
-                                       "created": now, "model": model_name,
+                            yield sse({"id": rid, "object": chunk_obj, "created": now, "model": model_name,
                                        "choices": [chunk_choice(i * n + c.index, c)]})
                         if out.finished:
                             finals[i] = out
                 outs = [finals[i] for i in sorted(finals)]
                 metrics.observe(outs, [max(v for (j, _), v in per_sample.items() if j == i) for i in sorted(finals)])
                 if body.stream_options is not None and body.stream_options.include_usage:
-                    yield sse({"id": rid, "object": f"{obj}.chunk" if obj == "chat.completion" else obj,
-                               "created": now, "model": model_name, "choices": [], "usage": usage(outs, generated)})
+                    yield sse({"id": rid, "object": chunk_obj, "created": now, "model": model_name, "choices": [],
+                               "usage": usage(outs, generated)})
                 yield sse("[DONE]")
             finally:
                 for gen in streams:
