@@ -115,6 +115,17 @@ def bench(args: argparse.Namespace) -> None:
           f"device wait {s['device_wait_seconds']:.2f} s, peak KV {(s['peak_kv_bytes_in_use'] or 0) / 2**30:.2f} GiB")
 
 
+def serve_llm_args(args: argparse.Namespace) -> dict:
+    """The ``LLM`` keyword arguments of a ``serve`` command line (its engine flags under vLLM's names)."""
+    return dict(model=str(tiny_checkpoint_path("qwen3")) if args.model == "tiny" else args.model,
+                dtype=args.dtype, load_format=args.load_format, block_size=args.block_size,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, memory_fraction=args.gpu_memory_utilization,
+                enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+                tensor_parallel_size=args.tensor_parallel_size, attention_backend=args.attention_backend,
+                num_blocks=args.num_blocks, seed=args.seed)
+
+
 def serve_cmd(args: argparse.Namespace) -> None:
     """The OpenAI-compatible server (``jaxpaged/serve``): loads and warms up the model, then listens."""
     import os
@@ -123,17 +134,12 @@ def serve_cmd(args: argparse.Namespace) -> None:
         from .serve.api_server import serve
     except ImportError as err:
         raise SystemExit(f"serve needs the server's dependencies: pip install 'jaxpaged[serve]' ({err})")
-    model = str(tiny_checkpoint_path("qwen3")) if args.model == "tiny" else args.model
-    config = dict(block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, memory_fraction=args.gpu_memory_utilization,
-                  enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
-                  tensor_parallel_size=args.tensor_parallel_size, attention_backend=args.attention_backend,
-                  num_blocks=args.num_blocks, seed=args.seed)
-    llm = LLM(model, dtype=args.dtype, **config)
+    llm = LLM(**serve_llm_args(args))
     serve(llm, args.host, args.port, args.served_model_name, args.api_key or os.environ.get("JAXPAGED_API_KEY"))
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (every subcommand and flag)."""
     ap = argparse.ArgumentParser(prog="python -m jaxpaged", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="generate with the packaged tiny model and print KV statistics")
@@ -168,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' (or $JAXPAGED_API_KEY)")
     s.add_argument("--served-model-name", default=None, help="the name clients use (default: the model argument)")
     s.add_argument("--dtype", default="bfloat16")
+    s.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="'dummy': random weights of the folder's config.json (for benchmarks)")
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     s.add_argument("--num-blocks", type=int, default=None)
@@ -179,7 +187,11 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     s.add_argument("--attention-backend", default="auto")
     s.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.cmd == "serve" and args.served_model_name is None:
         args.served_model_name = args.model
     {"demo": demo, "generate": generate_cmd, "bench": bench, "serve": serve_cmd}[args.cmd](args)

@@ -113,13 +113,15 @@ class LLM:
     ``chat`` use the checkpoint's ``generation_config.json`` defaults, as vLLM does.
     ``dtype``: the weights' dtype. ``warmup``: compile every step shape and sampler variant now, with a
     progress bar (``LLMEngine.warmup``), so no request waits for a compilation; ``False`` skips it
-    (steps then compile on first use). ``**config``: ``EngineConfig`` fields.
+    (steps then compile on first use). ``load_format="dummy"``: random weights of the folder's
+    ``config.json`` (vLLM's option, for benchmarks; no weight files needed). ``**config``: ``EngineConfig``
+    fields.
     """
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", cache_dir: str | None = None,
-                 warmup: bool = True, **config):
+                 warmup: bool = True, load_format: str = "auto", **config):
         self.model_path = resolve_model_path(model)
-        self.params = load_params(self.model_path, dtype, cache_dir=cache_dir,
+        self.params = load_params(self.model_path, dtype, cache_dir=cache_dir, load_format=load_format,
                                   tensor_parallel_size=config.get("tensor_parallel_size", 1))
         self.tokenizer = load_tokenizer(self.model_path)
         self.engine = LLMEngine(self.params, EngineConfig(**config), self.tokenizer)

@@ -82,17 +82,27 @@ def restore_state(directory: Path, abstract_state: nnx.State) -> nnx.State:
 
 
 def load_params(path: str | Path, dtype: str | None = None, *, cache_dir: str | Path | None = None,
-                use_cache: bool = True, tensor_parallel_size: int = 1) -> ModelParams:
+                use_cache: bool = True, tensor_parallel_size: int = 1, load_format: str = "auto") -> ModelParams:
     """Loads a Qwen2 / Qwen2.5 / Qwen3 Hugging Face folder (or a Hub id already in the local Hugging
     Face cache) as params in ``dtype`` (default: the checkpoint's).
 
     The first load converts the safetensors and saves an Orbax copy; later loads restore that copy.
     ``tensor_parallel_size > 1``: split over that many devices, each reading only its slices of the
     safetensors (``models/sharded_load.py``; the Orbax cache is not used).
+    ``load_format``: ``"auto"`` reads the weights; ``"dummy"`` (vLLM's name) makes random ones of the
+    folder's ``config.json`` (``sharding.random_state``), which needs no weight files: for benchmarks.
     """
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     path = resolve_model_path(path)
     cfg = QwenConfig.from_pretrained(path)
     dtype = canonical_dtype(dtype or cfg.dtype)
+    if load_format == "dummy":
+        from .sharding import make_mesh, random_state, shard_config
+
+        mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
+        graphdef, state = random_state(shard_config(cfg, tensor_parallel_size) if mesh else cfg, dtype, 0, mesh)
+        return ModelParams(cfg, graphdef, state, dtype, path, from_cache=False, mesh=mesh)
     if tensor_parallel_size > 1:
         from jaxpaged.models.sharding import make_mesh
 

@@ -71,6 +71,14 @@ def chat_logprobs(c: CompletionOutput, tokenizer, top: int) -> dict | None:
     return {"content": content}
 
 
+def with_token_ids(body: SamplingFields, c: CompletionOutput, choice: dict) -> dict:
+    """``choice`` with the choice's (new) token ids under ``token_ids`` when the body asks
+    (``return_token_ids``, vLLM's extra): clients that re-send a conversation as token ids need them."""
+    if body.return_token_ids:
+        choice["token_ids"] = list(c.token_ids)
+    return choice
+
+
 def build_app(llm, served_model_name: str | None = None, api_key: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The server's app over ``llm`` (``jaxpaged.LLM``), answering to ``served_model_name`` (default: the
@@ -198,8 +206,9 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
             raise APIError(400, "prompt: must not be empty", param="prompt")
 
         def choice(index: int, c: CompletionOutput) -> dict:
-            return {"index": index, "text": c.text, "logprobs": completion_logprobs(c, tokenizer),
-                    "finish_reason": c.finish_reason}
+            return with_token_ids(body, c, {"index": index, "text": c.text,
+                                            "logprobs": completion_logprobs(c, tokenizer),
+                                            "finish_reason": c.finish_reason})
 
         return await run(body, prompts, body.max_tokens, body.logprobs, choice, choice, "text_completion", "cmpl")
 
@@ -214,16 +223,18 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
         sent_role: set[int] = set()
 
         def final_choice(index: int, c: CompletionOutput) -> dict:
-            return {"index": index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(c, tokenizer, top), "finish_reason": c.finish_reason}
+            return with_token_ids(body, c, {"index": index, "message": {"role": "assistant", "content": c.text},
+                                            "logprobs": chat_logprobs(c, tokenizer, top),
+                                            "finish_reason": c.finish_reason})
 
         def chunk_choice(index: int, c: CompletionOutput) -> dict:
             delta: dict[str, Any] = {"content": c.text}
             if index not in sent_role:
                 sent_role.add(index)
                 delta["role"] = "assistant"
-            return {"index": index, "delta": delta, "logprobs": chat_logprobs(c, tokenizer, top),
-                    "finish_reason": c.finish_reason}
+            return with_token_ids(body, c, {"index": index, "delta": delta,
+                                            "logprobs": chat_logprobs(c, tokenizer, top),
+                                            "finish_reason": c.finish_reason})
 
         return await run(body, [prompt], body.max_completion_tokens or body.max_tokens, logprobs, chunk_choice,
                          final_choice, "chat.completion", "chatcmpl")

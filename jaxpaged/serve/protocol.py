@@ -47,6 +47,7 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    return_token_ids: bool = False  # each choice also carries its (new) tokens' ids as ``token_ids``
 
     def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None,
                         streaming: bool) -> SamplingParams:

@@ -72,6 +72,21 @@ def test_orbax_cache_round_trip(ckpt, tmp_path):
     assert not load_params(ckpt, cache_dir=tmp_path / "cache").from_cache
 
 
+def test_dummy_load_format_needs_only_the_config(ckpt, tmp_path):
+    """``load_format="dummy"``: random weights of the config's shapes, from a folder with no weight files."""
+    real = load_params(ckpt, "float32", use_cache=False)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(ckpt / "config.json", bare / "config.json")
+    dummy = load_params(bare, "float32", load_format="dummy")
+    assert jax.tree.structure(dummy.state) == jax.tree.structure(real.state)
+    for x, y in zip(jax.tree.leaves(dummy.state), jax.tree.leaves(real.state)):
+        assert x.shape == y.shape and x.dtype == y.dtype and bool(np.all(np.isfinite(x)))
+    assert not np.array_equal(jax.tree.leaves(dummy.state)[-1], jax.tree.leaves(real.state)[-1])
+    with pytest.raises(ValueError, match="load_format must be 'auto' or 'dummy'"):
+        load_params(bare, load_format="random")
+
+
 def test_folder_without_config(tmp_path):
     with pytest.raises(CheckpointError, match="no config.json"):
         load_params(tmp_path, use_cache=False)

@@ -61,12 +61,14 @@ def headers(key=KEY):
 
 def test_completions_stream_concatenates_to_the_whole_text(client):
     kw = dict(model="tiny", prompt="The quick brown fox", max_tokens=12, temperature=0,
-              extra_body={"ignore_eos": True})
+              extra_body={"ignore_eos": True, "return_token_ids": True})
     whole = client.completions.create(**kw)
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 12
+    assert len(whole.choices[0].token_ids) == 12  # vLLM's return_token_ids (an extra field of the choice)
     chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text
+    assert [t for c in chunks if c.choices for t in c.choices[0].token_ids] == whole.choices[0].token_ids
     assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
 
 
@@ -179,3 +181,25 @@ def test_concurrent_streams_with_disconnects(server):
     else:
         raise AssertionError(f"blocks still held after every client finished or left: {used} {running}")
     assert aborted() - before == 16
+
+
+def test_serving_benchmark_against_the_server(server):
+    """``benchmarks/serving.py`` against a running server: every request streams its exact output length;
+    the multi-turn conversations hit the prefix cache from their second turn on."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serving_benchmark", os.path.join(ROOT, "benchmarks", "serving.py"))
+    serving = sys.modules["serving_benchmark"] = importlib.util.module_from_spec(spec)  # (its dataclasses need it)
+    spec.loader.exec_module(serving)
+    rows = serving.main(["--base-url", server, "--api-key", KEY, "--num-prompts", "4", "--input-len", "24",
+                         "--output-len", "4", "--request-rates", "4,inf", "--conversations", "2", "--turns", "3",
+                         "--first-len", "40", "--turn-input-len", "8", "--turn-output-len", "4",
+                         "--token-range", "500"])
+    by_run = {r["run"]: r for r in rows}
+    for name, requests in (("random rate=4", 4), ("random rate=inf", 4), ("multi-turn 2x3", 6)):
+        row = by_run[name]
+        assert row["requests"] == requests and row["failed"] == 0 and row["output_tokens"] == 4 * requests
+        assert row["ttft_p50_ms"] > 0 and row["itl_p50_ms"] > 0
+    assert by_run["random rate=inf"]["cached_share"] == 0  # fresh prompts per run
+    # Turns 2 and 3 re-send 48 and 64 tokens' worth of full blocks of history: at least 32 + 48 cached.
+    assert by_run["multi-turn 2x3"]["cached_share"] >= 2 * (32 + 48) / (2 * (40 + 52 + 64))
