@@ -11,8 +11,10 @@ Two workloads, both sent as token ids to ``POST /v1/completions`` with ``stream:
   ``--turn-input-len`` new tokens), so the prefix cache should serve all but the new tokens. The
   conversations run concurrently, each one turn at a time.
 
-TTFT is the time to the first chunk carrying a token; ITL the gaps between later chunks (one token each,
-as the engine streams them); both from the client's clock, HTTP included.
+TTFT is the time to the first chunk carrying a token; ITL the gaps between later chunks (one token each
+while the server keeps up; several when it fell behind and merged them); both from the client's clock,
+HTTP included. The client is ``aiohttp`` (as vLLM's benchmark): ``httpx`` spent more CPU per chunk than the
+server on the same machine and became the bottleneck.
 
 Against a server already running (as ``vllm bench serve`` is used)::
 
@@ -42,6 +44,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import httpx
 import numpy as np
 
@@ -62,7 +65,7 @@ class RequestResult:
     error: str | None = None
 
 
-async def send(client: httpx.AsyncClient, base_url: str, model: str, prompt: list[int], max_tokens: int,
+async def send(session: aiohttp.ClientSession, base_url: str, model: str, prompt: list[int], max_tokens: int,
                headers: dict) -> RequestResult:
     """Streams one completion; times its chunks."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
@@ -70,33 +73,41 @@ async def send(client: httpx.AsyncClient, base_url: str, model: str, prompt: lis
     result = RequestResult(len(prompt))
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
+        async with session.post(f"{base_url}/v1/completions", json=body, headers=headers) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.text())[:300]}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            buffer = b""
+            async for data in response.content.iter_any():
                 now = time.perf_counter()
-                if chunk.get("usage"):
-                    result.cached_tokens = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
-                for choice in chunk["choices"]:
-                    ids = choice.get("token_ids") or []
-                    if not ids:
+                *events, buffer = (buffer + data).split(b"\n\n")
+                for event in events:
+                    if not event.startswith(b"data: ") or event == b"data: [DONE]":
                         continue
-                    if not result.token_ids:
-                        result.ttft = now - start
-                    else:
-                        result.itls.append(now - last)
-                    last = now
-                    result.token_ids.extend(ids)
-    except httpx.HTTPError as err:
+                    chunk = json.loads(event[6:])
+                    if chunk.get("usage"):
+                        result.cached_tokens = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    for choice in chunk["choices"]:
+                        ids = choice.get("token_ids") or []
+                        if not ids:
+                            continue
+                        if not result.token_ids:
+                            result.ttft = now - start
+                        else:
+                            result.itls.append(now - last)
+                        last = now
+                        result.token_ids.extend(ids)
+    except aiohttp.ClientError as err:
         result.error = f"{type(err).__name__}: {err}"
         return result
     result.latency = time.perf_counter() - start
     result.output_tokens = len(result.token_ids)
     return result
+
+
+def client() -> aiohttp.ClientSession:
+    """One session for a run: unlimited connections, no timeout."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None))
 
 
 def summarise(name: str, results: list[RequestResult], seconds: float) -> dict:
@@ -132,12 +143,12 @@ async def run_random(base_url: str, model: str, prompts: list[list[int]], output
     """Sends ``prompts`` with Poisson arrivals at ``rate`` per second (``inf``: all at once)."""
     rng = np.random.default_rng(seed)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
+    async with client() as session:
         async def one(prompt):
             if gate is None:
-                return await send(client, base_url, model, prompt, output_len, headers)
+                return await send(session, base_url, model, prompt, output_len, headers)
             async with gate:
-                return await send(client, base_url, model, prompt, output_len, headers)
+                return await send(session, base_url, model, prompt, output_len, headers)
 
         start, tasks = time.perf_counter(), []
         for prompt in prompts:
@@ -152,11 +163,11 @@ async def run_multi_turn(base_url: str, model: str, conversations: int, turns: i
                          output_len: int, vocab: int, headers: dict, seed: int) -> tuple[list[RequestResult], float]:
     """``conversations`` chats of ``turns`` turns at once; each turn re-sends the history plus new tokens."""
     rng = random.Random(seed)
-    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
+    async with client() as session:
         async def chat(first: list[int], user_turns: list[list[int]]) -> list[RequestResult]:
             history, out = first, []
             for t in range(turns):
-                r = await send(client, base_url, model, history, output_len, headers)
+                r = await send(session, base_url, model, history, output_len, headers)
                 out.append(r)
                 if r.error is not None:
                     break

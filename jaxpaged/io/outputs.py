@@ -67,3 +67,19 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache at (first) admission
     metrics: RequestMetrics
     prompt_logprobs: PromptLogprobs | None = None
+
+
+def merge_deltas(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One ``DELTA`` output equal to two consecutive ones of the same request: a consumer that fell behind
+    (a server writing to a slow client) takes what queued up as one output instead of one per step."""
+    by_index = {c.index: c for c in earlier.outputs}
+    outputs = []
+    for c in later.outputs:
+        e = by_index.pop(c.index, None)
+        if e is not None:
+            logprobs = None if e.logprobs is None and c.logprobs is None else (e.logprobs or []) + (c.logprobs or [])
+            c = dataclasses.replace(c, text=e.text + c.text, token_ids=e.token_ids + c.token_ids, logprobs=logprobs)
+        outputs.append(c)
+    outputs = sorted([*by_index.values(), *outputs], key=lambda c: c.index)
+    return dataclasses.replace(later, outputs=outputs,
+                               prompt_logprobs=later.prompt_logprobs or earlier.prompt_logprobs)

@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..io.outputs import CompletionOutput, RequestOutput
+from ..sampling import RequestOutputKind
 from .async_engine import AsyncEngine
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
@@ -135,7 +136,8 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
             for request_id, _ in added:
                 await engine.abort(request_id)
             raise APIError(400, str(err)) from err
-        return [engine.outputs(request_id, queue) for request_id, queue in added]
+        merge = sp.output_kind == RequestOutputKind.DELTA
+        return [engine.outputs(request_id, queue, merge) for request_id, queue in added]
 
     async def collect(streams) -> list[RequestOutput]:
         outs = []

@@ -3,8 +3,11 @@
 The engine is not thread-safe, so only its thread touches it: adding, aborting and reading statistics
 are commands the server posts to that thread, which runs them between two steps and answers through a
 future (a lock instead starved the server: the engine thread took it back after every step). Each
-request's outputs reach its handler through an ``asyncio.Queue`` (``call_soon_threadsafe``). With
-nothing to do, the engine thread sleeps until a command arrives.
+request's outputs reach its handler through an ``asyncio.Queue``: one ``call_soon_threadsafe`` per step
+hands the event loop all of that step's outputs (one wake-up of the loop per step, not one per request).
+A streaming handler that fell behind takes the deltas queued for it as one (``merge_deltas``), so a
+saturated server writes fewer, larger chunks instead of falling further behind. With nothing to do, the
+engine thread sleeps until a command arrives.
 """
 
 from __future__ import annotations
@@ -17,10 +20,15 @@ import threading
 from typing import AsyncIterator, Callable
 
 from ..engine.llm_engine import LLMEngine
-from ..io.outputs import RequestOutput
-from ..sampling import SamplingParams
+from ..io.outputs import RequestOutput, merge_deltas
+from ..sampling import RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
 
 
 class AsyncEngine:
@@ -43,8 +51,7 @@ class AsyncEngine:
             while not self._stopped:
                 self._run_commands(block=not self.engine.has_unfinished_requests())
                 if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        self._deliver(out)
+                    self._deliver(self.engine.step())
         except BaseException as err:  # noqa: BLE001  (reported to every waiting request, then /health)
             log.exception("jaxpaged: the engine loop stopped")
             self.error = err
@@ -68,14 +75,18 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _deliver(self, out: RequestOutput) -> None:
-        entry = self._queues.get(out.request_id)
-        if entry is None:
-            return
-        if out.finished:
-            del self._queues[out.request_id]
-        loop, q = entry
-        loop.call_soon_threadsafe(q.put_nowait, out)
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        """Hands one step's outputs to their handlers' queues: one callback per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outs:
+            entry = self._queues.get(out.request_id)
+            if entry is None:
+                continue
+            if out.finished:
+                del self._queues[out.request_id]
+            by_loop.setdefault(entry[0], []).append((entry[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _call(self, fn: Callable) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -109,15 +120,19 @@ class AsyncEngine:
         ``sampling_params.output_kind`` asks). Leaving the iteration early (a client that went away)
         aborts the request: its blocks are freed at once."""
         request_id, q = await self.add(prompt, sampling_params, cache_salt)
-        async for out in self.outputs(request_id, q):
+        async for out in self.outputs(request_id, q, sampling_params.output_kind == RequestOutputKind.DELTA):
             yield out
 
-    async def outputs(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        """The outputs of a request ``add`` queued; leaving early aborts it."""
+    async def outputs(self, request_id: str, q: asyncio.Queue, merge: bool = False) -> AsyncIterator[RequestOutput]:
+        """The outputs of a request ``add`` queued; leaving early aborts it. ``merge`` (``DELTA`` outputs
+        only): the deltas already queued when one is taken come as one."""
         finished = False
         try:
             while not finished:
                 out = await q.get()
+                while merge and not q.empty() and isinstance(out, RequestOutput) and not out.finished:
+                    later = q.get_nowait()
+                    out = merge_deltas(out, later) if isinstance(later, RequestOutput) else later
                 if isinstance(out, BaseException):
                     raise RuntimeError(f"the engine stopped: {out}") from out
                 finished = out.finished
