@@ -134,8 +134,7 @@ def serve_cmd(args: argparse.Namespace) -> None:
         from .serve.api_server import serve
     except ImportError as err:
         raise SystemExit(f"serve needs the server's dependencies: pip install 'jaxpaged[serve]' ({err})")
-    llm = LLM(**serve_llm_args(args))
-    serve(llm, args.host, args.port, args.served_model_name, args.api_key or os.environ.get("JAXPAGED_API_KEY"))
+    serve(serve_llm_args(args), args.host, args.port, args.served_model_name, args.api_key or os.environ.get("JAXPAGED_API_KEY"))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ from .kv import PrefixDivergence
 from .models.checkpoint import ModelParams, load_params
 from .models.hub import resolve_model_path
 from .io.outputs import RequestOutput
+from .io.prompts import chat_prompts
 from .sampling.sampler import RequestOutputKind, SamplingParams
 from .io.tokenizer import load_tokenizer
 
@@ -169,18 +170,7 @@ class LLM:
     def chat_prompts(self, messages, chat_template: str | None = None, add_generation_prompt: bool = True,
                      chat_template_kwargs: dict | None = None) -> list[str]:
         """The prompt text of each conversation (what ``chat`` generates from)."""
-        if self.tokenizer is None:
-            raise ValueError("chat() needs the checkpoint's tokenizer (tokenizer.json)")
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise TypeError(f"messages must be a non-empty list of {{'role', 'content'}} dicts (one conversation) "
-                            f"or a list of such lists, got {messages!r:.80}")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        for i, conv in enumerate(conversations):
-            if not isinstance(conv, (list, tuple)) or not all(
-                    isinstance(m, dict) and "role" in m and "content" in m for m in conv):
-                raise TypeError(f"conversation {i}: must be a list of dicts with 'role' and 'content'")
-        return [self.tokenizer.apply_chat_template(list(c), chat_template, add_generation_prompt,
-                                                   **(chat_template_kwargs or {})) for c in conversations]
+        return chat_prompts(self.tokenizer, messages, chat_template, add_generation_prompt, chat_template_kwargs)
 
     def abort(self, request_id: str) -> None:
         """Withdraws a request added through ``llm.engine``; ``KeyError`` if no such unfinished request."""

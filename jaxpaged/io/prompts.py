@@ -101,3 +101,21 @@ def broadcast_sampling_params(sampling_params: Any, num_prompts: int, cls) -> li
         return [cls.from_optional(sp, f"sampling_params[{i}]") for i, sp in enumerate(sampling_params)]
     sp = cls.from_optional(sampling_params)
     return [sp] * num_prompts
+
+
+def chat_prompts(tokenizer, messages, chat_template: str | None = None, add_generation_prompt: bool = True,
+                 chat_template_kwargs: dict | None = None) -> list[str]:
+    """The prompt text of each conversation through ``tokenizer``'s chat template (``LLM.chat``, the server).
+    ``messages``: one conversation (a list of ``{'role', 'content'}`` dicts) or a list of them."""
+    if tokenizer is None:
+        raise ValueError("chat() needs the checkpoint's tokenizer (tokenizer.json)")
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise TypeError(f"messages must be a non-empty list of {{'role', 'content'}} dicts (one conversation) "
+                        f"or a list of such lists, got {messages!r:.80}")
+    conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+    for i, conv in enumerate(conversations):
+        if not isinstance(conv, (list, tuple)) or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in conv):
+            raise TypeError(f"conversation {i}: must be a list of dicts with 'role' and 'content'")
+    return [tokenizer.apply_chat_template(list(c), chat_template, add_generation_prompt, **(chat_template_kwargs or {}))
+            for c in conversations]

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI): ``/v1/completions``, ``/v1/chat/completions`` (both with
 ``stream: true`` as server-sent events), ``/v1/models``, ``/health`` and ``/metrics``.
 
-``build_app(llm, ...)`` returns the app over an ``LLM`` (already warmed up); ``serve(...)`` runs it with
-uvicorn. Every request becomes one engine request per prompt (``AsyncEngine``); a client that goes
+``build_app(engine, ...)`` returns the app over an ``AsyncEngine`` (warmed up); ``serve(llm_kwargs, ...)``
+starts the engine in its own process and runs the app with uvicorn. Every request becomes one engine request per prompt (``AsyncEngine``); a client that goes
 away aborts its requests. Errors have OpenAI's shape (``protocol.error_body``) and status codes: 400
 for a bad body or a prompt the engine refuses (its message names the field), 401 for a missing or
 wrong API key, 404 for an unknown model, 413 for a body over the size limit.
@@ -80,13 +80,15 @@ def with_token_ids(body: SamplingFields, c: CompletionOutput, choice: dict) -> d
     return choice
 
 
-def build_app(llm, served_model_name: str | None = None, api_key: str | None = None,
+def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The server's app over ``llm`` (``jaxpaged.LLM``), answering to ``served_model_name`` (default: the
-    model's path). ``api_key``: every ``/v1`` route needs ``Authorization: Bearer <api_key>``."""
-    model_name = served_model_name or str(llm.model_path)
+    """The server's app over ``engine`` (``AsyncEngine.in_process`` or ``in_thread``, warmed up), answering to
+    ``served_model_name`` (default: the model's path). ``api_key``: every ``/v1`` route needs
+    ``Authorization: Bearer <api_key>``. The app shuts the engine down when it stops."""
+    model = engine.model
+    model_name = served_model_name or str(model.model_path)
     metrics = ServerMetrics(model_name)
-    engine = AsyncEngine(llm.engine, on_abort=metrics.aborted.inc)
+    engine.on_abort = metrics.aborted.inc
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
@@ -153,7 +155,7 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
 
     def sampling(body, max_tokens, logprobs):
         try:
-            return body.sampling_params(llm.default_sampling_params, max_tokens, logprobs, body.stream)
+            return body.sampling_params(model.default_sampling_params, max_tokens, logprobs, body.stream)
         except (ValueError, TypeError) as err:
             raise APIError(400, str(err)) from err
 
@@ -198,7 +200,7 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    tokenizer = llm.tokenizer
+    tokenizer = model.tokenizer
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
@@ -217,7 +219,7 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
         try:
-            prompt = llm.chat_prompts(body.conversation(), chat_template_kwargs=body.chat_template_kwargs)[0]
+            prompt = model.chat_prompts(body.conversation(), chat_template_kwargs=body.chat_template_kwargs)[0]
         except (ValueError, TypeError) as err:
             raise APIError(400, f"messages: {err}", param="messages") from err
         top = body.top_logprobs or 0
@@ -244,7 +246,7 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "jaxpaged", "max_model_len": llm.engine.max_model_len}]}
+                                            "owned_by": "jaxpaged", "max_model_len": model.max_model_len}]}
 
     @app.get("/health")
     async def health():
@@ -260,9 +262,11 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
     return app
 
 
-def serve(llm, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
+def serve(llm_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
           api_key: str | None = None) -> None:
-    """Runs the server until interrupted (``llm`` warmed up already: the server is ready when it listens)."""
+    """Starts the engine process (``LLM(**llm_kwargs)``, warmed up), then serves until interrupted: the
+    server is ready when it listens."""
     import uvicorn
 
-    uvicorn.run(build_app(llm, served_model_name, api_key), host=host, port=port, log_level="info")
+    engine = AsyncEngine.in_process(llm_kwargs)
+    uvicorn.run(build_app(engine, served_model_name, api_key), host=host, port=port, log_level="info")
