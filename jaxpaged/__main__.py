@@ -74,7 +74,7 @@ def generate_cmd(args: argparse.Namespace) -> None:
 # Workload defaults: the full one (nano-vllm's) for real and random Qwen3-0.6B weights; a small one for
 # the packaged tiny checkpoint (1,024 positions), which runs in seconds on a CPU.
 FULL_BENCH = dict(num_seqs=256, max_len=2048, max_num_batched_tokens=8192, max_num_seqs=256)
-TINY_BENCH = dict(num_seqs=16, max_len=512, max_num_batched_tokens=512, max_num_seqs=16)
+TINY_BENCH = dict(num_seqs=16, max_len=256, max_num_batched_tokens=256, max_num_seqs=16)
 
 
 def bench(args: argparse.Namespace) -> None:
@@ -160,11 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default=None, help="checkpoint folder, 'tiny' for the packaged model, or none")
     b.add_argument("--num-seqs", type=int, default=None, help="requests (default 256; 16 with --model tiny)")
     b.add_argument("--max-len", type=int, default=None,
-                   help="max_model_len; prompts and outputs up to half each (default 2048; 512 with --model tiny)")
+                   help="max_model_len; prompts and outputs up to half each (default 2048; 256 with --model tiny)")
     b.add_argument("--dtype", default="bfloat16")
     b.add_argument("--block-size", type=int, default=16)
     b.add_argument("--max-num-seqs", type=int, default=None, help="default 256; 16 with --model tiny")
-    b.add_argument("--max-num-batched-tokens", type=int, default=None, help="default 8192; 512 with --model tiny")
+    b.add_argument("--max-num-batched-tokens", type=int, default=None, help="default 8192; 256 with --model tiny")
     b.add_argument("--attention-backend", default="auto")
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install 'jaxpaged[serve]')")
     s.add_argument("model", help="checkpoint folder or Hub id in the local cache ('tiny': the packaged model)")

@@ -71,7 +71,8 @@ CONFIGS = {
 TUNINGS = {"token_bucket_1": StepTuning(min_token_bucket=1, step_executables=1, cublas_max_tokens=0)}
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", [n if n not in ("few_seqs", "bs32") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in CONFIGS])
 def test_greedy_outputs_invariant_to_paging_choices(qwen3, name):
     params, ref = qwen3
     prompts = fixture_prompts(ref) + shared_prefix_prompts(ref)
@@ -254,7 +255,7 @@ def test_warmup_freezes_the_long_lived_heap_and_the_pool_is_still_freed(qwen3):
         gc.unfreeze()  # the rest of the suite collects as usual (conftest does it after every test too)
 
 
-@pytest.mark.parametrize("num_blocks", [64, 12])
+@pytest.mark.parametrize("num_blocks", [pytest.param(64, marks=pytest.mark.slow), 12])
 def test_async_and_sync_scheduling_agree_with_stops_and_sampling(qwen3, num_blocks):
     """Stop tokens, EOS, max_tokens, seeded sampling and preemption (small pool): same outputs and
     finish reasons whether the next step is dispatched before the previous tokens are read or not."""

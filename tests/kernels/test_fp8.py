@@ -95,11 +95,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("case", [0, *(pytest.param(c, marks=pytest.mark.slow) for c in range(1, len(CASES)))])
 def test_attention_over_an_fp8_pool_matches_the_reference(case):
     run_case(300 + case, *CASES[case])
 
 
+@pytest.mark.slow  # (the quick subset keeps the default configuration's check above)
 def test_attention_over_an_fp8_pool_every_configuration():
     q_lens, kv_lens, bs, hq, hkv, d = [1] * 6, [1, 15, 16, 17, 115, 320], 16, 16, 8, 64
     decode = choose_config(6, 6, hq, hkv, bs, 320)
@@ -136,7 +137,7 @@ def test_write_kv_quantises_each_token_into_the_scale_row():
         pool_shape(1, 4, 64, 2, 32, E4M3)
 
 
-@pytest.mark.parametrize("family,t", [("qwen3", 5), ("qwen2", 11)])
+@pytest.mark.parametrize("family,t", [("qwen3", 5), pytest.param("qwen2", 11, marks=pytest.mark.slow)])
 def test_fused_qkv_epilogue_writes_what_write_kv_writes(family, t):
     """The GPU's fused qkv epilogue (interpret mode) quantises exactly as the XLA path: pools bitwise equal."""
     rng = np.random.default_rng(9 + t)

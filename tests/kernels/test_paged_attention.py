@@ -51,7 +51,7 @@ MIXED = [
 ]
 
 
-@pytest.mark.parametrize("case", range(len(MIXED)))
+@pytest.mark.parametrize("case", [c if c < 2 else pytest.param(c, marks=pytest.mark.slow) for c in range(len(MIXED))])
 def test_mixed_batch_default_config(case):
     run_case(100 + case, *MIXED[case])
 

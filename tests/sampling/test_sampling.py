@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxpaged.sampling.sampler import _filter_top_k_top_p, sample
 
@@ -74,6 +75,7 @@ def test_sampling_mode_is_chosen_on_the_host_and_variants_agree():
                                   np.asarray(jnp.argmax(logits, -1)))
 
 
+@pytest.mark.slow
 def test_gumbel_argmax_kernel_matches_the_xla_sampler_in_every_mode():
     """The sampler kernel (interpret mode) picks exactly the XLA path's tokens: sampled and greedy rows,
     a vocabulary that is not a multiple of the chunk, ties (lowest id wins, also across chunks), a row
