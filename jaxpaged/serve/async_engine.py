@@ -252,7 +252,7 @@ class AsyncEngine:
     """The server's handle: ``generate`` streams one request's outputs. Build it with ``in_process`` or
     ``in_thread``. ``on_abort``: called for each request withdrawn before it finished."""
 
-    def __init__(self, model: ServedModel, on_abort: Callable[[], None] | None = None):
+    def __init__(self, model: ServedModel | None, on_abort: Callable[[], None] | None = None):
         self.model = model
         self.on_abort = on_abort
         self._queues: dict[str, asyncio.Queue] = {}  # touched on the event loop only
@@ -273,10 +273,10 @@ class AsyncEngine:
         """Over ``LLM(**llm_kwargs)`` built (and warmed up) in a child process; returns once it is ready."""
         from ..io.tokenizer import load_tokenizer
 
-        self = cls.__new__(cls)
+        self = cls(None, on_abort)  # (its model is known once the engine process is ready)
         transport = _ProcessTransport(llm_kwargs, self._post_outputs, self._post_error)
         path, defaults, max_model_len = transport.ready
-        cls.__init__(self, ServedModel(Path(path), load_tokenizer(path), defaults, max_model_len), on_abort)
+        self.model = ServedModel(Path(path), load_tokenizer(path), defaults, max_model_len)
         self._transport = transport
         return self
 
