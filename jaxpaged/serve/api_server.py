@@ -10,6 +10,7 @@ wrong API key, 404 for an unknown model, 413 for a body over the size limit.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -70,6 +71,44 @@ def chat_logprobs(c: CompletionOutput, tokenizer, top: int) -> dict | None:
                         "top_logprobs": [{"token": text(k), "logprob": v.logprob, "bytes": list(text(k).encode())}
                                          for k, v in best]})
     return {"content": content}
+
+
+async def interleave(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``(prompt index, output)`` from every prompt's stream as each output arrives: a request with several
+    prompts streams them side by side, not one after another. Closing it stops reading every stream."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in gen:
+                merged.put_nowait((i, out))
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001  (raised to the reader below)
+            merged.put_nowait((i, err))
+            return
+        merged.put_nowait((i, done))
+
+    tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await merged.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def with_token_ids(body: SamplingFields, c: CompletionOutput, choice: dict) -> dict:
@@ -178,16 +217,16 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
             finals: dict[int, RequestOutput] = {}
             generated = 0
             per_sample: dict[tuple[int, int], int] = {}
+            merged = interleave(streams)
             try:
-                for i, gen in enumerate(streams):
-                    async for out in gen:
-                        generated += sum(len(c.token_ids) for c in out.outputs)
-                        for c in out.outputs:
-                            per_sample[i, c.index] = per_sample.get((i, c.index), 0) + len(c.token_ids)
-                            yield sse({"id": rid, "object": chunk_obj, "created": now, "model": model_name,
-                                       "choices": [chunk_choice(i * n + c.index, c)]})
-                        if out.finished:
-                            finals[i] = out
+                async for i, out in merged:
+                    generated += sum(len(c.token_ids) for c in out.outputs)
+                    for c in out.outputs:
+                        per_sample[i, c.index] = per_sample.get((i, c.index), 0) + len(c.token_ids)
+                        yield sse({"id": rid, "object": chunk_obj, "created": now, "model": model_name,
+                                   "choices": [chunk_choice(i * n + c.index, c)]})
+                    if out.finished:
+                        finals[i] = out
                 outs = [finals[i] for i in sorted(finals)]
                 metrics.observe(outs, [max(v for (j, _), v in per_sample.items() if j == i) for i in sorted(finals)])
                 if body.stream_options is not None and body.stream_options.include_usage:
@@ -195,6 +234,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
                                "usage": usage(outs, generated)})
                 yield sse("[DONE]")
             finally:
+                await merged.aclose()
                 for gen in streams:
                     await gen.aclose()  # (a client gone mid-stream: its requests are aborted here)
 

@@ -88,6 +88,18 @@ def test_chat_reuses_the_conversation_prefix_and_streams(client):
     assert "".join(d.content or "" for d in deltas) == reply.content
 
 
+def test_several_prompts_stream_side_by_side(client):
+    """A completions request with two prompts streams both as they are generated (interleaved chunks, each
+    prompt's deltas concatenating to its own non-streamed text)."""
+    kw = dict(model="tiny", prompt=["Once upon a time", "The quick brown fox"], max_tokens=12, temperature=0,
+              extra_body={"ignore_eos": True})
+    whole = {c.index: c.text for c in client.completions.create(**kw).choices}
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+    order = [c.index for c in chunks]
+    assert {i: "".join(c.text for c in chunks if c.index == i) for i in (0, 1)} == whole
+    assert order.index(1) < len(order) - 1 - order[::-1].index(0)  # prompt 1 began before prompt 0 ended
+
+
 def test_n_stop_and_logprobs(client):
     out = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, n=3, temperature=1.0, seed=1,
                                     logprobs=2, extra_body={"ignore_eos": True})
