@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import pickle
 import random
 import socket
 import subprocess
@@ -213,6 +214,28 @@ def offline(args: argparse.Namespace) -> None:
     print("OFFLINE " + json.dumps({"run": "offline LLM.generate", "requests": len(outs), "seconds": round(seconds, 2),
                                    "req_per_s": round(len(outs) / seconds, 2),
                                    "output_tok_per_s": round(tokens / seconds, 1)}), flush=True)
+    # The engine's side of streaming alone: the same number of requests (fresh prompts: no cache hits)
+    # stepped with DELTA outputs, each step's outputs packed and pickled as the engine process sends them.
+    from jaxpaged.sampling import RequestOutputKind
+    from jaxpaged.serve.async_engine import _pack
+
+    delta = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
+                           output_kind=RequestOutputKind.DELTA)
+    engine, tokens, pickled = llm.engine, 0, 0.0
+    start = time.perf_counter()
+    for prompt in random_requests(args.num_prompts, args.input_len, args.token_range, args.seed + 7):
+        engine.add_request(prompt, delta)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        t = time.perf_counter()
+        pickle.dumps([_pack(o) for o in outs])
+        pickled += time.perf_counter() - t
+        tokens += sum(len(c.token_ids) for o in outs for c in o.outputs)
+    seconds = time.perf_counter() - start
+    print("OFFLINE " + json.dumps({"run": "offline engine, DELTA outputs packed", "requests": args.num_prompts,
+                                   "seconds": round(seconds, 2), "req_per_s": round(args.num_prompts / seconds, 2),
+                                   "output_tok_per_s": round(tokens / seconds, 1),
+                                   "pickle_seconds": round(pickled, 3)}), flush=True)
 
 
 def serve_config(model: str, serve_args: list[str]) -> dict:
@@ -308,11 +331,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      "--output-len", str(args.output_len), "--seed", str(args.seed),
                      "--token-range", str(args.token_range)],
                     cwd=ROOT, capture_output=True, text=True)
-                line = [x for x in child.stdout.splitlines() if x.startswith("OFFLINE ")]
-                if child.returncode != 0 or not line:
+                lines = [x for x in child.stdout.splitlines() if x.startswith("OFFLINE ")]
+                if child.returncode != 0 or not lines:
                     raise SystemExit(f"the offline run failed:\n{child.stdout[-2000:]}\n{child.stderr[-3000:]}")
-                rows.append(json.loads(line[0][len("OFFLINE "):]))
-                print(rows[-1], flush=True)
+                for line in lines:
+                    rows.append(json.loads(line[len("OFFLINE "):]))
+                    print(rows[-1], flush=True)
             proc, args.base_url = launch(folder, serve_args, work / "server.log")
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         info = httpx.get(f"{args.base_url}/v1/models", headers=headers, timeout=10).json()["data"][0]

@@ -4,13 +4,13 @@ import os
 import shutil
 import tempfile
 
+os.environ.setdefault("JAXPAGED_COMPILE_CACHE", "")  # no jaxpaged caching (compiled steps on disk): tests that
+# check it set their own folder
 os.environ.setdefault("JAXPAGED_CACHE", tempfile.mkdtemp(prefix="jaxpaged-test-cache-"))
-# JAX's own persistent cache and jaxpaged's compiled steps (``engine/executable_cache.py``), one folder
-# per run, shared by pytest-xdist's workers and subprocesses, which inherit this environment: a step
-# that several tests or workers need (conftest drops jit's caches after each module) is traced, lowered
-# and compiled once, then loaded. Tests of the caches themselves use folders of their own.
+# JAX's own persistent cache, one folder per run (shared by pytest-xdist's workers, which inherit this
+# environment): an executable that several test modules compile again (conftest drops jit's caches
+# after each module) or several workers compile is compiled once, then loaded.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxpaged-test-xla-"))
-os.environ.setdefault("JAXPAGED_COMPILE_CACHE", os.environ["JAX_COMPILATION_CACHE_DIR"])
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # On a machine without a GPU (CI, the CPU suite): XLA's CPU backend compiles with LLVM's optimisations

@@ -228,8 +228,6 @@ class ModelRunner:
         jitted = copies[turn]
         shape_key = base_key + (turn,)
         exe = self._executables.get(shape_key)
-        if exe is None and self.executable_cache is not None and shape_key not in self._shapes_seen:
-            exe = self._first_use(shape_key, jitted, (leaves, kv_pool, packed, prev_tokens, spare_tokens, layout))
         if exe is not None:  # compiled ahead of time, or loaded from disk: no jit dispatch
             return exe(leaves, kv_pool, packed, prev_tokens, spare_tokens)
         with self._partitioner():
@@ -241,23 +239,6 @@ class ModelRunner:
                 self._shapes_seen.add(shape_key)
                 return tokens, kv_pool
             return jitted(leaves, kv_pool, packed, prev_tokens, spare_tokens, layout)
-
-    def _first_use(self, shape_key: tuple, jitted, args: tuple):
-        """A step shape met for the first time outside ``precompile`` (a sampler feature's variant, a
-        shape the warm-up does not cover, or no warm-up at all): its executable is loaded from
-        ``executable_cache`` if another engine or process stored it, else compiled and stored there, so
-        the next process skips its tracing, lowering and compiling too. Each copy loads its own."""
-        t0 = time.perf_counter()
-        name = repr(shape_key[:-1] + (0,))
-        exe = self.executable_cache.load(name)
-        if exe is None:
-            with self._partitioner():
-                exe = jitted.lower(*args).compile()
-            self.executable_cache.store(name, exe)
-        self._executables[shape_key] = exe
-        self._shapes_seen.add(shape_key)
-        self.compile_seconds += time.perf_counter() - t0
-        return exe
 
     @staticmethod
     def _base_key(layout, prev_tokens, kv_pool, cublas: bool) -> tuple:
