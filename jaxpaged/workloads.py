@@ -60,15 +60,9 @@ def random_model(raw_config: dict, dtype: str = "bfloat16", seed: int = 0,
 
     ``tensor_parallel_size > 1``: created directly split over that many devices, never whole on one
     device (the same values as on one device)."""
-    from .models.sharding import make_mesh, random_state, shard_config
+    from .models.checkpoint import random_params
 
-    cfg = QwenConfig.from_dict(raw_config)
-    if tensor_parallel_size > 1:
-        mesh = make_mesh(tensor_parallel_size)
-        graphdef, state = random_state(shard_config(cfg, tensor_parallel_size), dtype, seed, mesh)
-        return ModelParams(cfg, graphdef, state, dtype, mesh=mesh)
-    graphdef, state = random_state(cfg, dtype, seed)
-    return ModelParams(cfg, graphdef, state, dtype)
+    return random_params(QwenConfig.from_dict(raw_config), dtype, seed, tensor_parallel_size)
 
 
 def experiment_params(full: bool, model: str | None = None) -> ModelParams:

@@ -98,11 +98,7 @@ def load_params(path: str | Path, dtype: str | None = None, *, cache_dir: str | 
     cfg = QwenConfig.from_pretrained(path)
     dtype = canonical_dtype(dtype or cfg.dtype)
     if load_format == "dummy":
-        from .sharding import make_mesh, random_state, shard_config
-
-        mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
-        graphdef, state = random_state(shard_config(cfg, tensor_parallel_size) if mesh else cfg, dtype, 0, mesh)
-        return ModelParams(cfg, graphdef, state, dtype, path, from_cache=False, mesh=mesh)
+        return random_params(cfg, dtype, tensor_parallel_size=tensor_parallel_size, path=path)
     if tensor_parallel_size > 1:
         from jaxpaged.models.sharding import make_mesh
 
@@ -125,6 +121,21 @@ def load_params(path: str | Path, dtype: str | None = None, *, cache_dir: str | 
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         save_state(cached, state)
+    return ModelParams(cfg, graphdef, state, dtype, path, from_cache=False)
+
+
+def random_params(cfg: QwenConfig, dtype: str, seed: int = 0, tensor_parallel_size: int = 1,
+                  path: Path | None = None) -> ModelParams:
+    """Random weights of ``cfg``'s shapes (normal * 0.02, norms one: ``sharding.random_state``), committed to
+    the first device; ``tensor_parallel_size > 1``: created directly split over that many devices, never
+    whole on one device (the same values as on one device)."""
+    from .sharding import make_mesh, random_state, shard_config
+
+    if tensor_parallel_size > 1:
+        mesh = make_mesh(tensor_parallel_size)
+        graphdef, state = random_state(shard_config(cfg, tensor_parallel_size), dtype, seed, mesh)
+        return ModelParams(cfg, graphdef, state, dtype, path, from_cache=False, mesh=mesh)
+    graphdef, state = random_state(cfg, dtype, seed)
     return ModelParams(cfg, graphdef, state, dtype, path, from_cache=False)
 
 
