@@ -123,7 +123,7 @@ def serve_llm_args(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, memory_fraction=args.gpu_memory_utilization,
                 enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
                 tensor_parallel_size=args.tensor_parallel_size, attention_backend=args.attention_backend,
-                num_blocks=args.num_blocks, seed=args.seed)
+                num_blocks=args.num_blocks, seed=args.seed, kv_offloading_size=args.kv_offloading_size)
 
 
 def serve_cmd(args: argparse.Namespace) -> None:
@@ -182,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     s.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     s.add_argument("--kv-cache-dtype", default="auto")
+    s.add_argument("--kv-offloading-size", type=float, default=0,
+                   help="GiB of host memory for evicted prefix-cache blocks (0: none)")
     s.add_argument("--tensor-parallel-size", type=int, default=1)
     s.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     s.add_argument("--attention-backend", default="auto")

@@ -56,6 +56,10 @@ class EngineConfig:
     scheduling_policy: the order waiting requests are admitted in: ``fcfs`` (arrival order) or
       ``prefix_affinity`` (requests whose prefix is cached or being computed first, with a bounded
       wait so nothing starves).
+    kv_offloading_size: GiB of host memory for a second prefix-cache tier under the device pool (0: none).
+      A cached block the device pool evicts is copied there (``pinned_host`` memory) and stays
+      findable; a later prefix hit on it copies it back instead of recomputing it
+      (``kv/host_tier.py``). With tensor parallelism, the total over all devices (vLLM's meaning).
     tensor_parallel_size: devices the model is split over (heads, MLP columns, vocabulary, KV heads;
       ``jaxpaged/models/sharding.py``); load the weights with the same ``tensor_parallel_size``.
     Precision: float32 weights mean IEEE float32 in every matmul and kernel dot (never TF32); bfloat16
@@ -80,6 +84,7 @@ class EngineConfig:
     batch_invariant: bool = False
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
+    kv_offloading_size: float = 0
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -95,6 +100,12 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        size = self.kv_offloading_size
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not size >= 0:
+            raise ValueError(f"kv_offloading_size must be a number of GiB >= 0, got {size!r}")
+        if size and not (self.enable_prefix_caching and self.reservation == "paged"):
+            raise ValueError("kv_offloading_size is a tier of the prefix cache: it needs enable_prefix_caching=True "
+                             f"and reservation='paged' (got {self.enable_prefix_caching}, {self.reservation!r})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.reservation not in RESERVATIONS:

@@ -43,6 +43,7 @@ from ..sampling.features import prompt_logprob_positions
 from ..sampling.sampler import SAMPLING_MODES
 from .executable_cache import ExecutableCache, cache_key
 from .heap import freeze_long_lived_heap
+from .kv_transfer import KVTransfers
 from .metrics import EngineMetrics, StepRecord
 from .model_runner import ModelRunner, enable_compilation_cache
 from .readback import make_token_reader
@@ -119,15 +120,22 @@ class LLMEngine:
             params, jnp.dtype(self.kv_dtype).itemsize) * (config.block_size + scale_rows(self.kv_dtype)) \
             // config.block_size
         prefix_caching = config.enable_prefix_caching and config.reservation == "paged"
+        # The host tier: as many blocks as kv_offloading_size holds (none if it holds less than one).
+        num_host_blocks = int(config.kv_offloading_size * 2**30 // (config.block_size * self.bytes_per_token))
         self.kv = KVCacheManager(self.num_blocks, config.block_size, enable_prefix_caching=prefix_caching,
                                  reservation=config.reservation, max_model_len=self.max_model_len,
-                                 event_log=config.event_log, bytes_per_token_slot=self.bytes_per_token)
+                                 event_log=config.event_log, bytes_per_token_slot=self.bytes_per_token,
+                                 num_host_blocks=num_host_blocks)
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len, eos_token_ids=cfg.eos_token_id,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    scheduling_policy=config.scheduling_policy)
         self.kv_pool = make_kv_pool(params, self.num_blocks, config.block_size, self.kv_dtype)
+        self.kv_transfers = KVTransfers(self.kv_pool, num_host_blocks) if self.kv.host is not None else None
+        if config.kv_offloading_size:
+            log.info("KV host tier: %d blocks, %.2f GiB", num_host_blocks,
+                     num_host_blocks * config.block_size * self.bytes_per_token / 2**30)
         log.info("KV pool: %d blocks x %d tokens = %d tokens, %.2f GiB %s; max_model_len %d", self.num_blocks,
                  config.block_size, self.num_blocks * config.block_size,
                  self.num_blocks * config.block_size * self.bytes_per_token / 2**30, self.kv_dtype, self.max_model_len)
@@ -306,6 +314,10 @@ class LLMEngine:
         aborted, self._aborted = self._aborted, []
         outputs = [o for o in map(self._outputs.make_output, aborted) if o is not None]
         scheduled = self.scheduler.schedule()
+        if self.kv_transfers is not None:  # offloads of evicted blocks, reloads of host hits: before the step
+            transfers = self.kv.take_transfers()
+            if transfers:
+                self.kv_pool = self.kv_transfers.run(self.kv_pool, transfers)
         if not scheduled:
             touched = self._resolve(self._in_flight)
             if not touched and not aborted and self.scheduler.has_unfinished():
@@ -341,6 +353,7 @@ class LLMEngine:
             if state.first_scheduled is None:
                 state.first_scheduled = now
                 state.num_cached_tokens = seq.num_cached_tokens
+                state.num_host_cached_tokens = seq.num_host_cached_tokens
         return build_step_inputs(scheduled, self.kv.tables, self.config.block_size, width=self._table_width,
                                  max_seqs=self.config.max_num_seqs, prev_rows=self._pending_rows,
                                  eos_token_ids=self.params.config.eos_token_id,
@@ -457,6 +470,8 @@ class LLMEngine:
             bar = tqdm(total=2 if jax.default_backend() == "gpu" else 1, unit="phase",
                        desc=f"jaxpaged: compiling {len(steps)} step shapes")
         compiled = self.runner.precompile(self.params.state, self.kv_pool, steps, self._prev_tokens)
+        if self.kv_transfers is not None:
+            self.kv_transfers.warmup(self.kv_pool)
         if bar is not None:
             bar.update(1)
         t_run = time.perf_counter()
@@ -505,10 +520,15 @@ class LLMEngine:
                  attention_backend=self.runner.attention_backend, step_seconds=self.metrics.total_seconds,
                  host_seconds=self.metrics.host_seconds, device_wait_seconds=self.metrics.device_seconds,
                  token_readback=self.token_readback)
+        if self.kv_transfers is not None:
+            s.update(self.kv_transfers.stats())
         return s
 
     def explain_prefix(self, a: str | SequenceT[int], b: str | SequenceT[int]) -> PrefixDivergence:
-        """The first block (and token) where two prompts diverge: why they share no more cached blocks."""
+        """The first block (and token) where two prompts diverge: why they share no more cached blocks;
+        and where this engine's cache holds the shared blocks now (``cached_tiers``: GPU, host tier)."""
         _, ids_a = self._tokenize(a, "a")
         _, ids_b = self._tokenize(b, "b")
-        return explain_prefix(ids_a, ids_b, self.config.block_size)
+        trie = self.kv.trie
+        tiers = [node.tier for node in trie.path(ids_a)] if trie is not None else None
+        return explain_prefix(ids_a, ids_b, self.config.block_size, cached_tiers=tiers)

@@ -5,6 +5,7 @@ Vocabulary (vLLM's):
   tables live in the KV manager's ``BlockTables`` matrix, the sequence knows only its row;
 * slot: ``block_id * block_size + offset``, the row of the flattened KV pool a token's K/V occupy;
 * ``num_cached_tokens``: prompt tokens whose K/V came from the prefix cache at admission;
+  ``num_host_cached_tokens`` of them were copied back from the host tier;
 * ``num_computed_tokens``: tokens whose K/V are in the pool (cached or computed so far). Chunked
   prefill advances it chunk by chunk; a decode step advances it by one.
 """
@@ -36,7 +37,7 @@ class Sequence:
 
     __slots__ = (
         "request_id", "token_ids", "num_prompt_tokens", "block_table_row", "num_cached_tokens",
-        "num_computed_tokens", "status", "finish_reason", "sampling_params", "cache_salt",
+        "num_host_cached_tokens", "num_computed_tokens", "status", "finish_reason", "sampling_params", "cache_salt",
         "arrival_time", "first_token_time", "finish_time",
         # Output side (engine / output processor): the user request this sequence is sample ``index`` of,
         # what stopped it (a stop token id or string), its incremental detokenizer, and its logprobs.
@@ -56,6 +57,7 @@ class Sequence:
         self.num_prompt_tokens: int = len(self.token_ids)
         self.block_table_row: int = -1
         self.num_cached_tokens: int = 0
+        self.num_host_cached_tokens: int = 0
         self.num_computed_tokens: int = 0
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"

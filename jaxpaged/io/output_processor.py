@@ -32,6 +32,7 @@ class RequestState:
     seqs: list[Sequence] = dataclasses.field(default_factory=list)
     first_scheduled: float | None = None
     num_cached_tokens: int = 0
+    num_host_cached_tokens: int = 0
     sent_tokens: list[int] = dataclasses.field(default_factory=list)
     sent_chars: list[int] = dataclasses.field(default_factory=list)
     sent_finished: list[bool] = dataclasses.field(default_factory=list)
@@ -146,4 +147,4 @@ class OutputProcessor:
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
                              num_cached_tokens=state.num_cached_tokens, metrics=metrics,
-                             prompt_logprobs=prompt_lps)
+                             prompt_logprobs=prompt_lps, num_host_cached_tokens=state.num_host_cached_tokens)

@@ -67,6 +67,7 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache at (first) admission
     metrics: RequestMetrics
     prompt_logprobs: PromptLogprobs | None = None
+    num_host_cached_tokens: int = 0  # of num_cached_tokens: copied back from the host tier (kv_offloading_size)
 
 
 def merge_deltas(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:

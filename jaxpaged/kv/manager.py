@@ -10,6 +10,9 @@ protocol:
 2. Each step, before computing ``n`` tokens of a sequence: ``can_append(seq, n)`` / ``append(seq, n)``
    make room for ``num_computed_tokens + n`` tokens (a no-op during a chunked prefill, since
    admission covered the whole prompt; one new block every ``block_size`` decode steps).
+   With a host tier, a hit may be on blocks that were offloaded: admission allocates device blocks
+   for them and queues their reloads; ``take_transfers()`` hands the queued copies (reloads and
+   the offloads of evicted blocks) to the engine, which runs them before the next step.
 3. After the step, the scheduler advances ``seq.num_computed_tokens`` and calls
    ``cache_full_blocks(seq)``: blocks that are now full of computed K/V enter the prefix cache.
 4. ``free(seq)`` when the request finishes or is preempted: its full blocks stay cached (LRU pool).
@@ -42,7 +45,10 @@ class KVCacheManager:
         event_log: bool | int = False,
         bytes_per_token_slot: int | None = None,
         reserve_request_max_len: bool = False,
+        num_host_blocks: int = 0,
     ) -> None:
+        """``num_host_blocks``: slots of the host tier under the prefix cache (0: none; ``paged`` with
+        prefix caching only)."""
         self.block_size = check_block_size(block_size)
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -55,7 +61,7 @@ class KVCacheManager:
         self.policy: ReservationPolicy
         if reservation == "paged":
             self.policy = PagedReservation(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
-                                           counters=self.counters, events=self.events)
+                                           counters=self.counters, events=self.events, num_host_slots=num_host_blocks)
         elif reservation == "max_len":
             if enable_prefix_caching:
                 raise ValueError(
@@ -64,6 +70,8 @@ class KVCacheManager:
                 )
             self.policy = MaxLenReservation(num_blocks, block_size, max_model_len, reserve_request_max_len,
                                             self.counters)
+            if num_host_blocks:
+                raise ValueError("a host tier (num_host_blocks) holds prefix-cache blocks: it needs reservation='paged'")
         else:
             raise ValueError(f"reservation must be 'paged' or 'max_len', got {reservation!r}")
         self.tables = BlockTables()
@@ -90,6 +98,16 @@ class KVCacheManager:
     def trie(self) -> PrefixTrie | None:
         """The prefix trie (``None`` when prefix caching is off): for inspection."""
         return self.policy.trie
+
+    @property
+    def host(self):
+        """The host tier's slots (``kv.host_tier.HostBlockPool``; ``None`` without one): for inspection."""
+        return getattr(self.policy, "host", None)
+
+    def take_transfers(self) -> list:
+        """Block copies between the tiers decided since the last call (``kv.host_tier.Transfer``), in
+        the order they must run, before the next step reads or writes the pool."""
+        return self.policy.take_transfers() if self.host is not None else []
 
     @property
     def num_free_blocks(self) -> int:
@@ -267,6 +285,8 @@ class KVCacheManager:
             blocks_used=self.num_used_blocks, blocks_free=self.num_free_blocks,
             blocks_cached=self.num_cached_blocks, filled_slots=self.filled_slots(),
             bytes_per_token_slot=self.bytes_per_token_slot,
+            host_blocks=self.host.num_slots if self.host is not None else 0,
+            host_blocks_used=self.host.num_used_slots if self.host is not None else 0,
         )
 
     def check_invariants(self) -> None:

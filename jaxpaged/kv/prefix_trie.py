@@ -3,14 +3,16 @@
 A node is one full block: its key is the exact tuple of its ``block_size`` token ids, and it sits under
 the node of the block before it, so the path from the root spells the whole prefix. A hit is therefore
 always a true prefix: there is no content hash to collide, and a block's K/V (which depends on every
-token before it) is only ever reused after exactly the same tokens. Each node records the physical
-block id that holds those K/V and when it was last used.
+token before it) is only ever reused after exactly the same tokens. Each node records where those K/V
+live: a physical block of the device pool (``block_id``), a slot of the host tier (``host_slot``,
+``kv/host_tier.py``), or both; a node always lives in at least one.
 
 An optional ``cache_salt`` (e.g. a tenant id) selects a separate root, so requests with different
 salts never share blocks. Only full blocks enter the trie; a partially filled last block never does.
 
-The trie does not own memory: the ``BlockAllocator`` decides when an unreferenced cached block is
-reclaimed and then calls ``evict(block_id)``.
+The trie does not own memory: the ``BlockAllocator`` (device) and the ``HostBlockPool`` (host) decide
+when a cached block is reclaimed; the reservation policy then moves the node to the other tier
+(``drop_gpu`` / ``drop_host``) or removes it with its subtree (``remove``).
 """
 
 from __future__ import annotations
@@ -21,22 +23,31 @@ from jaxpaged.kv.allocator import check_block_size
 
 
 class TrieNode:
-    """One cached full block (or, with ``block_id == -1``, the root of one salt's subtree).
+    """One cached full block (or, with ``parent is None``, the root of one salt's subtree).
 
-    ``key`` is the block's tuple of token ids; for a root it is the root's cache salt.
+    ``key`` is the block's tuple of token ids; for a root it is the root's cache salt. ``block_id``: the
+    device pool's block holding its K/V (-1: not on the device); ``host_slot``: the host tier's slot
+    holding a copy (-1: none).
     """
 
-    __slots__ = ("key", "block_id", "parent", "children", "alive")
+    __slots__ = ("key", "block_id", "host_slot", "parent", "children", "alive")
 
     def __init__(self, key: Hashable, block_id: int, parent: TrieNode | None) -> None:
         self.key = key
         self.block_id = block_id
+        self.host_slot = -1
         self.parent = parent
         self.children: dict[tuple[int, ...], TrieNode] = {}
         self.alive = True  # False once evicted or detached: a stale cursor must not be followed
 
+    @property
+    def tier(self) -> str:
+        """Where the block's K/V live: ``"gpu"``, ``"host"`` or ``"gpu+host"``."""
+        return {(True, False): "gpu", (False, True): "host", (True, True): "gpu+host"}[
+            (self.block_id >= 0, self.host_slot >= 0)]
+
     def __repr__(self) -> str:
-        return f"TrieNode(block_id={self.block_id}, children={len(self.children)})"
+        return f"TrieNode(block_id={self.block_id}, host_slot={self.host_slot}, children={len(self.children)})"
 
 
 def _as_list(tokens: SequenceT[int]) -> list[int]:
@@ -49,19 +60,37 @@ class PrefixTrie:
     def __init__(self, block_size: int) -> None:
         self.block_size = check_block_size(block_size)
         self._roots: dict[Hashable, TrieNode] = {}
-        self._nodes: dict[int, TrieNode] = {}  # block id -> node
+        self._nodes: dict[int, TrieNode] = {}  # device block id -> node
+        self._host_nodes: dict[int, TrieNode] = {}  # host slot -> node
 
     def __len__(self) -> int:
+        """Device blocks the trie holds."""
         return len(self._nodes)
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._nodes
 
     def block_ids(self) -> list[int]:
+        """Device blocks the trie holds."""
         return list(self._nodes)
+
+    def host_slots(self) -> list[int]:
+        """Host-tier slots the trie holds."""
+        return list(self._host_nodes)
 
     def node(self, block_id: int) -> TrieNode:
         return self._nodes[block_id]
+
+    def walk(self):
+        """Every node below the roots, depth first (O(nodes): for invariant checks)."""
+        stack = [child for root in self._roots.values() for child in root.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def host_node(self, slot: int) -> TrieNode:
+        return self._host_nodes[slot]
 
     def _root(self, cache_salt: Hashable, create: bool) -> TrieNode | None:
         root = self._roots.get(cache_salt)
@@ -71,33 +100,37 @@ class PrefixTrie:
         return root
 
     # ---- lookup --------------------------------------------------------------------------------
-    def longest_prefix(
-        self, tokens: SequenceT[int], cache_salt: Hashable = None
-    ) -> tuple[list[int], TrieNode | None]:
-        """Longest cached run of full blocks of ``tokens`` that leaves at least one token to compute.
+    def longest_prefix(self, tokens: SequenceT[int], cache_salt: Hashable = None) -> list[TrieNode]:
+        """Nodes of the longest cached run of full blocks of ``tokens`` (in either tier) that leaves at
+        least one token to compute, root side first.
 
-        Returns the physical block ids and the deepest matched node (``None`` if nothing matched).
         A prompt of exactly ``k`` full blocks matches at most ``k - 1``: the model still needs logits
         for the last prompt token, so at least that token's K/V must be computed.
         """
+        return self.path(tokens, cache_salt, max_blocks=(len(tokens) - 1) // self.block_size)
+
+    def path(self, tokens: SequenceT[int], cache_salt: Hashable = None, max_blocks: int | None = None) -> list[TrieNode]:
+        """Nodes of the cached full blocks of ``tokens`` from the first on, up to ``max_blocks``."""
         bs = self.block_size
-        max_blocks = (len(tokens) - 1) // bs
+        if max_blocks is None:
+            max_blocks = len(tokens) // bs
         node = self._roots.get(cache_salt)
         if node is None or max_blocks <= 0:
-            return [], None
+            return []
         tokens = _as_list(tokens)
-        hits: list[int] = []
+        hits: list[TrieNode] = []
         for i in range(max_blocks):
             child = node.children.get(tuple(tokens[i * bs : (i + 1) * bs]))
             if child is None:
                 break
-            hits.append(child.block_id)
+            hits.append(child)
             node = child
-        return hits, (node if hits else None)
+        return hits
 
     def match(self, tokens: SequenceT[int], cache_salt: Hashable = None) -> list[int]:
-        """Physical block ids of the longest cached prefix of ``tokens`` (see ``longest_prefix``)."""
-        return self.longest_prefix(tokens, cache_salt)[0]
+        """Device block ids of the longest cached prefix of ``tokens`` (see ``longest_prefix``; -1 for
+        a block that is on the host tier only)."""
+        return [node.block_id for node in self.longest_prefix(tokens, cache_salt)]
 
     # ---- insertion -----------------------------------------------------------------------------
     def insert(
@@ -117,7 +150,8 @@ class PrefixTrie:
         each new block in O(1) instead of re-walking its prefix. A dead or missing cursor restarts
         from the root. If a node for a block's tokens already exists (another request computed the
         same prefix at the same time), that node is kept and followed; the duplicate block is not
-        cached and will simply be freed by its owner.
+        cached and will simply be freed by its owner, unless the node lives on the host tier only:
+        then the freshly computed block becomes its device copy.
 
         Returns the newly cached block ids (the caller marks them cached in the allocator) and the
         deepest node reached, to pass back as ``parent`` next time.
@@ -140,18 +174,78 @@ class PrefixTrie:
         for i in range(start_block, num_blocks):
             key = tuple(tokens[i * bs : (i + 1) * bs])
             child = node.children.get(key)
-            if child is None:
+            if child is None or child.block_id < 0:
                 block_id = int(block_ids[i])
                 if block_id in self._nodes:
                     raise ValueError(
                         f"block {block_id} is already cached under a different prefix; a block "
                         "table must not reuse a cached block for other tokens"
                     )
-                child = node.children[key] = TrieNode(key, block_id, node)
+                if child is None:
+                    child = node.children[key] = TrieNode(key, block_id, node)
+                else:
+                    child.block_id = block_id
                 self._nodes[block_id] = child
                 new.append(block_id)
             node = child
         return new, node
+
+    # ---- tiers ---------------------------------------------------------------------------------
+    def attach_gpu(self, node: TrieNode, block_id: int) -> None:
+        """A host-only node's K/V now (also) live in device block ``block_id`` (a reload)."""
+        if node.block_id >= 0 or block_id in self._nodes:
+            raise ValueError(f"cannot attach block {block_id} to {node!r}")
+        node.block_id = block_id
+        self._nodes[block_id] = node
+
+    def drop_gpu(self, block_id: int) -> TrieNode:
+        """The device block of a node that also has a host copy is reclaimed: the node stays, host only."""
+        node = self._nodes.pop(block_id)
+        if node.host_slot < 0:
+            raise ValueError(f"block {block_id} has no host copy: remove its node instead")
+        node.block_id = -1
+        return node
+
+    def set_host(self, node: TrieNode, slot: int) -> None:
+        """Host slot ``slot`` now holds a copy of ``node``'s K/V (an offload)."""
+        if node.host_slot >= 0 or slot in self._host_nodes:
+            raise ValueError(f"cannot give host slot {slot} to {node!r}")
+        node.host_slot = slot
+        self._host_nodes[slot] = node
+
+    def drop_host(self, slot: int) -> TrieNode:
+        """The host copy of a node that also lives on the device is reclaimed: the node stays."""
+        node = self._host_nodes.pop(slot)
+        if node.block_id < 0:
+            raise ValueError(f"host slot {slot} is its node's only copy: remove the node instead")
+        node.host_slot = -1
+        return node
+
+    def remove(self, node: TrieNode) -> list[TrieNode]:
+        """Removes ``node`` and its subtree (no longer reachable from the root); returns the removed
+        descendants (not ``node``), whose device blocks and host slots the caller releases."""
+        for index, key in ((self._nodes, node.block_id), (self._host_nodes, node.host_slot)):
+            if key >= 0:
+                del index[key]
+        parent = node.parent
+        del parent.children[node.key]
+        node.alive = False
+        if parent.parent is None and not parent.children:  # empty salt root: drop it
+            del self._roots[parent.key]
+            parent.alive = False
+        removed: list[TrieNode] = []
+        stack = list(node.children.values())
+        while stack:
+            child = stack.pop()
+            child.alive = False
+            if child.block_id >= 0:
+                del self._nodes[child.block_id]
+            if child.host_slot >= 0:
+                del self._host_nodes[child.host_slot]
+            removed.append(child)
+            stack.extend(child.children.values())
+        node.children.clear()
+        return removed
 
     # ---- eviction ------------------------------------------------------------------------------
     def evict(self, block_id: int) -> list[int]:
@@ -161,22 +255,7 @@ class PrefixTrie:
         If it still has children, they can no longer be reached from the root, so the whole subtree
         is detached and its block ids are returned for the allocator to uncache.
         """
-        node = self._nodes.pop(block_id, None)
+        node = self._nodes.get(block_id)
         if node is None:
             raise KeyError(f"block {block_id} is not in the prefix trie")
-        parent = node.parent
-        del parent.children[node.key]
-        node.alive = False
-        if parent.parent is None and not parent.children:  # empty salt root: drop it
-            del self._roots[parent.key]
-            parent.alive = False
-        detached: list[int] = []
-        stack = list(node.children.values())
-        while stack:
-            child = stack.pop()
-            child.alive = False
-            del self._nodes[child.block_id]
-            detached.append(child.block_id)
-            stack.extend(child.children.values())
-        node.children.clear()
-        return detached
+        return [child.block_id for child in self.remove(node) if child.block_id >= 0]

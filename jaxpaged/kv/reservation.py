@@ -3,7 +3,8 @@
 The ``KVCacheManager`` owns the block tables and asks its policy for physical blocks:
 
 * ``paged`` (:class:`PagedReservation`, here): blocks on demand from the ``BlockAllocator``, full
-  blocks shared through the token-exact ``PrefixTrie`` (prefix caching, optional);
+  blocks shared through the token-exact ``PrefixTrie`` (prefix caching, optional), evicted cached
+  blocks kept in a host tier (``kv/host_tier.py``, optional);
 * ``max_len`` (:class:`jaxpaged.kv.max_len.MaxLenReservation`): one contiguous run of
   ``ceil(max_model_len / bs)`` blocks reserved at admission, like a contiguous KV cache.
 
@@ -17,6 +18,7 @@ from typing import Protocol
 
 from jaxpaged.kv.allocator import BlockAllocator
 from jaxpaged.kv.errors import BlockStateError, OutOfBlocksError
+from jaxpaged.kv.host_tier import HostBlockPool, Transfer
 from jaxpaged.kv.prefix_trie import PrefixTrie, TrieNode
 from jaxpaged.kv.stats import EventLog, KVCounters
 from jaxpaged.engine.sequence import Sequence
@@ -60,20 +62,28 @@ class ReservationPolicy(Protocol):
 
 
 class PagedReservation:
-    """The ``paged`` policy: blocks on demand, shared full blocks through the prefix trie."""
+    """The ``paged`` policy: blocks on demand, shared full blocks through the prefix trie.
+
+    ``num_host_slots > 0`` (prefix caching on) adds the host tier: an evicted cached block is copied to
+    a host slot and stays findable; a hit on it allocates a device block and copies it back. The
+    copies are queued in ``transfers`` (in decision order) for the engine to run before its next step.
+    """
 
     name = "paged"
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool,
-                 counters: KVCounters, events: EventLog | None) -> None:
+                 counters: KVCounters, events: EventLog | None, num_host_slots: int = 0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.counters = counters
         self.events = events
         self.allocator = BlockAllocator(num_blocks, block_size, on_evict=self._on_evict)
         self.trie = PrefixTrie(block_size) if enable_prefix_caching else None
+        self.host = (HostBlockPool(num_host_slots, on_evict=self._on_host_evict)
+                     if enable_prefix_caching and num_host_slots > 0 else None)
+        self.transfers: list[Transfer] = []
         self._cursors: dict[str, tuple[int, TrieNode | None]] = {}  # blocks in trie, deepest node
-        self._last_match: tuple | None = None  # (seq, num_tokens, version, hits, node)
+        self._last_match: tuple | None = None  # (seq, num_tokens, version, hits)
 
     @property
     def num_free_blocks(self) -> int:
@@ -92,50 +102,76 @@ class PagedReservation:
         return self.allocator.num_shared_references
 
     # ---- admission -------------------------------------------------------------------------------
-    def _match(self, seq: Sequence) -> tuple[list[int], TrieNode | None]:
-        """Prefix hit for ``seq`` (memoised between ``can_admit`` and ``admit``)."""
+    def _match(self, seq: Sequence) -> list[TrieNode]:
+        """Prefix hit for ``seq``, in either tier (memoised between ``can_admit`` and ``admit``)."""
         if self.trie is None:
-            return [], None
+            return []
         last = self._last_match
-        # The trie changes on evictions and on insertions: either makes a remembered match stale.
-        version = (self.allocator.num_evictions, self.counters.blocks_inserted)
+        # The trie changes on evictions (of either tier) and on insertions: each makes a remembered
+        # match stale.
+        version = (self.allocator.num_evictions, self.counters.blocks_inserted, self.counters.host_evictions)
         if last is not None and last[0] is seq and last[1] == seq.num_tokens and last[2] == version:
-            return last[3], last[4]
-        hits, node = self.trie.longest_prefix(seq.token_ids, seq.cache_salt)
-        self._last_match = (seq, seq.num_tokens, version, hits, node)
-        return hits, node
+            return last[3]
+        hits = self.trie.longest_prefix(seq.token_ids, seq.cache_salt)
+        self._last_match = (seq, seq.num_tokens, version, hits)
+        return hits
 
     def prefix_hit_blocks(self, seq: Sequence) -> int:
-        return len(self._match(seq)[0])
+        return len(self._match(seq))
 
-    def _shortfall(self, seq: Sequence) -> tuple[list[int], TrieNode | None, int, int]:
-        """(hits, node, blocks to allocate, blocks available for them) for admitting ``seq``."""
-        hits, node = self._match(seq)
+    def _shortfall(self, seq: Sequence) -> tuple[list[TrieNode], int, int]:
+        """(hit nodes, blocks to allocate, blocks available for them) for admitting ``seq``. A hit on
+        the host tier needs a device block too (its reload's destination)."""
+        hits = self._match(seq)
         alloc = self.allocator
-        need = -(-seq.num_tokens // self.block_size) - len(hits)
-        available = alloc.num_available_blocks - sum(map(alloc.is_evictable, hits))
-        return hits, node, need, available
+        on_gpu = [node.block_id for node in hits if node.block_id >= 0]
+        need = -(-seq.num_tokens // self.block_size) - len(on_gpu)
+        available = alloc.num_available_blocks - sum(map(alloc.is_evictable, on_gpu))
+        return hits, need, available
 
     def can_admit(self, seq: Sequence) -> bool:
-        _, _, need, available = self._shortfall(seq)
+        _, need, available = self._shortfall(seq)
         return need <= available
 
     def admit(self, seq: Sequence) -> tuple[list[int], list[int]]:
-        hits, node, need, available = self._shortfall(seq)
+        """``(hit blocks in prefix order, new blocks)``; the hits include blocks reloaded from the host
+        tier, whose copies are queued in ``transfers`` (``seq.num_host_cached_tokens`` counts them)."""
+        hits, need, available = self._shortfall(seq)
         if need > available:
             raise OutOfBlocksError(f"request {seq.request_id!r} needs {need} new blocks, {available} free or evictable")
-        for block_id in hits:
-            self.allocator.incref(block_id)
+        on_host = [node for node in hits if node.block_id < 0]
+        for node in hits:
+            if node.block_id >= 0:
+                self.allocator.incref(node.block_id)
+            else:  # (its own allocation below may evict on the host: not these)
+                self.host.pin(node.host_slot)
         new = self.allocator.allocate(need)
+        if on_host:
+            self._reload(seq, on_host, new[: len(on_host)])
+            new = new[len(on_host):]
+        seq.num_host_cached_tokens = len(on_host) * self.block_size
         if self.trie is not None:
             c = self.counters
             c.prefix_queries += 1
             c.prefix_query_tokens += seq.num_tokens
             c.prefix_hit_blocks += len(hits)
             c.prefix_hit_tokens += len(hits) * self.block_size
-            self._cursors[seq.request_id] = (len(hits), node)
+            c.host_hit_blocks += len(on_host)
+            self._cursors[seq.request_id] = (len(hits), hits[-1] if hits else None)
         self._last_match = None
-        return hits, new
+        return [node.block_id for node in hits], new
+
+    def _reload(self, seq: Sequence, nodes: list[TrieNode], blocks: list[int]) -> None:
+        """Host-only hit ``nodes`` get device ``blocks`` (cached again at once) and a reload each."""
+        for node, block_id in zip(nodes, blocks):
+            self.trie.attach_gpu(node, block_id)
+            self.allocator.mark_cached(block_id)
+            self.transfers.append(Transfer("reload", block_id, node.host_slot))
+        for node in reversed(nodes):  # the prefix's first block most recently used: evicted last
+            self.host.unpin(node.host_slot)
+        self.counters.blocks_reloaded += len(nodes)
+        if self.events is not None:
+            self.events.record("reload", blocks, seq.request_id)
 
     # ---- growth ----------------------------------------------------------------------------------
     def can_grow(self, seq: Sequence, num_blocks: int, missing: int) -> bool:
@@ -173,11 +209,64 @@ class PagedReservation:
         return new
 
     def _on_evict(self, block_id: int) -> list[int]:
-        detached = self.trie.evict(block_id)
+        """The allocator reclaims cached device block ``block_id``. With a host tier its node moves
+        there (copied now unless a host copy exists); otherwise, or when no host slot can be had, the
+        node and its subtree leave the trie and the subtree's device blocks are returned."""
         self.counters.evictions += 1
+        node = self.trie.node(block_id)
+        if self.host is not None:
+            if node.host_slot >= 0:
+                self.host.touch(node.host_slot)
+            else:
+                slot = self.host.allocate()  # (evicting on the host may remove this very node)
+                if slot is not None and node.alive:
+                    self.trie.set_host(node, slot)
+                    self.transfers.append(Transfer("offload", block_id, slot))
+                    self.counters.blocks_offloaded += 1
+                    if self.events is not None:
+                        self.events.record("offload", [block_id])
+                elif slot is not None:
+                    self.host.release(slot)
+            if not node.alive or node.host_slot >= 0:  # removed with an ancestor, or now on the host
+                if node.alive:
+                    self.trie.drop_gpu(block_id)
+                if self.events is not None:
+                    self.events.record("evict", [block_id])
+                return []
+        detached = self._remove(node)
         if self.events is not None:
             self.events.record("evict", [block_id, *detached])
         return detached
+
+    def _remove(self, node: TrieNode) -> list[int]:
+        """Removes ``node`` and its subtree from the trie, frees their host slots and returns the
+        descendants' device blocks (for the allocator to uncache)."""
+        removed = self.trie.remove(node)
+        gpu = []
+        for child in removed:
+            if child.block_id >= 0:
+                gpu.append(child.block_id)
+            if child.host_slot >= 0:
+                self.host.release(child.host_slot)
+        return gpu
+
+    def _on_host_evict(self, slot: int) -> None:
+        """The host tier reclaims ``slot``: a node also on the device keeps that copy; a host-only node
+        leaves the trie with its subtree (whose device blocks the allocator uncaches)."""
+        self.counters.host_evictions += 1
+        node = self.trie.host_node(slot)
+        if node.block_id >= 0:
+            self.trie.drop_host(slot)
+        else:  # (its own slot is the one being handed out: not released)
+            for block_id in self._remove(node):
+                self.allocator.uncache(block_id)
+        if self.events is not None:
+            self.events.record("host_evict", [slot])
+
+    def take_transfers(self) -> list[Transfer]:
+        """The copies decided since the last call, in order (the engine runs them before its next step)."""
+        out, self.transfers = self.transfers, []
+        return out
 
     # ---- release ---------------------------------------------------------------------------------
     def release(self, seq: Sequence, block_table: list[int]) -> None:
@@ -192,6 +281,17 @@ class PagedReservation:
         if len(free) != alloc.num_free_blocks:
             raise BlockStateError("a block is on the free list twice")
         in_trie = set(trie.block_ids()) if trie is not None else set()
+        if self.host is not None:
+            used = self.host.used_slots()
+            if used != set(trie.host_slots()) or len(used) != self.host.num_used_slots:
+                raise BlockStateError(f"host slots in use {sorted(used)} differ from the trie's {sorted(trie.host_slots())}")
+        if trie is not None:
+            for node in trie.walk():
+                if not node.alive or (node.block_id < 0 and node.host_slot < 0):
+                    raise BlockStateError(f"{node!r}: a trie node in no tier (or dead but linked)")
+                if (node.block_id >= 0 and trie.node(node.block_id) is not node) or \
+                        (node.host_slot >= 0 and trie.host_node(node.host_slot) is not node):
+                    raise BlockStateError(f"{node!r}: the trie's index disagrees")
         shared = 0
         for b in range(self.num_blocks):
             refs = alloc.ref_count(b)

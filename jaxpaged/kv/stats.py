@@ -30,6 +30,10 @@ class KVCounters:
     blocks_allocated: int = 0  # fresh blocks handed out (hits excluded)
     blocks_inserted: int = 0  # blocks newly registered in the prefix trie
     evictions: int = 0  # cached blocks reclaimed from the LRU pool
+    host_hit_blocks: int = 0  # of prefix_hit_blocks: found on the host tier only (reloaded)
+    blocks_offloaded: int = 0  # evicted cached blocks copied to the host tier
+    blocks_reloaded: int = 0  # host-tier blocks copied back into the device pool
+    host_evictions: int = 0  # host slots reclaimed from the host tier's LRU
     max_len_admission_failures: int = 0  # max_len admissions refused (no contiguous run)
     max_len_fragmentation_failures: int = 0  # ... although enough blocks were free in total
     peak_blocks_used: int = 0
@@ -60,6 +64,14 @@ class KVStats:
     evictions: int
     max_len_admission_failures: int
     max_len_fragmentation_failures: int
+    host_blocks: int = 0  # the host tier's slots (0: no host tier)
+    host_blocks_used: int = 0
+    host_blocks_free: int = 0
+    host_hit_blocks: int = 0
+    host_hit_tokens: int = 0
+    blocks_offloaded: int = 0
+    blocks_reloaded: int = 0
+    host_evictions: int = 0
 
     def as_dict(self) -> dict[str, float | int | None]:
         return dataclasses.asdict(self)
@@ -73,6 +85,12 @@ class KVStats:
             f"free {self.blocks_free}, cached {self.blocks_cached}{kv}; utilisation "
             f"{self.block_utilisation:.1%}; prefix hit rate {self.prefix_hit_rate:.1%} "
             f"({self.prefix_hit_tokens}/{self.prefix_query_tokens} tokens); evictions {self.evictions}"
+            + (
+                f"; host tier {self.host_blocks_used}/{self.host_blocks} blocks, {self.host_hit_tokens} hit "
+                f"tokens, offloaded {self.blocks_offloaded}, reloaded {self.blocks_reloaded}"
+                if self.host_blocks
+                else ""
+            )
             + (
                 f"; max_len refusals {self.max_len_admission_failures} "
                 f"({self.max_len_fragmentation_failures} from fragmentation)"
@@ -102,6 +120,8 @@ def make_stats(
     blocks_cached: int,
     filled_slots: int,
     bytes_per_token_slot: int | None,
+    host_blocks: int = 0,
+    host_blocks_used: int = 0,
 ) -> KVStats:
     """Builds a ``KVStats`` snapshot from the counters and the pool's current state."""
     per_slot, allocated = bytes_per_token_slot, blocks_used * block_size
@@ -118,12 +138,16 @@ def make_stats(
         blocks_allocated=c.blocks_allocated, blocks_inserted=c.blocks_inserted, evictions=c.evictions,
         max_len_admission_failures=c.max_len_admission_failures,
         max_len_fragmentation_failures=c.max_len_fragmentation_failures,
+        host_blocks=host_blocks, host_blocks_used=host_blocks_used, host_blocks_free=host_blocks - host_blocks_used,
+        host_hit_blocks=c.host_hit_blocks, host_hit_tokens=c.host_hit_blocks * block_size,
+        blocks_offloaded=c.blocks_offloaded, blocks_reloaded=c.blocks_reloaded, host_evictions=c.host_evictions,
     )
 
 
 @dataclasses.dataclass(frozen=True)
 class KVEvent:
-    kind: str  # "allocate" | "free" | "hit" | "insert" | "evict"
+    kind: str  # "allocate" | "free" | "hit" | "insert" | "evict" | "offload" | "reload" | "host_evict"
+    # (block ids: device blocks; for "host_evict", host slots)
     block_ids: tuple[int, ...]
     request_id: str | None
     time: float
@@ -132,7 +156,7 @@ class KVEvent:
 class EventLog:
     """Optional, bounded log of block events (``maxlen=None`` keeps everything)."""
 
-    KINDS = ("allocate", "free", "hit", "insert", "evict")
+    KINDS = ("allocate", "free", "hit", "insert", "evict", "offload", "reload", "host_evict")
 
     def __init__(self, maxlen: int | None = 100_000) -> None:
         self._events: deque[KVEvent] = deque(maxlen=maxlen)
@@ -170,6 +194,9 @@ class PrefixDivergence:
     first_diff_block: int | None
     token_a: int | None  # token ids at the first difference (None: that sequence ended there)
     token_b: int | None
+    # Where an engine's prefix cache holds each shared full block now: "gpu", "host", "gpu+host" or
+    # "none" (empty when no cache was asked: ``explain_prefix`` without ``cached_tiers``).
+    cached_tiers: tuple[str, ...] = ()
 
     @property
     def identical(self) -> bool:
@@ -177,6 +204,9 @@ class PrefixDivergence:
 
     def __str__(self) -> str:
         shared = f"{self.shared_full_blocks} full blocks ({self.shared_full_blocks * self.block_size} tokens)"
+        if self.cached_tiers:
+            counts = {t: self.cached_tiers.count(t) for t in dict.fromkeys(self.cached_tiers)}
+            shared += " (cached now: " + ", ".join(f"{n} {t}" for t, n in counts.items()) + ")"
         if self.identical:
             return f"identical ({self.len_a} tokens); share {shared}"
         p, blk = self.first_diff_token, self.first_diff_block
@@ -190,10 +220,13 @@ class PrefixDivergence:
 
 
 def explain_prefix(
-    tokens_a: SequenceT[int], tokens_b: SequenceT[int], block_size: int
+    tokens_a: SequenceT[int], tokens_b: SequenceT[int], block_size: int,
+    cached_tiers: SequenceT[str] | None = None,
 ) -> PrefixDivergence:
     """Diagnoses a prefix-cache miss: the first token and block where ``tokens_a`` and ``tokens_b``
-    differ (e.g. a timestamp inside a system prompt), and how many full blocks they share."""
+    differ (e.g. a timestamp inside a system prompt), and how many full blocks they share.
+    ``cached_tiers``: where a cache holds ``tokens_a``'s full blocks (``TrieNode.tier`` of each, in
+    order, as far as the cache has them), kept for the shared blocks ("none" past the cached ones)."""
     check_block_size(block_size)
     a = np.asarray(tokens_a, dtype=np.int64)
     b = np.asarray(tokens_b, dtype=np.int64)
@@ -215,4 +248,6 @@ def explain_prefix(
         first_diff_block=None if first is None else first // block_size,
         token_a=None if first is None or first >= a.size else int(a[first]),
         token_b=None if first is None or first >= b.size else int(b[first]),
+        cached_tiers=() if cached_tiers is None else
+        tuple(list(cached_tiers[:shared]) + ["none"] * (shared - len(cached_tiers[:shared]))),
     )

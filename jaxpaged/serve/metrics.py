@@ -48,6 +48,14 @@ class _EngineCollector:
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s["prefix_query_tokens"])
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s["prefix_hit_tokens"])
         yield counter("num_preemptions", "Sequences preempted for lack of KV blocks.", s["preemptions"])
+        if s.get("host_blocks"):  # the host tier (kv_offloading_size)
+            yield gauge("kv_host_blocks_used", "Host-tier blocks holding an evicted cached prefix.", s["host_blocks_used"])
+            yield gauge("kv_host_blocks_total", "Blocks in the host tier.", s["host_blocks"])
+            yield counter("prefix_cache_host_hits", "Prompt tokens served from the host tier (reloaded).",
+                          s["host_hit_tokens"])
+            yield counter("kv_offloaded_bytes", "Bytes copied from the device pool to the host tier.", s["offload_bytes"])
+            yield counter("kv_reloaded_bytes", "Bytes copied from the host tier back to the device pool.",
+                          s["reload_bytes"])
 
 
 class ServerMetrics:

@@ -1,6 +1,6 @@
 """``batch_invariant=True``: a request's tokens (and the model's logits for a token) are bitwise the same
-whatever else is batched, arrival order, chunked prefill, prefix-cache hits, block size, preemption
-and async scheduling; in float32 and bf16, on the Pallas backend (interpret mode on the CPU).
+whatever else is batched, arrival order, chunked prefill, prefix-cache hits (on the device or reloaded
+from the host tier), block size, preemption and async scheduling; in float32 and bf16, on the Pallas backend (interpret mode on the CPU).
 
 The jnp reference attention backend is not batch-invariant (its batched dots and reductions follow
 XLA's shape-dependent code paths: a float32 token's logits were seen to change with the step's token
@@ -126,10 +126,17 @@ def test_chunked_prefill_prefix_cache_and_block_size_32(dtype, backend):
 
 
 @pytest.mark.parametrize("dtype,backend", F32)
-def test_block_size_8(dtype, backend):
-    eng = engine(dtype, backend, block_size=8, num_blocks=96)
-    run_to_completion(eng, PROMPTS[:2], SPS[:2])  # leaves cached blocks for the next wave
+def test_block_size_8_and_a_host_tier(dtype, backend):
+    """Blocks of 8 in a pool of 10 with a host tier (``kv_offloading_size``): the prompts, then two
+    others that evict their cached blocks to the host, then the prompts again, whose prefix hits are
+    copied back from the host."""
+    eng = engine(dtype, backend, block_size=8, num_blocks=10, kv_offloading_size=1e-3)
     check(dtype, backend, tokens(run_to_completion(eng, PROMPTS, SPS)), "block size 8")
+    others = [[int(t) for t in np.random.default_rng(9).integers(1, 512, 56)] for _ in range(2)]
+    run_to_completion(eng, others, SamplingParams(max_tokens=1))
+    check(dtype, backend, tokens(run_to_completion(eng, PROMPTS, SPS)), "block size 8, hits reloaded from the host")
+    assert eng.stats()["blocks_reloaded"] > 0
+    eng.kv.check_invariants()
 
 
 @pytest.mark.parametrize("dtype,backend", BF16)

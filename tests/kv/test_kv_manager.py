@@ -445,14 +445,16 @@ MAX_TOKENS = 40
 
 
 class KVMachine(RuleBasedStateMachine):
-    """Admit / grow (chunked prefill or decode) / finish / preempt / re-admit under a small pool."""
+    """Admit / grow (chunked prefill or decode) / finish / preempt / re-admit under a small pool, with
+    or without a host tier under the prefix cache (its copies applied as the device would, in order)."""
 
     @initialize(
         bs=st.sampled_from([1, 2, 4]),
         num_blocks=st.integers(6, 32),
-        mode=st.sampled_from(["cache", "cache", "cache", "nocache", "max_len"]),
+        mode=st.sampled_from(["cache", "cache", "host", "host", "nocache", "max_len"]),
+        host_slots=st.sampled_from([1, 2, 5, 40]),
     )
-    def setup(self, bs, num_blocks, mode):
+    def setup(self, bs, num_blocks, mode, host_slots):
         self.bs, self.n = bs, num_blocks
         if mode == "max_len":
             self.max_model_len = bs * min(num_blocks, 6)
@@ -460,7 +462,8 @@ class KVMachine(RuleBasedStateMachine):
                                       enable_prefix_caching=False, max_model_len=self.max_model_len)
         else:
             self.max_model_len = None
-            self.mgr = KVCacheManager(num_blocks, bs, enable_prefix_caching=mode == "cache")
+            self.mgr = KVCacheManager(num_blocks, bs, enable_prefix_caching=mode != "nocache",
+                                      num_host_blocks=host_slots if mode == "host" else 0)
         if self.mgr.allocator is not None:
             inner = self.mgr.allocator.on_evict
 
@@ -474,9 +477,18 @@ class KVMachine(RuleBasedStateMachine):
         self.waiting: list[Sequence] = []
         self.finished: list[Sequence] = []
         # What each physical block holds, as the device would: (salt, tokens from position 0 through
-        # the block's last written slot). None: allocated but not written yet.
+        # the block's last written slot). None: allocated but not written yet. Host slots likewise.
         self.content: dict[int, tuple | None] = {}
+        self.host_content: dict[int, tuple | None] = {}
         self.count = 0
+
+    def _copy(self):
+        """Runs the queued copies between the tiers, in order (what the engine does before a step)."""
+        for t in self.mgr.take_transfers():
+            if t.kind == "offload":
+                self.host_content[t.slot] = self.content[t.block_id]
+            else:
+                self.content[t.block_id] = self.host_content[t.slot]
 
     def _too_large(self, num_tokens):
         if self.max_model_len is not None and num_tokens > self.max_model_len:
@@ -496,6 +508,7 @@ class KVMachine(RuleBasedStateMachine):
             self.waiting.append(s)
             return
         self.mgr.admit(s)
+        self._copy()
         s.status = SequenceStatus.RUNNING
         bs, hits = self.bs, s.num_cached_tokens // self.bs
         assert s.num_cached_tokens % bs == 0 and s.num_cached_tokens <= s.num_tokens - 1
@@ -538,7 +551,9 @@ class KVMachine(RuleBasedStateMachine):
             with pytest.raises(OutOfBlocksError):
                 self.mgr.append(s, n)
             return
-        for b in self.mgr.append(s, n):
+        new = self.mgr.append(s, n)
+        self._copy()
+        for b in new:
             self.content[b] = None
         bs, table = self.bs, self.mgr.block_table(s)
         for j in range(s.num_computed_tokens // bs, (required - 1) // bs + 1):  # "compute" K/V
@@ -603,6 +618,16 @@ class KVMachine(RuleBasedStateMachine):
             assert trie._roots[node.key] is node
             path = tuple(t for key in reversed(keys) for t in key)
             assert self.content[b] == (node.key, path)
+        host = mgr.host
+        if host is not None:
+            assert host.num_used_slots <= host.num_slots
+            for slot in trie.host_slots():  # every host copy holds exactly the tokens of its trie path
+                node, keys = trie.host_node(slot), []
+                while node.parent is not None:
+                    assert node.alive and node.parent.children[node.key] is node
+                    keys.append(node.key)
+                    node = node.parent
+                assert self.host_content[slot] == (node.key, tuple(t for key in reversed(keys) for t in key))
 
     def teardown(self):
         if not hasattr(self, "mgr"):
@@ -615,6 +640,8 @@ class KVMachine(RuleBasedStateMachine):
         assert mgr.num_free_blocks + mgr.num_cached_blocks == self.n
         if mgr.trie is not None:
             assert mgr.num_cached_blocks == len(mgr.trie)
+        if mgr.host is not None:  # every used host slot is a findable block
+            assert mgr.host.num_used_slots == len(mgr.trie.host_slots())
         assert mgr.stats().blocks_used == 0
 
 
