@@ -53,6 +53,20 @@ def nano_vllm_workload(num_seqs: int = 256, max_input_len: int = 1024, max_outpu
     return prompts, sps
 
 
+def agent_workload(agents: int, prefix_len: tuple[int, int], question_len: tuple[int, int], requests: int,
+                   vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """An agent workload: ``agents`` system prompts (``prefix_len`` tokens, a range), then ``requests``
+    prompts, each a random agent's system prompt + a distinct question (``question_len`` tokens).
+    Returns the prompts, each one's agent, and the system prompts."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(1, vocab) for _ in range(rng.randint(*prefix_len))] for _ in range(agents)]
+    prompts, picks = [], []
+    for _ in range(requests):
+        picks.append(rng.randrange(agents))
+        prompts.append(systems[picks[-1]] + [rng.randrange(1, vocab) for _ in range(rng.randint(*question_len))])
+    return prompts, picks, systems
+
+
 def random_model(raw_config: dict, dtype: str = "bfloat16", seed: int = 0,
                  tensor_parallel_size: int = 1) -> ModelParams:
     """A randomly initialised model of the given Hugging Face config (no download needed): weights

@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import time
 
 import jax
 
 from jaxpaged.engine.metrics import percentile
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
-from jaxpaged.workloads import EXPERIMENT_MODELS, experiment_params, output_divergence, outputs_guaranteed_identical
+from jaxpaged.workloads import EXPERIMENT_MODELS, agent_workload, experiment_params, output_divergence, outputs_guaranteed_identical
 
 POLICIES = ("fcfs", "prefix_affinity")
 DESIGN_NOTES = "prefix-affinity queueing (requests sharing a prefix run close together) named as the next optimisation"
@@ -45,12 +44,9 @@ SIZES = {  # name -> settings; "tiny" is the CPU default and what --tiny-overrid
 }
 
 
-def agent_workload(s: dict, vocab: int, seed: int = 0) -> list[list[int]]:
+def agent_prompts(s: dict, vocab: int, seed: int = 0) -> list[list[int]]:
     """``requests`` prompts: the system prompt of a random agent + a distinct question."""
-    rng = random.Random(seed)
-    systems = [[rng.randrange(1, vocab) for _ in range(rng.randint(*s["prefix_len"]))] for _ in range(s["agents"])]
-    return [rng.choice(systems) + [rng.randrange(1, vocab) for _ in range(rng.randint(*s["question_len"]))]
-            for _ in range(s["requests"])]
+    return agent_workload(s["agents"], s["prefix_len"], s["question_len"], s["requests"], vocab, seed)[0]
 
 
 def paced(engine: LLMEngine, prompts, sp: SamplingParams, per_step: int):
@@ -147,14 +143,14 @@ def main(argv=None) -> dict:
     s = args.sizes
     if args.host_only:
         raw = EXPERIMENT_MODELS[args.model]
-        prompts = agent_workload(s, raw["vocab_size"] if raw else 512)
+        prompts = agent_prompts(s, raw["vocab_size"] if raw else 512)
         max_model_len = -(-(max(map(len, prompts)) + s["max_tokens"]) // s["block_size"]) * s["block_size"]
         sims = [simulate(s, policy, prompts, max_model_len) for policy in POLICIES]
         for r in sims:
             print(r)
         return {"args": vars(args), "host_only": sims}
     params = experiment_params(args.full, args.model)
-    prompts = agent_workload(s, params.config.vocab_size)
+    prompts = agent_prompts(s, params.config.vocab_size)
     sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=s["max_tokens"])
     max_model_len = -(-(max(map(len, prompts)) + s["max_tokens"]) // s["block_size"]) * s["block_size"]
     results = [run(params, s, policy, prompts, sp, max_model_len) for policy in POLICIES]
