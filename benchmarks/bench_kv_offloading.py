@@ -39,7 +39,8 @@ from jaxpaged.engine.kv_transfer import MAX_BLOCKS, KVTransfers, host_memory_kin
 from jaxpaged.engine.metrics import percentile  # noqa: E402
 from jaxpaged.kv.host_tier import Transfer  # noqa: E402
 from jaxpaged.models.sharding import kv_bytes_per_token_per_device, make_kv_pool  # noqa: E402
-from jaxpaged.workloads import EXPERIMENT_MODELS, agent_workload, experiment_params, random_model  # noqa: E402
+from jaxpaged.workloads import (EXPERIMENT_MODELS, agent_workload, experiment_params,  # noqa: E402
+                                output_divergence, outputs_guaranteed_identical, random_model)
 
 SIZES = {
     "tiny": dict(agents=8, prefix_len=(48, 96), requests=48, concurrency=2, ttft_prefix=96, max_num_batched_tokens=256),
@@ -83,7 +84,7 @@ def workload_run(params, config: EngineConfig, prompts, sp, concurrency: int) ->
                evictions=s["evictions"], preemptions=s["preemptions"], num_blocks=s["num_blocks"],
                host_blocks=s["host_blocks"], blocks_offloaded=s["blocks_offloaded"],
                blocks_reloaded=s["blocks_reloaded"],
-               **{k: s[k] for k in ("offload_bytes", "reload_bytes", "offload_gbps", "reload_gbps") if k in s})
+               **{k: s[k] for k in ("offload_bytes", "reload_bytes", "host_reserve_seconds") if k in s})
     return row, [o.outputs[0].token_ids for o in outs]
 
 
@@ -159,6 +160,7 @@ def bandwidth(params, blocks: int = MAX_BLOCKS, repeats: int = 5) -> dict:
         pool.block_until_ready()
         t0 = time.perf_counter()
         pool = t.run(pool, [Transfer("offload", b, b) for b in range(blocks)])
+        t.finish_offloads()
         jax.block_until_ready([t.slots[b] for b in range(blocks)])
         res["offload"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
@@ -220,6 +222,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         result["workload"] = dict(rows=rows, prefix_blocks=prefix_blocks, num_blocks=num_blocks,
                                   outputs_identical=tokens[0] == tokens[1],
+                                  requests_differing=output_divergence(tokens[0], tokens[1])["num_differ"],
+                                  identical_guaranteed=outputs_guaranteed_identical(params.dtype, False),
                                   speedup=rows[1]["output_tok_s"] / rows[0]["output_tok_s"])
     print("\n| measurement | without tier | with tier |\n|---|---|---|")
     if "workload" in result:
@@ -229,7 +233,9 @@ def main() -> None:
                        ("ttft_p99_ms", "{:.1f}"), ("blocks_reloaded", "{:,}")):
             print(f"| {k} | {fmt.format(a[k])} | {fmt.format(b[k])} |")
         print(f"| speedup (output tok/s) | | {result['workload']['speedup']:.2f}x |")
-        print(f"| outputs identical | | {result['workload']['outputs_identical']} |")
+        w = result["workload"]
+        print(f"| requests with other tokens | | {w['requests_differing']} of {len(a) and size['requests']} "
+              f"({'must be 0' if w['identical_guaranteed'] else params.dtype + ': not guaranteed, batching differs'}) |")
     if "ttft" in result:
         r = result["ttft"]
         print(f"| TTFT, {r['prefix_tokens']}-token prefix (ms) | recomputed {r['ttft_recomputed_ms']:.2f} | "

@@ -3,11 +3,19 @@
 The host tier's bookkeeping (``kv/host_tier.py``) decides which block goes where; this runs the
 copies, in the order they were decided, before the engine's next step:
 
-* offload: one jitted gather reads the blocks out of the pool (each block's K/V for every layer,
-  ``pool[:, b]``, one contiguous array), then one batched ``jax.device_put`` moves them to host
-  memory (``pinned_host``: page-locked, so the DMA engine copies at the link's speed, asynchronously);
-* reload: one batched ``device_put`` brings the host arrays to the device, then one jitted update
-  writes them into the pool, donated: in place, no copy of the pool.
+* offload: one jitted gather copies the blocks out of the pool on the device (each block's K/V for
+  every layer, ``pool[:, b]``, one contiguous array); after the engine has dispatched its next step,
+  ``finish_offloads`` moves them to host memory (``pinned_host``: page-locked) with one batched
+  ``jax.device_put``, on the runtime's own transfer stream. The step, which may overwrite the evicted
+  blocks, waits for the gather only; the ``device_put`` (~45 us of host time a block on the H200) runs
+  while the device computes the step, not before it is launched (a host-tier hit's TTFT at 7B shapes
+  paid 5-8 ms for 127 blocks that way). Until then, staged blocks hold device memory (at most one
+  step's evictions);
+* reload: one jitted update takes the host arrays, brings them to the device and writes them into the
+  pool, donated: in place, no copy of the pool. The step that reads them needs them anyway, so this
+  copy is on its path: it is made inside the executable (XLA's host-memory transfers), which on the
+  H200 reloaded 128 blocks of Qwen2.5-7B (112 MiB) at 32.6 GB/s, against 12.6 GB/s for a
+  ``device_put`` of the blocks and 42.9 GB/s for one contiguous ``device_put`` (docs/DECISIONS.md).
 
 Both are dispatched asynchronously, like the step: the host goes on scheduling while the copies run,
 and the step that reads a reloaded block follows its update in the device's stream order (it takes
@@ -22,6 +30,7 @@ each device's shard of a block (its KV heads) goes to host memory and comes back
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from typing import Sequence as SequenceT
@@ -49,11 +58,15 @@ def _gather(pool: jax.Array, block_ids: jax.Array) -> tuple[jax.Array, ...]:
                  for i in range(block_ids.shape[0]))
 
 
-def _scatter(pool: jax.Array, blocks: tuple[jax.Array, ...], block_ids: jax.Array) -> jax.Array:
-    """Writes ``blocks[i]`` into ``pool[:, block_ids[i]]``, in place (the pool is donated)."""
+def _scatter(pool: jax.Array, blocks: tuple[jax.Array, ...], block_ids: jax.Array,
+             device_sharding) -> tuple[jax.Array, jax.Array]:
+    """Brings ``blocks`` (host arrays) to the device and writes ``blocks[i]`` into ``pool[:, block_ids[i]]``,
+    in place (the pool is donated). Also returns ``block_ids``: a small output that is ready when the
+    copies are (the pool itself is donated on to the next step before anyone could wait on it)."""
     for i, block in enumerate(blocks):
+        block = jax.device_put(block, device_sharding)
         pool = jax.lax.dynamic_update_index_in_dim(pool, block, block_ids[i], axis=1)
-    return pool
+    return pool, block_ids + 0
 
 
 class KVTransfers:
@@ -63,21 +76,43 @@ class KVTransfers:
     seen complete (polled at each ``run`` and ``stats``, so an upper bound of the copy's time).
     """
 
-    def __init__(self, kv_pool: jax.Array, num_slots: int) -> None:
+    def __init__(self, kv_pool: jax.Array, num_slots: int, reserve: bool | None = None) -> None:
+        """``reserve``: claim the tier's host memory now (default: on a GPU; see ``reserve_host_memory``)."""
         self.num_slots = num_slots
         self.block_bytes = kv_pool.nbytes // kv_pool.shape[1]
         self.slots: list[jax.Array | None] = [None] * num_slots
-        self._gather = jax.jit(_gather)
-        self._scatter = jax.jit(_scatter, donate_argnums=0)
+        self._gather = self._scatter = None  # jitted once the block's shardings are known
         self._host_sharding = None  # a block's sharding in host memory (made on the first offload)
         self._device_sharding = None  # ... and on the device
         self._compiled: dict[tuple[str, int], object] = {}
         self._pending: list[tuple[str, float, int, jax.Array]] = []  # (kind, dispatched at, bytes, last array)
+        self._staged: list[tuple[list[Transfer], tuple[jax.Array, ...]]] = []  # gathered, not yet sent to host
+        self._staged_slots: set[int] = set()
         self.counts = {"offload": [0, 0, 0.0], "reload": [0, 0, 0.0]}  # blocks, bytes, seconds
+        self.reserve_seconds = 0.0
+        if reserve if reserve is not None else jax.default_backend() == "gpu":
+            self.reserve_host_memory(kv_pool)
+
+    def reserve_host_memory(self, kv_pool: jax.Array, chunk_bytes: int = 1 << 30) -> None:
+        """Allocates the tier's pinned host memory once, in 1 GiB pieces, and frees it: the runtime's
+        host allocator keeps it for the blocks to come. Why: page-locking memory is slow, and a tier that
+        grew while serving stalled requests (the first offload of 127 blocks took 90 ms instead of 5,
+        and TTFT p99 reached 2.5 s on the H200 with a 13 GiB tier filling up)."""
+        t0 = time.perf_counter()
+        self._shardings(kv_pool)
+        total = self.num_slots * self.block_bytes // max(1, len(self._device_sharding.device_set))
+        for device in self._device_sharding.device_set:
+            host = jax.sharding.SingleDeviceSharding(device, memory_kind=self._host_sharding.memory_kind)
+            zeros = jnp.zeros((min(total, chunk_bytes),), jnp.uint8, device=device)
+            pieces = [jax.device_put(zeros, host) for _ in range(-(-total // chunk_bytes))]
+            jax.block_until_ready(pieces)
+            del pieces, zeros
+        self.reserve_seconds = time.perf_counter() - t0
 
     # ---- running ---------------------------------------------------------------------------------
     def run(self, kv_pool: jax.Array, transfers: SequenceT[Transfer]) -> jax.Array:
-        """Dispatches ``transfers`` in order (consecutive ones of a kind batched); returns the pool."""
+        """Dispatches ``transfers`` in order (consecutive ones of a kind batched); returns the pool. The
+        offloads' copies to the host follow in ``finish_offloads`` (call it after the next step's launch)."""
         self._poll()
         for kind, group in itertools.groupby(transfers, key=lambda t: t.kind):
             group = list(group)
@@ -93,46 +128,64 @@ class KVTransfers:
         """The gather or update for ``n`` blocks (a power of two), compiled on first use."""
         exe = self._compiled.get((kind, n))
         if exe is None:
+            self._shardings(kv_pool)
             ids = jax.ShapeDtypeStruct((n,), jnp.int32)
             if kind == "offload":
                 exe = self._gather.lower(kv_pool, ids).compile()
             else:
                 block = jax.ShapeDtypeStruct(kv_pool.shape[:1] + kv_pool.shape[2:], kv_pool.dtype,
-                                             sharding=self._block_sharding(kv_pool))
+                                             sharding=self._host_sharding)
                 exe = self._scatter.lower(kv_pool, (block,) * n, ids).compile()
             self._compiled[(kind, n)] = exe
         return exe
 
-    def _block_sharding(self, kv_pool: jax.Array):
-        """One block's sharding on the device: the gather's output sharding (KV heads split as the pool's)."""
-        if self._device_sharding is None:
-            self._device_sharding = self._executable("offload", kv_pool, 1).output_shardings[0]
-            kind = host_memory_kind(next(iter(self._device_sharding.device_set)))
-            self._host_sharding = self._device_sharding.with_memory_kind(kind) if kind else self._device_sharding
-        return self._device_sharding
+    def _shardings(self, kv_pool: jax.Array) -> None:
+        """A block's sharding on the device (the output sharding of a gather on the device: KV heads
+        split as the pool's) and in host memory; then the jitted gather and update that use them."""
+        if self._device_sharding is not None:
+            return
+        ids = jax.ShapeDtypeStruct((1,), jnp.int32)
+        device = jax.jit(_gather).lower(kv_pool, ids).compile().output_shardings[0]
+        kind = host_memory_kind(next(iter(device.device_set)))
+        self._device_sharding = device
+        self._host_sharding = device.with_memory_kind(kind) if kind else device
+        self._gather = jax.jit(_gather, out_shardings=device)
+        self._scatter = jax.jit(functools.partial(_scatter, device_sharding=device), donate_argnums=0)
 
     def _offload(self, kv_pool: jax.Array, chunk: list[Transfer]) -> None:
+        """Gathers the blocks on the device; ``finish_offloads`` sends them to the host."""
         n = len(chunk)
         size = bucket(n, 1)
         ids = np.array([t.block_id for t in chunk] + [chunk[-1].block_id] * (size - n), np.int32)
-        self._block_sharding(kv_pool)
-        blocks = self._executable("offload", kv_pool, size)(kv_pool, ids)[:n]
-        host = jax.device_put(list(blocks), self._host_sharding)
-        for t, array in zip(chunk, host):
+        self._staged.append((chunk, self._executable("offload", kv_pool, size)(kv_pool, ids)[:n]))
+        self._staged_slots.update(t.slot for t in chunk)
+
+    def finish_offloads(self) -> None:
+        """Moves the gathered blocks to host memory (one batched ``device_put``), into their slots."""
+        if not self._staged:
+            return
+        chunks = [t for chunk, _ in self._staged for t in chunk]
+        blocks = [b for _, staged in self._staged for b in staged]
+        self._staged, self._staged_slots = [], set()
+        host = jax.device_put(blocks, self._host_sharding)
+        for t, array in zip(chunks, host):  # (in order: a slot given twice keeps the later block)
             self.slots[t.slot] = array
-        self._dispatched("offload", n, host[-1])
+        self._dispatched("offload", len(chunks), host[-1])
 
     def _reload(self, kv_pool: jax.Array, chunk: list[Transfer]) -> jax.Array:
+        if self._staged_slots.intersection(t.slot for t in chunk):  # offloaded in this very pass
+            self.finish_offloads()
         last = {t.block_id: t for t in chunk}  # a block written twice in one batch: the later copy wins
         chunk = list(last.values())
         n = len(chunk)
         size = bucket(n, 1)
-        blocks = jax.device_put([self.slots[t.slot] for t in chunk], self._block_sharding(kv_pool))
+        blocks = [self.slots[t.slot] for t in chunk]
         ids = np.array([t.block_id for t in chunk] + [chunk[-1].block_id] * (size - n), np.int32)
         blocks = tuple(blocks) + (blocks[-1],) * (size - n)
         exe = self._executable("reload", kv_pool, size)
-        self._dispatched("reload", n, blocks[-1])  # (the host-to-device copy; the pool is donated on)
-        return exe(kv_pool, blocks, ids)
+        kv_pool, done = exe(kv_pool, blocks, ids)
+        self._dispatched("reload", n, done)
+        return kv_pool
 
     def warmup(self, kv_pool: jax.Array) -> None:
         """Compiles the gather and the update for every batch size (1, 2, 4, ... ``MAX_BLOCKS``)."""
@@ -161,7 +214,7 @@ class KVTransfers:
     def stats(self) -> dict:
         """Blocks, bytes and seconds of copies each way, and the effective bandwidth (GB/s)."""
         self._poll()
-        out = {"host_block_bytes": self.block_bytes}
+        out = {"host_block_bytes": self.block_bytes, "host_reserve_seconds": self.reserve_seconds}
         for kind, (blocks, nbytes, seconds) in self.counts.items():
             out[f"{kind}_bytes"] = nbytes
             out[f"{kind}_seconds"] = seconds

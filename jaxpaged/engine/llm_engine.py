@@ -319,6 +319,8 @@ class LLMEngine:
             if transfers:
                 self.kv_pool = self.kv_transfers.run(self.kv_pool, transfers)
         if not scheduled:
+            if self.kv_transfers is not None:
+                self.kv_transfers.finish_offloads()
             touched = self._resolve(self._in_flight)
             if not touched and not aborted and self.scheduler.has_unfinished():
                 raise RuntimeError("no request could be scheduled although some are waiting (pool exhausted)")
@@ -332,6 +334,8 @@ class LLMEngine:
         tokens, aux = tokens if isinstance(tokens, tuple) else (tokens, None)  # (a logprobs variant: aux arrays)
         if self.token_readback == "jax":
             tokens.copy_to_host_async()  # the read-back starts as soon as the step ends, not when asked
+        if self.kv_transfers is not None:  # the evicted blocks to the host, while the device runs the step
+            self.kv_transfers.finish_offloads()
         prompt_rows = prompt_logprob_positions(scheduled) if inputs.features.prompt_logprobs >= 0 else []
         if self.config.async_scheduling:  # the previous step's tokens (ready, or nearly), then book this one
             outputs += self._make_outputs(self._resolve(self._in_flight))
@@ -489,7 +493,7 @@ class LLMEngine:
                                                             self._prev_tokens, self._take_free_tokens())
                     self._free_tokens.append(self._prev_tokens)
                     self._prev_tokens = tokens
-            tokens.block_until_ready()
+            jax.block_until_ready(self._prev_tokens)  # (nothing ran if every shape was compiled before)
             if bar is not None:
                 bar.update(1)
         if bar is not None:

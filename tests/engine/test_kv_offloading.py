@@ -31,6 +31,7 @@ def test_transfers_round_trip_blocks_exactly_and_in_place(dtype):
     original = np.asarray(pool.astype(jnp.float32))
     t = KVTransfers(pool, num_slots=4)
     pool = t.run(pool, [Transfer("offload", b, s) for b, s in ((3, 0), (5, 1), (7, 2))])
+    t.finish_offloads()
     assert all(t.slots[s].sharding.memory_kind == host_memory_kind(jax.local_devices()[0]) for s in range(3))
     pool = pool.at[:, 3].set(0).at[:, 5].set(0)  # the device blocks are reused for something else
     before = pool.unsafe_buffer_pointer()
@@ -52,6 +53,7 @@ def test_transfers_keep_the_decided_order():
     t = KVTransfers(pool, num_slots=3)
     pool = t.run(pool, [Transfer("offload", 1, 0), Transfer("offload", 2, 1), Transfer("reload", 1, 1),
                         Transfer("offload", 1, 2), Transfer("reload", 0, 2), Transfer("reload", 0, 0)])
+    t.finish_offloads()
     got = np.asarray(pool)[0]
     np.testing.assert_array_equal(got[1], np.arange(12, 18))  # block 2's data
     np.testing.assert_array_equal(np.asarray(t.slots[2])[0], np.arange(12, 18))
