@@ -35,10 +35,13 @@ def test_tokenizer_trap():
 
 def test_pool_too_small():
     r = load("pool_too_small").main()
-    small, affinity, fixed = r.values()
+    small, affinity, host, fixed = r.values()
     assert small["evictions"] == small["evict_events"] > 0
     assert fixed["evictions"] == 0 and fixed["prefill_tokens"] == fixed["unique_prompt_tokens"] < small["prefill_tokens"]
     assert affinity["prefix_hit_rate"] > small["prefix_hit_rate"]
+    # The host tier keeps the evicted prefixes: as few prefill tokens as the big pool, from a small one.
+    assert host["evictions"] > 0 and host["host_hit_tokens"] > 0
+    assert host["prefill_tokens"] == fixed["prefill_tokens"]
 
 
 def test_nan_reused_blocks():
