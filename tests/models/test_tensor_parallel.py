@@ -114,6 +114,20 @@ llm = LLM(tiny_checkpoint_path("qwen3"), dtype="float32", tensor_parallel_size=2
 assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == want
 assert llm.params.mesh.shape["tp"] == 2
 
+# The host tier per shard: each device offloads its own KV head to host memory and reloads it.
+p2 = llm.params
+e = LLMEngine(p2, EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=10, max_model_len=64,
+                               max_num_batched_tokens=32, max_num_seqs=4, attention_backend="reference",
+                               tensor_parallel_size=2, compilation_cache=False, kv_offloading_size=1e-3))
+assert tokens(e) == want
+run_to_completion(e, [list(range(100, 156)), list(range(200, 256))], SamplingParams(max_tokens=1))
+assert tokens(e) == want and e.stats()["blocks_reloaded"] > 0
+e.kv.check_invariants()
+host = next(a for a in e.kv_transfers.slots if a is not None)
+assert host.sharding.memory_kind == "pinned_host" and len(host.sharding.device_set) == 2
+assert {s.data.shape[-2] for s in host.addressable_shards} == {1}  # one KV head per device
+print("OK host tier")
+
 # The Pallas kernels (interpret mode here) run per shard too.
 prompts, sp = prompts[:2], SamplingParams(temperature=0, max_tokens=3)
 p = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False, tensor_parallel_size=2)
@@ -166,7 +180,7 @@ def run_forced(script: str, devices: int, timeout: int = 600) -> str:
 
 def test_tensor_parallel_engine_on_four_cpu_devices():
     out = run_forced(SCRIPT, 4)
-    assert out.count("OK ") == 5 and "DONE" in out, out
+    assert out.count("OK ") == 6 and "DONE" in out, out
 
 
 def test_shard_config_and_kv_head_replication():
