@@ -114,13 +114,17 @@ class LLM:
     ``chat`` use the checkpoint's ``generation_config.json`` defaults, as vLLM does.
     ``dtype``: the weights' dtype. ``warmup``: compile every step shape and sampler variant now, with a
     progress bar (``LLMEngine.warmup``), so no request waits for a compilation; ``False`` skips it
-    (steps then compile on first use). ``load_format="dummy"``: random weights of the folder's
+    (steps then compile on first use). The default, ``None``, warms up on the Pallas attention backend
+    (a GPU's), whose steps have one block-table width, so the warm-up covers every step; not on the
+    jnp reference backend (a CPU's), which pads block tables per step: there a warm-up would compile
+    steps at the widest table only (20 of them in ~30 s for the tiny checkpoint), which short
+    requests never use. ``load_format="dummy"``: random weights of the folder's
     ``config.json`` (vLLM's option, for benchmarks; no weight files needed). ``**config``: ``EngineConfig``
     fields.
     """
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", cache_dir: str | None = None,
-                 warmup: bool = True, load_format: str = "auto", **config):
+                 warmup: bool | None = None, load_format: str = "auto", **config):
         self.model_path = resolve_model_path(model)
         self.params = load_params(self.model_path, dtype, cache_dir=cache_dir, load_format=load_format,
                                   tensor_parallel_size=config.get("tensor_parallel_size", 1))
@@ -131,7 +135,7 @@ class LLM:
         print(f"jaxpaged: KV pool {e.num_blocks} blocks x {e.config.block_size} tokens "
               f"({e.num_blocks * e.config.block_size} tokens, {format_bytes(e.stats()['kv_pool_bytes'])} "
               f"{e.kv_dtype}), max_model_len {e.max_model_len}")
-        if warmup:
+        if warmup or (warmup is None and e.runner.attention_backend == "pallas"):
             e.warmup()
 
     def close(self) -> None:

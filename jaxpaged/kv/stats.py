@@ -195,8 +195,9 @@ class PrefixDivergence:
     token_a: int | None  # token ids at the first difference (None: that sequence ended there)
     token_b: int | None
     # Where an engine's prefix cache holds each shared full block now: "gpu", "host", "gpu+host" or
-    # "none" (empty when no cache was asked: ``explain_prefix`` without ``cached_tiers``).
-    cached_tiers: tuple[str, ...] = ()
+    # "none" (empty when no cache was asked: ``explain_prefix`` without ``cached_tiers``). A snapshot of
+    # the cache, not part of the divergence: left out of equality.
+    cached_tiers: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     @property
     def identical(self) -> bool:

@@ -28,7 +28,7 @@ class CompileCounter:
 
 def test_llm_warms_up_and_no_request_compiles_afterwards():
     counter = CompileCounter()
-    llm = LLM(tiny_checkpoint_path("qwen3"), **SMALL)
+    llm = LLM(tiny_checkpoint_path("qwen3"), warmup=True, **SMALL)
     runner = llm.engine.runner
     # Both sampler variants of both token buckets (16, 32): compiled at construction.
     assert runner.num_compiled_executables == 4
@@ -43,7 +43,8 @@ def test_llm_warms_up_and_no_request_compiles_afterwards():
     llm.close()
 
 
-def test_warmup_can_be_skipped():
+def test_warmup_can_be_skipped_and_is_skipped_by_default_on_the_reference_backend():
+    assert LLM(tiny_checkpoint_path("qwen3"), **SMALL).engine.runner.num_compiled_executables == 0
     llm = LLM(tiny_checkpoint_path("qwen3"), warmup=False, **SMALL)
     assert llm.engine.runner.num_compiled_executables == 0
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
