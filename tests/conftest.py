@@ -17,8 +17,11 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # off. Compilation is most of the suite's time (about 85% of its CPU seconds) and the tests' shapes are
 # tiny, so faster compiles win over faster code (one bf16 model test: 31 -> 18 s of compile). Every
 # test compares results computed under the same setting; subprocesses inherit it.
+# LLVM's expensive passes off as well: the interpret-mode Pallas tests compile 5-15% faster (two
+# batch-invariance tests: 40.3 -> 37.9 s, 54.4 -> 46.4 s), the others the same.
 if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+                               " --xla_llvm_disable_expensive_passes=true").strip()
 
 
 import gc  # noqa: E402

@@ -20,7 +20,7 @@ jax.monitoring.register_event_duration_secs_listener(
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.models.tiny import tiny_checkpoint_path
 llm = LLM(tiny_checkpoint_path("qwen2"), dtype="float32", block_size=16, num_blocks=16, max_model_len=64,
-          max_num_batched_tokens=32, max_num_seqs=8)
+          max_num_batched_tokens=32, max_num_seqs=8, warmup=True)
 warm = len(compiles)
 sps = [SamplingParams(temperature=0, max_tokens=3), SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=3)]
 out = llm.generate([[1, 2, 3], [4, 5, 6, 7]], sps, use_tqdm=False)
