@@ -125,7 +125,7 @@ def test_chunked_prefill_prefix_cache_and_block_size_32(dtype, backend):
     check(dtype, backend, warm, "chunk budget 16, block size 32, warm cache")
 
 
-@pytest.mark.parametrize("dtype,backend", F32)
+@pytest.mark.parametrize("dtype,backend", BF16)  # (the pool of the preemption test below: steps compiled once)
 def test_block_size_8_and_a_host_tier(dtype, backend):
     """Blocks of 8 in a pool of 10 with a host tier (``kv_offloading_size``): the prompts, then two
     others that evict their cached blocks to the host, then the prompts again, whose prefix hits are
