@@ -1,0 +1,22 @@
+"""``jaxpaged serve``'s engine flags (vLLM's names) become ``LLM`` keyword arguments that ``EngineConfig``
+accepts: nothing parsed is dropped on the way."""
+
+from __future__ import annotations
+
+from jaxpaged import EngineConfig
+from jaxpaged.__main__ import build_parser, serve_llm_args
+
+
+def test_serve_flags_reach_the_engine_config():
+    args = build_parser().parse_args([
+        "serve", "tiny", "--kv-offloading-size", "2.5", "--kv-cache-dtype", "fp8", "--max-model-len", "512",
+        "--block-size", "32", "--num-blocks", "64", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
+        "--gpu-memory-utilization", "0.5", "--seed", "3", "--attention-backend", "reference"])
+    kwargs = serve_llm_args(args)
+    assert kwargs["kv_offloading_size"] == 2.5 and kwargs["memory_fraction"] == 0.5
+    config = EngineConfig(**{k: v for k, v in kwargs.items() if k not in ("model", "dtype", "load_format")})
+    assert (config.kv_offloading_size, config.kv_cache_dtype, config.max_model_len, config.block_size,
+            config.num_blocks, config.max_num_seqs, config.max_num_batched_tokens, config.seed) == \
+        (2.5, "fp8", 512, 32, 64, 8, 256, 3)
+    default = serve_llm_args(build_parser().parse_args(["serve", "tiny"]))
+    assert default["kv_offloading_size"] == 0 and default["enable_prefix_caching"] is True
