@@ -21,13 +21,15 @@ import logging
 import os
 import pickle
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 import jax
 
 log = logging.getLogger(__name__)
-_warned = False
+_warned = False  # the unreadable-entry warning was given (once per process)
+_warn_lock = threading.Lock()
 
 
 @functools.cache
@@ -87,10 +89,11 @@ class ExecutableCache:
             compiled = deserialize_and_load(payload, in_tree, out_tree)
         except Exception as err:  # noqa: BLE001  (a damaged or foreign entry: compile again)
             global _warned
-            if not _warned:
+            with _warn_lock:  # (entries load in parallel threads: one warning, not one per thread)
+                first, _warned = not _warned, True
+            if first:
                 log.warning("jaxpaged: ignoring an unreadable compiled step in %s (%s: %s); compiling it again",
                             self.folder, type(err).__name__, err)
-                _warned = True
             path.unlink(missing_ok=True)
             return None
         self.loaded += 1
