@@ -214,29 +214,31 @@ class PagedReservation:
         node and its subtree leave the trie and the subtree's device blocks are returned."""
         self.counters.evictions += 1
         node = self.trie.node(block_id)
-        if self.host is not None:
-            if node.host_slot >= 0:
-                self.host.touch(node.host_slot)
-            else:
-                slot = self.host.allocate()  # (evicting on the host may remove this very node)
-                if slot is not None and node.alive:
-                    self.trie.set_host(node, slot)
-                    self.transfers.append(Transfer("offload", block_id, slot))
-                    self.counters.blocks_offloaded += 1
-                    if self.events is not None:
-                        self.events.record("offload", [block_id])
-                elif slot is not None:
-                    self.host.release(slot)
-            if not node.alive or node.host_slot >= 0:  # removed with an ancestor, or now on the host
-                if node.alive:
-                    self.trie.drop_gpu(block_id)
-                if self.events is not None:
-                    self.events.record("evict", [block_id])
-                return []
-        detached = self._remove(node)
+        detached = [] if self.host is not None and self._to_host(node, block_id) else self._remove(node)
         if self.events is not None:
             self.events.record("evict", [block_id, *detached])
         return detached
+
+    def _to_host(self, node: TrieNode, block_id: int) -> bool:
+        """Moves an evicted block's node to the host tier (an offload queued unless it has a host copy).
+        True if the node is settled: on the host now, or removed meanwhile with an ancestor whose host
+        slot was reclaimed to make room; False if no slot could be had."""
+        if node.host_slot >= 0:
+            self.host.touch(node.host_slot)
+        else:
+            slot = self.host.allocate()  # (evicting on the host may remove this very node)
+            if slot is None:
+                return False
+            if not node.alive:
+                self.host.release(slot)
+                return True
+            self.trie.set_host(node, slot)
+            self.transfers.append(Transfer("offload", block_id, slot))
+            self.counters.blocks_offloaded += 1
+            if self.events is not None:
+                self.events.record("offload", [block_id])
+        self.trie.drop_gpu(block_id)
+        return True
 
     def _remove(self, node: TrieNode) -> list[int]:
         """Removes ``node`` and its subtree from the trie, frees their host slots and returns the
