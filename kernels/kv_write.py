@@ -3,7 +3,9 @@
 Pool layout (the whole model, one array): ``kv_pool: [L, num_blocks, block_size, 2, Hkv, D]``; index
 ``[layer, block, offset, 0]`` holds a token's keys and ``[..., 1]`` its values, so one token's K and V
 of one layer are one contiguous row and a layer's write is a single scatter. Slot ``s`` is
-``block_id * block_size + offset``; ``-1`` marks a padding token and writes nothing.
+``block_id * block_size + offset``; ``-1`` marks a padding token and writes nothing. An fp8 pool adds a
+scale row to each block and stores values transposed within each (block, head) slab
+(``kernels/fp8.py``): its writes are three scatters.
 
 Why one array for every layer: launching a jitted call costs the host about 8 us per donated array on
 the H200: 56 per-layer K and V arrays cost 0.45 ms a step, a third
@@ -21,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .fp8 import is_fp8, quantize, scale_rows
+from .fp8 import is_fp8, quantize, scale_rows, v_slab_index
 
 
 def block_size_of(kv_pool: jax.Array) -> int:
@@ -74,8 +76,8 @@ def write_kv(
 
     Traceable (call it inside the model's jitted step). Padding slots (``-1``) point one block past the
     end and are dropped. Returns the updated pool; in place when the pool is donated. An fp8 pool gets
-    each token's K and V quantised with their own scales, written to the block's scale row
-    (``kernels/fp8.py``).
+    each token's K and V quantised with their own scales, written to the block's scale row, and its
+    values in their transposed places (``kernels/fp8.py``).
     """
     check_pool(kv_pool, layer)
     num_blocks, _, _, hkv, d = kv_pool.shape[1:]
@@ -91,7 +93,12 @@ def write_kv(
     if not is_fp8(kv_pool.dtype):
         return kv_pool.at[layer, blk, off].set(rows.astype(kv_pool.dtype), mode="drop")
     values, scales = quantize(rows, kv_pool.dtype)  # scales [T, 2, Hkv]: each token's, in the scale row
-    kv_pool = kv_pool.at[layer, blk, off].set(values, mode="drop")
+    kv_pool = kv_pool.at[layer, blk, off, 0].set(values[:, 0], mode="drop")
+    # values go to their transposed places in the block's (block, head) slab (kernels/fp8.py)
+    row, col = v_slab_index(jnp.arange(d, dtype=jnp.int32), off[:, None], block_size, d)  # [D], [T, D]
+    heads = jnp.arange(hkv, dtype=jnp.int32)[None, :, None]
+    kv_pool = kv_pool.at[layer, blk[:, None, None], row[None, None, :], 1, heads, col[:, None, :]].set(
+        values[:, 1], mode="drop")
     return kv_pool.at[layer, blk, block_size, :, :, off].set(scales.astype(kv_pool.dtype), mode="drop")
 
 

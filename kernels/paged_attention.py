@@ -28,6 +28,17 @@ How the work is cut (the scheme of vLLM's Triton "unified attention", written fo
 Softmax in base 2 with fp32 scores, running max and sum; ``P`` is cast to the pool dtype for ``P @ V``
 (fp32 pools use IEEE fp32 dots: ``DotAlgorithmPreset.F32_F32_F32``, Triton ``input_precision="ieee"``).
 
+An fp8 pool (``kernels/fp8.py``) is read ``FP8_SUB`` = 16 slots at a time within each KV tile: a
+sub-tile lies in one pool block (block size >= 16), so its block id is one scalar and its keys
+(``[16, D]``), its values, stored transposed (``[D, 16]``, each dimension's 16 slots consecutive bytes),
+and its two scale vectors (16 bytes each) are contiguous loads; each sub-tile's tiles are converted
+exactly to the query's dtype, the K scales multiply the scores' columns and the V scales the
+probabilities' columns, the running max is taken over the whole tile before any ``P @ V``. Why: the
+one-tile-at-a-time loop over an fp8 pool with values in key order ran at 1.5-1.9 TB/s on the H200 (the
+8-bit ``P @ V`` operand strided along its contracted axis, one-byte scale loads gathered across
+blocks); see ``benchmarks/RESULTS.md``. The sub-tile size is fixed, not the block size, so block sizes
+8-64 give the same arithmetic (batch-invariant mode keeps agreeing across block sizes).
+
 Batch-invariant configuration (:func:`invariant_config`, ``batch_invariant=True``): one launch
 configuration for every step, prefill or decode: fixed ``block_m``, ``block_k`` fixed in tokens (tile
 ``t`` always covers positions ``[t*block_k, (t+1)*block_k)`` whatever the pool's block size, up to 64),
@@ -51,12 +62,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxpaged.kernels.fp8 import is_fp8, scale_rows
+from jaxpaged.kernels.fp8 import is_fp8, scale_rows, v_slab_index
 from jaxpaged.kernels.kv_write import block_size_of, check_pool
 from jaxpaged.kernels.shapes import next_pow2, num_cores as device_num_cores
 from jaxpaged.kernels.matmul import kernel_dot_precision
 
 LOG2E = math.log2(math.e)
+FP8_SUB = 16  # slots an fp8 KV tile is read in (module docstring): the smallest Triton dot dimension
 _MASKED = -1e30  # initial running max: finite, so fully masked rows give exp2(-inf) = 0, never NaN
 
 
@@ -71,7 +83,8 @@ class AttentionConfig:
     mask_all: process every KV tile through the masked path (batch-invariant mode; see module doc).
     mask_loads: the masked path's K/V loads skip positions at or past the tile's ``kv_end`` (no memory
       traffic for the tail of the last tile; they read as zeros) instead of loading and zeroing them.
-      The same values either way, so the same outputs bitwise; ``False`` only for benchmarks.
+      The same values either way, so the same outputs bitwise; ``False`` only for benchmarks (an fp8
+      pool's loads are always masked).
     """
 
     block_m: int
@@ -156,33 +169,75 @@ def _ragged_attention_kernel(
         phys = tables_ref[seq_c, blk]  # [block_k] physical block ids
         off = pos % block_size
         kv_ok = (pos < kv_end)[:, None] if masked else None
-        if masked and mask_loads:  # the tail past kv_end is never read; it loads as zeros (fp8: Triton has
-            fill = None if fp8 else 0  # no fp8 fill value, so those lanes are zeroed after the cast below)
-            k = plgpu.load(kv_ref.at[layer, phys[:, None], off[:, None], 0, h, dims], mask=kv_ok, other=fill)
-            v = plgpu.load(kv_ref.at[layer, phys[:, None], off[:, None], 1, h, dims], mask=kv_ok, other=fill)
+        if masked and mask_loads:  # the tail past kv_end is never read; it loads as zeros
+            k = plgpu.load(kv_ref.at[layer, phys[:, None], off[:, None], 0, h, dims], mask=kv_ok, other=0)
+            v = plgpu.load(kv_ref.at[layer, phys[:, None], off[:, None], 1, h, dims], mask=kv_ok, other=0)
         else:
             k = kv_ref[layer, phys[:, None], off[:, None], 0, h, dims]  # [block_k, D]
             v = kv_ref[layer, phys[:, None], off[:, None], 1, h, dims]
-            if masked and not fp8:  # (mask_loads=False, benchmarks only: the whole tile read, its tail zeroed)
+            if masked:  # (mask_loads=False, benchmarks only: the whole tile read, its tail zeroed)
                 k = jnp.where(kv_ok, k, jnp.zeros_like(k))
                 v = jnp.where(kv_ok, v, jnp.zeros_like(v))
-        if fp8:  # fp8 -> the query's dtype (exact); the scales go on the scores' and probabilities' columns
-            k_scale, v_scale = (_load_scales(kv_ref, layer, phys, block_size, i, h, off, pos < kv_end if masked else None)
-                                for i in (0, 1))
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
-            if masked:
-                k, v = jnp.where(kv_ok, k, jnp.zeros_like(k)), jnp.where(kv_ok, v, jnp.zeros_like(v))
-            s = _dot(q, k, 1, precision) * (scale_log2 * k_scale)[None, :]
-        else:
-            s = _dot(q, k, 1, precision) * scale_log2  # [block_m, block_k] f32
+        s = _dot(q, k, 1, precision) * scale_log2  # [block_m, block_k] f32
         if masked:
             s = jnp.where(pos[None, :] <= row_pos[:, None], s, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(s - m_new[:, None])
         l_new = l_i * alpha + jnp.sum(p, axis=1)
-        pv = _dot((p * v_scale[None, :] if fp8 else p).astype(v.dtype), v, 0, precision)
+        pv = _dot(p.astype(v.dtype), v, 0, precision)
         return acc * alpha[:, None] + pv, m_new, l_new
+
+    def step_fp8(t, carry, masked):
+        """One KV tile of an fp8 pool, ``FP8_SUB`` slots at a time (module docstring)."""
+        acc, m_i, l_i = carry
+        slots = lax.broadcasted_iota(jnp.int32, (FP8_SUB,), 0)
+        dcol = lax.broadcasted_iota(jnp.int32, (head_dim, 1), 0)
+        scores, values, v_scales = [], [], []
+        for j in range(block_k // FP8_SUB):
+            pos = t * block_k + j * FP8_SUB + slots
+            if block_size >= FP8_SUB:  # the sub-tile lies in one block: one block id, contiguous loads
+                phys = tables_ref[seq_c, jnp.minimum(t * (block_k // block_size) + j * FP8_SUB // block_size,
+                                                     width - 1)]
+                off = (j * FP8_SUB) % block_size + slots
+                phys_k = phys_v = phys
+            else:  # block_size 8: a block id per slot
+                phys = tables_ref[seq_c, jnp.minimum(pos // block_size, width - 1)]
+                off = pos % block_size
+                phys_k, phys_v = phys[:, None], phys[None, :]
+            row, col = v_slab_index(dcol, off[None, :], block_size, head_dim)  # [D, 1], [D, sub]
+            ok = pos < kv_end if masked else None
+            k_at = kv_ref.at[layer, phys_k, off[:, None], 0, h, dims]  # [sub, D]
+            vt_at = kv_ref.at[layer, phys_v, row, 1, h, col]  # [D, sub]: V transposed
+            ks_at = kv_ref.at[layer, phys, block_size, 0, h, off]
+            vs_at = kv_ref.at[layer, phys, block_size, 1, h, off]
+            if masked:  # positions past kv_end are never read (Triton has no fp8 fill value: zeroed after the cast)
+                k = jnp.where(ok[:, None], plgpu.load(k_at, mask=ok[:, None]).astype(q.dtype), 0)
+                vt = jnp.where(ok[None, :], plgpu.load(vt_at, mask=ok[None, :]).astype(q.dtype), 0)
+                ks = jnp.where(ok, plgpu.load(ks_at, mask=ok).astype(jnp.float32), 0.0)
+                vs = jnp.where(ok, plgpu.load(vs_at, mask=ok).astype(jnp.float32), 0.0)
+            else:
+                k, vt = plgpu.load(k_at).astype(q.dtype), plgpu.load(vt_at).astype(q.dtype)
+                ks, vs = plgpu.load(ks_at).astype(jnp.float32), plgpu.load(vs_at).astype(jnp.float32)
+            s = _dot(q, k, 1, precision) * (scale_log2 * ks)[None, :]  # [block_m, sub]
+            if masked:
+                s = jnp.where(pos[None, :] <= row_pos[:, None], s, -jnp.inf)
+            scores.append(s)
+            values.append(vt)
+            v_scales.append(vs)
+        m_new = m_i
+        for s in scores:
+            m_new = jnp.maximum(m_new, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        acc, l_new = acc * alpha[:, None], l_i * alpha
+        for s, vt, vs in zip(scores, values, v_scales):
+            p = jnp.exp2(s - m_new[:, None])
+            l_new = l_new + jnp.sum(p, axis=1)
+            acc = acc + _dot((p * vs[None, :]).astype(q.dtype), vt, 1, precision)
+        return acc, m_new, l_new
+
+    if fp8:
+        step = step_fp8
 
     carry = (
         jnp.zeros((block_m, head_dim), jnp.float32),
@@ -203,15 +258,6 @@ def _ragged_attention_kernel(
         plgpu.store(o_ref.at[split, tok_ix, head_ix, dims], out, mask=row_ok[:, None])
         lse = jnp.where(has, m_i + jnp.log2(jnp.where(has, l_i, 1.0)), -jnp.inf)
         plgpu.store(lse_ref.at[split, row_tok, head_ix[:, 0]], lse, mask=row_ok)
-
-
-def _load_scales(kv_ref, layer, phys, block_size: int, kv: int, h, off, ok):
-    """``f32[block_k]``: the K (``kv = 0``) or V (1) scales of a tile's slots (block ``phys``, offset
-    ``off``) from an fp8 pool's scale rows; slots past the sequence (``ok`` False) read as 0."""
-    if ok is None:
-        return kv_ref[layer, phys, block_size, kv, h, off].astype(jnp.float32)
-    scales = plgpu.load(kv_ref.at[layer, phys, block_size, kv, h, off], mask=ok).astype(jnp.float32)
-    return jnp.where(ok, scales, 0.0)  # (no fp8 fill value in Triton: masked lanes zeroed after the cast)
 
 
 def _ragged_attention_call(q, kv_pool, layer: jax.Array, cu_q_lens, kv_lens, block_tables, *, scale: float,

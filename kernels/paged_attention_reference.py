@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.kernels.fp8 import dequantize, is_fp8
+from jaxpaged.kernels.fp8 import dequantize, is_fp8, values_from_slab
 from jaxpaged.kernels.kv_write import block_size_of
 from jaxpaged.kernels.matmul import dot_precision
 
@@ -79,7 +79,8 @@ def paged_attention_reference(
     rows = kv_pool[layer, tables]  # [T, W, bs, 2, Hkv, D]: a gather, never a copy of the layer
     if is_fp8(kv_pool.dtype):  # row bs holds each slot's scales at [.., bs, kv, h, slot]: dequantise in fp32
         scales = jnp.moveaxis(rows[:, :, block_size, :, :, :block_size], -1, 2)  # [T, W, bs, 2, Hkv]
-        rows = dequantize(rows[:, :, :block_size], scales)
+        values = values_from_slab(rows[:, :, :block_size, 1])  # stored transposed per (block, head)
+        rows = dequantize(jnp.stack([rows[:, :, :block_size, 0], values], axis=3), scales)
     keys = rows[:, :, :, 0].reshape(num_tokens, width * block_size, num_kv_heads, head_dim)
     values = rows[:, :, :, 1].reshape(num_tokens, width * block_size, num_kv_heads, head_dim)
     key_pos = jnp.arange(width * block_size, dtype=jnp.int32)

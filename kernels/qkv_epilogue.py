@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .fp8 import is_fp8, quantize, scale_rows
+from .fp8 import is_fp8, quantize, scale_rows, v_slab_index
 from .kv_write import check_pool
 
 
@@ -117,15 +117,20 @@ def _kernel(layer_ref, parts_ref, bias_ref, qw_ref, kw_ref, cos_ref, sin_ref, sl
         plgpu.store(pool_ref.at[layer, blk, off, 1, kvh, dims], v.astype(pool_ref.dtype), mask=write)
         return
     # fp8: each token's K and V quantised with their own scales, stored in the block's scale row (the
-    # token indices again as 1-D vectors: Triton's lowering has no slicing of [B, 1] ones).
+    # token indices again as 1-D vectors: Triton's lowering has no slicing of [B, 1] ones), the values
+    # in their transposed places.
     toks1 = pl.program_id(0) * block_tokens + lax.broadcasted_iota(jnp.int32, (block_tokens,), 0)
     slot1 = plgpu.load(slot_ref.at[toks1], mask=toks1 < num_tokens, other=-1)
     write1 = (~is_q) & (slot1 >= 0) & (slot1 < num_slots) & (toks1 < num_tokens)
     blk1 = jnp.where(write1, jnp.maximum(slot1, 0) // block_size, pool_ref.shape[1])
     off1 = jnp.maximum(slot1, 0) % block_size
+    row, col = v_slab_index(dims, off, block_size, head_dim)  # values sit transposed (kernels/fp8.py)
     for kv, x in ((0, out), (1, v)):
         values, scale = quantize(x, pool_ref.dtype)  # [B, D], [B]
-        plgpu.store(pool_ref.at[layer, blk, off, kv, kvh, dims], values, mask=write)
+        if kv == 0:
+            plgpu.store(pool_ref.at[layer, blk, off, 0, kvh, dims], values, mask=write)
+        else:
+            plgpu.store(pool_ref.at[layer, blk + 0 * dims, row + 0 * off, 1, kvh, col], values, mask=write)
         plgpu.store(pool_ref.at[layer, blk1, block_size, kv, jnp.maximum(kv_head, 0), off1],
                     scale.astype(pool_ref.dtype), mask=write1)
 

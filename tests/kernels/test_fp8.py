@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxpaged.kernels.fp8 import dequantize, exponent_range, quantize, scale_rows
+from jaxpaged.kernels.fp8 import dequantize, exponent_range, quantize, scale_rows, values_from_slab, values_to_slab
 from jaxpaged.kernels.kv_write import block_size_of, pool_shape, write_kv
 from jaxpaged.kernels.paged_attention import choose_config, invariant_config, paged_attention
 from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
@@ -56,9 +56,11 @@ def test_quantize_clips_beyond_the_largest_scale():
 
 def fp8_pool(k, v, fp8, layers=3, layer=1):
     """A pool ``[layers, N, bs + 1, 2, Hkv, D]`` in ``fp8`` whose layer ``layer`` holds ``k, v [N, bs, Hkv, D]``
-    quantised per slot and head, the others NaN; NaN slots (never written) get NaN scales."""
+    quantised per slot and head (values transposed in their slabs), the others NaN; NaN slots (never
+    written) get NaN scales."""
     rows = jnp.stack([jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32)], axis=2)  # [N, bs, 2, Hkv, D]
     values, scales = quantize(rows, fp8)
+    values = values.at[:, :, 1].set(values_to_slab(values[:, :, 1]))
     scales = jnp.where(jnp.isnan(rows).any(-1), jnp.nan, scales)  # [N, bs, 2, Hkv]
     n, bs, _, hkv, d = rows.shape
     srow = jnp.full((n, 2, hkv, d), jnp.nan).at[..., :bs].set(jnp.moveaxis(scales, 1, -1))
@@ -92,6 +94,8 @@ def fp32_pool(k, v):
 CASES = [
     ([1, 1, 12, 1, 0, 1], [1, 15, 28, 17, 4, 200], 16, 16, 8, 128, E4M3),
     ([5, 1, 1, 33], [12, 31, 33, 300], 32, 8, 1, 64, E5M2),  # MQA
+    ([1, 9, 1, 0, 1], [7, 9, 8, 3, 140], 8, 8, 2, 64, E4M3),  # a 16-slot sub-tile spans two blocks
+    ([1, 70, 1], [64, 70, 129], 64, 16, 4, 128, E4M3),  # one block a KV tile
 ]
 
 
@@ -111,6 +115,35 @@ def test_attention_over_an_fp8_pool_every_configuration():
              dtype=jnp.float32)
 
 
+@pytest.mark.slow
+def test_batch_invariant_attention_over_fp8_pools_of_every_block_size_agrees_bitwise():
+    """The same tokens written into fp8 pools of block size 8, 16 and 32 (different slabs, blocks in
+    random order): the batch-invariant configuration gives bitwise the same output (the kernel reads
+    16-slot sub-tiles whatever the block size)."""
+    rng = np.random.default_rng(11)
+    hq, hkv, d, q_lens, kv_lens = 8, 2, 64, [1, 9, 1], [70, 9, 33]
+    k = rand(rng, (sum(kv_lens), hkv, d), jnp.bfloat16, 3.0)
+    v = rand(rng, (sum(kv_lens), hkv, d), jnp.bfloat16)
+    q = rand(rng, (sum(q_lens) + 2, hq, d), jnp.bfloat16)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    outs = []
+    for bs in (8, 16, 32):
+        width = max(-(-n // bs) for n in kv_lens)
+        n = len(kv_lens) * width + 2
+        tables = rng.permutation(n)[: len(kv_lens) * width].reshape(len(kv_lens), width).astype(np.int32)
+        slots = np.concatenate([tables[i, np.arange(kl) // bs] * bs + np.arange(kl) % bs
+                                for i, kl in enumerate(kv_lens)]).astype(np.int32)
+        pool = jnp.full(pool_shape(1, n, bs, hkv, d, E4M3), jnp.nan, E4M3)
+        pool = write_kv(pool, 0, k, v, jnp.asarray(slots))
+        args = (q, pool, 0, cu, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables))
+        outs.append(np.asarray(paged_attention(*args, interpret=True, batch_invariant=True), np.float32))
+        np.testing.assert_allclose(outs[-1], np.asarray(paged_attention_reference(*args), np.float32),
+                                   rtol=2e-2, atol=2e-2)
+    assert np.all(np.isfinite(outs[0]))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], outs[2])
+
+
 def test_write_kv_quantises_each_token_into_the_scale_row():
     rng = np.random.default_rng(3)
     layers, n, bs, hkv, d, t = 2, 5, 8, 2, 32, 9
@@ -125,14 +158,21 @@ def test_write_kv_quantises_each_token_into_the_scale_row():
         blk, off = s // bs, s % bs
         for kv, x in ((0, k[i]), (1, v[i])):
             want_q, want_s = quantize(x, E4M3)
-            np.testing.assert_array_equal(np.asarray(new[1, blk, off, kv], np.float32), np.asarray(want_q, np.float32))
+            got = new[1, blk, off, 0] if kv == 0 else values_from_slab(new[1, blk, :bs, 1])[off]
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want_q, np.float32))
             np.testing.assert_array_equal(np.asarray(new[1, blk, bs, kv, :, off], np.float32), np.asarray(want_s))
-    written = np.zeros((layers, n, bs + 1), bool)
+    # nothing else changed: keys by slot, values by slot once un-transposed, scales by slot
+    written = np.zeros((layers, n, bs), bool)
     for s in np.asarray(slots):
         if s >= 0:
-            written[1, s // bs, [s % bs, bs]] = True
-    changed = np.any(np.asarray(new, np.float32) != 0, axis=(3, 4, 5))
-    assert not np.any(changed & ~written)
+            written[1, s // bs, s % bs] = True
+    pool_f = np.asarray(new, np.float32)
+    keys_changed = np.any(pool_f[:, :, :bs, 0] != 0, axis=(3, 4))
+    values_changed = np.any(np.asarray(values_from_slab(new[:, :, :bs, 1]), np.float32) != 0, axis=(3, 4))
+    scales_changed = np.any(np.moveaxis(pool_f[:, :, bs, :, :, :bs], -1, 2) != 0, axis=(3, 4))
+    assert not np.any(pool_f[:, :, bs, :, :, bs:] != 0)
+    for changed in (keys_changed, values_changed, scales_changed):
+        assert not np.any(changed & ~written)
     with pytest.raises(ValueError, match="block_size must be <= 32"):
         pool_shape(1, 4, 64, 2, 32, E4M3)
 
