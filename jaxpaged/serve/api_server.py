@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.datastructures import Headers
 
 from ..io.outputs import CompletionOutput, RequestOutput
 from ..sampling import RequestOutputKind
@@ -111,6 +112,36 @@ async def interleave(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterat
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+class GuardMiddleware:
+    """The ``/v1`` routes' API key (401) and body size (413, from ``Content-Length``, before the body is
+    read) checks, as a plain ASGI middleware. Why not ``@app.middleware("http")``: Starlette's
+    ``BaseHTTPMiddleware`` relays every chunk of a streamed response through a second task and a
+    memory stream, a cost per chunk on every stream."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    def refusal(self, scope) -> JSONResponse | None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+            return None
+        headers = Headers(scope=scope)
+        if self.api_key is not None and headers.get("authorization") != f"Bearer {self.api_key}":
+            return JSONResponse(error_body("invalid or missing API key", "authentication_error", code="invalid_api_key"),
+                                status_code=401)
+        size = headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > self.max_body_bytes:
+            return JSONResponse(error_body(f"the body is {size} bytes, more than the limit of {self.max_body_bytes}"),
+                                status_code=413)
+        return None
+
+    async def __call__(self, scope, receive, send) -> None:
+        response = self.refusal(scope)
+        if response is None:
+            await self.app(scope, receive, send)
+        else:
+            await response(scope, receive, send)
+
+
 def with_token_ids(body: SamplingFields, c: CompletionOutput, choice: dict) -> dict:
     """``choice`` with the choice's (new) token ids under ``token_ids`` when the body asks
     (``return_token_ids``, vLLM's extra): clients that re-send a conversation as token ids need them."""
@@ -149,17 +180,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
             return JSONResponse(error_body(f"the body is not valid JSON: {first.get('msg')}"), status_code=400)
         return JSONResponse(error_body(f"{where}: {first.get('msg', 'invalid value')}", param=where), status_code=400)
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        if request.url.path.startswith("/v1"):
-            if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
-                return JSONResponse(error_body("invalid or missing API key", "authentication_error",
-                                               code="invalid_api_key"), status_code=401)
-            size = request.headers.get("content-length")
-            if size is not None and size.isdigit() and int(size) > max_body_bytes:
-                return JSONResponse(error_body(f"the body is {size} bytes, more than the limit of {max_body_bytes}"),
-                                    status_code=413)
-        return await call_next(request)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
 
     def check_model(body: SamplingFields) -> None:
         if body.model is not None and body.model != model_name:

@@ -94,8 +94,6 @@ def fp32_pool(k, v):
 CASES = [
     ([1, 1, 12, 1, 0, 1], [1, 15, 28, 17, 4, 200], 16, 16, 8, 128, E4M3),
     ([5, 1, 1, 33], [12, 31, 33, 300], 32, 8, 1, 64, E5M2),  # MQA
-    ([1, 9, 1, 0, 1], [7, 9, 8, 3, 140], 8, 8, 2, 64, E4M3),  # a 16-slot sub-tile spans two blocks
-    ([1, 70, 1], [64, 70, 129], 64, 16, 4, 128, E4M3),  # one block a KV tile
 ]
 
 
@@ -106,7 +104,7 @@ def test_attention_over_an_fp8_pool_matches_the_reference(case):
 
 @pytest.mark.slow  # (the quick subset keeps the default configuration's check above)
 def test_attention_over_an_fp8_pool_every_configuration():
-    q_lens, kv_lens, bs, hq, hkv, d = [1] * 6, [1, 15, 16, 17, 115, 320], 16, 16, 8, 64
+    q_lens, kv_lens, bs, hq, hkv, d = [1] * 6, [1, 15, 16, 17, 60, 150], 16, 16, 8, 64
     decode = choose_config(6, 6, hq, hkv, bs, 320)
     assert decode.num_splits > 1
     run_case(401, q_lens, kv_lens, bs, hq, hkv, d, config=decode)
@@ -117,17 +115,18 @@ def test_attention_over_an_fp8_pool_every_configuration():
 
 @pytest.mark.slow
 def test_batch_invariant_attention_over_fp8_pools_of_every_block_size_agrees_bitwise():
-    """The same tokens written into fp8 pools of block size 8, 16 and 32 (different slabs, blocks in
-    random order): the batch-invariant configuration gives bitwise the same output (the kernel reads
-    16-slot sub-tiles whatever the block size)."""
+    """The same tokens written into fp8 pools of block size 8 (a 16-slot sub-tile spans two blocks), 16
+    and 64 (one block a KV tile), blocks in random order, NaN wherever nothing was written: each matches
+    the reference, and the batch-invariant configuration gives bitwise the same output (the kernel
+    reads 16-slot sub-tiles whatever the block size)."""
     rng = np.random.default_rng(11)
-    hq, hkv, d, q_lens, kv_lens = 8, 2, 64, [1, 9, 1], [70, 9, 33]
+    hq, hkv, d, q_lens, kv_lens = 8, 2, 64, [1, 5, 1], [70, 5, 20]
     k = rand(rng, (sum(kv_lens), hkv, d), jnp.bfloat16, 3.0)
     v = rand(rng, (sum(kv_lens), hkv, d), jnp.bfloat16)
     q = rand(rng, (sum(q_lens) + 2, hq, d), jnp.bfloat16)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     outs = []
-    for bs in (8, 16, 32):
+    for bs in (8, 16, 64):
         width = max(-(-n // bs) for n in kv_lens)
         n = len(kv_lens) * width + 2
         tables = rng.permutation(n)[: len(kv_lens) * width].reshape(len(kv_lens), width).astype(np.int32)

@@ -154,6 +154,15 @@ def test_api_key_is_required(server):
     assert httpx.get(f"{server}/v1/models").status_code == 401
 
 
+def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
+    from jaxpaged.serve.api_server import MAX_BODY_BYTES
+
+    r = httpx.post(f"{server}/v1/completions", content=b" " * (MAX_BODY_BYTES + 1),
+                   headers={**headers(), "Content-Type": "application/json"})
+    assert r.status_code == 413 and "more than the limit" in r.json()["error"]["message"]
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
 def test_concurrent_streams_with_disconnects(server):
     """64 streaming clients at once, 16 of them asking for 200 tokens and leaving after their first
     chunk: every other stream completes, the server still answers, the leavers' requests are aborted
