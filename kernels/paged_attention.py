@@ -28,16 +28,15 @@ How the work is cut (the scheme of vLLM's Triton "unified attention", written fo
 Softmax in base 2 with fp32 scores, running max and sum; ``P`` is cast to the pool dtype for ``P @ V``
 (fp32 pools use IEEE fp32 dots: ``DotAlgorithmPreset.F32_F32_F32``, Triton ``input_precision="ieee"``).
 
-An fp8 pool (``kernels/fp8.py``) is read ``FP8_SUB`` = 16 slots at a time within each KV tile: a
-sub-tile lies in one pool block (block size >= 16), so its block id is one scalar and its keys
-(``[16, D]``), its values, stored transposed (``[D, 16]``, each dimension's 16 slots consecutive bytes),
-and its two scale vectors (16 bytes each) are contiguous loads; each sub-tile's tiles are converted
-exactly to the query's dtype, the K scales multiply the scores' columns and the V scales the
-probabilities' columns, the running max is taken over the whole tile before any ``P @ V``. Why: the
-one-tile-at-a-time loop over an fp8 pool with values in key order ran at 1.5-1.9 TB/s on the H200 (the
-8-bit ``P @ V`` operand strided along its contracted axis, one-byte scale loads gathered across
-blocks); see ``benchmarks/RESULTS.md``. The sub-tile size is fixed, not the block size, so block sizes
-8-64 give the same arithmetic (batch-invariant mode keeps agreeing across block sizes).
+An fp8 pool (``kernels/fp8.py``) is read in KV tiles of ``FP8_TILE`` = 16 slots (``block_k``), so a
+tile lies in one pool block (block size >= 16): its block id is one scalar, and its keys (``[16, D]``),
+its values, stored transposed (``[D, 16]``, each dimension's 16 slots consecutive bytes) and its two
+scale vectors (16 bytes each) are contiguous loads. The tiles are converted exactly to the query's
+dtype; the K scales multiply the scores' columns and the V scales the probabilities' columns. Why:
+64-slot tiles over an fp8 pool with values in key order ran at 1.5-1.9 TB/s on the H200 (the 8-bit
+``P @ V`` operand strided along its contracted axis, one-byte scale loads gathered across blocks); see
+``benchmarks/RESULTS.md``. The tile is 16 slots whatever the block size, so block sizes 8-64 give the
+same arithmetic (batch-invariant mode keeps agreeing across block sizes).
 
 Batch-invariant configuration (:func:`invariant_config`, ``batch_invariant=True``): one launch
 configuration for every step, prefill or decode: fixed ``block_m``, ``block_k`` fixed in tokens (tile
@@ -68,7 +67,7 @@ from jaxpaged.kernels.shapes import next_pow2, num_cores as device_num_cores
 from jaxpaged.kernels.matmul import kernel_dot_precision
 
 LOG2E = math.log2(math.e)
-FP8_SUB = 16  # slots an fp8 KV tile is read in (module docstring): the smallest Triton dot dimension
+FP8_TILE = 16  # slots of an fp8 pool's KV tile (``block_k``; module docstring): the smallest Triton dot dimension
 _MASKED = -1e30  # initial running max: finite, so fully masked rows give exp2(-inf) = 0, never NaN
 
 
@@ -77,7 +76,8 @@ class AttentionConfig:
     """Static launch configuration of :func:`_ragged_attention_call`.
 
     block_m: query rows per program (power of two >= 16, >= G); ``block_q = block_m // G`` tokens.
-    block_k: KV tokens per inner step (power of two, multiple of the pool's block size, >= 16).
+    block_k: KV tokens per inner step (power of two, multiple of the pool's block size, >= 16; an fp8
+      pool's: ``FP8_TILE``).
     num_splits: programs sharing one query tile's context (split-K); 1 writes the final output.
     reverse_tiles: launch query tiles last-first (prefill load balance).
     mask_all: process every KV tile through the masked path (batch-invariant mode; see module doc).
@@ -189,52 +189,41 @@ def _ragged_attention_kernel(
         return acc * alpha[:, None] + pv, m_new, l_new
 
     def step_fp8(t, carry, masked):
-        """One KV tile of an fp8 pool, ``FP8_SUB`` slots at a time (module docstring)."""
+        """One KV tile of an fp8 pool: ``FP8_TILE`` slots of one pool block (module docstring)."""
         acc, m_i, l_i = carry
-        slots = lax.broadcasted_iota(jnp.int32, (FP8_SUB,), 0)
+        pos = t * block_k + cols
+        if block_size >= block_k:  # the tile lies in one block: one block id, contiguous loads
+            phys = tables_ref[seq_c, jnp.minimum(t * block_k // block_size, width - 1)]
+            off = (t * block_k) % block_size + cols
+            phys_k = phys_v = phys
+        else:  # block_size 8: a block id per slot
+            phys = tables_ref[seq_c, jnp.minimum(pos // block_size, width - 1)]
+            off = pos % block_size
+            phys_k, phys_v = phys[:, None], phys[None, :]
         dcol = lax.broadcasted_iota(jnp.int32, (head_dim, 1), 0)
-        scores, values, v_scales = [], [], []
-        for j in range(block_k // FP8_SUB):
-            pos = t * block_k + j * FP8_SUB + slots
-            if block_size >= FP8_SUB:  # the sub-tile lies in one block: one block id, contiguous loads
-                phys = tables_ref[seq_c, jnp.minimum(t * (block_k // block_size) + j * FP8_SUB // block_size,
-                                                     width - 1)]
-                off = (j * FP8_SUB) % block_size + slots
-                phys_k = phys_v = phys
-            else:  # block_size 8: a block id per slot
-                phys = tables_ref[seq_c, jnp.minimum(pos // block_size, width - 1)]
-                off = pos % block_size
-                phys_k, phys_v = phys[:, None], phys[None, :]
-            row, col = v_slab_index(dcol, off[None, :], block_size, head_dim)  # [D, 1], [D, sub]
-            ok = pos < kv_end if masked else None
-            k_at = kv_ref.at[layer, phys_k, off[:, None], 0, h, dims]  # [sub, D]
-            vt_at = kv_ref.at[layer, phys_v, row, 1, h, col]  # [D, sub]: V transposed
-            ks_at = kv_ref.at[layer, phys, block_size, 0, h, off]
-            vs_at = kv_ref.at[layer, phys, block_size, 1, h, off]
-            if masked:  # positions past kv_end are never read (Triton has no fp8 fill value: zeroed after the cast)
-                k = jnp.where(ok[:, None], plgpu.load(k_at, mask=ok[:, None]).astype(q.dtype), 0)
-                vt = jnp.where(ok[None, :], plgpu.load(vt_at, mask=ok[None, :]).astype(q.dtype), 0)
-                ks = jnp.where(ok, plgpu.load(ks_at, mask=ok).astype(jnp.float32), 0.0)
-                vs = jnp.where(ok, plgpu.load(vs_at, mask=ok).astype(jnp.float32), 0.0)
-            else:
-                k, vt = plgpu.load(k_at).astype(q.dtype), plgpu.load(vt_at).astype(q.dtype)
-                ks, vs = plgpu.load(ks_at).astype(jnp.float32), plgpu.load(vs_at).astype(jnp.float32)
-            s = _dot(q, k, 1, precision) * (scale_log2 * ks)[None, :]  # [block_m, sub]
-            if masked:
-                s = jnp.where(pos[None, :] <= row_pos[:, None], s, -jnp.inf)
-            scores.append(s)
-            values.append(vt)
-            v_scales.append(vs)
-        m_new = m_i
-        for s in scores:
-            m_new = jnp.maximum(m_new, jnp.max(s, axis=1))
+        row, col = v_slab_index(dcol, off[None, :], block_size, head_dim)  # [D, 1], [D, tile]
+        k_at = kv_ref.at[layer, phys_k, off[:, None], 0, h, dims]  # [tile, D]
+        vt_at = kv_ref.at[layer, phys_v, row, 1, h, col]  # [D, tile]: values stored transposed
+        ks_at = kv_ref.at[layer, phys, block_size, 0, h, off]
+        vs_at = kv_ref.at[layer, phys, block_size, 1, h, off]
+        if masked:  # positions past kv_end are never read (Triton has no fp8 fill value: zeroed after the cast)
+            ok = pos < kv_end
+            k = jnp.where(ok[:, None], plgpu.load(k_at, mask=ok[:, None]).astype(q.dtype), 0)
+            vt = jnp.where(ok[None, :], plgpu.load(vt_at, mask=ok[None, :]).astype(q.dtype), 0)
+            ks = jnp.where(ok, plgpu.load(ks_at, mask=ok).astype(jnp.float32), 0.0)
+            vs = jnp.where(ok, plgpu.load(vs_at, mask=ok).astype(jnp.float32), 0.0)
+        else:
+            k, vt = plgpu.load(k_at).astype(q.dtype), plgpu.load(vt_at).astype(q.dtype)
+            ks, vs = plgpu.load(ks_at).astype(jnp.float32), plgpu.load(vs_at).astype(jnp.float32)
+        s = _dot(q, k, 1, precision) * (scale_log2 * ks)[None, :]  # [block_m, tile]
+        if masked:
+            s = jnp.where(pos[None, :] <= row_pos[:, None], s, -jnp.inf)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         alpha = jnp.exp2(m_i - m_new)
-        acc, l_new = acc * alpha[:, None], l_i * alpha
-        for s, vt, vs in zip(scores, values, v_scales):
-            p = jnp.exp2(s - m_new[:, None])
-            l_new = l_new + jnp.sum(p, axis=1)
-            acc = acc + _dot((p * vs[None, :]).astype(q.dtype), vt, 1, precision)
-        return acc, m_new, l_new
+        p = jnp.exp2(s - m_new[:, None])
+        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        pv = _dot((p * vs[None, :]).astype(q.dtype), vt, 1, precision)
+        return acc * alpha[:, None] + pv, m_new, l_new
 
     if fp8:
         step = step_fp8
@@ -305,44 +294,47 @@ def merge_splits(o: jax.Array, lse: jax.Array, dtype) -> jax.Array:
 
 def choose_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int,
                   block_size: int, max_context: int, num_cores: int | None = None,
-                  decode: bool | None = None) -> AttentionConfig:
+                  decode: bool | None = None, fp8: bool = False) -> AttentionConfig:
     """Static launch configuration: the decode one (small query tiles, split-K) or the prefill one.
 
     ``decode``: an explicit choice; ``None`` (the engine's) decides from the padded shapes
     (``T <= 2 S``), so a 256-slot engine runs every step of <= 512 tokens, prefill chunks included,
     with the decode configuration. Measured on the H200 (docs/DECISIONS.md): for prefill chunks of <= 512 tokens the 16-row decode tiles are as fast as the
     prefill tiles (0.85-1.06x), and telling the kernel what each step holds would double the compiled
-    step variants (+38 s warm-up), so the engine does not.
+    step variants (+38 s warm-up), so the engine does not. ``fp8``: the pool is fp8 (``block_k`` is
+    ``FP8_TILE``).
     """
     group = num_q_heads // num_kv_heads
+    kv_tile = FP8_TILE if fp8 else max(64, block_size)
     if decode is None:
         decode = num_tokens <= 2 * num_seqs
     if num_cores is None:
         num_cores = device_num_cores()
     if decode:
         block_m = max(16, next_pow2(group))
-        block_k = max(64, block_size)
+        block_k = kv_tile
         ctx_tiles = pl.cdiv(max_context, block_k)
         programs = min(num_seqs, num_tokens) * num_kv_heads
         splits = min(32, ctx_tiles, max(1, pl.cdiv(2 * num_cores, programs)))
         splits = next_pow2(splits) if splits > 1 else 1
         return AttentionConfig(block_m, block_k, min(splits, 32), num_warps=4, num_stages=3)
     block_m = max(128 if num_tokens >= 1024 else 64, next_pow2(group))
-    return AttentionConfig(block_m, max(64, block_size), 1, num_warps=8 if block_m >= 128 else 4,
+    return AttentionConfig(block_m, kv_tile, 1, num_warps=8 if block_m >= 128 else 4,
                            num_stages=2, reverse_tiles=True)
 
 
-def invariant_config(num_q_heads: int, num_kv_heads: int, block_size: int) -> AttentionConfig:
+def invariant_config(num_q_heads: int, num_kv_heads: int, block_size: int, fp8: bool = False) -> AttentionConfig:
     """The batch-invariant launch configuration: the same for every step of an engine, prefill or
     decode, whatever the batch (a function of the model's head counts and the pool's block size only;
-    ``block_k = 64`` tokens for every block size up to 64, so those block sizes agree bitwise too).
+    ``block_k = 64`` tokens for every block size up to 64, ``FP8_TILE`` for an fp8 pool, so those
+    block sizes agree bitwise too).
 
     It is the decode configuration of a large batch (16-row query tiles, no split), so batched decode,
     most of a serving workload's steps, costs what it costs by default; prefill gets small query
     tiles (each KV tile serves fewer tokens, mostly from L2) and small decode batches lose split-K."""
     group = num_q_heads // num_kv_heads
-    return AttentionConfig(block_m=max(16, next_pow2(group)), block_k=max(64, block_size), num_splits=1,
-                           num_warps=4, num_stages=3, reverse_tiles=True, mask_all=True)
+    return AttentionConfig(block_m=max(16, next_pow2(group)), block_k=FP8_TILE if fp8 else max(64, block_size),
+                           num_splits=1, num_warps=4, num_stages=3, reverse_tiles=True, mask_all=True)
 
 
 def _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables):
@@ -416,16 +408,19 @@ def _paged_attention(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, sca
     num_kv_heads, block_size = kv_pool.shape[4], block_size_of(kv_pool)
     if scale is None:
         scale = head_dim**-0.5
+    fp8 = is_fp8(kv_pool.dtype)
     if config is None and batch_invariant:
-        config = invariant_config(num_q_heads, num_kv_heads, block_size)
+        config = invariant_config(num_q_heads, num_kv_heads, block_size, fp8)
     if config is None:
         config = choose_config(num_tokens, kv_lens.shape[0], num_q_heads, num_kv_heads, block_size,
-                               block_tables.shape[1] * block_size, decode=decode)
+                               block_tables.shape[1] * block_size, decode=decode, fp8=fp8)
     group = num_q_heads // num_kv_heads
     if config.block_m < max(16, group) or config.block_m & (config.block_m - 1):
         raise ValueError(f"block_m={config.block_m} must be a power of two >= max(16, G={group})")
-    if config.block_k < max(16, block_size) or config.block_k % block_size or \
-            config.block_k & (config.block_k - 1):
+    if fp8 and config.block_k != FP8_TILE:
+        raise ValueError(f"block_k={config.block_k}: an fp8 pool is read in tiles of {FP8_TILE} slots")
+    if not fp8 and (config.block_k < max(16, block_size) or config.block_k % block_size or
+                    config.block_k & (config.block_k - 1)):
         raise ValueError(f"block_k={config.block_k} must be a power of two multiple of "
                          f"block_size={block_size} and >= 16")
     res = _ragged_attention_call(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables,

@@ -104,20 +104,23 @@ def test_attention_over_an_fp8_pool_matches_the_reference(case):
 
 @pytest.mark.slow  # (the quick subset keeps the default configuration's check above)
 def test_attention_over_an_fp8_pool_every_configuration():
-    q_lens, kv_lens, bs, hq, hkv, d = [1] * 6, [1, 15, 16, 17, 60, 150], 16, 16, 8, 64
-    decode = choose_config(6, 6, hq, hkv, bs, 320)
-    assert decode.num_splits > 1
+    q_lens, kv_lens, bs, hq, hkv, d = [1] * 6, [1, 15, 16, 17, 60, 150], 16, 8, 2, 64
+    decode = choose_config(6, 6, hq, hkv, bs, 320, fp8=True)
+    assert decode.num_splits > 1 and decode.block_k == 16
     run_case(401, q_lens, kv_lens, bs, hq, hkv, d, config=decode)
-    run_case(402, [70, 33], [70, 70], bs, hq, hkv, d, config=choose_config(103, 2, hq, hkv, bs, 80, decode=False))
+    run_case(402, [40, 33], [70, 40], bs, hq, hkv, d,
+             config=choose_config(76, 2, hq, hkv, bs, 80, decode=False, fp8=True))
+    with pytest.raises(ValueError, match="fp8 pool is read in tiles of 16"):
+        run_case(403, [1], [20], bs, hq, hkv, d, config=choose_config(1, 1, hq, hkv, bs, 32))
     # (the batch-invariant configuration: the block-size test below)
 
 
 @pytest.mark.slow
 def test_batch_invariant_attention_over_fp8_pools_of_every_block_size_agrees_bitwise():
-    """The same tokens written into fp8 pools of block size 8 (a 16-slot sub-tile spans two blocks), 16
+    """The same tokens written into fp8 pools of block size 8 (a 16-slot tile spans two blocks), 16
     and 64 (one block a KV tile), blocks in random order, NaN wherever nothing was written, read by
     float32 queries in the batch-invariant configuration: each matches the reference, and all agree
-    bitwise (the kernel reads 16-slot sub-tiles whatever the block size)."""
+    bitwise (the kernel reads 16-slot tiles whatever the block size)."""
     rng = np.random.default_rng(11)
     hq, hkv, d, q_lens, kv_lens = 8, 2, 64, [1, 5, 1], [70, 5, 20]
     k = rand(rng, (sum(kv_lens), hkv, d), jnp.bfloat16, 3.0)
