@@ -118,7 +118,7 @@ def test_attention_over_an_fp8_pool_every_configuration():
 @pytest.mark.slow
 def test_batch_invariant_attention_over_fp8_pools_of_every_block_size_agrees_bitwise():
     """The same tokens written into fp8 pools of block size 8 (a 16-slot tile spans two blocks), 16
-    and 64 (one block a KV tile), blocks in random order, NaN wherever nothing was written, read by
+    and 64 (four tiles a block), blocks in random order, NaN wherever nothing was written, read by
     float32 queries in the batch-invariant configuration: each matches the reference, and all agree
     bitwise (the kernel reads 16-slot tiles whatever the block size)."""
     rng = np.random.default_rng(11)
