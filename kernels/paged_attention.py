@@ -103,6 +103,20 @@ def _dot(a, b, b_contract: int, precision):
                            preferred_element_type=jnp.float32)
 
 
+def online_softmax(carry, s, pos, row_pos, pv):
+    """One KV tile's update of the running ``(acc, max, sum)``: scores ``s [block_m, tile]`` (base 2,
+    scaled) at key positions ``pos [tile]``, causal against ``row_pos [block_m]`` (``None``: the tile
+    needs no mask); ``pv(p)`` is the tile's ``P @ V [block_m, D]`` in f32."""
+    acc, m_i, l_i = carry
+    if row_pos is not None:
+        s = jnp.where(pos[None, :] <= row_pos[:, None], s, -jnp.inf)
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    l_new = l_i * alpha + jnp.sum(p, axis=1)
+    return acc * alpha[:, None] + pv(p), m_new, l_new
+
+
 def _ragged_attention_kernel(
     layer_ref, cu_ref, kv_lens_ref, tables_ref, q_ref, kv_ref, *out_refs,
     scale_log2: float, block_m: int, group: int, block_k: int, num_splits: int,
@@ -163,7 +177,6 @@ def _ragged_attention_kernel(
     cols = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
 
     def step(t, carry, masked):
-        acc, m_i, l_i = carry
         pos = t * block_k + cols
         blk = jnp.minimum(pos // block_size, width - 1)
         phys = tables_ref[seq_c, blk]  # [block_k] physical block ids
@@ -179,18 +192,11 @@ def _ragged_attention_kernel(
                 k = jnp.where(kv_ok, k, jnp.zeros_like(k))
                 v = jnp.where(kv_ok, v, jnp.zeros_like(v))
         s = _dot(q, k, 1, precision) * scale_log2  # [block_m, block_k] f32
-        if masked:
-            s = jnp.where(pos[None, :] <= row_pos[:, None], s, -jnp.inf)
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        l_new = l_i * alpha + jnp.sum(p, axis=1)
-        pv = _dot(p.astype(v.dtype), v, 0, precision)
-        return acc * alpha[:, None] + pv, m_new, l_new
+        return online_softmax(carry, s, pos, row_pos if masked else None,
+                              lambda p: _dot(p.astype(v.dtype), v, 0, precision))
 
     def step_fp8(t, carry, masked):
         """One KV tile of an fp8 pool: ``FP8_TILE`` slots of one pool block (module docstring)."""
-        acc, m_i, l_i = carry
         pos = t * block_k + cols
         if block_size >= block_k:  # the tile lies in one block: one block id, contiguous loads
             phys = tables_ref[seq_c, jnp.minimum(t * block_k // block_size, width - 1)]
@@ -216,14 +222,8 @@ def _ragged_attention_kernel(
             k, vt = plgpu.load(k_at).astype(q.dtype), plgpu.load(vt_at).astype(q.dtype)
             ks, vs = plgpu.load(ks_at).astype(jnp.float32), plgpu.load(vs_at).astype(jnp.float32)
         s = _dot(q, k, 1, precision) * (scale_log2 * ks)[None, :]  # [block_m, tile]
-        if masked:
-            s = jnp.where(pos[None, :] <= row_pos[:, None], s, -jnp.inf)
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        l_new = l_i * alpha + jnp.sum(p, axis=1)
-        pv = _dot((p * vs[None, :]).astype(q.dtype), vt, 1, precision)
-        return acc * alpha[:, None] + pv, m_new, l_new
+        return online_softmax(carry, s, pos, row_pos if masked else None,
+                              lambda p: _dot((p * vs[None, :]).astype(q.dtype), vt, 1, precision))
 
     if fp8:
         step = step_fp8

@@ -117,10 +117,10 @@ def test_attention_over_an_fp8_pool_every_configuration():
 
 @pytest.mark.slow
 def test_batch_invariant_attention_over_fp8_pools_of_every_block_size_agrees_bitwise():
-    """The same tokens written into fp8 pools of block size 8 (a 16-slot tile spans two blocks), 16
-    and 64 (four tiles a block), blocks in random order, NaN wherever nothing was written, read by
-    float32 queries in the batch-invariant configuration: each matches the reference, and all agree
-    bitwise (the kernel reads 16-slot tiles whatever the block size)."""
+    """The same tokens written into fp8 pools of block size 8 (a 16-slot tile spans two blocks) and 64
+    (four tiles a block; block size 16 is every other test's), blocks in random order, NaN wherever
+    nothing was written, read by float32 queries in the batch-invariant configuration: each matches
+    the reference, and the two agree bitwise (the kernel reads 16-slot tiles whatever the block size)."""
     rng = np.random.default_rng(11)
     hq, hkv, d, q_lens, kv_lens = 8, 2, 64, [1, 5, 1], [70, 5, 20]
     k = rand(rng, (sum(kv_lens), hkv, d), jnp.bfloat16, 3.0)
@@ -128,7 +128,7 @@ def test_batch_invariant_attention_over_fp8_pools_of_every_block_size_agrees_bit
     q = rand(rng, (sum(q_lens) + 2, hq, d), jnp.float32)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     outs = []
-    for bs in (8, 16, 64):
+    for bs in (8, 64):
         width = max(-(-n // bs) for n in kv_lens)
         n = len(kv_lens) * width + 2
         tables = rng.permutation(n)[: len(kv_lens) * width].reshape(len(kv_lens), width).astype(np.int32)
@@ -142,7 +142,6 @@ def test_batch_invariant_attention_over_fp8_pools_of_every_block_size_agrees_bit
                                    rtol=2e-2, atol=2e-2)
     assert np.all(np.isfinite(outs[0]))
     np.testing.assert_array_equal(outs[0], outs[1])
-    np.testing.assert_array_equal(outs[0], outs[2])
 
 
 def test_write_kv_quantises_each_token_into_the_scale_row():

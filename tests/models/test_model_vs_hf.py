@@ -142,7 +142,7 @@ def test_tokenizer_matches_hf(model):
 def test_fused_residual_bf16_matches_unfused_gemv_path(family):  # test above runs it for both against HF)
     """bf16, the GPU's decode path in interpret mode (GEMV partials into the add + RMSNorm kernel)
     against the same GEMVs with the model's own adds and norms, both against the float32 model: a
-    1-token step, a 3-token step (4 rows) and a 24-token chunk (the GEMV's 32-row tile).
+    1-token step and a 24-token chunk (the GEMV's 32-row tile).
     Not bitwise: inside jit XLA may skip the bf16 rounding between fused ops
     (``xla_allow_excess_precision``, on by default) while the kernel rounds where the ops do (eagerly
     the two agree bitwise), so the fused path must be as close to float32 as the plain one (measured
@@ -155,7 +155,7 @@ def test_fused_residual_bf16_matches_unfused_gemv_path(family):  # test above ru
                                 silu_mul_matmul_parts=functools.partial(silu_mul_matmul_parts, interpret=True),
                                 add_rms_norm=functools.partial(add_rms_norm, interpret=True))
     prompt = list(np.random.default_rng(4).integers(1, cfg.vocab_size, 24))
-    for ids, rows in ((prompt[:1], 1), (prompt[:3], 4), (prompt, 32)):
+    for ids, rows in ((prompt[:1], 1), (prompt, 32)):
         step = build_chunk_step([(ids, 0, list(range(4)))], BLOCK_SIZE, width=4)
         meta = dataclasses.replace(step.meta, slot_mapping=step.meta.slot_mapping[:rows])
         tokens, positions = step.token_ids[:rows], step.positions[:rows]
