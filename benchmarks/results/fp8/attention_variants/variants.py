@@ -12,6 +12,7 @@ the bf16 pool and the engine's own kernel (``engine_fp8``). Variants (``VARIANTS
   u8*           the pool read as uint8 and converted to bf16 with integer ops instead of a cast
   *_sel         the converted tiles passed through a select (keeps the cast out of the dot's operands)
   kmix / vmix   K from the fp8 pool and V from the bf16 pool / the reverse (no scales)
+  fma_noscale   scores and P @ V as broadcast products and sums, no dot (Pallas-Triton does not lower it)
   blk*          V stored transposed in each block's (block, head) slab, each KV tile processed one pool
                 block at a time (scalar block id: vectorised K, V^T and scale loads)
 
@@ -232,8 +233,9 @@ def main():
                  ("u8_vrow", 64, 3, 4), ("u8_kT", 64, 3, 4), ("fp8", 128, 3, 4), ("fp8", 64, 2, 4),
                  ("fp8", 64, 4, 4), ("fp8_vrow", 128, 3, 4), ("u8", 128, 3, 4), ("u8", 64, 4, 4),
                  ("bf16", 128, 3, 4), ("bf16", 64, 4, 4)],
-        "run2": [("bf16", 64, 3, 4), ("fp8", 64, 3, 4), ("fp8_sel", 64, 3, 4), ("fp8_noscale", 64, 3, 4),
-                 ("fp8_sel_noscale", 64, 3, 4), ("fp8_sel", 64, 3, 8), ("kmix", 64, 3, 4), ("vmix", 64, 3, 4)],
+        "run2": [("bf16", 64, 3, 4), ("fp8", 64, 3, 4), ("fp8_sel", 64, 3, 4), ("fma_noscale", 64, 3, 4),
+                 ("fma_noscale", 32, 3, 4), ("fp8_noscale", 64, 3, 4), ("fp8_sel_noscale", 64, 3, 4),
+                 ("fma_noscale", 128, 3, 8), ("fp8_sel", 64, 3, 8), ("kmix", 64, 3, 4), ("vmix", 64, 3, 4)],
         "blk": [("bf16", 64, 3, 4), ("blk", 64, 3, 4), ("blk_noscale", 64, 3, 4), ("engine_fp8", 64, 3, 4),
                 ("blk", 128, 3, 4), ("blk", 64, 2, 4), ("blk", 64, 4, 4), ("blk", 64, 3, 8)],
     }[os.environ.get("VARIANTS", "blk")]
