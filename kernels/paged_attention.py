@@ -292,6 +292,11 @@ def merge_splits(o: jax.Array, lse: jax.Array, dtype) -> jax.Array:
     return out.astype(dtype)
 
 
+def kv_tile(block_size: int, fp8: bool) -> int:
+    """``block_k`` of every configuration: 64 tokens (or one block, if larger); ``FP8_TILE`` for an fp8 pool."""
+    return FP8_TILE if fp8 else max(64, block_size)
+
+
 def choose_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int,
                   block_size: int, max_context: int, num_cores: int | None = None,
                   decode: bool | None = None, fp8: bool = False) -> AttentionConfig:
@@ -305,21 +310,20 @@ def choose_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads
     ``FP8_TILE``).
     """
     group = num_q_heads // num_kv_heads
-    kv_tile = FP8_TILE if fp8 else max(64, block_size)
     if decode is None:
         decode = num_tokens <= 2 * num_seqs
     if num_cores is None:
         num_cores = device_num_cores()
     if decode:
         block_m = max(16, next_pow2(group))
-        block_k = kv_tile
+        block_k = kv_tile(block_size, fp8)
         ctx_tiles = pl.cdiv(max_context, block_k)
         programs = min(num_seqs, num_tokens) * num_kv_heads
         splits = min(32, ctx_tiles, max(1, pl.cdiv(2 * num_cores, programs)))
         splits = next_pow2(splits) if splits > 1 else 1
         return AttentionConfig(block_m, block_k, min(splits, 32), num_warps=4, num_stages=3)
     block_m = max(128 if num_tokens >= 1024 else 64, next_pow2(group))
-    return AttentionConfig(block_m, kv_tile, 1, num_warps=8 if block_m >= 128 else 4,
+    return AttentionConfig(block_m, kv_tile(block_size, fp8), 1, num_warps=8 if block_m >= 128 else 4,
                            num_stages=2, reverse_tiles=True)
 
 
@@ -333,7 +337,7 @@ def invariant_config(num_q_heads: int, num_kv_heads: int, block_size: int, fp8: 
     most of a serving workload's steps, costs what it costs by default; prefill gets small query
     tiles (each KV tile serves fewer tokens, mostly from L2) and small decode batches lose split-K."""
     group = num_q_heads // num_kv_heads
-    return AttentionConfig(block_m=max(16, next_pow2(group)), block_k=FP8_TILE if fp8 else max(64, block_size),
+    return AttentionConfig(block_m=max(16, next_pow2(group)), block_k=kv_tile(block_size, fp8),
                            num_splits=1, num_warps=4, num_stages=3, reverse_tiles=True, mask_all=True)
 
 
