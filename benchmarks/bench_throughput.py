@@ -302,7 +302,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hf-requests", type=int, default=None,
                     help="requests of the Hugging Face baseline (default: 32 on a GPU, 0 for tiny)")
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=None, help="default: the engine's (16; 64 for fp8 KV)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="EngineConfig.max_model_len (default: --max-input-len + --max-output-len)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default 256; 16 for tiny")

@@ -3,8 +3,9 @@ time and bandwidth, and how far the model's logits move.
 
   kernels   the Pallas attention kernel over an fp8 pool vs the reference (fp32 dequantisation), and the
             fused qkv epilogue's fp8 writes vs the XLA path's (must be bitwise equal), compiled
-  attention decode attention, batch 256 x context 1,024 (one layer of Qwen3-0.6B's heads): bf16 vs fp8
-            pool, microseconds and bytes read per second against the HBM ceiling given by --hbm-tbps
+  attention decode attention, batch 256 x context 1,024 (one layer of Qwen3-0.6B's heads): bf16 (block
+            size 16) vs fp8 pool (64, its default; and 16), microseconds and bytes read per second
+            against the HBM ceiling given by --hbm-tbps
   logits    a model's logits for every position of ``--prompts`` random prompts of ``--prompt-len`` tokens,
             computed over an fp8 pool and over a bf16 pool (the K/V of each chunk written, then read):
             max and mean absolute difference, top-1 agreement. Random weights are not a trained model:
@@ -64,8 +65,8 @@ def random_fp8_case(rng, num_seqs, ctx, bs, hq, hkv, d, fp8):
 def check_kernels(fp8) -> dict:
     rng = np.random.default_rng(0)
     out = {}
-    for name, (s, ctx) in {"decode": (64, 300), "long": (8, 1500)}.items():
-        args, _ = random_fp8_case(rng, s, ctx, 16, 16, 8, 128, fp8)
+    for name, (s, ctx, bs) in {"decode": (64, 300, 64), "decode_block16": (64, 300, 16), "long": (8, 1500, 64)}.items():
+        args, _ = random_fp8_case(rng, s, ctx, bs, 16, 8, 128, fp8)
         got = np.asarray(paged_attention(*args, interpret=interpret()), np.float32)
         with jax.default_matmul_precision("highest"):
             ref = np.asarray(paged_attention_reference(*args), np.float32)
@@ -97,12 +98,16 @@ def check_attention(fp8, hbm_tbps: float, tiny: bool) -> dict:
     rng = np.random.default_rng(1)
     s, ctx = (8, 64) if tiny else (256, 1024)
     res = {}
-    for name, args in zip(("fp8", "bf16"), random_fp8_case(rng, s, ctx, 16, 16, 8, 128, fp8)):
+    fp8_64, _ = random_fp8_case(rng, s, ctx, 64, 16, 8, 128, fp8)
+    fp8_16, bf16_16 = random_fp8_case(rng, s, ctx, 16, 16, 8, 128, fp8)
+    # each pool dtype at its engine default block size (bf16 16, fp8 64), and fp8 at block size 16
+    for name, args, bs in (("fp8", fp8_64, 64), ("bf16", bf16_16, 16), ("fp8_block16", fp8_16, 16)):
         q, pool, layer, cu, kl, tables = args
         call = lambda qq, p, tb: paged_attention(qq, p, 0, cu, kl, tb, interpret=interpret())  # noqa: E731
         _, t = chain_time(call, q, pool, [tables], reps=5 if tiny else 50, chain=1 if tiny else 8)
-        kv_bytes = s * ctx * 2 * 8 * 128 * jnp.dtype(pool.dtype).itemsize * (17 / 16 if name == "fp8" else 1)
-        res[name] = dict(us=t * 1e6, kv_bytes=kv_bytes, tbps=kv_bytes / t / 1e12, of_ceiling=kv_bytes / t / 1e12 / hbm_tbps)
+        kv_bytes = s * ctx * 2 * 8 * 128 * jnp.dtype(pool.dtype).itemsize * ((bs + 1) / bs if "fp8" in name else 1)
+        res[name] = dict(block_size=bs, us=t * 1e6, kv_bytes=kv_bytes, tbps=kv_bytes / t / 1e12,
+                         of_ceiling=kv_bytes / t / 1e12 / hbm_tbps)
     res["fp8_over_bf16_time"] = res["fp8"]["us"] / res["bf16"]["us"]
     return res
 

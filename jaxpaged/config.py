@@ -21,7 +21,9 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", 
 class EngineConfig:
     """Engine configuration (vLLM's names and meanings).
 
-    block_size: tokens per KV block (a power of two).
+    block_size: tokens per KV block (a power of two); ``None``: 16, or with an fp8 ``kv_cache_dtype``
+      64 (at most the head dim): its attention reads 64-slot tiles, fastest when a tile is one block
+      (docs/DECISIONS.md). The engine's ``config`` holds the resolved size.
     num_blocks: KV pool size in blocks; ``None`` sizes it from ``memory_fraction`` of the device
       memory left after the weights, at most 4 x what ``max_num_seqs`` sequences of ``max_model_len``
       tokens need (a small model on a large GPU gets a pool it can use, not all memory). On a CPU: a quarter of the available host memory, at most 4 GiB,
@@ -66,7 +68,7 @@ class EngineConfig:
     means bf16 storage and operands with fp32 accumulation.
     """
 
-    block_size: int = 16
+    block_size: int | None = None
     num_blocks: int | None = None
     memory_fraction: float = 0.9
     max_num_seqs: int = 256
@@ -87,7 +89,8 @@ class EngineConfig:
     kv_offloading_size: float = 0
 
     def __post_init__(self) -> None:
-        check_block_size(self.block_size)
+        if self.block_size is not None:
+            check_block_size(self.block_size)
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
             raise ValueError(f"num_blocks must be a positive integer or None, got {self.num_blocks!r}")
         if not 0 < self.memory_fraction <= 1:
@@ -117,6 +120,12 @@ class EngineConfig:
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_model_len > self.max_num_batched_tokens:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+
+    def resolved_block_size(self, head_dim: int) -> int:
+        """``block_size``, or its default for this ``kv_cache_dtype`` and ``head_dim`` (see above)."""
+        if self.block_size is not None:
+            return self.block_size
+        return min(64, head_dim) if self.kv_cache_dtype.startswith("fp8") else 16
 
     def resolved_kv_cache_dtype(self, weights_dtype: str) -> str:
         """The pool's dtype: the weights' for ``"auto"``, the fp8 names' jnp dtype, else ``kv_cache_dtype``."""

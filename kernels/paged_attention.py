@@ -28,15 +28,17 @@ How the work is cut (the scheme of vLLM's Triton "unified attention", written fo
 Softmax in base 2 with fp32 scores, running max and sum; ``P`` is cast to the pool dtype for ``P @ V``
 (fp32 pools use IEEE fp32 dots: ``DotAlgorithmPreset.F32_F32_F32``, Triton ``input_precision="ieee"``).
 
-An fp8 pool (``kernels/fp8.py``) is read in KV tiles of ``FP8_TILE`` = 16 slots (``block_k``), so a
-tile lies in one pool block (block size >= 16): its block id is one scalar, and its keys (``[16, D]``),
-its values, stored transposed (``[D, 16]``, each dimension's 16 slots consecutive bytes) and its two
-scale vectors (16 bytes each) are contiguous loads. The tiles are converted exactly to the query's
-dtype; the K scales multiply the scores' columns and the V scales the probabilities' columns. Why:
-64-slot tiles over an fp8 pool with values in key order ran at 1.5-1.9 TB/s on the H200 (the 8-bit
-``P @ V`` operand strided along its contracted axis, one-byte scale loads gathered across blocks); see
-``benchmarks/RESULTS.md``. The tile is 16 slots whatever the block size, so block sizes 8-64 give the
-same arithmetic (batch-invariant mode keeps agreeing across block sizes).
+An fp8 pool (``kernels/fp8.py``) is read in KV tiles of ``FP8_TILE`` = 64 slots (``block_k``). With a
+block size of 64 or more (an fp8 pool's default) a tile lies in one pool block: its block id is one
+scalar, and its keys (``[64, D]``), its values, stored transposed (``[D, 64]``, each dimension's slots
+consecutive bytes) and its two scale vectors are contiguous loads. Smaller blocks are read with a
+block id per slot (correct, slower: gathered columns). The tiles are converted exactly to the
+query's dtype; the K scales multiply the scores' columns and the V scales the probabilities'
+columns. Why (measured on the H200, ``benchmarks/RESULTS.md``): at batch 256 x context 1,024 the
+same loop took 221 us over a block-64 pool in this layout, 290-302 us over values in key order (the
+8-bit ``P @ V`` operand strided along its contracted axis) and 340-365 us over block-16 tiles with
+scalar ids; bf16 took 264-271 us. The tile is 64 slots whatever the block size, so block sizes 8-128
+give the same arithmetic (batch-invariant mode keeps agreeing across block sizes).
 
 Batch-invariant configuration (:func:`invariant_config`, ``batch_invariant=True``): one launch
 configuration for every step, prefill or decode: fixed ``block_m``, ``block_k`` fixed in tokens (tile
@@ -67,7 +69,7 @@ from jaxpaged.kernels.shapes import next_pow2, num_cores as device_num_cores
 from jaxpaged.kernels.matmul import kernel_dot_precision
 
 LOG2E = math.log2(math.e)
-FP8_TILE = 16  # slots of an fp8 pool's KV tile (``block_k``; module docstring): the smallest Triton dot dimension
+FP8_TILE = 64  # slots of an fp8 pool's KV tile (``block_k``; module docstring)
 _MASKED = -1e30  # initial running max: finite, so fully masked rows give exp2(-inf) = 0, never NaN
 
 
@@ -196,13 +198,16 @@ def _ragged_attention_kernel(
                               lambda p: _dot(p.astype(v.dtype), v, 0, precision))
 
     def step_fp8(t, carry, masked):
-        """One KV tile of an fp8 pool: ``FP8_TILE`` slots of one pool block (module docstring)."""
+        """One KV tile of an fp8 pool: ``FP8_TILE`` slots, one pool block's or part of one when the
+        block size allows (module docstring)."""
         pos = t * block_k + cols
         if block_size >= block_k:  # the tile lies in one block: one block id, contiguous loads
             phys = tables_ref[seq_c, jnp.minimum(t * block_k // block_size, width - 1)]
-            off = (t * block_k) % block_size + cols
+            # The tile's first slot, written so Triton sees it is a multiple of block_k (``%`` of a
+            # traced value hides that, and the 8-bit loads then go one byte at a time).
+            off = cols if block_size == block_k else (t % (block_size // block_k)) * block_k + cols
             phys_k = phys_v = phys
-        else:  # block_size 8: a block id per slot
+        else:  # smaller blocks: a block id per slot
             phys = tables_ref[seq_c, jnp.minimum(pos // block_size, width - 1)]
             off = pos % block_size
             phys_k, phys_v = phys[:, None], phys[None, :]

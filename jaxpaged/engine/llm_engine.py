@@ -99,8 +99,9 @@ class LLMEngine:
                  tuning: StepTuning | None = None):
         """``tuning``: the step's internal tuning (benchmarks only; default: measured per device)."""
         config = config or EngineConfig()
-        self.params, self.config, self.tokenizer = params, config, tokenizer
         cfg = params.config
+        config = dataclasses.replace(config, block_size=config.resolved_block_size(cfg.head_dim))
+        self.params, self.config, self.tokenizer = params, config, tokenizer
         if params_tp(params) != config.tensor_parallel_size:
             raise ValueError(f"EngineConfig(tensor_parallel_size={config.tensor_parallel_size}) but the weights "
                              f"were loaded for {params_tp(params)} device(s): load them with "

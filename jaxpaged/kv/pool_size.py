@@ -53,7 +53,7 @@ def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dty
     block), at most ``GPU_POOL_CAP_SEQUENCES`` times what ``max_num_seqs`` full-length sequences need;
     on a CPU ``CPU_POOL_FRACTION`` of the available host memory, at most ``CPU_POOL_CAP_BYTES``
     and at most what ``min(max_num_seqs, 16)`` full-length sequences need."""
-    bs = config.block_size
+    bs = config.resolved_block_size(params.config.head_dim)
     block_bytes = kv_bytes_per_token_per_device(params, jnp.dtype(dtype).itemsize) * (bs + scale_rows(dtype))
     if config.num_blocks is not None:
         return config.num_blocks

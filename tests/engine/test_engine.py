@@ -180,6 +180,17 @@ def test_fp8_kv_cache_pool_and_stats(qwen3):
         LLMEngine(params, EngineConfig(kv_cache_dtype="fp8", block_size=64, num_blocks=8, max_model_len=128))
 
 
+def test_default_block_size_follows_the_kv_cache_dtype(qwen3):
+    """16 tokens, or for an fp8 pool 64 capped at the head dim (the tiny model's 32): its attention
+    reads 64-slot tiles; the engine's config holds the resolved size."""
+    params, _ = qwen3
+    assert EngineConfig().block_size is None
+    assert EngineConfig(kv_cache_dtype="fp8").resolved_block_size(128) == 64
+    assert LLMEngine(params, EngineConfig(num_blocks=32, max_model_len=128)).config.block_size == 16
+    fp8 = LLMEngine(params, EngineConfig(kv_cache_dtype="fp8", num_blocks=8, max_model_len=128))
+    assert fp8.config.block_size == params.config.head_dim == 32 and fp8.kv_pool.shape[2] == 33
+
+
 def test_pool_too_small_for_one_sequence(qwen3):
     params, _ = qwen3
     with pytest.raises(ValueError, match="cannot hold one sequence of max_model_len=64"):

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from jaxpaged.kernels.fp8 import dequantize, exponent_range, quantize, scale_rows, values_from_slab, values_to_slab
 from jaxpaged.kernels.kv_write import block_size_of, pool_shape, write_kv
-from jaxpaged.kernels.paged_attention import choose_config, paged_attention
+from jaxpaged.kernels.paged_attention import FP8_TILE, choose_config, paged_attention
 from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
 from jaxpaged.kernels.qkv_epilogue import qkv_epilogue
 from jaxpaged.models.qwen import rope_cos_sin
@@ -90,10 +90,12 @@ def fp32_pool(k, v):
     return jnp.stack([jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32)], axis=2)[None]
 
 
-# Ragged batches (decode, prefill, prefix hits, an empty sequence), lengths 1, bs-1, bs, bs+1 and long.
+# Ragged batches (decode, prefill, prefix hits, an empty sequence), lengths 1, bs-1, bs, bs+1 and long;
+# block size 64 (an fp8 pool's default: a KV tile is one block) and smaller (a block id per slot).
 CASES = [
-    ([1, 1, 12, 1, 0, 1], [1, 15, 28, 17, 4, 200], 16, 16, 8, 128, E4M3),
+    ([1, 1, 12, 1, 0, 1], [1, 63, 76, 65, 4, 200], 64, 16, 8, 128, E4M3),
     ([5, 1, 1, 33], [12, 31, 33, 300], 32, 8, 1, 64, E5M2),  # MQA
+    ([1, 1, 12, 1], [1, 15, 28, 17], 16, 16, 8, 128, E4M3),
 ]
 
 
@@ -104,23 +106,23 @@ def test_attention_over_an_fp8_pool_matches_the_reference(case):
 
 @pytest.mark.slow  # (the quick subset keeps the default configuration's check above)
 def test_attention_over_an_fp8_pool_every_configuration():
-    q_lens, kv_lens, bs, hq, hkv, d = [1] * 6, [1, 15, 16, 17, 60, 150], 16, 8, 2, 64
+    q_lens, kv_lens, bs, hq, hkv, d = [1] * 6, [1, 15, 64, 65, 60, 150], 64, 8, 2, 64
     decode = choose_config(6, 6, hq, hkv, bs, 320, fp8=True)
-    assert decode.num_splits > 1 and decode.block_k == 16
+    assert decode.num_splits > 1 and decode.block_k == FP8_TILE == 64
     run_case(401, q_lens, kv_lens, bs, hq, hkv, d, config=decode)
     run_case(402, [40, 33], [70, 40], bs, hq, hkv, d,
              config=choose_config(76, 2, hq, hkv, bs, 80, decode=False, fp8=True))
-    with pytest.raises(ValueError, match="fp8 pool is read in tiles of 16"):
-        run_case(403, [1], [20], bs, hq, hkv, d, config=choose_config(1, 1, hq, hkv, bs, 32))
+    with pytest.raises(ValueError, match="fp8 pool is read in tiles of 64"):
+        run_case(403, [1], [20], bs, hq, hkv, d, config=choose_config(1, 1, hq, hkv, 128, 256))
     # (the batch-invariant configuration: the block-size test below)
 
 
 @pytest.mark.slow
 def test_batch_invariant_attention_over_fp8_pools_of_every_block_size_agrees_bitwise():
-    """The same tokens written into fp8 pools of block size 8 (a 16-slot tile spans two blocks) and 64
-    (four tiles a block; block size 16 is every other test's), blocks in random order, NaN wherever
-    nothing was written, read by float32 queries in the batch-invariant configuration: each matches
-    the reference, and the two agree bitwise (the kernel reads 16-slot tiles whatever the block size)."""
+    """The same tokens written into fp8 pools of block size 8 (a 64-slot tile spans eight blocks) and 64
+    (one block a tile), blocks in random order, NaN wherever nothing was written, read by float32
+    queries in the batch-invariant configuration: each matches the reference, and the two agree
+    bitwise (the kernel reads 64-slot tiles whatever the block size)."""
     rng = np.random.default_rng(11)
     hq, hkv, d, q_lens, kv_lens = 8, 2, 64, [1, 5, 1], [70, 5, 20]
     k = rand(rng, (sum(kv_lens), hkv, d), jnp.bfloat16, 3.0)

@@ -33,8 +33,9 @@ def test_gpu_pool_takes_free_memory_up_to_what_its_sequences_can_use(monkeypatch
     params = types.SimpleNamespace(config=cfg, mesh=None)
     config = EngineConfig(max_model_len=max_len)
     blocks = pool_size.size_pool(params, config, max_len, "bfloat16")
-    by_memory = int(100 * gib * config.memory_fraction // (cfg.kv_bytes_per_token(2) * config.block_size))
-    cap = pool_size.GPU_POOL_CAP_SEQUENCES * config.max_num_seqs * (max_len // config.block_size)
+    bs = config.resolved_block_size(cfg.head_dim)
+    by_memory = int(100 * gib * config.memory_fraction // (cfg.kv_bytes_per_token(2) * bs))
+    cap = pool_size.GPU_POOL_CAP_SEQUENCES * config.max_num_seqs * (max_len // bs)
     assert blocks == (cap if capped else by_memory)
     assert blocks == min(by_memory, cap)
     if capped:  # the tiny model: 8,192 blocks instead of millions
@@ -42,14 +43,14 @@ def test_gpu_pool_takes_free_memory_up_to_what_its_sequences_can_use(monkeypatch
     assert pool_size.size_pool(params, EngineConfig(num_blocks=7), max_len, "bfloat16") == 7  # as given
 
 
-def test_an_fp8_pool_holds_about_twice_the_blocks_in_the_same_memory(monkeypatch):
-    """Qwen3-0.6B on 100 GiB free: an fp8 pool (one byte an element plus a scale row a block of 16) gets
-    2 * 16/17 times the blocks of a bf16 pool."""
+def test_an_fp8_pool_holds_about_twice_the_tokens_in_the_same_memory(monkeypatch):
+    """Qwen3-0.6B on 100 GiB free, each pool at its default block size: an fp8 pool (one byte an
+    element plus a scale row a block of 64) holds 2 * 64/65 times the tokens of a bf16 pool (blocks of 16)."""
     monkeypatch.setattr(pool_size, "free_device_memory", lambda d: 100 << 30)
     params = types.SimpleNamespace(config=QWEN3_06B, mesh=None)
     config = EngineConfig(max_model_len=4096, kv_cache_dtype="fp8")
-    bf16 = pool_size.size_pool(params, config, 4096, "bfloat16")
+    bf16 = pool_size.size_pool(params, EngineConfig(max_model_len=4096), 4096, "bfloat16")
     fp8 = pool_size.size_pool(params, config, 4096, config.resolved_kv_cache_dtype("bfloat16"))
     assert config.resolved_kv_cache_dtype("bfloat16") == "float8_e4m3fn"
-    assert fp8 == int((100 << 30) * 0.9 // (QWEN3_06B.kv_bytes_per_token(1) * 17))
-    assert abs(fp8 / bf16 - 2 * 16 / 17) < 1e-4
+    assert fp8 == int((100 << 30) * 0.9 // (QWEN3_06B.kv_bytes_per_token(1) * 65))
+    assert abs(fp8 * 64 / (bf16 * 16) - 2 * 64 / 65) < 1e-4

@@ -33,12 +33,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../.."))
+from jaxpaged.kernels.fp8 import values_from_slab
 from jaxpaged.kernels.kv_write import pool_shape, write_kv
 from jaxpaged.kernels.paged_attention import paged_attention
 from bench_attention import timed, hbm_read_ceiling
 
 SMOKE = bool(os.environ.get("SMOKE"))
-S, CTX, HQ, HKV, D, BS = (4, 128, 16, 8, 128, 16) if SMOKE else (256, 1024, 16, 8, 128, 16)
+S, CTX, HQ, HKV, D = (4, 128, 16, 8, 128) if SMOKE else (256, 1024, 16, 8, 128)
+BS = int(os.environ.get("BS", 16))  # the pool's block size
 G = HQ // HKV
 LOG2E = math.log2(math.e)
 
@@ -170,6 +172,116 @@ def kernel(tables_ref, q_ref, kv_ref, *rest, variant, block_k, fp8):
             pv = lax.dot_general(p.astype(q.dtype), v.astype(q.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return acc * alpha[:, None] + pv, m_new, l_new
 
+    def swap_scores(k, ks):
+        s_t = lax.dot_general(k.astype(q.dtype), q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return s_t * (scale_log2 if ks is None else (scale_log2 * ks)[:, None])  # [tile, block_m]
+
+    def swap_update(carry, s_list, vt_list, vs_list):
+        acc_t, m_i, l_i = carry
+        m_new = m_i
+        for s_t in s_list:
+            m_new = jnp.maximum(m_new, jnp.max(s_t, axis=0))
+        alpha = jnp.exp2(m_i - m_new)
+        l_new = l_i * alpha
+        acc_t = acc_t * alpha[None, :]
+        for s_t, vt, vs in zip(s_list, vt_list, vs_list):
+            p_t = jnp.exp2(s_t - m_new[None, :])
+            l_new = l_new + jnp.sum(p_t, axis=0)
+            if vs is not None:
+                p_t = p_t * vs[:, None]
+            acc_t = acc_t + lax.dot_general(vt.astype(q.dtype), p_t.astype(q.dtype), (((1,), (0,)), ((), ())),
+                                            preferred_element_type=jnp.float32)
+        return acc_t, m_new, l_new
+
+    def swap_step(t, carry):  # key-order pool; K [tile, D] and V^T [D, tile] gathered per slot
+        pos = t * block_k + cols
+        phys = tables_ref[seq, pos // bs]
+        off = pos % bs
+        dcol = lax.broadcasted_iota(jnp.int32, (D, 1), 0)
+        k = kv_ref[0, phys[:, None], off[:, None], 0, h, dims]
+        vt = kv_ref[0, phys[None, :], off[None, :], 1, h, dcol]
+        ks = vs = None
+        if fp8 and "noscale" not in variant:
+            ks = kv_ref[0, phys, bs, 0, h, off].astype(jnp.float32)
+            vs = kv_ref[0, phys, bs, 1, h, off].astype(jnp.float32)
+        return swap_update(carry, [swap_scores(k, ks)], [vt], [vs])
+
+    def swapblk_step(t, carry):  # slab pool; one pool block (scalar id) at a time
+        nsub = block_k // bs
+        ri = lax.broadcasted_iota(jnp.int32, (bs, 1), 0)
+        dcol = lax.broadcasted_iota(jnp.int32, (D, 1), 0)
+        tt = lax.broadcasted_iota(jnp.int32, (1, bs), 1)
+        tv = lax.broadcasted_iota(jnp.int32, (bs,), 0)
+        per = D // bs
+        ss, vts, vss = [], [], []
+        for j in range(nsub):
+            phys = tables_ref[seq, t * nsub + j]
+            k = kv_ref[0, phys, ri, 0, h, dims]
+            vts.append(kv_ref[0, phys, dcol // per, 1, h, (dcol % per) * bs + tt])
+            ks = None
+            vss.append(None)
+            if "noscale" not in variant:
+                ks = kv_ref[0, phys, bs, 0, h, tv].astype(jnp.float32)
+                vss[-1] = kv_ref[0, phys, bs, 1, h, tv].astype(jnp.float32)
+            ss.append(swap_scores(k, ks))
+        return swap_update(carry, ss, vts, vss)
+
+    def f8_step(t, carry):  # native fp8 dots: P (and with "all", Q) rounded to e4m3
+        acc, m_i, l_i = carry
+        scaled = "noscale" not in variant
+        if variant.endswith("T") or "T_" in variant:  # slab pool, one block a tile: V^T [D, tile] contiguous
+            phys = tables_ref[seq, t]
+            ri = lax.broadcasted_iota(jnp.int32, (bs, 1), 0)
+            dcol = lax.broadcasted_iota(jnp.int32, (D, 1), 0)
+            tt = lax.broadcasted_iota(jnp.int32, (1, bs), 1)
+            per = D // bs
+            k = kv_ref[0, phys, ri, 0, h, dims]
+            v, v_contract = kv_ref[0, phys, dcol // per, 1, h, (dcol % per) * bs + tt], 1
+            off = cols
+        else:
+            pos = t * block_k + cols
+            phys = tables_ref[seq, pos // bs]
+            off = pos % bs
+            k = kv_ref[0, phys[:, None], off[:, None], 0, h, dims]
+            v, v_contract = kv_ref[0, phys[:, None], off[:, None], 1, h, dims], 0
+        if "all" in variant:
+            s = lax.dot_general(q8, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            s = s * (q_scale * scale_log2)[:, None]
+        else:
+            s = lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * scale_log2
+        if scaled:
+            s = s * kv_ref[0, phys, bs, 0, h, off].astype(jnp.float32)[None, :]
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        if scaled:
+            vs = kv_ref[0, phys, bs, 1, h, off].astype(jnp.float32)
+            vmax = jnp.max(vs)
+            p = p * (vs / vmax)[None, :]
+        pv = lax.dot_general(p.astype(kv_ref.dtype), v, (((1,), (v_contract,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+        return acc * alpha[:, None] + (pv * vmax if scaled else pv), m_new, l_new
+
+    if variant.startswith("f8"):
+        qf = q.astype(jnp.float32)
+        q_scale = jnp.maximum(jnp.max(jnp.abs(qf), axis=1), 1e-30) / 448.0
+        q8 = (qf / q_scale[:, None]).astype(kv_ref.dtype)
+        step = f8_step
+
+    if variant.startswith("swap"):
+        step = swapblk_step if variant.startswith("swapblk") else swap_step
+        carry = (jnp.zeros((D, block_m), jnp.float32), jnp.full((block_m,), -1e30, jnp.float32),
+                 jnp.zeros((block_m,), jnp.float32))
+        acc_t, m_i, l_i = lax.fori_loop(0, CTX // block_k, step, carry)
+        out_t = acc_t / l_i[None, :]
+        tok_row = jnp.where(row_ok, seq, q_ref.shape[0])[None, :]
+        dcol = lax.broadcasted_iota(jnp.int32, (D, 1), 0)
+        plgpu.store(o_ref.at[tok_row, (h * G + rows % G)[None, :], dcol], out_t.astype(o_ref.dtype),
+                    mask=row_ok[None, :])
+        return
+
     nr = G if variant.startswith("fma") else block_m
     if variant.startswith("blk"):
         step = blk_step
@@ -182,20 +294,15 @@ def kernel(tables_ref, q_ref, kv_ref, *rest, variant, block_k, fp8):
     plgpu.store(o_ref.at[tok_ix, head_ix, dims], out.astype(o_ref.dtype), mask=row_ok[:, None])
 
 
-def vt_layout(pool):
-    """V of every block stored transposed within its (block, head) slab: slab row d // per, column
-    (d % per) * bs + t holds V[t, d]."""
-    L, N, R, _, H, Dd = pool.shape
-    per = Dd // BS
-    v = pool[:, :, :BS, 1]  # [L, N, t, h, d]
-    v = jnp.transpose(v, (0, 1, 3, 4, 2))  # [L, N, h, d, t]
-    v = v.reshape(L, N, H, BS, per * BS)  # d = row * per + dd; col = dd * bs + t
-    v = jnp.transpose(v, (0, 1, 3, 2, 4))  # [L, N, row, h, col]
-    return pool.at[:, :, :BS, 1].set(v)
+def key_order_layout(pool):
+    """An fp8 pool as ``write_kv`` writes it (values transposed within each (block, head) slab,
+    ``kernels/fp8.py``) with the values put back in key order (``[t, h, d]``), as the non-``blk``
+    variants read them."""
+    return pool.at[:, :, :BS, 1].set(values_from_slab(pool[:, :, :BS, 1]))
 
 
 def attn(q, pool, tables, pool16=None, *, variant, block_k=64, stages=3, warps=4):
-    fp8 = variant != "bf16"
+    fp8 = variant not in ("bf16", "swap_bf16")
     if variant.startswith("u8"):
         pool = lax.bitcast_convert_type(pool, jnp.uint8)
 
@@ -219,7 +326,8 @@ def main():
         p = jnp.zeros(pool_shape(1, nb, BS, HKV, D, dt), dt)
         pools[dt] = jax.jit(write_kv, static_argnums=1)(p, 0, k, v, jnp.asarray(slots))
     del k, v
-    vt_pool = jax.jit(vt_layout)(pools[jnp.float8_e4m3fn])
+    slab_pool = pools[jnp.float8_e4m3fn]
+    pools[jnp.float8_e4m3fn] = jax.jit(key_order_layout)(slab_pool)
     q = jnp.asarray(rng.standard_normal((S, HQ, D)), jnp.bfloat16)
     cu = jnp.arange(S + 1, dtype=jnp.int32)
     kl = jnp.full(S, CTX, jnp.int32)
@@ -236,14 +344,23 @@ def main():
         "run2": [("bf16", 64, 3, 4), ("fp8", 64, 3, 4), ("fp8_sel", 64, 3, 4), ("fma_noscale", 64, 3, 4),
                  ("fma_noscale", 32, 3, 4), ("fp8_noscale", 64, 3, 4), ("fp8_sel_noscale", 64, 3, 4),
                  ("fma_noscale", 128, 3, 8), ("fp8_sel", 64, 3, 8), ("kmix", 64, 3, 4), ("vmix", 64, 3, 4)],
-        "blk": [("bf16", 64, 3, 4), ("blk", 64, 3, 4), ("blk_noscale", 64, 3, 4), ("engine_fp8", 64, 3, 4),
-                ("blk", 128, 3, 4), ("blk", 64, 2, 4), ("blk", 64, 4, 4), ("blk", 64, 3, 8)],
+        "blk": [("bf16", 64, 3, 4), ("engine_fp8", 16, 3, 4), ("blk", 16, 3, 4), ("blk", 32, 3, 4),
+                ("blk", 64, 3, 4), ("blk_noscale", 64, 3, 4), ("blk", 128, 3, 4), ("blk", 64, 2, 4),
+                ("blk", 64, 4, 4), ("blk", 64, 3, 8)],
+        "f8": [("bf16", 64, 3, 4), ("fp8", 64, 3, 4), ("f8pv", 64, 3, 4), ("f8pv_noscale", 64, 3, 4),
+               ("f8all", 64, 3, 4), ("f8all_noscale", 64, 3, 4), ("f8pv", 128, 3, 4), ("f8all", 128, 3, 4)],
+        "f8T": [("bf16", 64, 3, 4), ("fp8", 64, 3, 4), ("blk", 64, 3, 4), ("f8pvT", 64, 3, 4),
+                ("f8allT", 64, 3, 4), ("f8allT_noscale", 64, 3, 4), ("f8pv", 64, 3, 4), ("f8all", 64, 3, 4)],
+        "swap": [("bf16", 64, 3, 4), ("swap_bf16", 64, 3, 4), ("fp8", 64, 3, 4), ("swap", 64, 3, 4),
+                 ("swap_noscale", 64, 3, 4), ("swapblk", 64, 3, 4), ("swapblk_noscale", 64, 3, 4),
+                 ("swap", 128, 3, 4), ("swapblk", 128, 3, 4), ("swap", 64, 4, 4), ("swapblk", 64, 4, 4),
+                 ("swap", 64, 3, 8), ("swap_bf16", 128, 3, 4)],
     }[os.environ.get("VARIANTS", "blk")]
     for name, bk, st, wp in variants:
         try:
-            pool = pools[jnp.bfloat16 if name == "bf16" else jnp.float8_e4m3fn]
-            if name.startswith("blk"):
-                pool = vt_pool
+            pool = pools[jnp.bfloat16 if name in ("bf16", "swap_bf16") else jnp.float8_e4m3fn]
+            if name.startswith(("blk", "swapblk")) or name == "engine_fp8" or (name.startswith("f8") and "T" in name):
+                pool = slab_pool
             if name == "engine_fp8":
                 fn = lambda q, p, t: paged_attention(q, p, 0, cu, kl, t, interpret=SMOKE)
             else:
@@ -257,7 +374,7 @@ def main():
             t /= 8
             got = np.asarray(jax.jit(fn)(q, pool, tables), np.float32)
             err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-            nbytes = S * CTX * 2 * HKV * D * (2 if name == "bf16" else 1.5 if name in ('kmix', 'vmix') else 1 if 'noscale' in name else 17 / 16)
+            nbytes = S * CTX * 2 * HKV * D * (2 if name in ("bf16", "swap_bf16") else 1.5 if name in ('kmix', 'vmix') else 1 if 'noscale' in name else 17 / 16)
             rows.append(dict(variant=name, block_k=bk, stages=st, warps=wp, us=t * 1e6, tbps=nbytes / t / 1e12,
                              of_ceiling=nbytes / t / ceiling, rel_err_vs_bf16=err, compile_s=c))
             print(json.dumps(rows[-1]))
