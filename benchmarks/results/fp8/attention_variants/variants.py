@@ -1,11 +1,14 @@
 """Where an fp8 pool's decode attention time goes: variants of the engine kernel's unmasked decode loop.
 
-Batch 256 x context 1,024, Qwen3-0.6B's heads (16 q, 8 KV, D 128), block size 16, one layer, each
-variant timed as ``bench_attention.timed`` does (8 chained calls per jit, median of 30 groups) next to
-the bf16 pool and the engine's own kernel (``engine_fp8``). Variants (``VARIANTS=run1|run2|blk``):
+Batch 256 x context 1,024, Qwen3-0.6B's heads (16 q, 8 KV, D 128), block size ``BS`` (default 16), one
+layer, each variant timed as ``bench_attention.timed`` does (8 chained calls per jit, median of 30
+groups) next to the bf16 pool and the engine's own kernel (``engine_fp8``). The fp8 pool is written by
+``write_kv`` (values transposed within each (block, head) slab, ``kernels/fp8.py``); variants that read
+values in key order get a copy with the values put back. Variants (``VARIANTS=run1|run2|blk|swap|f8|f8T``):
 
   bf16          the bf16 pool, the engine's loop
-  fp8           fp8 pool: tiles cast to bf16, K scales on the scores' columns, V scales on P's columns
+  fp8           fp8 pool, values in key order: tiles cast to bf16, K scales on the scores' columns, V
+                scales on P's columns
   *_noscale     the same without loading or applying scales (wrong values: what the scales cost)
   fp8_vrow      scales applied to K's and V's rows in f32, then cast (dequantise before the dots)
   fp8_kT        K loaded transposed ([D, block_k])
@@ -13,10 +16,16 @@ the bf16 pool and the engine's own kernel (``engine_fp8``). Variants (``VARIANTS
   *_sel         the converted tiles passed through a select (keeps the cast out of the dot's operands)
   kmix / vmix   K from the fp8 pool and V from the bf16 pool / the reverse (no scales)
   fma_noscale   scores and P @ V as broadcast products and sums, no dot (Pallas-Triton does not lower it)
-  blk*          V stored transposed in each block's (block, head) slab, each KV tile processed one pool
-                block at a time (scalar block id: vectorised K, V^T and scale loads)
+  blk*          values transposed (the engine's layout), each KV tile processed one pool block at a
+                time (scalar block id: vectorised K, V^T and scale loads)
+  swap*         the transposed products: S^T = K Q^T and O^T += V^T P^T (the converted fp8 tile as
+                the first operand); swap_bf16 over the bf16 pool; swapblk* a block at a time
+  f8*           native fp8 dots: P rounded to e4m3 (scaled by its tile's largest V scale) times the
+                fp8 V tile; f8all* also Q (a per-row scale) times the fp8 K tile; *T: the transposed
+                values, one block a tile (``BS=64``)
 
     python benchmarks/results/fp8/attention_variants/variants.py          # GPU; SMOKE=1: CPU interpret
+    BS=64 VARIANTS=f8T python benchmarks/results/fp8/attention_variants/variants.py
 """
 import functools
 import json
