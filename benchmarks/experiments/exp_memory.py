@@ -3,7 +3,9 @@
 Only the allocator differs: ``paged`` hands out a block when the last one fills; ``max_len`` reserves
 ``ceil(max_model_len / block_size)`` contiguous blocks per request at admission, as a contiguous KV
 cache does. With the pool fixed, the question is how many requests run at once, how many steps the
-workload takes, and how much of the allocated KV memory holds tokens.
+workload takes, and how much of the allocated KV memory holds tokens. A third run, ``paged fp8``,
+stores the KV in 8 bits (``kv_cache_dtype="fp8"``) in a pool of the same bytes: about twice the blocks,
+so more requests at once where memory is what limits them, and half the KV bytes per token held.
 
     python benchmarks/experiments/exp_memory.py [--out DIR]                       # tiny model, CPU: the trend
     python benchmarks/experiments/exp_memory.py --full [--model qwen2.5-7b] --out DIR  # the design notes' workloads (GPU)
@@ -50,12 +52,20 @@ def workload(n: int, max_prompt: int, max_out: int, vocab: int, seed: int = 0):
 
 
 def run(params, policy: str, prompts, sps, args, *, num_blocks: int | None = None, max_model_len: int | None = None,
-        max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, block_size: int | None = None) -> dict:
-    """Runs the requests under one reservation policy; returns steps, batch sizes and memory use."""
+        max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, block_size: int | None = None,
+        pool_bytes: int | None = None) -> dict:
+    """Runs the requests under one reservation policy; returns steps, batch sizes and memory use.
+
+    ``policy``: ``paged``, ``max_len``, or ``paged fp8`` (paged over an fp8 pool of ``pool_bytes``,
+    the bytes of the other runs' pool: as many blocks as fit)."""
     bs = block_size or args.block_size
+    kv_cache_dtype = "auto"
+    if policy == "paged fp8":
+        kv_cache_dtype = "fp8"  # one byte an element, plus a scale row a block (jaxpaged/kernels/fp8.py)
+        num_blocks = pool_bytes // (params.config.kv_bytes_per_token(1) * (bs + 1))
     cfg = EngineConfig(block_size=bs, num_blocks=num_blocks or args.num_blocks,
                        max_model_len=max_model_len or args.max_model_len, max_num_seqs=max_num_seqs,
-                       reservation=policy, enable_prefix_caching=False,
+                       reservation=policy.split()[0], enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype,
                        max_num_batched_tokens=max_num_batched_tokens or args.max_num_batched_tokens)
     engine = LLMEngine(params, cfg)
     t0 = time.perf_counter()
@@ -68,7 +78,7 @@ def run(params, policy: str, prompts, sps, args, *, num_blocks: int | None = Non
     holding = [a * u for a, u in zip(allocated, cols["block_utilisation"])]
     peak_step = max(range(len(allocated)), key=allocated.__getitem__)
     weights = params_bytes(params)
-    result = dict(policy=policy, seconds=seconds, compile_seconds=s["compile_seconds"], steps=s["steps"], output_tokens=sum(len(o.outputs[0].token_ids) for o in outs),
+    result = dict(policy=policy, kv_cache_dtype=str(engine.kv_dtype), num_blocks=engine.num_blocks, seconds=seconds, compile_seconds=s["compile_seconds"], steps=s["steps"], output_tokens=sum(len(o.outputs[0].token_ids) for o in outs),
                   peak_running=max(cols["num_seqs"]), mean_running=sum(cols["num_seqs"]) / len(cols["num_seqs"]),
                   mean_block_utilisation=sum(cols["block_utilisation"]) / len(cols["block_utilisation"]),
                   peak_blocks_used=s["peak_blocks_used"], preemptions=s["preemptions"],
@@ -118,21 +128,22 @@ def run_full(params, model: str, args) -> dict:
         vocab = params.config.vocab_size
         prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*w["prompt"]))] for _ in range(w["requests"])]
         sps = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=w["max_tokens"])] * w["requests"]
-        res = {policy: run(params, policy, prompts, sps, args, num_blocks=w["num_blocks"], block_size=16,
-                           max_model_len=w["max_model_len"], max_num_seqs=w["max_num_seqs"],
-                           max_num_batched_tokens=w["max_num_batched_tokens"])
-               for policy in ("max_len", "paged")}
-        c, p = res["max_len"], res["paged"]
+        sizes = dict(block_size=16, max_model_len=w["max_model_len"], max_num_seqs=w["max_num_seqs"],
+                     max_num_batched_tokens=w["max_num_batched_tokens"])
+        c, p = (run(params, policy, prompts, sps, args, num_blocks=w["num_blocks"], **sizes)
+                for policy in ("max_len", "paged"))
+        p8 = run(params, "paged fp8", prompts, sps, args, pool_bytes=p["kv_pool_bytes"], **sizes)
         if w["name"] == "memory_64x8":
             ours = (f"KV allocated at peak: contiguous {fmt_bytes(c['peak_kv_allocated_bytes'])} vs paged "
                     f"{fmt_bytes(p['peak_kv_allocated_bytes'])} (holding tokens {fmt_bytes(p['kv_holding_tokens_at_peak_bytes'])}); "
-                    f"fragmentation refusals {c['fragmentation_refusals']}")
+                    f"fragmentation refusals {c['fragmentation_refusals']}; paged fp8 {fmt_bytes(p8['peak_kv_allocated_bytes'])}")
         else:
             ours = (f"weights + peak KV allocated: contiguous {fmt_bytes(c['weights_plus_peak_kv_bytes'])} vs paged "
-                    f"{fmt_bytes(p['weights_plus_peak_kv_bytes'])} (weights {fmt_bytes(p['weights_bytes'])}); "
+                    f"{fmt_bytes(p['weights_plus_peak_kv_bytes'])} (weights {fmt_bytes(p['weights_bytes'])}), paged fp8 "
+                    f"{fmt_bytes(p8['weights_plus_peak_kv_bytes'])}; "
                     f"JAX peak_bytes_in_use {fmt_gib(p['device_memory']['peak_bytes_in_use'])} (whole pool preallocated)")
         rows.append(dict(experiment=w["name"], design_notes=DESIGN_NOTES[w["name"]], model=model, ours=ours))
-        workloads[w["name"]] = dict(workload={k: v for k, v in w.items()}, results=[c, p])
+        workloads[w["name"]] = dict(workload={k: v for k, v in w.items()}, results=[c, p, p8])
     return dict(design_notes_rows=rows, workloads=workloads)
 
 
@@ -149,11 +160,11 @@ def print_full(full: dict) -> None:
           "allocated whole when the engine is made, so JAX's allocator sees weights + the whole pool.")
     for name, w in full["workloads"].items():
         print(f"-- {name}: {w['workload']}")
-        print(f"{'policy':8s} {'steps':>6s} {'peak batch':>10s} {'peak KV alloc GiB':>17s} {'holding tok GiB':>15s} "
+        print(f"{'policy':9s} {'steps':>6s} {'peak batch':>10s} {'peak KV alloc GiB':>17s} {'holding tok GiB':>15s} "
               f"{'KV util':>7s} {'weights+KV GiB':>14s} {'JAX peak GiB':>12s} {'refusals':>8s} {'frag':>5s}")
         for r in w["results"]:
             peak = r["device_memory"]["peak_bytes_in_use"]
-            print(f"{r['policy']:8s} {r['steps']:6d} {r['peak_running']:10d} {r['peak_kv_allocated_bytes'] / GiB:17.3f} "
+            print(f"{r['policy']:9s} {r['steps']:6d} {r['peak_running']:10d} {r['peak_kv_allocated_bytes'] / GiB:17.3f} "
                   f"{r['kv_holding_tokens_at_peak_bytes'] / GiB:15.3f} {r['mean_block_utilisation']:7.1%} "
                   f"{r['weights_plus_peak_kv_bytes'] / GiB:14.2f} {'n/a' if peak is None else f'{peak / GiB:.2f}':>12s} "
                   f"{r['admission_refusals']:8d} {r['fragmentation_refusals']:5d}")
@@ -186,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
         return report
     prompts, sps = workload(args.requests, args.max_model_len // 2, args.max_model_len // 2, params.config.vocab_size)
     results = [run(params, policy, prompts, sps, args) for policy in ("paged", "max_len")]
+    results.append(run(params, "paged fp8", prompts, sps, args, pool_bytes=results[0]["kv_pool_bytes"]))
     report = {"device": str(jax.devices()[0]), "args": vars(args), "results": results}
     with open(os.path.join(args.out, "memory.json"), "w") as f:
         json.dump(report, f)
@@ -208,11 +220,12 @@ def main(argv: list[str] | None = None) -> dict:
         pass
     # Wall seconds of the whole run, including the compilation of each step shape it met first (no
     # warm-up: the two policies meet different shapes), which is also given alone.
-    print(f"{'policy':8s} {'steps':>6s} {'wall s':>8s} {'of which compile s':>18s} {'peak batch':>10s} "
-          f"{'mean batch':>10s} {'KV utilisation':>14s} {'refusals':>8s}")
+    print(f"{'policy':9s} {'blocks':>6s} {'steps':>6s} {'wall s':>8s} {'of which compile s':>18s} {'peak batch':>10s} "
+          f"{'mean batch':>10s} {'KV utilisation':>14s} {'refusals':>8s} {'preempted':>9s}")
     for r in results:
-        print(f"{r['policy']:8s} {r['steps']:6d} {r['seconds']:8.2f} {r['compile_seconds']:18.2f} {r['peak_running']:10d} "
-              f"{r['mean_running']:10.1f} {r['mean_block_utilisation']:14.1%} {r['admission_refusals']:8d}")
+        print(f"{r['policy']:9s} {r['num_blocks']:6d} {r['steps']:6d} {r['seconds']:8.2f} {r['compile_seconds']:18.2f} "
+              f"{r['peak_running']:10d} {r['mean_running']:10.1f} {r['mean_block_utilisation']:14.1%} "
+              f"{r['admission_refusals']:8d} {r['preemptions']:9d}")
     return report
 
 

@@ -52,12 +52,12 @@ def test_exp_memory_full_path(tmp_path):
     assert json.loads((tmp_path / "memory.json").read_text()).keys() == report.keys()
     check_rows(report, {"memory_64x8", "memory_7b_32"})
     for w in report["workloads"].values():
-        contiguous, paged = w["results"]
-        assert (contiguous["policy"], paged["policy"]) == ("max_len", "paged")
-        assert contiguous["output_tokens"] == paged["output_tokens"]
-        assert paged["peak_kv_allocated_bytes"] < contiguous["peak_kv_allocated_bytes"]
+        contiguous, paged, fp8 = w["results"]
+        assert (contiguous["policy"], paged["policy"], fp8["policy"]) == ("max_len", "paged", "paged fp8")
+        assert contiguous["output_tokens"] == paged["output_tokens"] == fp8["output_tokens"]
+        assert fp8["peak_kv_allocated_bytes"] < paged["peak_kv_allocated_bytes"] < contiguous["peak_kv_allocated_bytes"]
         assert paged["kv_holding_tokens_at_peak_bytes"] <= paged["peak_kv_allocated_bytes"]
-        for r in (contiguous, paged):
+        for r in (contiguous, paged, fp8):
             assert r["device_memory"]["peak_bytes_in_use"] is None  # CPU: no allocator statistics
             assert r["weights_plus_peak_kv_bytes"] == r["weights_bytes"] + r["peak_kv_allocated_bytes"]
 

@@ -150,9 +150,15 @@ def test_exp_memory(tmp_path):
                        "--max-model-len", "96", "--max-num-batched-tokens", "128"])
     assert json.loads((tmp_path / "memory.json").read_text()).keys() == report.keys()
     assert (tmp_path / "memory.png").is_file()
-    paged, max_len = report["results"]
-    assert (paged["policy"], max_len["policy"]) == ("paged", "max_len")
-    assert paged["output_tokens"] == max_len["output_tokens"]  # same requests, same work
+    paged, max_len, fp8 = report["results"]
+    assert (paged["policy"], max_len["policy"], fp8["policy"]) == ("paged", "max_len", "paged fp8")
+    assert paged["output_tokens"] == max_len["output_tokens"] == fp8["output_tokens"]  # same requests, same work
+    # An fp8 pool of the same bytes: more blocks (1 byte an element and a scale row per block of 8,
+    # against the tiny model's float32), so at least as many requests at once and fewer preemptions.
+    assert fp8["kv_cache_dtype"] == "float8_e4m3fn" and fp8["kv_pool_bytes"] <= paged["kv_pool_bytes"]
+    assert paged["kv_pool_bytes"] - fp8["kv_pool_bytes"] < fp8["kv_pool_bytes"] / fp8["num_blocks"]  # one block
+    assert fp8["num_blocks"] > 3 * paged["num_blocks"]
+    assert fp8["peak_running"] >= paged["peak_running"] and fp8["preemptions"] <= paged["preemptions"]
     # A contiguous reservation holds 96/8 = 12 blocks per request: at most 4 fit in 48 blocks, and
     # most of each reservation is empty; paged blocks run more requests at once, fuller.
     assert max_len["peak_running"] <= 4 < paged["peak_running"]
