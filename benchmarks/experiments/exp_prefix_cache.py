@@ -29,6 +29,9 @@ configuration throughout (so compiled steps are shared). Concurrency 1 gives the
 prefill latency (TTFT of requests 1.., uncached vs cached) and the decode latency (ITL); the sweep
 gives throughput and TTFT p50/p99. Then the timestamp diagnosis at the same sizes (a timestamp
 after the 10th block of the system prompt). Our numbers are printed next to the design notes'.
+Last, cached prefixes at the same memory (``prefix_capacity``): several system prompts asked in turn
+through a pool that holds about 60% of them in the model's dtype, and through an fp8 pool
+(``kv_cache_dtype="fp8"``) of the same bytes.
 ``--tiny-override`` runs that code path at tiny sizes (for the CPU tests).
 
 Writes ``prefix_cache.json`` (and ``prefix_cache.png`` when matplotlib is installed) under ``--out``.
@@ -38,6 +41,7 @@ CPU timings of the tiny model show the trend only; absolute numbers belong to a 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -241,10 +245,12 @@ def full_settings(args: argparse.Namespace) -> argparse.Namespace:
     shape (pool, token budget, batch) serves every run, the timestamp diagnosis included."""
     if args.tiny_override:
         sizes = dict(system_len=100, questions=12, max_tokens=4, concurrency=[1, 4], c1_requests=4,
-                     max_num_seqs=4, max_num_batched_tokens=128, timestamp_at=32, requests=4)
+                     max_num_seqs=4, max_num_batched_tokens=128, timestamp_at=32, requests=4,
+                     capacity_prefixes=4, capacity_rounds=2)
     else:
         sizes = dict(system_len=1500, questions=100, max_tokens=16, concurrency=[1, 4, 16, 64], c1_requests=24,
-                     max_num_seqs=64, max_num_batched_tokens=2048, timestamp_at=160, requests=8)
+                     max_num_seqs=64, max_num_batched_tokens=2048, timestamp_at=160, requests=8,
+                     capacity_prefixes=8, capacity_rounds=3)
     for k, v in sizes.items():
         setattr(args, k, v)
     args.prefix_lens = [args.system_len]
@@ -315,6 +321,7 @@ def run_full(params, args) -> dict:
         if outputs_guaranteed_identical(params.dtype, args.batch_invariant):
             assert div["num_differ"] == 0, f"concurrency {c}: caching changed outputs: {div}"
     diagnosis = timestamp_diagnosis(params, args)
+    capacity = prefix_capacity(params, args)
     off1, on1 = by[(False, 1)], by[(True, 1)]
     speedup = off1["ttft_rest_mean_ms"] / on1["ttft_rest_mean_ms"]
     rows = [
@@ -331,7 +338,39 @@ def run_full(params, args) -> dict:
                   f"{diagnosis['first_diff_block']}; hit rate {diagnosis['hit_rate_inside']:.1%} -> "
                   f"{diagnosis['hit_rate_moved']:.1%} with the timestamp moved after the system prompt"),
     ]
-    return dict(sweep=points, timestamp=diagnosis, design_notes_rows=rows)
+    return dict(sweep=points, timestamp=diagnosis, capacity=capacity, design_notes_rows=rows)
+
+
+def prefix_capacity(params, args) -> dict:
+    """Cached prefixes at the same memory. ``capacity_prefixes`` distinct system prompts of ``system_len``
+    tokens are asked in turn (round robin, one request at a time, ``capacity_rounds`` rounds) through
+    a pool of one running request plus 60% of the prefixes' blocks in the model's dtype: the cache
+    evicts the least recently used blocks, so each prefix is gone before its next turn and hits
+    nothing. An fp8 pool of the same bytes has about twice the blocks (four times against float32)
+    and keeps every prefix: every turn after the first round hits."""
+    vocab, bs, count = params.config.vocab_size, args.block_size, args.capacity_prefixes
+    rng = random.Random(1)
+    systems = [[rng.randrange(vocab) for _ in range(args.system_len)] for _ in range(count)]
+    prompts = [systems[i % count] + [rng.randrange(vocab) for _ in range(16)]
+               for i in range(count * args.capacity_rounds)]
+    sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.max_tokens)
+    prefix_blocks = args.system_len // bs
+    rows = []
+    for kv_cache_dtype in ("auto", "fp8"):
+        if kv_cache_dtype == "auto":
+            num_blocks = int(0.6 * count * prefix_blocks) + args.max_model_len // bs
+        else:  # the same bytes: one byte an element plus a scale row a block (jaxpaged/kernels/fp8.py)
+            num_blocks = rows[0]["kv_pool_bytes"] // (params.config.kv_bytes_per_token(1) * (bs + 1))
+        cfg = dataclasses.replace(config_for(params, args, True), num_blocks=num_blocks,
+                                  kv_cache_dtype=kv_cache_dtype)
+        engine = LLMEngine(params, cfg)
+        closed_loop(engine, prompts, sp, 1)
+        s = engine.stats()
+        rows.append(dict(kv_dtype=s["kv_dtype"], num_blocks=s["num_blocks"], kv_pool_bytes=s["kv_pool_bytes"],
+                         prefix_hit_rate=s["prefix_hit_rate"], prefill_tokens=s["prefill_tokens"],
+                         prompt_tokens=sum(len(p) for p in prompts), blocks_cached=s["blocks_cached"],
+                         prefixes_cached=s["blocks_cached"] // prefix_blocks))
+    return dict(prefixes=count, rounds=args.capacity_rounds, prefix_len=args.system_len, block_size=bs, runs=rows)
 
 
 def print_full(report: dict) -> None:
@@ -350,6 +389,13 @@ def print_full(report: dict) -> None:
               f"{p['compiled_shapes_during_run']:8d}")
     print("(differ: requests whose greedy tokens differ from caching off; expected 0 in float32 or with "
           "--batch-invariant, possible in bf16: docs/NUMERICS.md)")
+    c = report["capacity"]
+    print(f"cached prefixes at the same memory: {c['prefixes']} system prompts of {c['prefix_len']} tokens asked in "
+          f"turn, {c['rounds']} rounds, one request at a time")
+    print(f"{'KV dtype':14s} {'blocks':>7s} {'pool MiB':>9s} {'hit rate':>8s} {'prefilled':>9s} {'prefixes cached':>15s}")
+    for r in c["runs"]:
+        print(f"{r['kv_dtype']:14s} {r['num_blocks']:7d} {r['kv_pool_bytes'] / 2**20:9.1f} {r['prefix_hit_rate']:8.1%} "
+              f"{r['prefill_tokens']:9d} {r['prefixes_cached']:15d}")
     for row in report["design_notes_rows"]:
         print(f"[{row['experiment']}] design notes: {row['design_notes']}\n    ours ({row['model']}): {row['ours']}")
 

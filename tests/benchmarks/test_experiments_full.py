@@ -73,6 +73,13 @@ def test_exp_prefix_cache_full_path(tmp_path):
     assert by[(True, 1)]["prefix_hit_rate"] > 0.5
     ts = report["timestamp"]
     assert ts["first_diff_block"] == 2 and ts["hit_rate_inside"] < ts["hit_rate_moved"]
+    # Cached prefixes at the same memory: round robin over 4 prefixes through a pool holding ~60% of
+    # them evicts each before its turn; an fp8 pool of the same bytes keeps them all.
+    full, fp8 = report["capacity"]["runs"]
+    assert fp8["kv_dtype"] == "float8_e4m3fn" and fp8["kv_pool_bytes"] <= full["kv_pool_bytes"]
+    assert fp8["num_blocks"] > 3 * full["num_blocks"]  # float32 tiny model: 4 bytes -> 1 (+ a scale row)
+    assert full["prefix_hit_rate"] < 0.15 < 0.4 < fp8["prefix_hit_rate"]  # (a prefix's first blocks may outlive it)
+    assert fp8["prefixes_cached"] >= 4 > full["prefixes_cached"]
     assert (tmp_path / "prefix_cache_tiny.png").is_file()
 
 
