@@ -204,16 +204,19 @@ def test_shard_config_and_kv_head_replication():
 
 
 def test_bench_tp_tiny_on_two_cpu_devices(tmp_path):
-    """benchmarks/bench_tp.py's parts (each its own process) on 2 forced CPU devices, tiny shapes."""
+    """benchmarks/bench_tp.py's 8B parts (each its own process) on 2 forced CPU devices, tiny shapes (the
+    72B part is the same code over another workload; the engine's tensor parallelism over a Qwen2
+    checkpoint is the four-device test's)."""
     env = dict(os.environ, XLA_FLAGS=with_device_count(2), JAX_PLATFORMS="cpu")
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_tp.py"), "--tiny", "--out",
-                          str(tmp_path)], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_tp.py"), "--tiny", "--parts",
+                          "8b-tp1,8b-tp2", "--out", str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     import json
 
     summary = json.loads((tmp_path / "tp.json").read_text())
     parts = summary["parts"]
-    assert set(parts) == {"8b-tp1", "8b-tp2", "72b-tp2"}
+    assert set(parts) == {"8b-tp1", "8b-tp2"}
     for r in parts.values():
         assert "error" not in r, r
         assert r["output_tokens"] == 16 and r["tok_per_s"] > 0 and r["itl_b1_p50_ms"] > 0
