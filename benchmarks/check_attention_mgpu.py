@@ -1,0 +1,260 @@
+"""The Mosaic GPU paged attention kernel on a GPU: does it lower, is it right, how fast is decode.
+
+One process, three steps, each of which reports its own failure and lets the others run (a kernel that
+does not lower for the GPU prints the error and the script goes on):
+
+  1. correctness: ragged decode/prefill batches (bf16, every unused pool slot NaN, blocks in random
+     order, block sizes 16-64, GQA/MQA) and a pool over 4 GiB read at its last layer and highest blocks;
+     max abs and relative error of the Mosaic kernel and of the Triton kernel against the reference.
+     A float32 pool is expected to be refused on the GPU (ValueError), checked in ``--tiny`` mode.
+  2. decode timing: batch 256 x context 1,024, Hq 16, Hkv 8, D 128, bf16, block sizes 16 and 64, both
+     kernels, with ``bench_attention.chain_time`` (calls chained through their outputs) against the
+     HBM read ceiling (``bench_attention.hbm_read_ceiling``); on the GPU also a few Mosaic tuning
+     variants (``num_slots`` 3/4, ``block_kv`` 128; ``--no-sweep`` skips them).
+  3. a short table, and ``check_attention_mgpu.json`` under ``--out``.
+
+    python3 -m pip install -q --no-deps --no-build-isolation -e . && \
+        PYTHONUNBUFFERED=1 python3 benchmarks/check_attention_mgpu.py --out $OUT
+    python benchmarks/check_attention_mgpu.py --tiny   # interpret mode, small shapes, on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench_attention import chain_time, hbm_read_ceiling, make_case, reference_hi, rel_err  # noqa: E402
+from jaxpaged.kernels.kv_write import pool_from_caches  # noqa: E402
+from jaxpaged.kernels.paged_attention import paged_attention  # noqa: E402
+from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu  # noqa: E402
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+RESULTS: dict = {"correctness": [], "decode": [], "errors": []}
+HQ, HKV, D = 16, 8, 128
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def failure(where: str, e: BaseException) -> str:
+    """Logs an exception (the head of a long Mosaic GPU lowering error included) and records it."""
+    msg = f"{type(e).__name__}: {str(e)[:3000]}"
+    log(f"{where} FAILED {msg}")
+    log(traceback.format_exc()[-1500:])
+    RESULTS["errors"].append(dict(where=where, error=msg))
+    return msg
+
+
+def kernels(interpret: bool, sweep: bool = False):
+    """name -> callable(q, pool, layer, cu, kv_lens, tables); ``sweep`` adds Mosaic tuning variants."""
+    fns = {
+        "mosaic": lambda *a: paged_attention_mgpu(*a, interpret=interpret),
+        "triton": lambda *a: paged_attention(*a, interpret=interpret),
+    }
+    if sweep:
+        for kw in (dict(num_slots=3), dict(num_slots=4), dict(block_kv=128), dict(block_kv=128, num_slots=3)):
+            name = "mosaic_" + ",".join(f"{k}={v}" for k, v in kw.items())
+            fns[name] = lambda *a, kw=kw: paged_attention_mgpu(*a, interpret=interpret, **kw)
+    return fns
+
+
+def compare(name: str, args, interpret: bool, dtype_name: str):
+    ref = np.asarray(reference_hi(*args), np.float32)
+    rec, outs = dict(case=name, dtype=dtype_name), {}
+    for kname, fn in kernels(interpret).items():
+        try:
+            t0 = time.perf_counter()
+            out = np.asarray(jax.block_until_ready(fn(*args)), np.float32)
+            finite = bool(np.all(np.isfinite(out)))
+            rec[kname] = dict(max_abs_err=float(np.max(np.abs(out - ref))) if finite else float("nan"),
+                              rel_err=rel_err(out, ref), finite=finite, first_call_s=time.perf_counter() - t0)
+            outs[kname] = out
+        except ValueError as e:
+            if kname == "mosaic" and dtype_name == "float32" and not interpret:  # refused by design
+                rec[kname] = dict(refused=str(e)[:200])
+                log(f"{name} mosaic refused float32 as expected: {str(e)[:120]}")
+            else:
+                rec[kname] = dict(error=failure(f"{name} {kname}", e))
+        except Exception as e:  # noqa: BLE001 (report and go on)
+            rec[kname] = dict(error=failure(f"{name} {kname}", e))
+    if len(outs) == 2:
+        rec["mosaic_vs_triton_max_abs"] = float(np.max(np.abs(outs["mosaic"] - outs["triton"])))
+    tol = 2e-2 if dtype_name == "bfloat16" else 1e-5
+    m = rec.get("mosaic", {})
+    rec["mosaic_ok"] = "refused" in m or bool(
+        m.get("finite") and m.get("rel_err", 1.0) <= tol / 4 and m.get("max_abs_err", 1.0) <= tol * 4)
+    RESULTS["correctness"].append(rec)
+    log("check", rec)
+
+
+def correctness(rng, tiny: bool, interpret: bool):
+    if tiny:
+        cases = [  # (q_lens, kv_lens, bs, hq, hkv, d, dtype)
+            ([1, 1, 1, 1, 1], [1, 15, 16, 17, 200], 16, 4, 2, 128, jnp.bfloat16),
+            ([1, 37, 0, 5], [1, 50, 9, 80], 16, 4, 2, 64, jnp.bfloat16),
+            ([1, 1, 9], [64, 65, 130], 64, 8, 1, 64, jnp.float32),
+        ]
+    else:
+        cases = [
+            ([1] * 7, [1, 15, 16, 17, 64, 300, 1000], 16, HQ, HKV, D, jnp.bfloat16),
+            ([1, 37, 0, 5, 1, 130], [1, 50, 9, 300, 1000, 200], 16, HQ, HKV, D, jnp.bfloat16),
+            ([1, 1, 1, 200, 1], [63, 64, 65, 700, 1000], 64, 32, 4, 64, jnp.bfloat16),  # G=8, D=64
+            ([3, 1, 1], [9, 8, 2000], 32, 8, 1, 128, jnp.bfloat16),  # MQA
+            ([1] * 40, list(rng.integers(1, 2000, 40)), 16, HQ, HKV, D, jnp.bfloat16),
+            ([1, 1], [17, 100], 16, 4, 2, 64, jnp.float32),  # expected: refused on the GPU
+        ]
+    for q_lens, kv_lens, bs, hq, hkv, d, dtype in cases:
+        name = f"q{str(q_lens)[:24]} kv{str(list(map(int, kv_lens)))[:30]} bs{bs} hq{hq} hkv{hkv} d{d}"
+        try:
+            num_blocks = len(q_lens) * max(math.ceil(k / bs) for k in kv_lens) + 8
+            args = make_case(rng, q_lens, kv_lens, bs, hq, hkv, d, dtype, num_blocks=num_blocks)
+            compare(name, args, interpret, jnp.dtype(dtype).name)
+        except Exception as e:  # noqa: BLE001
+            failure(f"case {name}", e)
+    if not tiny:
+        try:
+            big_pool(interpret)
+        except Exception as e:  # noqa: BLE001
+            failure("big pool", e)
+
+
+def big_pool(interpret: bool):
+    """A many-layer pool over 4 GiB (64-bit addresses, large TMA coordinates) read at its last layer
+    from its highest blocks, every other slot NaN."""
+    layers, num_blocks, bs = 8, 9216, 16  # 8 x 9,216 x 64 KiB = 4.5 GiB
+    q_lens, kv_lens = [1, 1, 7], [40, 300, 130]
+    widths = [math.ceil(k / bs) for k in kv_lens]
+    ids = np.arange(num_blocks - 1, num_blocks - 1 - sum(widths), -1, dtype=np.int32)
+    tables = np.zeros((len(q_lens), max(widths)), np.int32)
+    start = 0
+    for i, w in enumerate(widths):
+        tables[i, :w] = ids[start:start + w]
+        start += w
+    pool = jnp.full((layers, num_blocks, bs, 2, HKV, D), jnp.nan, jnp.bfloat16)
+    pool = pool.at[layers - 1, jnp.asarray(ids)].set(
+        jax.random.normal(jax.random.key(11), (len(ids), bs, 2, HKV, D), jnp.bfloat16))
+    q = jax.random.normal(jax.random.key(12), (sum(q_lens) + 3, HQ, D), jnp.bfloat16)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
+    args = (q, pool, layers - 1, cu, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables))
+    compare(f"big pool {pool.nbytes / 2**30:.1f} GiB, last layer", args, interpret, "bfloat16")
+
+
+def decode_timing(args, ceiling: float, interpret: bool):
+    b, ctx = (4, 128) if args.tiny else (256, 1024)
+    hq, hkv, d = (4, 2, 64) if args.tiny else (HQ, HKV, D)
+    for bs in (16, 64):
+        nb = ctx // bs
+        kv_bytes = b * ctx * hkv * d * 2 * 2
+        rot = max(1, min(args.chain, math.ceil(256e6 / kv_bytes)))
+        pool_blocks = rot * b * nb + 16
+        kk, kv_, kq = jax.random.split(jax.random.key(bs), 3)
+        pool = pool_from_caches(jax.random.normal(kk, (pool_blocks, bs, hkv, d), jnp.bfloat16),
+                                jax.random.normal(kv_, (pool_blocks, bs, hkv, d), jnp.bfloat16))
+        perm = np.random.default_rng(bs).permutation(pool_blocks)
+        tables = [jnp.asarray(perm[r * b * nb:(r + 1) * b * nb].reshape(b, nb).astype(np.int32)) for r in range(rot)]
+        q = jax.random.normal(kq, (b, hq, d), jnp.bfloat16)
+        cu = jnp.arange(b + 1, dtype=jnp.int32)
+        kv_lens = jnp.full((b,), ctx, jnp.int32)
+        ref = reference_hi(q, pool, 0, cu, kv_lens, tables[0])
+        row = dict(batch=b, ctx=ctx, block_size=bs, hq=hq, hkv=hkv, d=d, kv_MB=kv_bytes / 1e6, rotations=rot)
+        for name, fn in kernels(interpret, sweep=not args.tiny and not args.no_sweep).items():
+            try:
+                t0 = time.perf_counter()
+                out = jax.block_until_ready(fn(q, pool, 0, cu, kv_lens, tables[0]))
+                first = time.perf_counter() - t0
+                err = rel_err(out, ref)
+                compile_s, t = chain_time(lambda qq, cs, tb, fn=fn: fn(qq, cs[0], 0, cs[1], cs[2], tb),
+                                          q, (pool, cu, kv_lens), tables, args.reps, args.chain)
+                row[name] = dict(time_us=t * 1e6, TBps=kv_bytes / t / 1e12, frac_ceiling=kv_bytes / t / ceiling,
+                                 first_call_s=first, chain_compile_s=compile_s, rel_err=err)
+                log(f"decode B={b} ctx={ctx} bs={bs} {name}", {k: round(v, 4) for k, v in row[name].items()})
+            except Exception as e:  # noqa: BLE001
+                row[name] = dict(error=failure(f"decode bs={bs} {name}", e))
+        RESULTS["decode"].append(row)
+        del pool
+
+
+def print_table(ceiling: float):
+    log(f"\n=== Mosaic GPU vs Triton paged attention, {RESULTS['device']} (jax {RESULTS['jax']}); "
+        f"HBM read ceiling {ceiling / 1e12:.2f} TB/s ===")
+    log("correctness (vs reference)                          | mosaic max abs / rel | triton max abs / rel")
+    for r in RESULTS["correctness"]:
+        cols = []
+        for k in ("mosaic", "triton"):
+            x = r.get(k, {})
+            cols.append(f"{x['max_abs_err']:.2e} / {x['rel_err']:.1e}" if "max_abs_err" in x else
+                        "refused (expected)" if "refused" in x else "FAILED")
+        log(f"{r['case'][:50]:<50} {r['dtype'][:4]} | {cols[0]:>20} | {cols[1]:>20}")
+    log("decode B x ctx, bs     | mosaic us | TB/s | %ceil || triton us | TB/s | %ceil || mosaic/triton")
+    for r in RESULTS["decode"]:
+        m, t = r.get("mosaic", {}), r.get("triton", {})
+        ms = f"{m['time_us']:9.1f} | {m['TBps']:4.2f} | {100 * m['frac_ceiling']:4.0f}%" if "time_us" in m else \
+            f"{'FAILED':>9} |      |      "
+        ts = f"{t['time_us']:9.1f} | {t['TBps']:4.2f} | {100 * t['frac_ceiling']:4.0f}%" if "time_us" in t else \
+            f"{'FAILED':>9} |      |      "
+        ratio = f"{m['time_us'] / t['time_us']:.2f}" if "time_us" in m and "time_us" in t else "n/a"
+        log(f"{r['batch']:>3} x {r['ctx']:>4}, bs {r['block_size']:>2} | {ms} || {ts} || {ratio}")
+        for k, x in r.items():
+            if k.startswith("mosaic_"):
+                log(f"    {k:<36} " + (f"{x['time_us']:9.1f} us | {x['TBps']:4.2f} TB/s | err {x['rel_err']:.1e}"
+                                       if "time_us" in x else "FAILED"))
+    log(f"errors: {len(RESULTS['errors'])}")
+
+
+def flush_json(args):
+    if args.out:
+        with open(os.path.join(args.out, "check_attention_mgpu.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--tiny", action="store_true", help="small shapes in interpret mode (a CPU)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--chain", type=int, default=8)
+    ap.add_argument("--only", default="", help="comma list of: check,decode")
+    ap.add_argument("--no-sweep", action="store_true", help="time only the default Mosaic configuration")
+    args = ap.parse_args(argv)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    interpret = args.tiny or jax.default_backend() != "gpu"
+    if args.tiny:
+        args.reps, args.chain = 2, 2
+    only = set(args.only.split(",")) if args.only else {"check", "decode"}
+    RESULTS.update(device=str(jax.devices()[0].device_kind), jax=jax.__version__, interpret=interpret)
+    t0 = time.perf_counter()
+    ceiling = hbm_read_ceiling(args.tiny)
+    RESULTS["hbm_read_ceiling_TBps"] = ceiling / 1e12
+    log(f"HBM read ceiling {ceiling / 1e12:.3f} TB/s; interpret={interpret}")
+    rng = np.random.default_rng(0)
+    for name, step in (("check", lambda: correctness(rng, args.tiny, interpret)),
+                       ("decode", lambda: decode_timing(args, ceiling, interpret))):
+        if name not in only:
+            continue
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001
+            failure(f"step {name}", e)
+        log(f"[{time.perf_counter() - t0:.0f}s] {name} done")
+        flush_json(args)
+    print_table(ceiling)
+    flush_json(args)
+    return RESULTS
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,398 @@
+"""Ragged paged attention for Hopper with Pallas' Mosaic GPU backend: TMA copies of pool blocks, wgmma.
+
+Same contract as :func:`jaxpaged.kernels.paged_attention_reference.paged_attention_reference` (read its
+module docstring): ``q[T, Hq, D]`` new tokens of ``S`` sequences (``cu_q_lens``), ``kv_lens`` including
+the new tokens, layer ``layer`` of the pool ``[L, num_blocks, block_size, 2, Hkv, D]`` read through
+``block_tables[S, W]``; causal; padding tokens give zeros; keys at or past ``kv_lens`` are never used
+(stale NaN cannot leak). The Pallas-Triton kernel (``paged_attention.py``) computes the same thing;
+this one is written for the backend Pallas develops for Hopper (Triton's is deprecated): operands
+reach shared memory by the bulk tensor copy engine (TMA) and both matmuls run on wgmma.
+
+How the work is cut:
+  * A program owns one *query tile* of one sequence for one KV head: ``block_q`` consecutive new
+    tokens times the ``G = Hq // Hkv`` query heads that read that KV head, ``block_q * G <= 64`` rows:
+    Hopper's wgmma has a fixed M of 64 per warpgroup, so one program is one warpgroup, its matmuls
+    always 64 rows (those past ``block_q * G`` padding), and every K/V tile it loads serves all its
+    rows. ``block_q`` is ``64 // G`` for prefill and ``max(1, 8 // G)`` for decode
+    (:func:`choose_block_q`): a decode tile holds one token, and moving 8 rows of queries and outputs
+    instead of 64 keeps that traffic at 1/200 of the K/V reads (batch 256 x context 1,024, ``G = 2``:
+    5 MB, not 35 MB, against 1 GB). Grid ``(Hkv, tiles)``, the KV head fastest, so the programs of one
+    query tile read neighbouring bytes of each pool block.
+  * Sequence ``i`` owns tiles ``cu_q_lens[i] // block_q + i + j`` for ``j < cdiv(q_len_i, block_q)``
+    (the Triton kernel's numbering: ``cdiv(T, block_q) + S`` tiles bound it; unowned tiles exit at
+    once). A few XLA ops outside the kernel turn ``cu_q_lens``/``kv_lens`` into each tile's sequence,
+    first query position and key range (``i32[tiles, 3]``, read as scalars by the kernel) and lay the
+    queries out as ``[Hkv, tiles, R, D]`` (``R = block_q * G`` rounded up to 8), one contiguous TMA
+    box per program (its padding rows zero); the output comes back in the same layout and a gather
+    puts it in token order (padding tokens zero). Why not index ``q[T, Hq, D]`` directly: a tile's
+    ``G`` heads of ``block_q`` tokens are not one rectangular box of ``q``, and a ragged tile's store
+    would overwrite the next sequence's rows; the relayout costs two gathers about ``q``'s size.
+  * KV tiles of ``block_kv`` tokens (default ``max(64, block_size)``): ``block_kv / block_size`` pool
+    blocks, each one TMA copy of its ``[block_size, D]`` keys (``pool[layer, id, :, 0, h, :]``, rows
+    strided by ``2 * Hkv * D``) and one of its values into a shared-memory slot, the physical block ids
+    read as scalars from ``block_tables`` inside the kernel. All copies of a tile arrive on one barrier
+    (``num_arrivals`` = copies per tile). ``num_slots`` slots (default 2): the copies of tile
+    ``t + num_slots`` are issued as soon as tile ``t`` is consumed, so transfers overlap the
+    arithmetic of the tiles before them. The output tile reuses Q's shared memory.
+  * ``S = Q K^T`` is one wgmma (``[64, D] x [D, block_kv]``, K's shared-memory tile read
+    transposed); softmax online in fp32 and base 2 (running max and sum per row); ``P`` is cast to
+    the pool dtype, written to shared memory and ``P V`` is a second wgmma (``[64, block_kv] x
+    [block_kv, D]``), rescaled into the fp32 accumulator.
+  * Masking: tiles wholly at or before the tile's first query position (every row sees every key)
+    take an unmasked path. The others (the causal diagonal and the ``kv_len`` tail; a decode tile has
+    at most one) set the scores of keys past each row's position (or past the tile's last needed key,
+    ``kv_end``) to ``-inf`` with a select, and zero the values of keys at or past ``kv_end`` in shared
+    memory before ``P V``: TMA copies whole blocks, the tail of the last block may be stale NaN, and
+    ``P = 0`` times ``NaN`` would still be NaN. Keys are never multiplied by a mask, only selected.
+    Blocks past a sequence's last block are read at a clipped table column (in range by contract) and
+    fully masked.
+
+Scope: bf16 pools on the GPU. A float32 pool runs in interpret mode only: Hopper's wgmma has no
+fp32 inputs (float32 operands run as TF32, about 10 mantissa bits, not the reference's fp32), and
+Mosaic GPU does not lower a float32 ``P V`` at all ("Only f16 WGMMA supports transposes": the
+values' tile is N-major, 32-bit wgmma operands must be K-major). fp8 pools are not supported (the
+Triton kernel reads them). ``head_dim`` 64 or 128; block sizes 8 to 128 (powers of two);
+``G <= 64``. Not tuned: one warpgroup per program (a decode tile fills ``G`` of its 64 rows), no
+split-K for small decode batches, no warp specialisation, whole blocks copied for the last tile.
+
+Interpret mode (``interpret=True``) runs Mosaic GPU's CPU interpreter
+(``plgpu.InterpretGPUParams``), which simulates shared memory, TMA copies, barriers and wgmma
+(uninitialised shared memory reads as NaN, out-of-bounds reads raise, barrier phases are checked,
+and a race detector can be switched on); it checks the arithmetic and the copy/barrier protocol.
+Lowering for the GPU is checked apart: on a machine without a GPU, ``jax.jit(...).trace(...).lower(
+lowering_platforms=("cuda",))`` runs the whole Pallas -> Mosaic GPU lowering for sm_90a (wgmma,
+TMA); only the PTX compilation and the run itself need the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxpaged.kernels.fp8 import is_fp8
+from jaxpaged.kernels.kv_write import block_size_of, check_pool
+
+LOG2E = math.log2(math.e)
+BLOCK_M = 64  # query rows of a program: Hopper wgmma's M per warpgroup
+MIN_KV_TILE = 64  # keys per inner step at least (wgmma K of P @ V: one 128-byte swizzle row of bf16)
+MAX_KV_TILE = 256  # wgmma's largest N (S = Q K^T)
+NUM_SLOTS = 2  # KV tiles in flight by default (double buffering)
+SWIZZLE = 128  # bytes: shared-memory swizzle of every tile (rows of 64 bf16 / 32 fp32 elements)
+SMEM_BYTES = 227 * 1024  # an H100/H200 block's shared memory
+_MASKED = -1e30  # initial running max: finite, so a fully masked row gives exp2(-inf) = 0, never NaN
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def kv_tile(block_size: int) -> int:
+    """Default keys per inner step: ``MIN_KV_TILE``, or one pool block if larger."""
+    return max(MIN_KV_TILE, block_size)
+
+
+def smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype) -> int:
+    """Shared memory of one program: the Q (later output) tile, ``num_slots`` K and V tiles and P
+    (barriers aside)."""
+    return (BLOCK_M * head_dim + 2 * num_slots * block_kv * head_dim + BLOCK_M * block_kv) * jnp.dtype(dtype).itemsize
+
+
+def choose_block_q(num_tokens: int, num_seqs: int, group: int, decode: bool | None = None) -> int:
+    """Tokens per query tile. Prefill: ``64 // G`` (a tile fills the 64 rows of one wgmma). Decode
+    (``decode``, or with ``None`` the padded shapes: ``T <= 2 S``, the Triton kernel's test):
+    ``max(1, 8 // G)``, so a tile of one decode token moves 8 rows of queries and outputs through HBM,
+    not 64 (the wgmma still computes 64 rows: decode is bound by the K/V reads)."""
+    if decode is None:
+        decode = num_tokens <= 2 * num_seqs
+    return max(1, 8 // group) if decode else BLOCK_M // group
+
+
+def tile_rows(block_q: int, group: int) -> int:
+    """Query rows a tile moves: ``block_q * G`` rounded up to a multiple of 8 (shared-memory tiling)."""
+    return -(-block_q * group // 8) * 8
+
+
+def _transforms(dtype):
+    """Tiling and swizzle of a shared-memory tile of ``dtype``: 8 rows x one 128-byte swizzle row."""
+    return (plgpu.TilingTransform((8, SWIZZLE // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(SWIZZLE))
+
+
+def tile_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, block_q: int):
+    """The query tiles of a ragged batch (module docstring): for each of ``cdiv(T, block_q) + S`` tiles,
+    its sequence (``-1``: unowned), the token index of its first row, its number of tokens, the
+    absolute position of its first token and ``kv_end`` (one past its last token's position: the keys
+    it needs). Returns ``(meta i32[tiles, 3] = (seq, first position, kv_end), tok0, ntok, starts)``
+    where ``starts i32[S]`` is each sequence's first tile."""
+    num_seqs = kv_lens.shape[0]
+    num_tiles = pl.cdiv(num_tokens, block_q) + num_seqs
+    starts = cu_q_lens[:-1] // block_q + jnp.arange(num_seqs, dtype=jnp.int32)
+    u = jnp.arange(num_tiles, dtype=jnp.int32)
+    seq = jnp.sum(starts[None, :] <= u[:, None], axis=1, dtype=jnp.int32) - 1  # starts[0] == 0
+    j = u - starts[seq]
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    ntok = jnp.clip(q_len - j * block_q, 0, block_q)
+    owned = ntok > 0
+    pos0 = kv_lens[seq] - q_len + j * block_q
+    meta = jnp.stack([jnp.where(owned, seq, -1), pos0, pos0 + ntok], axis=1).astype(jnp.int32)
+    return meta, cu_q_lens[seq] + j * block_q, ntok, starts
+
+
+def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref,
+                      q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar,
+                      *, scale_log2: float, group: int, block_kv: int, block_size: int, num_slots: int):
+    """One program: KV head ``axis_index("kv_head")``, query tile ``axis_index("tile")``.
+
+    Refs (GMEM): ``layer_ref i32[1]``, ``meta_ref i32[tiles, 3]`` (:func:`tile_layout`),
+    ``tables_ref i32[S, W]``, ``q_ref [Hkv, tiles, R, D]`` (``R <= 64`` rows a tile),
+    ``kv_ref [L, N, bs, 2, Hkv, D]``, output ``o_ref [Hkv, tiles, R, D]``. Shared memory:
+    ``q_smem [64, D]`` (its first ``R`` rows the tile's queries, then its output),
+    ``k_smem/v_smem [slots, block_kv, D]``, ``p_smem [64, block_kv]``; barriers ``q_bar``,
+    ``k_bar[slots]``, ``v_bar[slots]``.
+    """
+    head_dim = q_smem.shape[-1]
+    num_rows = q_ref.shape[2]
+    width = tables_ref.shape[1]
+    blocks_per_tile = block_kv // block_size
+    h = lax.axis_index("kv_head")
+    tile = lax.axis_index("tile")
+    seq = meta_ref[tile, 0]
+
+    @pl.when(seq >= 0)
+    def _owned_tile():
+        layer = layer_ref[0]
+        pos0 = meta_ref[tile, 1]
+        kv_end = meta_ref[tile, 2]
+        num_kv = lax.div(kv_end + (block_kv - 1), block_kv)
+        n_full = jnp.clip(lax.div(pos0 + 1, block_kv), 0, num_kv)  # tiles every row sees entirely
+
+        def fetch(t, slot):
+            """Issues the TMA copies of KV tile ``t`` into ``slot``: one per pool block, K and V."""
+            for b in range(blocks_per_tile):
+                blk = jnp.minimum(t * blocks_per_tile + b, width - 1)  # past the table: masked anyway
+                phys = tables_ref[seq, blk]
+                rows = pl.ds(b * block_size, block_size)
+                plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, :, 0, h, :], k_smem.at[slot, rows],
+                                        k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, :, 1, h, :], v_smem.at[slot, rows],
+                                        v_bar.at[slot])
+
+        q_rows = q_smem if num_rows == BLOCK_M else q_smem.at[pl.ds(0, num_rows)]
+        if num_rows < BLOCK_M:  # rows past R: zeros, not stale shared memory (their outputs are dropped)
+            q_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), q_smem.dtype), plgpu.Layout.WGMMA)
+            plgpu.commit_smem()  # before the TMA writes the first R rows
+        plgpu.copy_gmem_to_smem(q_ref.at[h, tile], q_rows, q_bar)
+        fetch(0, 0)  # an owned tile needs at least one key
+        for i in range(1, num_slots):
+            pl.when(num_kv > i)(functools.partial(fetch, i, i))
+
+        plgpu.barrier_wait(q_bar)
+
+        def step(t, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(t, num_slots)
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, block_kv), jnp.float32)) * scale_log2
+            plgpu.barrier_wait(v_bar.at[slot])
+            if masked:
+                wgmma_iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
+                key = t * block_kv + wgmma_iota((BLOCK_M, block_kv), 1)
+                # Row r is token r // G of the tile; padding rows see what the last token sees, at most.
+                last_key = jnp.minimum(pos0 + lax.div(wgmma_iota((BLOCK_M, block_kv), 0), group), kv_end - 1)
+                s = jnp.where(key <= last_key, s, -jnp.inf)
+                # Values at or past kv_end may be stale NaN: zero them (P = 0 there, but 0 * NaN = NaN).
+                v_key = t * block_kv + wgmma_iota((block_kv, head_dim), 0)
+                v_smem[slot] = jnp.where(v_key < kv_end, v_smem[slot], jnp.zeros((), v_smem.dtype))
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l_new = l_i * alpha + p.sum(axis=1)
+            p_smem[...] = p.astype(p_smem.dtype)
+            plgpu.commit_smem()  # P (and masked V) visible to wgmma, which reads through the async proxy
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                return acc_ref[...]
+
+            o = pl.run_scoped(pv, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
+
+            @pl.when(t + num_slots < num_kv)  # the slot is consumed: refill it
+            def _():
+                fetch(t + num_slots, slot)
+
+            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o, m_new, l_new
+
+        rows = plgpu.Layout.WGMMA.reduce(1)
+        carry = (
+            plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((BLOCK_M,), _MASKED, jnp.float32), rows),
+            plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), rows),
+        )
+        carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+        acc, _, l_i = lax.fori_loop(n_full, num_kv, functools.partial(step, masked=True), carry)
+        l_i = jnp.where(l_i > 0, l_i, 1.0)
+        q_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(q_smem.dtype)  # Q is done
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_rows, o_ref.at[h, tile])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _interpret_params(interpret):
+    """``True`` -> Mosaic GPU's CPU interpreter with default parameters; an ``InterpretGPUParams`` is
+    used as given; ``False``/``None`` -> compiled."""
+    if interpret is True:
+        return plgpu.InterpretGPUParams()
+    return interpret or None
+
+
+def _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, block_kv, num_slots, block_q):
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
+    check_pool(kv_pool, layer)
+    if is_fp8(kv_pool.dtype):
+        raise ValueError(f"paged_attention_mgpu does not read fp8 pools ({kv_pool.dtype}); use the "
+                         "Triton kernel (kernels/paged_attention.py)")
+    if jnp.dtype(kv_pool.dtype) not in _DTYPES:
+        raise ValueError(f"kv_pool dtype must be bfloat16 or float32, got {kv_pool.dtype}")
+    if q.dtype != kv_pool.dtype:
+        raise ValueError(f"q dtype ({q.dtype}) must be the pool's ({kv_pool.dtype})")
+    if jnp.dtype(kv_pool.dtype) == jnp.float32 and not interpret:
+        raise ValueError("a float32 pool runs in interpret mode only: Hopper's wgmma has no fp32 inputs "
+                         "(TF32 at best), see the module docstring")
+    num_q_heads, head_dim = q.shape[1:]
+    num_kv_heads, d = kv_pool.shape[4:]
+    block_size = block_size_of(kv_pool)
+    if d != head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) != head_dim of the pool ({d})")
+    if head_dim not in (64, 128):
+        raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    if num_q_heads // num_kv_heads > BLOCK_M:
+        raise ValueError(f"G = Hq // Hkv = {num_q_heads // num_kv_heads} must be <= {BLOCK_M}")
+    if block_size not in (8, 16, 32, 64, 128):
+        raise ValueError(f"block_size must be a power of two in [8, 128], got {block_size}")
+    num_seqs = kv_lens.shape[0] if kv_lens.ndim == 1 else -1
+    if num_seqs < 1 or cu_q_lens.shape != (num_seqs + 1,) or block_tables.ndim != 2 \
+            or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"need cu_q_lens i32[S+1], kv_lens i32[S], block_tables i32[S, W]; got "
+                         f"{cu_q_lens.shape}, {kv_lens.shape}, {block_tables.shape}")
+    for name, a in (("cu_q_lens", cu_q_lens), ("kv_lens", kv_lens), ("block_tables", block_tables)):
+        if a.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {a.dtype}")
+    if block_kv % MIN_KV_TILE or block_kv % block_size or not MIN_KV_TILE <= block_kv <= MAX_KV_TILE:
+        raise ValueError(f"block_kv={block_kv} must be a multiple of {MIN_KV_TILE} and of block_size={block_size}, "
+                         f"at most {MAX_KV_TILE}")
+    if not 1 <= num_slots <= 4:
+        raise ValueError(f"num_slots must be in [1, 4], got {num_slots}")
+    if block_q is not None and not 1 <= block_q * (num_q_heads // num_kv_heads) <= BLOCK_M:
+        raise ValueError(f"block_q={block_q} tokens x G={num_q_heads // num_kv_heads} heads must be 1..{BLOCK_M} rows")
+    need = smem_bytes(head_dim, block_kv, num_slots, kv_pool.dtype)
+    if not interpret and need > SMEM_BYTES:
+        raise ValueError(f"a program would need {need} bytes of shared memory (> {SMEM_BYTES})")
+
+
+def paged_attention_mgpu(
+    q: jax.Array,
+    kv_pool: jax.Array,
+    layer: int,
+    cu_q_lens: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    *,
+    scale: float | None = None,
+    interpret=False,
+    block_kv: int | None = None,
+    num_slots: int = NUM_SLOTS,
+    block_q: int | None = None,
+    decode: bool | None = None,
+) -> jax.Array:
+    """Ragged paged attention (decode, prefill, prefill with a cached prefix) with Mosaic GPU.
+
+    Args:
+      q: ``[T, Hq, D]`` in the pool's dtype; kv_pool: ``[L, num_blocks, block_size, 2, Hkv, D]``, bf16
+        (float32 in interpret mode only), read at layer ``layer`` (a Python int or an ``i32[]``);
+      cu_q_lens ``i32[S+1]``, kv_lens ``i32[S]``, block_tables ``i32[S, W]``: as in the reference.
+      scale: softmax scale, default ``1/sqrt(D)``.
+      interpret: ``True`` (or a ``plgpu.InterpretGPUParams``) runs Mosaic GPU's CPU interpreter.
+      block_kv: keys per inner step (a multiple of 64 and of the block size, <= 256); default
+        :func:`kv_tile`. num_slots: KV tiles in flight (1-4). block_q: tokens per query tile (at most
+        ``64 // G``); default :func:`choose_block_q` from the shapes, or from ``decode`` if given. All
+        for tuning: any value gives the same result.
+    Returns ``[T, Hq, D]`` in ``q.dtype``; zeros for padding tokens.
+    Raises ValueError for what the kernel does not support (module docstring, "Scope").
+    """
+    if block_kv is None:
+        block_kv = kv_tile(block_size_of(kv_pool)) if kv_pool.ndim == 6 else MIN_KV_TILE
+    _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, block_kv, num_slots, block_q)
+    if block_q is None:
+        block_q = choose_block_q(q.shape[0], kv_lens.shape[0], q.shape[1] // kv_pool.shape[4], decode)
+    return _paged_attention_mgpu(q, kv_pool, jnp.asarray(layer, jnp.int32), cu_q_lens, kv_lens, block_tables,
+                                 scale=None if scale is None else float(scale),
+                                 interpret=_interpret_params(interpret), block_kv=block_kv, num_slots=num_slots,
+                                 block_q=block_q)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_kv", "num_slots", "block_q"))
+def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, scale, interpret, block_kv,
+                          num_slots, block_q):
+    """:func:`paged_attention_mgpu` after validation; ``layer`` an ``i32[]`` operand (one compiled kernel
+    serves every layer of a step)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = kv_pool.shape[4]
+    block_size = block_size_of(kv_pool)
+    group = num_q_heads // num_kv_heads
+    rows = tile_rows(block_q, group)
+    if scale is None:
+        scale = head_dim**-0.5
+    meta, tok0, ntok, starts = tile_layout(cu_q_lens, kv_lens, num_tokens, block_q)
+    num_tiles = meta.shape[0]
+
+    # Queries in tile layout [Hkv, tiles, R, D]: row r of a tile is token r // G, head r % G of the group.
+    r = jnp.arange(rows, dtype=jnp.int32)
+    row_tok, row_head = r // group, r % group
+    row_ok = row_tok[None, :] < ntok[:, None]  # [tiles, R]; false for unowned tiles and padding rows
+    tok = jnp.clip(tok0[:, None] + row_tok[None, :], 0, num_tokens - 1)
+    q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    q_tiles = q4[tok, :, jnp.broadcast_to(row_head, tok.shape), :]  # [tiles, R, Hkv, D]
+    q_tiles = jnp.where(row_ok[:, :, None, None], q_tiles, jnp.zeros((), q.dtype)).transpose(2, 0, 1, 3)
+
+    dtype = kv_pool.dtype  # == q.dtype (validated): the output tile reuses Q's shared memory
+    kernel = plgpu.kernel(
+        functools.partial(_attention_kernel, scale_log2=scale * LOG2E, group=group, block_kv=block_kv,
+                          block_size=block_size, num_slots=num_slots),
+        out_type=jax.ShapeDtypeStruct((num_kv_heads, num_tiles, rows, head_dim), q.dtype),
+        scratch_types=[
+            plgpu.SMEM((BLOCK_M, head_dim), dtype, transforms=_transforms(dtype)),
+            plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=_transforms(dtype)),
+            plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=_transforms(dtype)),
+            plgpu.SMEM((BLOCK_M, block_kv), dtype, transforms=_transforms(dtype)),
+            plgpu.Barrier(num_arrivals=1),
+            plgpu.Barrier(num_arrivals=block_kv // block_size, num_barriers=num_slots),
+            plgpu.Barrier(num_arrivals=block_kv // block_size, num_barriers=num_slots),
+        ],
+        grid=(num_kv_heads, num_tiles),
+        grid_names=("kv_head", "tile"),
+        interpret=interpret,
+    )
+    o_tiles = kernel(jnp.reshape(layer, (1,)), meta, block_tables, q_tiles, kv_pool)
+
+    # Back to token order: token t is row ((t - cu[s]) % block_q) * G + g of tile starts[s] + (t - cu[s]) // block_q.
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    num_seqs = kv_lens.shape[0]
+    seq_t = jnp.clip(jnp.sum(cu_q_lens[None, :] <= t[:, None], axis=1, dtype=jnp.int32) - 1, 0, num_seqs - 1)
+    off = t - cu_q_lens[seq_t]
+    tile_t = jnp.clip(starts[seq_t] + off // block_q, 0, num_tiles - 1)
+    row_t = jnp.clip((off % block_q) * group, 0, rows - group)
+    o = o_tiles.transpose(1, 2, 0, 3)  # [tiles, R, Hkv, D]
+    out = o[tile_t[:, None], row_t[:, None] + jnp.arange(group, dtype=jnp.int32)[None, :]]  # [T, G, Hkv, D]
+    out = out.transpose(0, 2, 1, 3).reshape(num_tokens, num_q_heads, head_dim)
+    valid = t < cu_q_lens[num_seqs]
+    return jnp.where(valid[:, None, None], out, jnp.zeros((), out.dtype))

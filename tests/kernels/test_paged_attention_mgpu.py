@@ -1,0 +1,167 @@
+"""The Mosaic GPU ragged paged attention (Mosaic GPU's CPU interpreter) against the reference.
+
+Every case draws fresh random inputs, places blocks in random physical order and fills every unused
+pool slot (spare blocks and the tails of partial blocks) with NaN, and puts the layer read between two
+all-NaN layers, so a read past ``kv_lens`` or of the wrong layer shows up. The interpreter also fills
+uninitialised shared memory with NaN, raises on out-of-bounds reads and checks barrier phases: the
+arithmetic and the TMA/barrier protocol. ``test_lowers_for_hopper`` runs the Pallas -> Mosaic GPU lowering
+for sm_90a on the CPU; compiling and running on a GPU: ``benchmarks/check_attention_mgpu.py``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu, tile_layout
+from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
+from test_reference import random_batch
+
+reference = jax.jit(paged_attention_reference, static_argnums=2)
+TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def run_case(seed, q_lens, kv_lens, bs, hq, hkv, d, dtype, interpret=True, **kw):
+    rng = np.random.default_rng(seed)
+    q, k, v, cu, kl, tables = random_batch(rng, q_lens, kv_lens, bs, hq, hkv, d)
+    layer = np.stack([k, v], axis=2)[None]  # one layer [1, N, bs, 2, Hkv, D]
+    pool = np.concatenate([np.full_like(layer, np.nan), layer, np.full_like(layer, np.nan)])
+    args = (jnp.asarray(q, dtype), jnp.asarray(pool, dtype), 1, jnp.asarray(cu), jnp.asarray(kl), jnp.asarray(tables))
+    out = np.asarray(paged_attention_mgpu(*args, interpret=interpret, **kw), np.float32)
+    ref = np.asarray(reference(*args), np.float32)
+    assert np.all(np.isfinite(out)), "NaN or inf in the output (stale slot read?)"
+    np.testing.assert_allclose(out, ref, **TOL[dtype])
+    rel = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+    assert rel < (1e-6 if dtype == jnp.float32 else 5e-3), rel
+    assert np.all(out[cu[-1]:] == 0), "padding tokens must give zeros"
+    return out
+
+
+# Decode (q_len 1): context lengths 1, bs-1, bs, bs+1 and a long one (several KV tiles: each slot
+# refilled, its barrier's phase flipping), over GQA/MQA/MHA, head dims 64/128, block sizes 8-64, both
+# dtypes, and the tuning arguments (KV tile size, slots in flight).
+DECODE = [
+    # (bs, hq, hkv, d, dtype, kernel kwargs)
+    (16, 4, 2, 64, jnp.float32, {}),  # GQA G=2, 4 blocks per KV tile
+    (8, 4, 1, 128, jnp.bfloat16, dict(num_slots=3)),  # MQA, 8 blocks per KV tile
+    (64, 2, 2, 64, jnp.bfloat16, {}),  # MHA, one block per KV tile
+    (32, 8, 2, 128, jnp.float32, dict(block_kv=128, num_slots=1)),  # G=4, D=128, 4 blocks per KV tile
+]
+
+SLOW_DECODE, SLOW_MIXED = {2}, {2, 4}  # a quick subset (``-m "not slow"``) still covers every feature
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_DECODE else c
+                                  for c in range(len(DECODE))])
+def test_decode_ragged_context_lengths(case):
+    bs, hq, hkv, d, dtype, kw = DECODE[case]
+    kv_lens = [1, bs - 1, bs, bs + 1, (4 if case == 0 else 2) * 64 + 3]  # 5 (3) KV tiles of 64: slots reused
+    run_case(10 + case, [1] * len(kv_lens), kv_lens, bs, hq, hkv, d, dtype, **kw)
+
+
+# Prefill and mixed ragged batches: several query tiles per sequence, the causal diagonal across KV
+# tiles, prefix hits, empty sequences, G not a power of two; the prefill tiles (block_q = 64 // G
+# tokens) and, forced, decode-sized ones.
+MIXED = [
+    # (q_lens, kv_lens, bs, hq, hkv, d, dtype, kernel kwargs)
+    ([1, 20, 0, 5], [9, 100, 4, 5], 16, 16, 2, 64, jnp.float32, {}),  # G=8: block_q=8, 20 tokens = 3 tiles
+    ([70, 1, 3], [70, 130, 67], 64, 2, 2, 64, jnp.bfloat16, {}),  # G=1: block_q=64, causal within 70 tokens
+    ([2, 1, 17], [2, 100, 30], 16, 6, 2, 64, jnp.float32, {}),  # G=3: block_q=21, 63 rows used
+    ([2, 1, 17], [2, 100, 30], 16, 6, 2, 64, jnp.float32, dict(decode=True)),  # block_q=2: 6 of 8 rows
+    ([1, 20, 0, 5], [9, 100, 4, 5], 16, 16, 2, 64, jnp.float32, dict(block_q=5)),  # 40-row tiles
+]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_MIXED else c
+                                  for c in range(len(MIXED))])
+def test_prefill_and_mixed_batches(case):
+    *shapes, kw = MIXED[case]
+    run_case(20 + case, *shapes, **kw)
+
+
+def test_only_padding_and_empty_sequences():
+    run_case(1, [0, 0], [5, 0], 8, 4, 2, 64, jnp.float32)
+
+
+def test_tile_layout():
+    """Tiles of 4 tokens: sequence i's first tile is cu[i] // 4 + i; an empty sequence owns none."""
+    cu = jnp.array([0, 1, 7, 7, 9], jnp.int32)
+    kv = jnp.array([5, 6, 3, 12], jnp.int32)
+    meta, tok0, ntok, starts = tile_layout(cu, kv, 11, 4)
+    np.testing.assert_array_equal(np.asarray(starts), [0, 1, 3, 4])
+    assert meta.shape == (3 + 4, 3)
+    seq, pos0, kv_end = np.asarray(meta).T
+    np.testing.assert_array_equal(seq, [0, 1, 1, -1, 3, -1, -1])
+    np.testing.assert_array_equal(np.asarray(ntok)[[0, 1, 2, 4]], [1, 4, 2, 2])
+    np.testing.assert_array_equal(np.asarray(tok0)[[0, 1, 2, 4]], [0, 1, 5, 7])
+    np.testing.assert_array_equal(pos0[[0, 1, 2, 4]], [4, 0, 4, 10])
+    np.testing.assert_array_equal(kv_end[[0, 1, 2, 4]], [5, 4, 6, 12])
+
+
+@pytest.mark.slow
+def test_no_shared_memory_races():
+    """The interpreter's happens-before race detector over the copy/barrier/wgmma protocol."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    run_case(3, [1, 1, 9], [1, 200, 70], 16, 4, 2, 64, jnp.float32, interpret=params)
+    assert not gpu_interpret.get_races().races_found
+
+
+@pytest.mark.parametrize("bs,hq,hkv,d,kw", [
+    (16, 16, 8, 128, {}), (32, 4, 2, 64, dict(block_kv=128, num_slots=3)),
+    pytest.param(64, 6, 2, 64, {}, marks=pytest.mark.slow), pytest.param(8, 8, 1, 128, {}, marks=pytest.mark.slow),
+])
+def test_lowers_for_hopper(bs, hq, hkv, d, kw):
+    """The whole Pallas -> Mosaic GPU lowering for sm_90a (what jax assumes with no GPU attached): the
+    kernel's layouts, TMA slices and wgmma shapes are accepted. PTX compilation and running it need
+    the GPU (benchmarks/check_attention_mgpu.py)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("cross-lowering check for machines without a GPU")
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    q = jax.ShapeDtypeStruct((40, hq, d), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((3, 64, bs, 2, hkv, d), jnp.bfloat16)
+    fn = jax.jit(lambda *a: paged_attention_mgpu(a[0], a[1], 2, *a[2:], **kw))
+    text = fn.trace(q, pool, i32(5), i32(4), i32(4, 20)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "wgmma.mma_async" in text and "cp.async.bulk.tensor" in text
+
+
+def test_invalid_inputs_raise():
+    q = jnp.ones((4, 8, 64), jnp.float32)
+    pool = jnp.ones((2, 10, 16, 2, 4, 64), jnp.float32)  # [L, N, bs, 2, Hkv, D]
+    cu, kl, bt = jnp.array([0, 4], jnp.int32), jnp.array([4], jnp.int32), jnp.zeros((1, 2), jnp.int32)
+    call = lambda *a, interpret=True: paged_attention_mgpu(*a, interpret=interpret)
+    with pytest.raises(ValueError, match="interpret mode only"):
+        call(q, pool, 0, cu, kl, bt, interpret=False)  # float32 on the GPU
+    with pytest.raises(ValueError, match="fp8"):
+        call(q, pool.astype(jnp.float8_e4m3fn), 0, cu, kl, bt)
+    with pytest.raises(ValueError, match="dtype"):
+        call(q.astype(jnp.bfloat16), pool, 0, cu, kl, bt)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        call(q.astype(jnp.float16), pool.astype(jnp.float16), 0, cu, kl, bt)
+    with pytest.raises(ValueError, match="multiple"):
+        call(jnp.ones((4, 6, 64)), pool, 0, cu, kl, bt)
+    with pytest.raises(ValueError, match="head_dim"):
+        call(jnp.ones((4, 8, 32)), pool[..., :32], 0, cu, kl, bt)
+    with pytest.raises(ValueError, match="G = "):
+        call(jnp.ones((4, 128, 64)), pool[:, :, :, :, :1], 0, cu, kl, bt)
+    with pytest.raises(ValueError, match="block_size"):
+        call(q, pool[:, :, :4], 0, cu, kl, bt)
+    with pytest.raises(ValueError, match="int32"):
+        call(q, pool, 0, cu.astype(jnp.float32), kl, bt)
+    with pytest.raises(ValueError, match="S\\+1"):
+        call(q, pool, 0, jnp.array([0, 2, 4], jnp.int32), kl, bt)
+    with pytest.raises(ValueError, match="layer"):
+        call(q, pool, 2, cu, kl, bt)
+    with pytest.raises(ValueError, match="block_kv"):
+        paged_attention_mgpu(q, pool, 0, cu, kl, bt, interpret=True, block_kv=96)
+    with pytest.raises(ValueError, match="block_q"):
+        paged_attention_mgpu(q, pool, 0, cu, kl, bt, interpret=True, block_q=33)  # 33 tokens x G=2 > 64 rows
+    with pytest.raises(ValueError, match="num_slots"):
+        paged_attention_mgpu(q, pool, 0, cu, kl, bt, interpret=True, num_slots=0)
+    with pytest.raises(ValueError, match="shared memory"):  # 4 slots of 256 x 128 bf16 keys and values
+        paged_attention_mgpu(jnp.ones((4, 8, 128), jnp.bfloat16), jnp.ones((1, 4, 16, 2, 4, 128), jnp.bfloat16),
+                             0, cu, kl, bt, block_kv=256, num_slots=4)
