@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 
 @jax.tree_util.register_dataclass
@@ -23,3 +24,16 @@ class AttentionMetadata:
     cu_q_lens: jax.Array
     kv_lens: jax.Array
     block_tables: jax.Array
+
+
+def check_ragged_metadata(cu_q_lens: jax.Array, kv_lens: jax.Array, block_tables: jax.Array) -> None:
+    """Raises a ValueError unless ``cu_q_lens i32[S+1]``, ``kv_lens i32[S]``, ``block_tables i32[S, W]``
+    agree on ``S >= 1`` (the attention kernels' ragged-batch arguments)."""
+    num_seqs = kv_lens.shape[0] if kv_lens.ndim == 1 else -1
+    if num_seqs < 1 or cu_q_lens.shape != (num_seqs + 1,) or block_tables.ndim != 2 \
+            or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"need cu_q_lens i32[S+1], kv_lens i32[S], block_tables i32[S, W]; got "
+                         f"{cu_q_lens.shape}, {kv_lens.shape}, {block_tables.shape}")
+    for name, a in (("cu_q_lens", cu_q_lens), ("kv_lens", kv_lens), ("block_tables", block_tables)):
+        if a.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {a.dtype}")

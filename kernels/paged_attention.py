@@ -65,6 +65,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxpaged.kernels.fp8 import is_fp8, scale_rows, v_slab_index
 from jaxpaged.kernels.kv_write import block_size_of, check_pool
+from jaxpaged.kernels.metadata import check_ragged_metadata
 from jaxpaged.kernels.shapes import next_pow2, num_cores as device_num_cores
 from jaxpaged.kernels.matmul import kernel_dot_precision
 
@@ -360,14 +361,7 @@ def _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables):
     for name, n in (("head_dim", head_dim), ("block_size", block_size)):
         if n & (n - 1) or n < 8:
             raise ValueError(f"{name} must be a power of two >= 8 (Triton tiles), got {n}")
-    num_seqs = kv_lens.shape[0] if kv_lens.ndim == 1 else -1
-    if num_seqs < 1 or cu_q_lens.shape != (num_seqs + 1,) or block_tables.ndim != 2 \
-            or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"need cu_q_lens i32[S+1], kv_lens i32[S], block_tables i32[S, W]; got "
-                         f"{cu_q_lens.shape}, {kv_lens.shape}, {block_tables.shape}")
-    for name, a in (("cu_q_lens", cu_q_lens), ("kv_lens", kv_lens), ("block_tables", block_tables)):
-        if a.dtype != jnp.int32:
-            raise ValueError(f"{name} must be int32, got {a.dtype}")
+    check_ragged_metadata(cu_q_lens, kv_lens, block_tables)
 
 
 def paged_attention(

@@ -77,6 +77,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxpaged.kernels.fp8 import is_fp8
 from jaxpaged.kernels.kv_write import block_size_of, check_pool
+from jaxpaged.kernels.metadata import check_ragged_metadata
 
 LOG2E = math.log2(math.e)
 BLOCK_M = 64  # query rows of a program: Hopper wgmma's M per warpgroup
@@ -279,14 +280,7 @@ def _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, bl
         raise ValueError(f"G = Hq // Hkv = {num_q_heads // num_kv_heads} must be <= {BLOCK_M}")
     if block_size not in (8, 16, 32, 64, 128):
         raise ValueError(f"block_size must be a power of two in [8, 128], got {block_size}")
-    num_seqs = kv_lens.shape[0] if kv_lens.ndim == 1 else -1
-    if num_seqs < 1 or cu_q_lens.shape != (num_seqs + 1,) or block_tables.ndim != 2 \
-            or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"need cu_q_lens i32[S+1], kv_lens i32[S], block_tables i32[S, W]; got "
-                         f"{cu_q_lens.shape}, {kv_lens.shape}, {block_tables.shape}")
-    for name, a in (("cu_q_lens", cu_q_lens), ("kv_lens", kv_lens), ("block_tables", block_tables)):
-        if a.dtype != jnp.int32:
-            raise ValueError(f"{name} must be int32, got {a.dtype}")
+    check_ragged_metadata(cu_q_lens, kv_lens, block_tables)
     if block_kv % MIN_KV_TILE or block_kv % block_size or not MIN_KV_TILE <= block_kv <= MAX_KV_TILE:
         raise ValueError(f"block_kv={block_kv} must be a multiple of {MIN_KV_TILE} and of block_size={block_size}, "
                          f"at most {MAX_KV_TILE}")

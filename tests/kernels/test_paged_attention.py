@@ -20,14 +20,18 @@ from test_reference import random_batch
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
-def run_case(seed, q_lens, kv_lens, bs, hq, hkv, d, dtype, config=None):
+def run_case(seed, q_lens, kv_lens, bs, hq, hkv, d, dtype, config=None, *, kernel=None, interpret=True, **kw):
+    """One random batch through ``kernel`` (default: the Triton kernel with ``config``; ``kw`` go to
+    ``kernel``) against the reference, stale slots and neighbouring layers NaN; returns the output."""
+    if kernel is None:
+        kernel, kw = paged_attention, dict(kw, config=config)
     rng = np.random.default_rng(seed)
     q, k, v, cu, kl, tables = random_batch(rng, q_lens, kv_lens, bs, hq, hkv, d)
     # The layer under test sits between two NaN layers: reading any other layer poisons the output.
     layer = pool_from_caches(jnp.asarray(k, dtype), jnp.asarray(v, dtype))
     pool = jnp.concatenate([jnp.full_like(layer, jnp.nan), layer, jnp.full_like(layer, jnp.nan)])
     args = (jnp.asarray(q, dtype), pool, 1, jnp.asarray(cu), jnp.asarray(kl), jnp.asarray(tables))
-    out = np.asarray(paged_attention(*args, interpret=True, config=config), np.float32)
+    out = np.asarray(kernel(*args, interpret=interpret, **kw), np.float32)
     ref = np.asarray(paged_attention_reference(*args), np.float32)
     assert np.all(np.isfinite(out)), "NaN or inf in the output (stale slot read?)"
     np.testing.assert_allclose(out, ref, **TOL[dtype])
