@@ -35,13 +35,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_attention import chain_time, hbm_read_ceiling, make_case, reference_hi, rel_err  # noqa: E402
+from bench_attention import (_chain_simple, chain_time, hbm_read_ceiling, make_case, prefill_flops,  # noqa: E402
+                             reference_hi, rel_err, timed)
 from jaxpaged.kernels.kv_write import pool_from_caches  # noqa: E402
 from jaxpaged.kernels.paged_attention import paged_attention  # noqa: E402
 from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
-RESULTS: dict = {"correctness": [], "decode": [], "errors": []}
+RESULTS: dict = {"correctness": [], "decode": [], "decode_sweep": [], "prefill": [], "errors": []}
 HQ, HKV, D = 16, 8, 128
 
 
@@ -187,6 +188,89 @@ def decode_timing(args, ceiling: float, interpret: bool):
         del pool
 
 
+def decode_sweep(args, ceiling: float, interpret: bool):
+    """Decode, block size 16 (the engine's default), batch x context over ``--batches`` x ``--ctxs``, both
+    kernels on one pool sized for the largest shape (block tables rotated over it as in
+    ``decode_timing``); the error is Mosaic's against the Triton kernel's output."""
+    batches = [2] if args.tiny else [int(x) for x in args.batches.split(",")]
+    ctxs = [64] if args.tiny else [int(x) for x in args.ctxs.split(",")]
+    hq, hkv, d, bs = (4, 2, 64, 16) if args.tiny else (HQ, HKV, D, 16)
+    need = max(b * c for b in batches for c in ctxs) // bs
+    pool_blocks = need + 1024
+    pool = jax.random.normal(jax.random.key(7), (1, pool_blocks, bs, 2, hkv, d), jnp.bfloat16)
+    log(f"decode sweep pool {pool.nbytes / 2**30:.1f} GiB")
+    fns = kernels(interpret)
+    for b in batches:
+        for ctx in ctxs:
+            nb = ctx // bs
+            kv_bytes = b * ctx * hkv * d * 2 * 2
+            rot = max(1, min(args.chain, pool_blocks // (b * nb), math.ceil(256e6 / kv_bytes)))
+            perm = np.random.default_rng(b * 31 + ctx).permutation(pool_blocks)
+            tables = [jnp.asarray(perm[r * b * nb:(r + 1) * b * nb].reshape(b, nb).astype(np.int32))
+                      for r in range(rot)]
+            q = jax.random.normal(jax.random.key(b + ctx), (b, hq, d), jnp.bfloat16)
+            cu = jnp.arange(b + 1, dtype=jnp.int32)
+            kv_lens = jnp.full((b,), ctx, jnp.int32)
+            row, outs = dict(batch=b, ctx=ctx, kv_MB=kv_bytes / 1e6), {}
+            for name, fn in fns.items():
+                try:
+                    outs[name] = jax.block_until_ready(fn(q, pool, 0, cu, kv_lens, tables[0]))
+                    _, t = chain_time(lambda qq, cs, tb, fn=fn: fn(qq, cs[0], 0, cs[1], cs[2], tb),
+                                      q, (pool, cu, kv_lens), tables, args.reps, args.chain)
+                    row[name] = dict(time_us=t * 1e6, TBps=kv_bytes / t / 1e12, frac_ceiling=kv_bytes / t / ceiling)
+                except Exception as e:  # noqa: BLE001
+                    row[name] = dict(error=failure(f"decode sweep {b}x{ctx} {name}", e))
+            if len(outs) == 2:
+                row["mosaic_vs_triton_rel"] = rel_err(outs["mosaic"], outs["triton"])
+            log(f"decode sweep B={b} ctx={ctx}", row)
+            RESULTS["decode_sweep"].append(row)
+    del pool
+
+
+def prefill_timing(args, interpret: bool):
+    """One sequence's prefill (``--prefill`` new+prefix tokens), block size 16: Mosaic, Triton, and
+    without a prefix cuDNN's flash attention (``jax.nn.dot_product_attention``) on the same tokens laid
+    out contiguously. Errors against the Triton kernel's output."""
+    shapes = [(64, 0), (64, 32)] if args.tiny else [tuple(int(y) for y in x.split("+")) for x in args.prefill.split(",")]
+    hq, hkv, d, bs = (4, 2, 64, 16) if args.tiny else (HQ, HKV, D, 16)
+    for q_len, prefix in shapes:
+        kv_len = q_len + prefix
+        nb = math.ceil(kv_len / bs)
+        num_blocks = nb + 64
+        kq, kp = jax.random.split(jax.random.key(q_len * 3 + prefix))
+        pool = jax.random.normal(kp, (1, num_blocks, bs, 2, hkv, d), jnp.bfloat16)
+        table = jnp.asarray(np.random.default_rng(q_len).permutation(num_blocks)[:nb].reshape(1, nb).astype(np.int32))
+        q = jax.random.normal(kq, (q_len, hq, d), jnp.bfloat16)
+        cu = jnp.array([0, q_len], jnp.int32)
+        kv_lens = jnp.array([kv_len], jnp.int32)
+        flops = prefill_flops(q_len, prefix) * hq * d // (HQ * D)
+        row, outs = dict(q_len=q_len, prefix=prefix, GFLOP=flops / 1e9), {}
+        for name, fn in kernels(interpret).items():
+            try:
+                outs[name] = jax.block_until_ready(fn(q, pool, 0, cu, kv_lens, table))
+                _, t = chain_time(lambda qq, cs, tb, fn=fn: fn(qq, cs[0], 0, cs[1], cs[2], tb),
+                                  q, (pool, cu, kv_lens), [table], args.reps, args.chain)
+                row[name] = dict(time_us=t * 1e6, TFLOPs=flops / t / 1e12)
+            except Exception as e:  # noqa: BLE001
+                row[name] = dict(error=failure(f"prefill {q_len}+{prefix} {name}", e))
+        if len(outs) == 2:
+            row["mosaic_vs_triton_rel"] = rel_err(outs["mosaic"], outs["triton"])
+        if prefix == 0 and not interpret:
+            pos = jnp.arange(kv_len)
+            blk = table[0, pos // bs]
+            kc, vc = pool[0, blk, pos % bs, 0][None], pool[0, blk, pos % bs, 1][None]  # [1, T, Hkv, D]
+            try:
+                fn = lambda qq, kc, vc: jax.nn.dot_product_attention(qq, kc, vc, is_causal=True, implementation="cudnn")
+                _, t = timed(lambda qq, kc, vc: _chain_simple(fn, qq, kc, vc, args.chain), (q[None], kc, vc), args.reps)
+                t /= args.chain
+                row["cudnn"] = dict(time_us=t * 1e6, TFLOPs=flops / t / 1e12)
+            except Exception as e:  # noqa: BLE001
+                row["cudnn"] = dict(error=failure(f"prefill {q_len} cudnn", e))
+        log(f"prefill {q_len}+{prefix}", row)
+        RESULTS["prefill"].append(row)
+        del pool
+
+
 def print_table(ceiling: float):
     log(f"\n=== Mosaic GPU vs Triton paged attention, {RESULTS['device']} (jax {RESULTS['jax']}); "
         f"HBM read ceiling {ceiling / 1e12:.2f} TB/s ===")
@@ -211,6 +295,24 @@ def print_table(ceiling: float):
             if k.startswith("mosaic_"):
                 log(f"    {k:<36} " + (f"{x['time_us']:9.1f} us | {x['TBps']:4.2f} TB/s | err {x['rel_err']:.1e}"
                                        if "time_us" in x else "FAILED"))
+    if RESULTS["decode_sweep"]:
+        log("decode sweep, bs 16: B x ctx | mosaic us | %ceil || triton us | %ceil || mosaic/triton")
+    for r in RESULTS["decode_sweep"]:
+        m, t = r.get("mosaic", {}), r.get("triton", {})
+        if "time_us" in m and "time_us" in t:
+            log(f"{r['batch']:>3} x {r['ctx']:>5} | {m['time_us']:9.1f} | {100 * m['frac_ceiling']:4.0f}% || "
+                f"{t['time_us']:9.1f} | {100 * t['frac_ceiling']:4.0f}% || {m['time_us'] / t['time_us']:.2f}")
+        else:
+            log(f"{r['batch']:>3} x {r['ctx']:>5} | FAILED")
+    if RESULTS["prefill"]:
+        log("prefill new+prefix | mosaic us | TFLOP/s || triton us | TFLOP/s || cudnn us | mosaic/cudnn | mosaic/triton")
+    for r in RESULTS["prefill"]:
+        m, t, c = r.get("mosaic", {}), r.get("triton", {}), r.get("cudnn", {})
+        f = lambda x: f"{x['time_us']:9.1f} | {x['TFLOPs']:6.1f}" if "time_us" in x else f"{'n/a':>9} |    n/a"
+        mc = f"{m['time_us'] / c['time_us']:.2f}" if "time_us" in m and "time_us" in c else "n/a"
+        mt = f"{m['time_us'] / t['time_us']:.2f}" if "time_us" in m and "time_us" in t else "n/a"
+        cs = f"{c['time_us']:9.1f}" if "time_us" in c else f"{'n/a':>9}"
+        log(f"{r['q_len']:>6}+{r['prefix']:<6} | {f(m)} || {f(t)} || {cs} | {mc} | {mt}")
     log(f"errors: {len(RESULTS['errors'])}")
 
 
@@ -226,7 +328,11 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="small shapes in interpret mode (a CPU)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--chain", type=int, default=8)
-    ap.add_argument("--only", default="", help="comma list of: check,decode")
+    ap.add_argument("--only", default="", help="comma list of: check,decode,sweep,prefill")
+    ap.add_argument("--batches", default="1,8,64,256", help="decode sweep batch sizes")
+    ap.add_argument("--ctxs", default="256,1024,4096,32768", help="decode sweep context lengths")
+    ap.add_argument("--prefill", default="1024+0,2048+0,4096+0,8192+0,16384+0,2048+2048,8192+8192",
+                    help="prefill shapes, new+prefix tokens")
     ap.add_argument("--no-sweep", action="store_true", help="time only the default Mosaic configuration")
     args = ap.parse_args(argv)
     if args.out:
@@ -234,7 +340,7 @@ def main(argv=None):
     interpret = args.tiny or jax.default_backend() != "gpu"
     if args.tiny:
         args.reps, args.chain = 2, 2
-    only = set(args.only.split(",")) if args.only else {"check", "decode"}
+    only = set(args.only.split(",")) if args.only else {"check", "decode", "sweep", "prefill"}
     RESULTS.update(device=str(jax.devices()[0].device_kind), jax=jax.__version__, interpret=interpret)
     t0 = time.perf_counter()
     ceiling = hbm_read_ceiling(args.tiny)
@@ -242,7 +348,9 @@ def main(argv=None):
     log(f"HBM read ceiling {ceiling / 1e12:.3f} TB/s; interpret={interpret}")
     rng = np.random.default_rng(0)
     for name, step in (("check", lambda: correctness(rng, args.tiny, interpret)),
-                       ("decode", lambda: decode_timing(args, ceiling, interpret))):
+                       ("decode", lambda: decode_timing(args, ceiling, interpret)),
+                       ("sweep", lambda: decode_sweep(args, ceiling, interpret)),
+                       ("prefill", lambda: prefill_timing(args, interpret))):
         if name not in only:
             continue
         try:

@@ -119,7 +119,7 @@ def check_logits(fp8, tiny: bool, prompts: int, prompt_len: int, only: list[str]
 
     models = {"tiny-qwen2": None, "tiny-qwen3": None} if tiny else {"qwen3-0.6b": QWEN3_0_6B, "qwen2.5-7b": QWEN2_5_7B}
     models = {k: v for k, v in models.items() if not only or k in only}
-    backend = "pallas" if not interpret() else "reference"
+    backend = "triton" if not interpret() else "reference"
     out = {}
     for name, raw in models.items():
         params = (load_params(tiny_checkpoint_path(name.split("-")[1]), "bfloat16", use_cache=False) if raw is None

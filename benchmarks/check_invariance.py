@@ -177,7 +177,7 @@ def check_arrangements(args) -> dict:
     kv_tokens = max(args.kv_tokens, 2 * max_model_len)
     base = dict(block_size=16, num_blocks=kv_tokens // 16, max_model_len=max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=64 if args.tiny else 1024,
-                attention_backend="pallas")
+                attention_backend="triton")
     result = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "max_tokens": args.max_tokens,
               "modes": {}}
     for bi in args.modes:
@@ -218,7 +218,7 @@ def check_hf(tiny: bool) -> dict:
         for bi in (False, True):
             for name, kw in settings.items():
                 cfg = EngineConfig(**{"num_blocks": 4096 // kw["block_size"], "max_model_len": 128,
-                                      "max_num_batched_tokens": 64, "attention_backend": "pallas",
+                                      "max_num_batched_tokens": 64, "attention_backend": "triton",
                                       "batch_invariant": bi, **kw})
                 engine = LLMEngine(params, cfg)
                 got = [o.outputs[0].token_ids for o in run_to_completion(engine, prompts, sp)]
@@ -235,7 +235,7 @@ def check_throughput(args) -> dict:
         r = random.Random(0)  # nano-vllm's workload in miniature (its prompts are >= 100 tokens)
         prompts = [[r.randrange(params.config.vocab_size) for _ in range(r.randint(8, 24))] for _ in range(4)]
         sps = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=r.randint(2, 4)) for _ in range(4)]
-        ns = dict(block_size=16, max_num_seqs=4, max_num_batched_tokens=32, backend="pallas", max_model_len=64)
+        ns = dict(block_size=16, max_num_seqs=4, max_num_batched_tokens=32, backend="triton", max_model_len=64)
     else:
         params = random_model(QWEN3_0_6B)
         prompts, sps = nano_vllm_workload(args.throughput_seqs)

@@ -11,7 +11,8 @@ import dataclasses
 
 from .kv.allocator import check_block_size
 
-ATTENTION_BACKENDS = ("auto", "pallas", "reference")
+ATTENTION_BACKENDS = ("auto", "triton", "mosaic", "reference")  # models/ops.py
+KERNEL_BACKENDS = ("triton", "mosaic")  # the Pallas kernels (``reference`` is jnp)
 RESERVATIONS = ("paged", "max_len")
 SCHEDULING_POLICIES = ("fcfs", "prefix_affinity")  # jaxpaged/engine/scheduling_policy.py
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names
@@ -42,7 +43,10 @@ class EngineConfig:
       ``"bfloat16"``, ``"float16"``, ``"float32"``, or 8-bit: ``"fp8"`` (= ``"fp8_e4m3"``) or
       ``"fp8_e5m2"``, with a power-of-two scale per token, KV head and K or V chosen as each token is
       written (``kernels/fp8.py``; no calibration): about twice the tokens in the same memory.
-    attention_backend: ``auto`` (Pallas on a GPU, the jnp reference elsewhere), ``pallas``, ``reference``.
+    attention_backend: ``auto`` (``triton`` on a GPU, the jnp reference elsewhere), ``triton`` (the Pallas
+      kernel lowered by Triton, any CUDA GPU), ``mosaic`` (the Pallas kernel for Hopper on Mosaic GPU:
+      compute capability 9.0+, bf16 KV, not with ``batch_invariant``), ``reference`` (jnp).
+      docs/DECISIONS.md says which is faster where.
     seed: the engine's generator for requests without a seed.
     event_log: keep a log of KV block events (``True``, or the number of events to keep).
     compilation_cache: keep compiled steps on disk across processes (JAX's persistent cache in

@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import Iterator
 
-from .config import EngineConfig
+from .config import KERNEL_BACKENDS, EngineConfig
 from .engine.llm_engine import LLMEngine
 from .kv import PrefixDivergence
 from .models.checkpoint import ModelParams, load_params
@@ -135,7 +135,7 @@ class LLM:
         print(f"jaxpaged: KV pool {e.num_blocks} blocks x {e.config.block_size} tokens "
               f"({e.num_blocks * e.config.block_size} tokens, {format_bytes(e.stats()['kv_pool_bytes'])} "
               f"{e.kv_dtype}), max_model_len {e.max_model_len}")
-        if warmup or (warmup is None and e.runner.attention_backend == "pallas"):
+        if warmup or (warmup is None and e.runner.attention_backend in KERNEL_BACKENDS):
             e.warmup()
 
     def close(self) -> None:

@@ -6,10 +6,11 @@
     fn(q[T, Hq, D], kv_pool[L, N, bs, 2, Hkv, D], layer (int), cu_q_lens i32[S+1], kv_lens i32[S],
        block_tables i32[S, W], *, scale=None) -> [T, Hq, D]
 
-``backend``: ``"pallas"`` (the Pallas-Triton kernels of :mod:`jaxpaged.kernels.paged_attention`; on a
-machine without a GPU they run in interpret mode, slowly, which is only useful in tests), ``"reference"``
-(pure jnp gather, any platform) or ``"auto"`` (pallas on GPU, reference elsewhere). A Mosaic GPU
-(Hopper) backend can be added here under its own name without touching the model.
+``backend``: ``"triton"`` (the Pallas kernel of :mod:`jaxpaged.kernels.paged_attention`, lowered by Triton:
+any CUDA GPU), ``"mosaic"`` (the Pallas kernel of :mod:`jaxpaged.kernels.paged_attention_mgpu`, lowered
+by Mosaic GPU: Hopper and later, bf16 pools), ``"reference"`` (pure jnp gather, any platform) or
+``"auto"`` (triton on GPU, reference elsewhere; docs/DECISIONS.md has the measurements behind it). Off
+the GPU the Pallas kernels run in interpret mode, slowly, which is only useful in tests.
 
 K/V are written by one XLA scatter (:func:`jaxpaged.kernels.kv_write.write_kv`, in place in the
 donated pool), except on a GPU, where the fused qkv epilogue kernel writes them in place itself.
@@ -32,7 +33,8 @@ from jaxpaged.kernels.kv_write import write_kv
 from jaxpaged.models.qwen import (DEFAULT_OPS, ModelOps, qkv_epilogue_ops, rope_cos_sin, rotary, xla_matmul,
                                   xla_matmul_unfused_input)
 
-BACKENDS = ("pallas", "reference", "auto")
+from jaxpaged.config import ATTENTION_BACKENDS as BACKENDS
+from jaxpaged.kernels import paged_attention_mgpu
 
 
 def _on_gpu() -> bool:
@@ -40,12 +42,39 @@ def _on_gpu() -> bool:
 
 
 def resolve_backend(backend: str) -> str:
-    """Maps ``"auto"`` to ``"pallas"`` on GPU and ``"reference"`` elsewhere; validates the name."""
+    """Maps ``"auto"`` to ``"triton"`` on GPU and ``"reference"`` elsewhere; validates the name."""
     if backend not in BACKENDS:
-        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "pallas" if _on_gpu() else "reference"
+        return "triton" if _on_gpu() else "reference"
     return backend
+
+
+def check_attention_backend(backend: str, kv_dtype, batch_invariant: bool, head_dim: int = 128) -> None:
+    """Raises ValueError, naming ``attention_backend``, where ``backend`` cannot run this engine: the
+    Mosaic GPU kernel needs compute capability 9.0+ (wgmma, TMA), a bf16 pool on the GPU (float32
+    in interpret mode only; fp8 pools are read by the Triton kernel), and is not the batch-invariant
+    configuration (that guarantee is verified on the Triton kernel only); ``head_dim`` 64 or 128."""
+    if resolve_backend(backend) != "mosaic":
+        return
+    if head_dim not in (64, 128):
+        raise ValueError(f"attention_backend='mosaic' reads head_dim 64 or 128, this model has head_dim {head_dim}: "
+                         "use 'triton'")
+    if batch_invariant:
+        raise ValueError("attention_backend='mosaic' does not run with batch_invariant=True: the bitwise "
+                         "guarantee is verified on the Triton kernel only (use attention_backend='triton')")
+    dtype = jax.numpy.dtype(kv_dtype)
+    if _on_gpu():
+        cc = getattr(jax.devices()[0], "compute_capability", "0")
+        if float(cc) < 9.0:
+            raise ValueError(f"attention_backend='mosaic' needs a GPU of compute capability 9.0+ (Hopper); "
+                             f"this one is {cc}: use 'triton'")
+        ok = (jax.numpy.bfloat16,)
+    else:
+        ok = (jax.numpy.bfloat16, jax.numpy.float32)
+    if dtype not in [jax.numpy.dtype(d) for d in ok]:
+        raise ValueError(f"attention_backend='mosaic' reads {'/'.join(jax.numpy.dtype(d).name for d in ok)} "
+                         f"KV pools here, not {dtype.name}: use 'triton' for this kv_cache_dtype")
 
 
 @functools.cache
@@ -60,6 +89,8 @@ def get_attention_fn(backend: str = "auto", batch_invariant: bool = False) -> Ca
     backend = resolve_backend(backend)
     if backend == "reference":
         return paged_attention_reference.paged_attention_reference
+    if backend == "mosaic":
+        return functools.partial(paged_attention_mgpu.paged_attention_mgpu, interpret=not _on_gpu())
     return functools.partial(paged_attention.paged_attention, interpret=not _on_gpu(),
                              batch_invariant=batch_invariant)
 

@@ -41,6 +41,7 @@ import time
 import jax
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
+from jaxpaged.config import KERNEL_BACKENDS
 from jaxpaged.llm import run_to_completion
 from jaxpaged.workloads import EXPERIMENT_MODELS, experiment_params, output_divergence, outputs_guaranteed_identical
 
@@ -81,7 +82,7 @@ def warm(params, cfg: EngineConfig, rehearse, use_warmup: bool = True) -> None:
     bucket, which covers every step on the Pallas backend (fixed block-table width); the reference
     backend pads the table to each step's longest sequence, so only rehearsing the run covers it."""
     scratch = LLMEngine(params, cfg)
-    if use_warmup and scratch.runner.attention_backend == "pallas":
+    if use_warmup and scratch.runner.attention_backend in KERNEL_BACKENDS:
         scratch.warmup(use_tqdm=False)
     rehearse(scratch)
 

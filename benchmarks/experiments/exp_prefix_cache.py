@@ -53,6 +53,7 @@ import jax
 import jaxpaged
 from jaxpaged.engine.metrics import percentile
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
+from jaxpaged.config import KERNEL_BACKENDS
 from jaxpaged.llm import run_to_completion
 from jaxpaged.workloads import EXPERIMENT_MODELS, experiment_params, output_divergence, outputs_guaranteed_identical
 
@@ -102,7 +103,7 @@ def warm(params, cfg: EngineConfig, rehearse, rehearse_on_pallas: bool = True) -
     bucket, which covers every step on the Pallas backend (fixed block-table width); the reference
     backend pads the table to each step's longest sequence, so only rehearsing the run covers it."""
     scratch = LLMEngine(params, cfg)
-    if scratch.runner.attention_backend == "pallas":
+    if scratch.runner.attention_backend in KERNEL_BACKENDS:
         scratch.warmup(use_tqdm=False)
         if not rehearse_on_pallas:  # warmup() compiled every shape the Pallas backend uses
             return

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..config import EngineConfig
+from ..config import KERNEL_BACKENDS, EngineConfig
 from ..io.output_processor import OutputProcessor, RequestState, make_detokenizer
 from ..io.outputs import RequestOutput
 from ..io.prompts import broadcast_sampling_params, parse_prompt, parse_prompts
@@ -36,7 +36,7 @@ from ..kv import KVCacheManager, PrefixDivergence, explain_prefix
 from ..kernels.fp8 import is_fp8, scale_rows
 from ..kv.pool_size import check_pool, size_pool
 from ..models.checkpoint import ModelParams
-from ..models.ops import resolve_backend
+from ..models.ops import check_attention_backend, resolve_backend
 from ..models.sharding import kv_bytes_per_token_per_device, make_kv_pool, params_tp
 from ..sampling import RequestOutputKind, SamplingParams
 from ..sampling.features import prompt_logprob_positions
@@ -107,6 +107,7 @@ class LLMEngine:
                              f"were loaded for {params_tp(params)} device(s): load them with "
                              f"load_params(path, tensor_parallel_size={config.tensor_parallel_size})")
         self.kv_dtype = config.resolved_kv_cache_dtype(params.dtype)
+        check_attention_backend(config.attention_backend, self.kv_dtype, config.batch_invariant, cfg.head_dim)
         if is_fp8(self.kv_dtype):
             check_fp8_support(config.kv_cache_dtype, config.block_size, cfg.head_dim)
         self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)
@@ -153,7 +154,7 @@ class LLMEngine:
         # so a token bucket is one shape. The jnp reference gathers every table entry for every token,
         # so its tables are padded per step instead (None), and a new width compiles on first use.
         self._max_width = bucket(-(-self.max_model_len // config.block_size), 1)
-        self._table_width = self._max_width if self.runner.attention_backend == "pallas" else None
+        self._table_width = self._max_width if self.runner.attention_backend in KERNEL_BACKENDS else None
         self.metrics = EngineMetrics()
         self.warmup_profile: dict = {}  # where the last warm-up's time went (``warmup``)
         self._rng = np.random.default_rng(config.seed)

@@ -43,7 +43,7 @@ SPS = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
        SamplingParams(temperature=0.7, top_p=0.8, max_tokens=4, seed=5, ignore_eos=True)]
 BASE = dict(block_size=16, num_blocks=48, max_model_len=64, max_num_batched_tokens=64, batch_invariant=True)
-CASES = [("float32", "pallas"), ("bfloat16", "pallas")]
+CASES = [("float32", "triton"), ("bfloat16", "triton")]
 # Each arrangement in one dtype, the dtypes alternating over the arrangements (interpret-mode kernels
 # make every step cost on a CPU); the logits test below checks both dtypes step by step.
 F32, BF16 = [CASES[0]], [CASES[1]]
@@ -153,7 +153,7 @@ def test_preemption_with_async_scheduling(dtype, backend):
 
 
 @pytest.mark.parametrize("dtype,backend,kv_dtype", [(d, b, d) for d, b in CASES] +
-                         [("bfloat16", "pallas", "float8_e4m3fn")])  # an fp8 KV cache: per-token scales
+                         [("bfloat16", "triton", "float8_e4m3fn")])  # an fp8 KV cache: per-token scales
 def test_logits_of_a_token_do_not_depend_on_its_step(dtype, backend, kv_dtype):
     """Model level: the logits of one sequence's tokens, computed in one prefill alone, in a padded
     batch with another sequence, and as a prefill chunk followed by decode steps, are bitwise equal

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -237,13 +238,37 @@ def test_pallas_backend_engine_matches_hf_and_warmup_covers_all_shapes(qwen3):
     after ``warmup()`` no step compiles again."""
     params, ref = qwen3
     engine = LLMEngine(params, EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=64, max_model_len=64,
-                                            max_num_batched_tokens=32, attention_backend="pallas"))
+                                            max_num_batched_tokens=32, attention_backend="triton"))
     engine.warmup(use_tqdm=False, freeze_gc=False)
     compiled = engine.runner.num_compiled_executables
     outs = run_to_completion(engine, fixture_prompts(ref)[:2], GREEDY)
     for i, out in enumerate(outs):
         assert out.outputs[0].token_ids == list(map(int, ref[f"greedy_{i}"]))
     assert engine.runner.num_compiled_executables == compiled
+
+
+@pytest.mark.slow  # (Mosaic GPU's interpreter: ~20 s on a CPU)
+def test_mosaic_backend_engine_matches_the_reference_backend():
+    """The engine on the Mosaic GPU kernel (its interpreter on CPU; the kernel reads head_dim 64/128, so
+    a random model of the tiny shapes at head_dim 64): the jnp reference backend's greedy tokens through
+    prefill and decode steps; a configuration it cannot run is refused before anything is built."""
+    from jaxpaged.models.checkpoint import random_params
+    from jaxpaged.models.config import QwenConfig
+    from jaxpaged.models.tiny import tiny_config
+
+    params = random_params(QwenConfig.from_dict({**tiny_config("qwen3", 512), "head_dim": 64}), "float32")
+    prompts = [[5, 77, 300, 2, 9, 41, 41, 8, 100, 7, 3], [400, 12, 12, 90]]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for name in ("reference", "mosaic"):
+        cfg = EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=32, max_model_len=64,
+                           max_num_batched_tokens=32, attention_backend=name)
+        tokens[name] = [o.outputs[0].token_ids for o in run_to_completion(LLMEngine(params, cfg), prompts, sp)]
+    assert tokens["mosaic"] == tokens["reference"]
+    with pytest.raises(ValueError, match="attention_backend='mosaic'.*batch_invariant"):
+        LLMEngine(params, dataclasses.replace(cfg, batch_invariant=True))
+    with pytest.raises(ValueError, match="attention_backend='mosaic'.*head_dim 32"):
+        LLMEngine(load_params(tiny_checkpoint_path("qwen3"), "float32"), cfg)
 
 
 def test_warmup_freezes_the_long_lived_heap_and_the_pool_is_still_freed(qwen3):

@@ -153,16 +153,26 @@ def test_write_kv_matches_numpy_and_drops_padding():
 def test_backend_switch():
     ref_fn = backend.get_attention_fn("reference")
     assert ref_fn is paged_attention_reference
-    assert backend.resolve_backend("auto") == ("pallas" if jax.default_backend() == "gpu" else "reference")
-    with pytest.raises(ValueError, match="backend"):
-        backend.get_attention_fn("triton")
+    assert backend.resolve_backend("auto") == ("triton" if jax.default_backend() == "gpu" else "reference")
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        backend.get_attention_fn("pallas")
     rng = np.random.default_rng(5)
     q, k, v, cu, kl, tables = (jnp.asarray(x) for x in random_batch(rng, [1, 3], [9, 3], 8, 4, 2, 64))
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     pool = pool_from_caches(k, v)
-    out = backend.get_attention_fn("pallas")(q, pool, 0, cu, kl, tables)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_fn(q, pool, 0, cu, kl, tables)), rtol=1e-5,
-                               atol=1e-5)
+    for name in ("triton", "mosaic"):  # Mosaic GPU's interpreter off the GPU
+        out = backend.get_attention_fn(name)(q, pool, 0, cu, kl, tables)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref_fn(q, pool, 0, cu, kl, tables)), rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_mosaic_backend_refuses_what_it_cannot_run():
+    backend.check_attention_backend("mosaic", jnp.bfloat16, False)
+    backend.check_attention_backend("triton", jnp.float8_e4m3fn, True)
+    with pytest.raises(ValueError, match="attention_backend='mosaic'.*batch_invariant"):
+        backend.check_attention_backend("mosaic", jnp.bfloat16, True)
+    with pytest.raises(ValueError, match="attention_backend='mosaic'.*float8_e4m3fn"):
+        backend.check_attention_backend("mosaic", jnp.float8_e4m3fn, False)
 
 
 def test_launch_configuration_follows_what_the_step_holds():

