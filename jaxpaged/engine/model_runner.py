@@ -97,6 +97,11 @@ def make_step_fn(graphdef: nnx.GraphDef, attention_fn: Callable, write_kv_fn: Ca
 
 # XLA options of the steps that ``StepTuning.cublas_max_tokens`` covers: XLA's GEMMs through cuBLAS.
 CUBLAS_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+# Every step: no HLO rematerialisation. The pass sizes a program against the device's memory and
+# counts the donated KV pool more than once (280 GiB for a 93 GiB pool on the H200), so a pool of most
+# of the GPU made it print "Can't reduce memory use below ... by rematerialization" at every compile
+# while finding nothing to recompute (an inference step keeps no activations to trade).
+STEP_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 
 
 class ModelRunner:
@@ -175,7 +180,7 @@ class ModelRunner:
         # keep_unused: the spare buffer is never read, and jit would otherwise drop it (and its aliasing).
         donate = (1, 4) if self.donate_spare_tokens else (1,)
         return jax.jit(step, donate_argnums=donate, static_argnums=(5,), keep_unused=True,
-                       compiler_options=compiler_options or None, **shardings)
+                       compiler_options={**STEP_OPTIONS, **(compiler_options or {})}, **shardings)
 
     def num_copies(self, num_tokens: int) -> int:
         """How many copies of the step a padded step of ``num_tokens`` tokens uses in turn."""
