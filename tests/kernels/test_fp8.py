@@ -19,6 +19,8 @@ from jaxpaged.models.qwen import rope_cos_sin
 from test_decode_kernels import rand, xla_epilogue
 from test_reference import random_batch
 
+# Jitted once per shape (as the engine's step runs it): op by op, each call compiled dozens of executables.
+reference = jax.jit(paged_attention_reference, static_argnums=2)
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 MANTISSA_BITS = {E4M3: 3, E5M2: 2}
 
@@ -75,14 +77,13 @@ def run_case(seed, q_lens, kv_lens, bs, hq, hkv, d, fp8=E4M3, config=None, dtype
     q, k, v, cu, kl, tables = random_batch(rng, q_lens, kv_lens, bs, hq, hkv, d)
     args = (jnp.asarray(q, dtype), fp8_pool(k * 3, v, fp8), 1, jnp.asarray(cu), jnp.asarray(kl), jnp.asarray(tables))
     out = np.asarray(paged_attention(*args, interpret=True, config=config), np.float32)
-    ref = np.asarray(paged_attention_reference(*args), np.float32)
+    ref = np.asarray(reference(*args), np.float32)
     assert np.all(np.isfinite(out)), "NaN or inf in the output (a stale slot or scale read?)"
     np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2)
     assert np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30) < 1e-2
     assert np.all(out[cu[-1]:] == 0)
     # and the fp8 cache is close to attention over the unquantised K/V (the format's own error)
-    exact = np.asarray(paged_attention_reference(jnp.asarray(q, jnp.float32), fp32_pool(k * 3, v), 0,
-                                                 *args[3:]), np.float32)
+    exact = np.asarray(reference(jnp.asarray(q, jnp.float32), fp32_pool(k * 3, v), 0, *args[3:]), np.float32)
     assert np.linalg.norm(out - exact) / max(np.linalg.norm(exact), 1e-30) < (0.06 if fp8 == E4M3 else 0.12)
 
 
@@ -140,7 +141,7 @@ def test_batch_invariant_attention_over_fp8_pools_of_every_block_size_agrees_bit
         pool = write_kv(pool, 0, k, v, jnp.asarray(slots))
         args = (q, pool, 0, cu, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables))
         outs.append(np.asarray(paged_attention(*args, interpret=True, batch_invariant=True), np.float32))
-        np.testing.assert_allclose(outs[-1], np.asarray(paged_attention_reference(*args), np.float32),
+        np.testing.assert_allclose(outs[-1], np.asarray(reference(*args), np.float32),
                                    rtol=2e-2, atol=2e-2)
     assert np.all(np.isfinite(outs[0]))
     np.testing.assert_array_equal(outs[0], outs[1])

@@ -17,6 +17,8 @@ from jaxpaged.kernels.paged_attention import AttentionConfig, choose_config, inv
 from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
 from test_reference import random_batch
 
+# Jitted once per shape (as the engine's step runs it): op by op, each call compiled dozens of executables.
+reference = jax.jit(paged_attention_reference, static_argnums=2)
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
@@ -32,7 +34,7 @@ def run_case(seed, q_lens, kv_lens, bs, hq, hkv, d, dtype, config=None, *, kerne
     pool = jnp.concatenate([jnp.full_like(layer, jnp.nan), layer, jnp.full_like(layer, jnp.nan)])
     args = (jnp.asarray(q, dtype), pool, 1, jnp.asarray(cu), jnp.asarray(kl), jnp.asarray(tables))
     out = np.asarray(kernel(*args, interpret=interpret, **kw), np.float32)
-    ref = np.asarray(paged_attention_reference(*args), np.float32)
+    ref = np.asarray(reference(*args), np.float32)
     assert np.all(np.isfinite(out)), "NaN or inf in the output (stale slot read?)"
     np.testing.assert_allclose(out, ref, **TOL[dtype])
     rel = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
