@@ -95,15 +95,31 @@ def input_buffer(num_tokens: int, num_seqs: int, width: int) -> tuple[np.ndarray
     return buf, views
 
 
+# Each array of the packed buffer starts at a multiple of 256 bytes: XLA can hand a slice of the buffer
+# to a kernel in place, and Mosaic GPU kernels refuse operands that are not 256-byte aligned (the
+# block tables, read by the Mosaic attention kernel, are one such slice).
+FIELD_ALIGN = 64  # int32 elements = 256 bytes
+
+
+def field_offsets(fields) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """``(total, ((start, size), ...))``: where each ``(name, shape, dtype)`` of ``fields`` lies in the
+    packed int32 buffer (starts aligned to ``FIELD_ALIGN``)."""
+    spans, o = [], 0
+    for _, shape, _ in fields:
+        size = math.prod(shape)
+        spans.append((o, size))
+        o += -(-size // FIELD_ALIGN) * FIELD_ALIGN
+    return o, tuple(spans)
+
+
 @functools.lru_cache(maxsize=256)
 def _buffer_plan(num_tokens: int, num_seqs: int, width: int) -> tuple[int, tuple]:
     """:func:`input_fields` as buffer offsets (one per step shape: the per-step work is slicing only)."""
-    plan, o = [], 0
-    for name, shape, dtype in input_fields(num_tokens, num_seqs, width):
-        size = math.prod(shape)
-        plan.append((name, o, o + size, shape, None if dtype == np.int32 else dtype))
-        o += size
-    return o, tuple(plan)
+    fields = input_fields(num_tokens, num_seqs, width)
+    total, spans = field_offsets(fields)
+    plan = tuple((name, o, o + size, shape, None if dtype == np.int32 else dtype)
+                 for (name, shape, dtype), (o, size) in zip(fields, spans))
+    return total, plan
 
 
 def slot_mapping_batch(block_tables: np.ndarray, seq_indices: np.ndarray, positions: np.ndarray,
@@ -281,23 +297,24 @@ def pack(inputs: StepInputs) -> tuple[np.ndarray, StepLayout]:
     layout = StepLayout(t, s, w, inputs.sampling_mode, inputs.features)
     if inputs.packed is not None:
         return inputs.packed, layout
-    parts = []
-    for name, shape, dtype in layout.fields():
+    fields = layout.fields()
+    total, spans = field_offsets(fields)
+    buf = np.zeros(total, np.int32)
+    for (name, shape, dtype), (o, size) in zip(fields, spans):
         a = np.asarray(_field(inputs, name))
         if a.shape != shape or a.dtype != dtype:
             raise ValueError(f"step input {name}: expected {dtype}{list(shape)}, got {a.dtype}{list(a.shape)}")
-        parts.append(a.reshape(-1).view(np.int32))
-    return np.concatenate(parts), layout
+        buf[o:o + size] = a.reshape(-1).view(np.int32)
+    return buf, layout
 
 
 def unpack(buffer: jax.Array, layout: StepLayout) -> StepInputs:
     """Device side (inside ``jit``): the ``StepInputs`` a packed buffer holds."""
-    out, start = {}, 0
-    for name, shape, dtype in layout.fields():
-        size = int(np.prod(shape))
+    out = {}
+    fields = layout.fields()
+    for (name, shape, dtype), (start, size) in zip(fields, field_offsets(fields)[1]):
         a = lax.slice(buffer, (start,), (start + size,)).reshape(shape)
         out[name] = a if dtype == np.int32 else lax.bitcast_convert_type(a, jnp.dtype(dtype))
-        start += size
     meta = AttentionMetadata(**{name: out.pop(name) for name in META_FIELDS})
     extras = None
     if layout.features:

@@ -166,6 +166,10 @@ def test_built_inputs_are_their_own_packed_buffer():
         assert layout == slow_layout and fast.dtype == slow.dtype == np.int32
         np.testing.assert_array_equal(fast, slow)
         assert inputs.meta.slot_mapping.shape == (8,) and inputs.meta.slot_mapping[4:].tolist() == [-1] * 4
+        # Every array starts a multiple of 256 bytes into the buffer (Mosaic GPU kernels need aligned operands).
+        for name in ("cu_q_lens", "kv_lens", "block_tables", "slot_mapping"):
+            view = getattr(inputs.meta, name)
+            assert (view.__array_interface__["data"][0] - fast.__array_interface__["data"][0]) % 256 == 0, name
 
 
 def test_step_copies_alternate_and_give_the_same_tokens():
