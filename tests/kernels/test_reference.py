@@ -13,6 +13,9 @@ from jaxpaged.kernels.kv_write import pool_from_caches
 from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
 from jaxpaged.kernels.paged_attention_reference import token_layout
 
+# Jitted once per shape, as the engine's step runs it (op by op, each call compiled dozens of executables).
+reference = jax.jit(paged_attention_reference, static_argnums=2)
+
 
 def dense_attention(q, k_seq, v_seq, kv_len, scale):
     """``q [n, Hq, D]`` new tokens at the end of ``kv_len`` keys ``k_seq, v_seq [kv_len, Hkv, D]``."""
@@ -74,8 +77,7 @@ def test_reference_matches_dense_numpy(q_lens, kv_lens, bs, hq, hkv, d):
     q, k, v, cu, kl, tables = random_batch(rng, q_lens, kv_lens, bs, hq, hkv, d)
     expected = dense_expected(q, k, v, cu, kl, tables)
     f32 = lambda x: jnp.asarray(x, jnp.float32)
-    out = paged_attention_reference(f32(q), pool_from_caches(f32(k), f32(v)), 0, jnp.asarray(cu),
-                                    jnp.asarray(kl), jnp.asarray(tables))
+    out = reference(f32(q), pool_from_caches(f32(k), f32(v)), 0, jnp.asarray(cu), jnp.asarray(kl), jnp.asarray(tables))
     out = np.asarray(out)
     assert np.all(np.isfinite(out)), "NaN from stale slots reached the output"
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
