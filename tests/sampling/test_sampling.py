@@ -7,7 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.sampling.sampler import _filter_top_k_top_p, sample
+from jaxpaged.sampling import sampler
+from jaxpaged.sampling.sampler import _filter_top_k_top_p
+
+# The sampler as the engine's step runs it, jitted (one executable per shape and mode instead of one per op).
+sample = jax.jit(sampler.sample, static_argnames=("mode", "batch_invariant", "argmax_kernel"))
 
 
 def rows(n, logits):
