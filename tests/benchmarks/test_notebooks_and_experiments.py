@@ -146,8 +146,8 @@ def test_exp_block_size(tmp_path):
 
 def test_exp_memory(tmp_path):
     exp = load_module(ROOT / "benchmarks" / "experiments" / "exp_memory.py")
-    report = exp.main(["--out", str(tmp_path), "--requests", "10", "--num-blocks", "48", "--block-size", "8",
-                       "--max-model-len", "96", "--max-num-batched-tokens", "128"])
+    report = exp.main(["--out", str(tmp_path), "--requests", "10", "--num-blocks", "32", "--block-size", "8",
+                       "--max-model-len", "64", "--max-num-batched-tokens", "128"])
     assert json.loads((tmp_path / "memory.json").read_text()).keys() == report.keys()
     assert (tmp_path / "memory.png").is_file()
     paged, max_len, fp8 = report["results"]
@@ -159,7 +159,7 @@ def test_exp_memory(tmp_path):
     assert paged["kv_pool_bytes"] - fp8["kv_pool_bytes"] < fp8["kv_pool_bytes"] / fp8["num_blocks"]  # one block
     assert fp8["num_blocks"] > 3 * paged["num_blocks"]
     assert fp8["peak_running"] >= paged["peak_running"] and fp8["preemptions"] <= paged["preemptions"]
-    # A contiguous reservation holds 96/8 = 12 blocks per request: at most 4 fit in 48 blocks, and
+    # A contiguous reservation holds 64/8 = 8 blocks per request: at most 4 fit in 32 blocks, and
     # most of each reservation is empty; paged blocks run more requests at once, fuller.
     assert max_len["peak_running"] <= 4 < paged["peak_running"]
     assert paged["mean_block_utilisation"] > max_len["mean_block_utilisation"]
