@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import warnings
 from typing import Callable
 
 import jax
@@ -39,6 +41,20 @@ from jaxpaged.kernels import paged_attention_mgpu
 
 def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
+
+
+log = logging.getLogger(__name__)
+TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
+
+
+@functools.cache
+def quiet_triton_deprecation() -> None:
+    """Once per process, on a GPU: jax warns at every Pallas-Triton lowering (a step lowers several
+    kernels) that the backend is deprecated. The warning is for jaxpaged, not its users: it is
+    silenced here (that message only) and said once, as a log line with what it means for them."""
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+    log.info("GPU kernels: Pallas lowered by Triton, which jax deprecated in 0.11; jaxpaged pins jax < 0.13, "
+             "where it works, and attention_backend='mosaic' runs attention on Mosaic GPU (Hopper)")
 
 
 def resolve_backend(backend: str) -> str:
@@ -91,6 +107,8 @@ def get_attention_fn(backend: str = "auto", batch_invariant: bool = False) -> Ca
         return paged_attention_reference.paged_attention_reference
     if backend == "mosaic":
         return functools.partial(paged_attention_mgpu.paged_attention_mgpu, interpret=not _on_gpu())
+    if _on_gpu():
+        quiet_triton_deprecation()
     return functools.partial(paged_attention.paged_attention, interpret=not _on_gpu(),
                              batch_invariant=batch_invariant)
 
@@ -167,6 +185,8 @@ def get_model_ops(batch_invariant: bool = False) -> ModelOps:
     Pallas GEMV, the stretch from the qkv projection to the KV write as one kernel, the residual add
     and RMSNorm summing the GEMV's partials in one kernel, and XLA's GEMMs with an optimisation
     barrier on their input (a producer fused into the GEMM made it ~2x slower at decode sizes)."""
+    if _on_gpu():
+        quiet_triton_deprecation()
     if batch_invariant:
         interpret = not _on_gpu()
         return ModelOps(matmul=functools.partial(matmul.matmul, interpret=interpret),

@@ -185,3 +185,19 @@ def test_launch_configuration_follows_what_the_step_holds():
     assert prefill.block_m >= 64 and prefill.num_splits == 1 and prefill.reverse_tiles
     decode = choose_config(64, 256, 16, 8, 16, 4096, decode=True)
     assert decode.block_m == 16
+
+
+def test_triton_deprecation_is_said_once_not_warned_at_every_lowering(caplog):
+    import logging
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen, caplog.at_level(logging.INFO, logger="jaxpaged.models.ops"):
+        warnings.simplefilter("always")
+        backend.quiet_triton_deprecation.cache_clear()
+        backend.quiet_triton_deprecation()
+        backend.quiet_triton_deprecation()
+        for _ in range(3):  # as jax's Triton lowering warns
+            warnings.warn(backend.TRITON_DEPRECATION + " and will be removed", DeprecationWarning)
+        warnings.warn("another deprecation", DeprecationWarning)
+    assert [str(w.message) for w in seen] == ["another deprecation"]
+    assert sum("deprecated" in r.getMessage() for r in caplog.records) == 1
