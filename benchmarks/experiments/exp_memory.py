@@ -112,11 +112,11 @@ def full_workloads(model: str, tiny: bool) -> list[dict]:
               max_num_seqs=8, num_blocks=8 * 1024 // 16, max_num_batched_tokens=1024)
     w2 = dict(name="memory_7b_32", requests=32, prompt=(256, 2048), max_tokens=128, max_model_len=2048 + 128,
               max_num_seqs=32, num_blocks=32 * (2048 + 128) // 16, max_num_batched_tokens=8192)
-    if tiny:  # the same code path at CPU sizes
+    if tiny:  # the same code path at CPU sizes; both workloads on one engine shape: the second finds its steps compiled
         w1.update(requests=12, prompt=(8, 48), max_tokens=8, max_model_len=64, max_num_seqs=4, num_blocks=16,
                   max_num_batched_tokens=64)
-        w2.update(requests=6, prompt=(16, 96), max_tokens=8, max_model_len=112, max_num_seqs=6, num_blocks=42,
-                  max_num_batched_tokens=128)
+        w2.update(requests=4, prompt=(16, 56), max_tokens=8, max_model_len=64, max_num_seqs=4, num_blocks=16,
+                  max_num_batched_tokens=64)
     return [w2] if model == "qwen2.5-7b" else [w1, w2]
 
 
