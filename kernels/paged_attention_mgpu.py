@@ -87,7 +87,13 @@ NUM_SLOTS = 2  # KV tiles in flight by default (double buffering)
 SWIZZLE = 128  # bytes: shared-memory swizzle of every tile (rows of 64 bf16 / 32 fp32 elements)
 SMEM_BYTES = 227 * 1024  # an H100/H200 block's shared memory
 _MASKED = -1e30  # initial running max: finite, so a fully masked row gives exp2(-inf) = 0, never NaN
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+HEAD_DIMS = (64, 128)
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+def pool_dtypes(interpret) -> tuple[jnp.dtype, ...]:
+    """The pool dtypes the kernel reads: bf16, and float32 in interpret mode only (module docstring)."""
+    return (jnp.dtype(jnp.bfloat16),) + ((jnp.dtype(jnp.float32),) if interpret else ())
 
 
 def kv_tile(block_size: int) -> int:
@@ -260,11 +266,11 @@ def _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, bl
     if is_fp8(kv_pool.dtype):
         raise ValueError(f"paged_attention_mgpu does not read fp8 pools ({kv_pool.dtype}); use the "
                          "Triton kernel (kernels/paged_attention.py)")
-    if jnp.dtype(kv_pool.dtype) not in _DTYPES:
+    if jnp.dtype(kv_pool.dtype) not in pool_dtypes(True):
         raise ValueError(f"kv_pool dtype must be bfloat16 or float32, got {kv_pool.dtype}")
     if q.dtype != kv_pool.dtype:
         raise ValueError(f"q dtype ({q.dtype}) must be the pool's ({kv_pool.dtype})")
-    if jnp.dtype(kv_pool.dtype) == jnp.float32 and not interpret:
+    if jnp.dtype(kv_pool.dtype) not in pool_dtypes(interpret):
         raise ValueError("a float32 pool runs in interpret mode only: Hopper's wgmma has no fp32 inputs "
                          "(TF32 at best), see the module docstring")
     num_q_heads, head_dim = q.shape[1:]
@@ -272,14 +278,14 @@ def _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, bl
     block_size = block_size_of(kv_pool)
     if d != head_dim:
         raise ValueError(f"head_dim of q ({head_dim}) != head_dim of the pool ({d})")
-    if head_dim not in (64, 128):
-        raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
     if num_q_heads // num_kv_heads > BLOCK_M:
         raise ValueError(f"G = Hq // Hkv = {num_q_heads // num_kv_heads} must be <= {BLOCK_M}")
-    if block_size not in (8, 16, 32, 64, 128):
-        raise ValueError(f"block_size must be a power of two in [8, 128], got {block_size}")
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
     check_ragged_metadata(cu_q_lens, kv_lens, block_tables)
     if block_kv % MIN_KV_TILE or block_kv % block_size or not MIN_KV_TILE <= block_kv <= MAX_KV_TILE:
         raise ValueError(f"block_kv={block_kv} must be a multiple of {MIN_KV_TILE} and of block_size={block_size}, "

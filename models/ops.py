@@ -66,31 +66,30 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def check_attention_backend(backend: str, kv_dtype, batch_invariant: bool, head_dim: int = 128) -> None:
+def check_attention_backend(backend: str, kv_dtype, batch_invariant: bool, head_dim: int, block_size: int) -> None:
     """Raises ValueError, naming ``attention_backend``, where ``backend`` cannot run this engine: the
-    Mosaic GPU kernel needs compute capability 9.0+ (wgmma, TMA), a bf16 pool on the GPU (float32
-    in interpret mode only; fp8 pools are read by the Triton kernel), and is not the batch-invariant
-    configuration (that guarantee is verified on the Triton kernel only); ``head_dim`` 64 or 128."""
+    Mosaic GPU kernel needs compute capability 9.0+ (wgmma, TMA) and the pool dtypes, head dims and
+    block sizes :mod:`jaxpaged.kernels.paged_attention_mgpu` reads (fp8 pools are the Triton
+    kernel's), and is not the batch-invariant configuration (that guarantee is verified on the Triton
+    kernel only)."""
     if resolve_backend(backend) != "mosaic":
         return
-    if head_dim not in (64, 128):
-        raise ValueError(f"attention_backend='mosaic' reads head_dim 64 or 128, this model has head_dim {head_dim}: "
-                         "use 'triton'")
+    mgpu = paged_attention_mgpu
+    if head_dim not in mgpu.HEAD_DIMS or block_size not in mgpu.BLOCK_SIZES:
+        raise ValueError(f"attention_backend='mosaic' reads head_dim {mgpu.HEAD_DIMS} and block_size "
+                         f"{mgpu.BLOCK_SIZES}, this engine has head_dim {head_dim}, block_size {block_size}: use 'triton'")
     if batch_invariant:
         raise ValueError("attention_backend='mosaic' does not run with batch_invariant=True: the bitwise "
                          "guarantee is verified on the Triton kernel only (use attention_backend='triton')")
-    dtype = jax.numpy.dtype(kv_dtype)
     if _on_gpu():
         cc = getattr(jax.devices()[0], "compute_capability", "0")
         if float(cc) < 9.0:
             raise ValueError(f"attention_backend='mosaic' needs a GPU of compute capability 9.0+ (Hopper); "
                              f"this one is {cc}: use 'triton'")
-        ok = (jax.numpy.bfloat16,)
-    else:
-        ok = (jax.numpy.bfloat16, jax.numpy.float32)
-    if dtype not in [jax.numpy.dtype(d) for d in ok]:
-        raise ValueError(f"attention_backend='mosaic' reads {'/'.join(jax.numpy.dtype(d).name for d in ok)} "
-                         f"KV pools here, not {dtype.name}: use 'triton' for this kv_cache_dtype")
+    ok = mgpu.pool_dtypes(interpret=not _on_gpu())
+    if jax.numpy.dtype(kv_dtype) not in ok:
+        raise ValueError(f"attention_backend='mosaic' reads {'/'.join(d.name for d in ok)} KV pools here, not "
+                         f"{jax.numpy.dtype(kv_dtype).name}: use 'triton' for this kv_cache_dtype")
 
 
 @functools.cache

@@ -169,12 +169,14 @@ def test_backend_switch():
 
 
 def test_mosaic_backend_refuses_what_it_cannot_run():
-    backend.check_attention_backend("mosaic", jnp.bfloat16, False)
-    backend.check_attention_backend("triton", jnp.float8_e4m3fn, True)
+    backend.check_attention_backend("mosaic", jnp.bfloat16, False, 128, 16)
+    backend.check_attention_backend("triton", jnp.float8_e4m3fn, True, 32, 256)
     with pytest.raises(ValueError, match="attention_backend='mosaic'.*batch_invariant"):
-        backend.check_attention_backend("mosaic", jnp.bfloat16, True)
+        backend.check_attention_backend("mosaic", jnp.bfloat16, True, 128, 16)
     with pytest.raises(ValueError, match="attention_backend='mosaic'.*float8_e4m3fn"):
-        backend.check_attention_backend("mosaic", jnp.float8_e4m3fn, False)
+        backend.check_attention_backend("mosaic", jnp.float8_e4m3fn, False, 128, 16)
+    with pytest.raises(ValueError, match="attention_backend='mosaic'.*block_size 256"):
+        backend.check_attention_backend("mosaic", jnp.bfloat16, False, 128, 256)
 
 
 def test_launch_configuration_follows_what_the_step_holds():
