@@ -287,7 +287,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                    "requests first, in its own process")
     p.add_argument("--model", default=None, help="the served model name (default: the server's only model)")
     p.add_argument("--api-key", default=os.environ.get("JAXPAGED_API_KEY"))
-    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--num-prompts", type=int, default=1000, help="requests per rate (vLLM benchmark_serving's default)")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--request-rates", default="inf", help="comma-separated requests/s; inf = all at once")
