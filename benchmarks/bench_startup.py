@@ -1,5 +1,6 @@
 """Start-up: how long a new process takes from ``import jaxpaged`` to a warmed-up engine, where the warm-up's
-time goes, and the first request's TTFT against the same request in steady state.
+time goes, and the first request's TTFT against a request of the same length in steady state (fresh tokens
+each time, so the prefix cache never hits).
 
 Each measurement is a fresh Python process (what a user restarting a notebook or a server meets), run
 twice over one compilation-cache folder: ``cold`` (empty cache) and ``cached`` (a second process).
@@ -50,9 +51,11 @@ else:
     t_ready = time.perf_counter()
 warm_compiles = len(compiles)
 sp = SamplingParams(temperature=0, max_tokens=1)
+rng = np.random.default_rng(0)
 def ttft():
+    prompt = [int(t) for t in rng.integers(1, 1000, 32)]  # fresh tokens: no prefix-cache hit
     t = time.perf_counter()
-    run_to_completion(engine, [list(range(1, 33))], sp)
+    run_to_completion(engine, [prompt], sp)
     return time.perf_counter() - t
 first = ttft()
 steady = [ttft() for _ in range(20)]

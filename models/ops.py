@@ -36,7 +36,6 @@ from jaxpaged.models.qwen import (DEFAULT_OPS, ModelOps, qkv_epilogue_ops, rope_
                                   xla_matmul_unfused_input)
 
 from jaxpaged.config import ATTENTION_BACKENDS as BACKENDS
-from jaxpaged.kernels import paged_attention_mgpu
 
 
 def _on_gpu() -> bool:
@@ -74,7 +73,8 @@ def check_attention_backend(backend: str, kv_dtype, batch_invariant: bool, head_
     kernel only)."""
     if resolve_backend(backend) != "mosaic":
         return
-    mgpu = paged_attention_mgpu
+    from jaxpaged.kernels import paged_attention_mgpu as mgpu  # imports Mosaic GPU: only when asked for
+
     if head_dim not in mgpu.HEAD_DIMS or block_size not in mgpu.BLOCK_SIZES:
         raise ValueError(f"attention_backend='mosaic' reads head_dim {mgpu.HEAD_DIMS} and block_size "
                          f"{mgpu.BLOCK_SIZES}, this engine has head_dim {head_dim}, block_size {block_size}: use 'triton'")
@@ -105,6 +105,8 @@ def get_attention_fn(backend: str = "auto", batch_invariant: bool = False) -> Ca
     if backend == "reference":
         return paged_attention_reference.paged_attention_reference
     if backend == "mosaic":
+        from jaxpaged.kernels import paged_attention_mgpu
+
         return functools.partial(paged_attention_mgpu.paged_attention_mgpu, interpret=not _on_gpu())
     if _on_gpu():
         quiet_triton_deprecation()
