@@ -53,7 +53,7 @@ warm_compiles = len(compiles)
 sp = SamplingParams(temperature=0, max_tokens=1)
 rng = np.random.default_rng(0)
 def ttft():
-    prompt = [int(t) for t in rng.integers(1, 1000, 32)]  # fresh tokens: no prefix-cache hit
+    prompt = [int(t) for t in rng.integers(1, min(1000, engine.params.config.vocab_size), 32)]  # fresh: no prefix hit
     t = time.perf_counter()
     run_to_completion(engine, [prompt], sp)
     return time.perf_counter() - t
