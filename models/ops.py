@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import sys
 import warnings
 from typing import Callable
 
@@ -47,13 +48,26 @@ TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
 
 
 @functools.cache
-def quiet_triton_deprecation() -> None:
-    """Once per process, on a GPU: jax warns at every Pallas-Triton lowering (a step lowers several
-    kernels) that the backend is deprecated. The warning is for jaxpaged, not its users: it is
-    silenced here (that message only) and said once, as a log line with what it means for them."""
+def prepare_triton_lowering() -> None:
+    """Once per process, on a GPU, before the first Pallas-Triton lowering:
+
+    * jax warns at every Pallas-Triton lowering (a step lowers several kernels) that the backend is
+      deprecated. The warning is for jaxpaged, not its users: it is silenced here (that message only)
+      and said once, as a log line with what it means for them.
+    * MLIR's Python bindings look for each dialect's Python module under a few package prefixes, and
+      remember only the ones they find. jaxlib's Triton dialect (namespace ``tt``) lives at
+      ``jaxlib.triton.dialect``, outside those prefixes, so every Triton op the lowering touched cost
+      five failed imports: 1,022 each while lowering two step shapes on the H200, ~20% of a step's
+      lowering time. The module is made findable under the first prefix, so the lookup succeeds once.
+    """
     warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
     log.info("GPU kernels: Pallas lowered by Triton, which jax deprecated in 0.11; jaxpaged pins jax < 0.13, "
              "where it works, and attention_backend='mosaic' runs attention on Mosaic GPU (Hopper)")
+    try:
+        from jax._src.lib import triton
+    except ImportError:  # a jaxlib without the Triton dialect: its lowering fails with jax's own error
+        return
+    sys.modules.setdefault("jaxlib.mlir.dialects.tt", triton.dialect)
 
 
 def resolve_backend(backend: str) -> str:
@@ -109,7 +123,7 @@ def get_attention_fn(backend: str = "auto", batch_invariant: bool = False) -> Ca
 
         return functools.partial(paged_attention_mgpu.paged_attention_mgpu, interpret=not _on_gpu())
     if _on_gpu():
-        quiet_triton_deprecation()
+        prepare_triton_lowering()
     return functools.partial(paged_attention.paged_attention, interpret=not _on_gpu(),
                              batch_invariant=batch_invariant)
 
@@ -187,7 +201,7 @@ def get_model_ops(batch_invariant: bool = False) -> ModelOps:
     and RMSNorm summing the GEMV's partials in one kernel, and XLA's GEMMs with an optimisation
     barrier on their input (a producer fused into the GEMM made it ~2x slower at decode sizes)."""
     if _on_gpu():
-        quiet_triton_deprecation()
+        prepare_triton_lowering()
     if batch_invariant:
         interpret = not _on_gpu()
         return ModelOps(matmul=functools.partial(matmul.matmul, interpret=interpret),

@@ -195,11 +195,42 @@ def test_triton_deprecation_is_said_once_not_warned_at_every_lowering(caplog):
 
     with warnings.catch_warnings(record=True) as seen, caplog.at_level(logging.INFO, logger="jaxpaged.models.ops"):
         warnings.simplefilter("always")
-        backend.quiet_triton_deprecation.cache_clear()
-        backend.quiet_triton_deprecation()
-        backend.quiet_triton_deprecation()
+        backend.prepare_triton_lowering.cache_clear()
+        backend.prepare_triton_lowering()
+        backend.prepare_triton_lowering()
         for _ in range(3):  # as jax's Triton lowering warns
             warnings.warn(backend.TRITON_DEPRECATION + " and will be removed", DeprecationWarning)
         warnings.warn("another deprecation", DeprecationWarning)
     assert [str(w.message) for w in seen] == ["another deprecation"]
     assert sum("deprecated" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_triton_dialect_module_is_found_by_mlir_without_failed_imports():
+    """Touching a Triton op's owner makes MLIR look up the ``tt`` dialect's Python module; after
+    ``prepare_triton_lowering`` that lookup finds it instead of failing (five imports per op before)."""
+    import collections
+    import importlib._bootstrap as bootstrap
+
+    from jax._src.lib import triton
+    from jax._src.lib.mlir import ir
+
+    backend.prepare_triton_lowering.cache_clear()
+    backend.prepare_triton_lowering()
+    failed = collections.Counter()
+    find_and_load = bootstrap._find_and_load
+
+    def counting(name, import_):
+        failed[name] += 1
+        return find_and_load(name, import_)
+
+    bootstrap._find_and_load = counting
+    try:
+        with ir.Context() as ctx, ir.Location.unknown():
+            triton.dialect.register_dialect(ctx)
+            module = ir.Module.create()
+            with ir.InsertionPoint(module.body):
+                for _ in range(10):
+                    assert triton.dialect.get_program_id(0).owner.name == "tt.get_program_id"
+    finally:
+        bootstrap._find_and_load = find_and_load
+    assert not [name for name in failed if name.endswith(".tt")], failed
