@@ -102,10 +102,6 @@ CUBLAS_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 # of the GPU made it print "Can't reduce memory use below ... by rematerialization" at every compile
 # while finding nothing to recompute (an inference step keeps no activations to trade).
 STEP_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
-# Steps traced and lowered at once by ``precompile``: most of a lowering is Python under the GIL, part of
-# it (MLIR, Triton's compiler) is not. 8 shapes on the H200's host: 7.3 s one at a time, 5.3 s in 4
-# threads, 5.7 s in 8 (identical HLO).
-LOWER_THREADS = 4
 
 
 class ModelRunner:
@@ -267,11 +263,10 @@ class ModelRunner:
                    threads: int | None = None) -> list[tuple[StepInputs, int]]:
         """Compiles, without running, every copy of the step for each of ``steps``' shapes not compiled
         yet; returns ``(inputs, copy)`` for each. An executable in ``executable_cache`` is loaded
-        instead (no tracing, lowering or compiling). Otherwise tracing and lowering run in
-        ``LOWER_THREADS`` threads (one device; on a mesh in this thread) and XLA's compilations in
-        ``threads`` threads at once (default: the host's cores), each starting as soon as its shape is
-        lowered. ``last_precompile``: lowering seconds (wall time; XLA's compilations
-        overlap it), seconds left after the last lowering, the whole, and the slowest compilation. A shape's first
+        instead (no tracing, lowering or compiling). Otherwise tracing and lowering run here in turn and
+        XLA's compilations in ``threads`` threads at once (default: the host's cores), each starting as
+        soon as its shape is lowered. ``last_precompile``: lowering seconds (the time XLA's compilations
+        overlap), seconds left after the last lowering, the whole, and the slowest compilation. A shape's first
         copy is compiled (or loaded); its other copies are clones of it (``executable_cache.clone``),
         never lowered or compiled again. ``step`` then calls these executables directly (on a mesh:
         through jit, whose cache they fill)."""
@@ -311,24 +306,17 @@ class ModelRunner:
                 for i, loaded in enumerate(loads):
                     if loaded is not None:
                         futures[i] = pool.submit(finish, wanted[i][0], wanted[i][2], exe=loaded)
-                # The rest: traced and lowered in LOWER_THREADS threads on one device (largest first: the longest
-                # compilations start first), each handed to XLA's compiler in a thread of ``pool`` as
-                # soon as it is lowered.
+                # The rest: lowered one at a time here (largest first: the longest compilations start
+                # first), each handed to XLA's compiler in a thread as soon as it is lowered.
                 todo = sorted((i for i, loaded in enumerate(loads) if loaded is None),
                               key=lambda i: -wanted[i][1].token_ids.shape[0])
-
-                def lower(i):
+                lower_seconds = 0.0
+                for i in todo:
                     base_key, _, turns, jitted, (leaves, packed, layout) = wanted[i]
+                    tl = time.perf_counter()
                     lowered = jitted.lower(leaves, kv_pool, packed, prev_tokens, spare, layout)
-                    return pool.submit(finish, base_key, turns, lowered=lowered)
-
-                tl = time.perf_counter()
-                if self.mesh is None:
-                    with concurrent.futures.ThreadPoolExecutor(LOWER_THREADS) as lowering:
-                        futures.update(zip(todo, lowering.map(lower, todo)))
-                else:  # here: the partitioner setting (``_partitioner``) is this thread's
-                    futures.update((i, lower(i)) for i in todo)
-                lower_seconds = time.perf_counter() - tl if todo else 0.0
+                    lower_seconds += time.perf_counter() - tl
+                    futures[i] = pool.submit(finish, base_key, turns, lowered=lowered)
                 t1 = time.perf_counter()
                 for i, (base_key, inputs, turns, _, _) in enumerate(wanted):
                     exes = futures[i].result()
