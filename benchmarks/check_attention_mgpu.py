@@ -39,7 +39,7 @@ from bench_attention import (_chain_simple, chain_time, hbm_read_ceiling, make_c
                              reference_hi, rel_err, timed)
 from jaxpaged.kernels.kv_write import pool_from_caches  # noqa: E402
 from jaxpaged.kernels.paged_attention import paged_attention  # noqa: E402
-from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu  # noqa: E402
+from jaxpaged.kernels.paged_attention_mgpu import choose_splits, kv_tile, paged_attention_mgpu  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 RESULTS: dict = {"correctness": [], "decode": [], "decode_sweep": [], "prefill": [], "errors": []}
@@ -212,6 +212,7 @@ def decode_sweep(args, ceiling: float, interpret: bool):
             cu = jnp.arange(b + 1, dtype=jnp.int32)
             kv_lens = jnp.full((b,), ctx, jnp.int32)
             row, outs = dict(batch=b, ctx=ctx, kv_MB=kv_bytes / 1e6), {}
+            row["mosaic_splits"] = choose_splits(b, b, hkv, kv_tile(bs), tables[0].shape[1] * bs, decode=True)
             for name, fn in fns.items():
                 try:
                     outs[name] = jax.block_until_ready(fn(q, pool, 0, cu, kv_lens, tables[0]))

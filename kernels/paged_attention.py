@@ -67,6 +67,7 @@ from jaxpaged.kernels.fp8 import is_fp8, scale_rows, v_slab_index
 from jaxpaged.kernels.kv_write import block_size_of, check_pool
 from jaxpaged.kernels.metadata import check_ragged_metadata
 from jaxpaged.kernels.shapes import next_pow2, num_cores as device_num_cores
+from jaxpaged.kernels.split_k import decode_splits, merge_splits
 from jaxpaged.kernels.matmul import kernel_dot_precision
 
 LOG2E = math.log2(math.e)
@@ -288,16 +289,6 @@ def _ragged_attention_call(q, kv_pool, layer: jax.Array, cu_q_lens, kv_lens, blo
     )(jnp.reshape(layer, (1,)), cu_q_lens, kv_lens, block_tables, q, kv_pool)
 
 
-def merge_splits(o: jax.Array, lse: jax.Array, dtype) -> jax.Array:
-    """Merges split-K partials ``o f32[P, T, Hq, D]``, ``lse f32[P, T, Hq]`` (base 2) -> ``[T, Hq, D]``."""
-    lse_max = jnp.max(lse, axis=0)
-    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
-    w = jnp.exp2(lse - lse_max[None])  # 0 for empty splits
-    denom = jnp.sum(w, axis=0)
-    out = jnp.sum(o * w[..., None], axis=0) / jnp.where(denom == 0, 1.0, denom)[..., None]
-    return out.astype(dtype)
-
-
 def kv_tile(block_size: int, fp8: bool) -> int:
     """``block_k`` of every configuration: 64 tokens (or one block, if larger); ``FP8_TILE`` for an fp8 pool."""
     return FP8_TILE if fp8 else max(64, block_size)
@@ -323,11 +314,8 @@ def choose_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads
     if decode:
         block_m = max(16, next_pow2(group))
         block_k = kv_tile(block_size, fp8)
-        ctx_tiles = pl.cdiv(max_context, block_k)
-        programs = min(num_seqs, num_tokens) * num_kv_heads
-        splits = min(32, ctx_tiles, max(1, pl.cdiv(2 * num_cores, programs)))
-        splits = next_pow2(splits) if splits > 1 else 1
-        return AttentionConfig(block_m, block_k, min(splits, 32), num_warps=4, num_stages=3)
+        splits = decode_splits(num_tokens, num_seqs, num_kv_heads, block_k, max_context, num_cores)
+        return AttentionConfig(block_m, block_k, splits, num_warps=4, num_stages=3)
     block_m = max(128 if num_tokens >= 1024 else 64, next_pow2(group))
     return AttentionConfig(block_m, kv_tile(block_size, fp8), 1, num_warps=8 if block_m >= 128 else 4,
                            num_stages=2, reverse_tiles=True)

@@ -78,6 +78,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxpaged.kernels.fp8 import is_fp8
 from jaxpaged.kernels.kv_write import block_size_of, check_pool
 from jaxpaged.kernels.metadata import check_ragged_metadata
+from jaxpaged.kernels.shapes import is_pow2, num_cores
+from jaxpaged.kernels.split_k import MAX_SPLITS, decode_splits, merge_splits
 
 LOG2E = math.log2(math.e)
 BLOCK_M = 64  # query rows of a program: Hopper wgmma's M per warpgroup
@@ -101,10 +103,11 @@ def kv_tile(block_size: int) -> int:
     return max(MIN_KV_TILE, block_size)
 
 
-def smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype) -> int:
-    """Shared memory of one program: the Q (later output) tile, ``num_slots`` K and V tiles and P
-    (barriers aside)."""
-    return (BLOCK_M * head_dim + 2 * num_slots * block_kv * head_dim + BLOCK_M * block_kv) * jnp.dtype(dtype).itemsize
+def smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype, split: bool = False) -> int:
+    """Shared memory of one program: the Q (later output) tile, ``num_slots`` K and V tiles and P, and
+    with split-K the fp32 partial and its log-sum-exp (barriers aside)."""
+    tiles = (BLOCK_M * head_dim + 2 * num_slots * block_kv * head_dim + BLOCK_M * block_kv) * jnp.dtype(dtype).itemsize
+    return tiles + (BLOCK_M * head_dim + BLOCK_M) * 4 * split
 
 
 def choose_block_q(num_tokens: int, num_seqs: int, group: int, decode: bool | None = None) -> int:
@@ -115,6 +118,15 @@ def choose_block_q(num_tokens: int, num_seqs: int, group: int, decode: bool | No
     if decode is None:
         decode = num_tokens <= 2 * num_seqs
     return max(1, 8 // group) if decode else BLOCK_M // group
+
+
+def choose_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, block_kv: int, max_context: int,
+                  decode: bool) -> int:
+    """Split-K factor: for decode launches :func:`jaxpaged.kernels.shapes.decode_splits` (the Triton
+    kernel's rule: about two programs per core), 1 for prefill (its query tiles fill the GPU)."""
+    if not decode:
+        return 1
+    return decode_splits(num_tokens, num_seqs, num_kv_heads, block_kv, max_context, num_cores())
 
 
 def tile_rows(block_q: int, group: int) -> int:
@@ -147,18 +159,37 @@ def tile_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, block
     return meta, cu_q_lens[seq] + j * block_q, ntok, starts
 
 
-def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref,
-                      q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar,
-                      *, scale_log2: float, group: int, block_kv: int, block_size: int, num_slots: int):
-    """One program: KV head ``axis_index("kv_head")``, query tile ``axis_index("tile")``.
+def split_range(kv_end, split, block_kv: int, num_splits: int):
+    """KV tiles ``[lo, hi)`` that split ``split`` of a query tile needing keys ``[0, kv_end)`` reads:
+    ``cdiv(num_kv, num_splits)`` consecutive tiles each (the last splits may be short or empty)."""
+    num_kv = lax.div(kv_end + (block_kv - 1), block_kv)
+    per = lax.div(num_kv + (num_splits - 1), num_splits)
+    lo = split * per
+    return lo, jnp.minimum(num_kv, lo + per)
+
+
+def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, *refs,
+                      scale_log2: float, group: int, block_kv: int, block_size: int, num_slots: int,
+                      num_splits: int):
+    """One program: KV head ``axis_index("kv_head")``, query tile ``axis_index("tile")`` and, with
+    ``num_splits > 1``, split ``axis_index("split")`` of its KV tiles (:func:`split_range`).
 
     Refs (GMEM): ``layer_ref i32[1]``, ``meta_ref i32[tiles, 3]`` (:func:`tile_layout`),
     ``tables_ref i32[S, W]``, ``q_ref [Hkv, tiles, R, D]`` (``R <= 64`` rows a tile),
-    ``kv_ref [L, N, bs, 2, Hkv, D]``, output ``o_ref [Hkv, tiles, R, D]``. Shared memory:
-    ``q_smem [64, D]`` (its first ``R`` rows the tile's queries, then its output),
-    ``k_smem/v_smem [slots, block_kv, D]``, ``p_smem [64, block_kv]``; barriers ``q_bar``,
+    ``kv_ref [L, N, bs, 2, Hkv, D]``; output ``o_ref [Hkv, tiles, R, D]``, or with splits
+    ``o_ref f32[P, Hkv, tiles, R, D]`` (each split's normalised partial) and ``lse_ref f32[P, Hkv,
+    tiles, R]`` (its log-sum-exp, base 2). Shared memory: ``q_smem [64, D]`` (its first ``R`` rows the
+    tile's queries, then its output), ``k_smem/v_smem [slots, block_kv, D]``, ``p_smem [64,
+    block_kv]``, with splits ``o32_smem f32[64, D]`` and ``lse_smem f32[64]``; barriers ``q_bar``,
     ``k_bar[slots]``, ``v_bar[slots]``.
     """
+    if num_splits == 1:
+        o_ref, q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar = refs
+        lse_ref = o32_smem = lse_smem = None
+        split = 0
+    else:
+        o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, o32_smem, lse_smem, q_bar, k_bar, v_bar = refs
+        split = lax.axis_index("split")
     head_dim = q_smem.shape[-1]
     num_rows = q_ref.shape[2]
     width = tables_ref.shape[1]
@@ -166,14 +197,14 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref,
     h = lax.axis_index("kv_head")
     tile = lax.axis_index("tile")
     seq = meta_ref[tile, 0]
+    kv_end = meta_ref[tile, 2]
+    lo, hi = split_range(kv_end, split, block_kv, num_splits)
 
-    @pl.when(seq >= 0)
+    @pl.when(jnp.logical_and(seq >= 0, lo < hi))  # an unowned tile, or an empty split: nothing to do
     def _owned_tile():
         layer = layer_ref[0]
         pos0 = meta_ref[tile, 1]
-        kv_end = meta_ref[tile, 2]
-        num_kv = lax.div(kv_end + (block_kv - 1), block_kv)
-        n_full = jnp.clip(lax.div(pos0 + 1, block_kv), 0, num_kv)  # tiles every row sees entirely
+        n_full = jnp.clip(lax.div(pos0 + 1, block_kv), lo, hi)  # tiles every row sees entirely end here
 
         def fetch(t, slot):
             """Issues the TMA copies of KV tile ``t`` into ``slot``: one per pool block, K and V."""
@@ -191,15 +222,15 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref,
             q_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), q_smem.dtype), plgpu.Layout.WGMMA)
             plgpu.commit_smem()  # before the TMA writes the first R rows
         plgpu.copy_gmem_to_smem(q_ref.at[h, tile], q_rows, q_bar)
-        fetch(0, 0)  # an owned tile needs at least one key
+        fetch(lo, 0)  # the range is not empty; tile lo + i goes to slot i
         for i in range(1, num_slots):
-            pl.when(num_kv > i)(functools.partial(fetch, i, i))
+            pl.when(lo + i < hi)(functools.partial(fetch, lo + i, i))
 
         plgpu.barrier_wait(q_bar)
 
         def step(t, carry, masked: bool):
             acc, m_i, l_i = carry
-            slot = lax.rem(t, num_slots)
+            slot = lax.rem(t - lo, num_slots)
             plgpu.barrier_wait(k_bar.at[slot])
 
             def qk(acc_ref):
@@ -230,7 +261,7 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref,
 
             o = pl.run_scoped(pv, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
 
-            @pl.when(t + num_slots < num_kv)  # the slot is consumed: refill it
+            @pl.when(t + num_slots < hi)  # the slot is consumed: refill it
             def _():
                 fetch(t + num_slots, slot)
 
@@ -242,12 +273,22 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref,
             plgpu.layout_cast(jnp.full((BLOCK_M,), _MASKED, jnp.float32), rows),
             plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), rows),
         )
-        carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-        acc, _, l_i = lax.fori_loop(n_full, num_kv, functools.partial(step, masked=True), carry)
-        l_i = jnp.where(l_i > 0, l_i, 1.0)
-        q_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(q_smem.dtype)  # Q is done
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_rows, o_ref.at[h, tile])
+        carry = lax.fori_loop(lo, n_full, functools.partial(step, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(n_full, hi, functools.partial(step, masked=True), carry)
+        has = l_i > 0
+        out = acc / lax.broadcast_in_dim(jnp.where(has, l_i, 1.0), acc.shape, [0])
+        if num_splits == 1:
+            q_smem[...] = out.astype(q_smem.dtype)  # Q is done
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_rows, o_ref.at[h, tile])
+        else:  # the partial in fp32 and its log-sum-exp; merge_splits (XLA) combines the splits
+            o32_smem[...] = out
+            lse_smem[...] = jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)) * LOG2E, -jnp.inf)
+            plgpu.commit_smem()
+            o_rows = o32_smem if num_rows == BLOCK_M else o32_smem.at[pl.ds(0, num_rows)]
+            lse_rows = lse_smem if num_rows == BLOCK_M else lse_smem.at[pl.ds(0, num_rows)]
+            plgpu.copy_smem_to_gmem(o_rows, o_ref.at[split, h, tile])
+            plgpu.copy_smem_to_gmem(lse_rows, lse_ref.at[split, h, tile])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -259,7 +300,8 @@ def _interpret_params(interpret):
     return interpret or None
 
 
-def _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, block_kv, num_slots, block_q):
+def _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, block_kv, num_slots, block_q,
+              num_splits):
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
     check_pool(kv_pool, layer)
@@ -294,7 +336,9 @@ def _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, bl
         raise ValueError(f"num_slots must be in [1, 4], got {num_slots}")
     if block_q is not None and not 1 <= block_q * (num_q_heads // num_kv_heads) <= BLOCK_M:
         raise ValueError(f"block_q={block_q} tokens x G={num_q_heads // num_kv_heads} heads must be 1..{BLOCK_M} rows")
-    need = smem_bytes(head_dim, block_kv, num_slots, kv_pool.dtype)
+    if num_splits is not None and not (is_pow2(num_splits) and num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits must be a power of two <= {MAX_SPLITS}, got {num_splits!r}")
+    need = smem_bytes(head_dim, block_kv, num_slots, kv_pool.dtype, split=(num_splits or 1) > 1)
     if not interpret and need > SMEM_BYTES:
         raise ValueError(f"a program would need {need} bytes of shared memory (> {SMEM_BYTES})")
 
@@ -313,6 +357,7 @@ def paged_attention_mgpu(
     num_slots: int = NUM_SLOTS,
     block_q: int | None = None,
     decode: bool | None = None,
+    num_splits: int | None = None,
 ) -> jax.Array:
     """Ragged paged attention (decode, prefill, prefill with a cached prefix) with Mosaic GPU.
 
@@ -324,25 +369,32 @@ def paged_attention_mgpu(
       interpret: ``True`` (or a ``plgpu.InterpretGPUParams``) runs Mosaic GPU's CPU interpreter.
       block_kv: keys per inner step (a multiple of 64 and of the block size, <= 256); default
         :func:`kv_tile`. num_slots: KV tiles in flight (1-4). block_q: tokens per query tile (at most
-        ``64 // G``); default :func:`choose_block_q` from the shapes, or from ``decode`` if given. All
-        for tuning: any value gives the same result.
+        ``64 // G``); default :func:`choose_block_q` from the shapes, or from ``decode`` if given.
+        num_splits: programs sharing a query tile's keys (split-K, a power of two <= 32); default
+        :func:`choose_splits`. All for tuning: any value gives the same result (to rounding).
     Returns ``[T, Hq, D]`` in ``q.dtype``; zeros for padding tokens.
     Raises ValueError for what the kernel does not support (module docstring, "Scope").
     """
     if block_kv is None:
         block_kv = kv_tile(block_size_of(kv_pool)) if kv_pool.ndim == 6 else MIN_KV_TILE
-    _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, block_kv, num_slots, block_q)
+    _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, block_kv, num_slots, block_q,
+              num_splits)
+    if decode is None:
+        decode = q.shape[0] <= 2 * kv_lens.shape[0]
     if block_q is None:
         block_q = choose_block_q(q.shape[0], kv_lens.shape[0], q.shape[1] // kv_pool.shape[4], decode)
+    if num_splits is None:
+        num_splits = choose_splits(q.shape[0], kv_lens.shape[0], kv_pool.shape[4], block_kv,
+                                   block_tables.shape[1] * block_size_of(kv_pool), decode)
     return _paged_attention_mgpu(q, kv_pool, jnp.asarray(layer, jnp.int32), cu_q_lens, kv_lens, block_tables,
                                  scale=None if scale is None else float(scale),
                                  interpret=_interpret_params(interpret), block_kv=block_kv, num_slots=num_slots,
-                                 block_q=block_q)
+                                 block_q=block_q, num_splits=num_splits)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_kv", "num_slots", "block_q"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_kv", "num_slots", "block_q", "num_splits"))
 def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, scale, interpret, block_kv,
-                          num_slots, block_q):
+                          num_slots, block_q, num_splits):
     """:func:`paged_attention_mgpu` after validation; ``layer`` an ``i32[]`` operand (one compiled kernel
     serves every layer of a step)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -365,24 +417,43 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
     q_tiles = jnp.where(row_ok[:, :, None, None], q_tiles, jnp.zeros((), q.dtype)).transpose(2, 0, 1, 3)
 
     dtype = kv_pool.dtype  # == q.dtype (validated): the output tile reuses Q's shared memory
+    tiles_shape = (num_kv_heads, num_tiles, rows, head_dim)
+    scratch = [
+        plgpu.SMEM((BLOCK_M, head_dim), dtype, transforms=_transforms(dtype)),
+        plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=_transforms(dtype)),
+        plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=_transforms(dtype)),
+        plgpu.SMEM((BLOCK_M, block_kv), dtype, transforms=_transforms(dtype)),
+    ]
+    if num_splits == 1:
+        out_type = jax.ShapeDtypeStruct(tiles_shape, q.dtype)
+    else:
+        out_type = (jax.ShapeDtypeStruct((num_splits, *tiles_shape), jnp.float32),
+                    jax.ShapeDtypeStruct((num_splits, *tiles_shape[:-1]), jnp.float32))
+        scratch += [plgpu.SMEM((BLOCK_M, head_dim), jnp.float32, transforms=_transforms(jnp.float32)),
+                    plgpu.SMEM((BLOCK_M,), jnp.float32)]
     kernel = plgpu.kernel(
         functools.partial(_attention_kernel, scale_log2=scale * LOG2E, group=group, block_kv=block_kv,
-                          block_size=block_size, num_slots=num_slots),
-        out_type=jax.ShapeDtypeStruct((num_kv_heads, num_tiles, rows, head_dim), q.dtype),
-        scratch_types=[
-            plgpu.SMEM((BLOCK_M, head_dim), dtype, transforms=_transforms(dtype)),
-            plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=_transforms(dtype)),
-            plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=_transforms(dtype)),
-            plgpu.SMEM((BLOCK_M, block_kv), dtype, transforms=_transforms(dtype)),
+                          block_size=block_size, num_slots=num_slots, num_splits=num_splits),
+        out_type=out_type,
+        scratch_types=scratch + [
             plgpu.Barrier(num_arrivals=1),
             plgpu.Barrier(num_arrivals=block_kv // block_size, num_barriers=num_slots),
             plgpu.Barrier(num_arrivals=block_kv // block_size, num_barriers=num_slots),
         ],
-        grid=(num_kv_heads, num_tiles),
-        grid_names=("kv_head", "tile"),
+        grid=(num_kv_heads, num_tiles) + ((num_splits,) if num_splits > 1 else ()),
+        grid_names=("kv_head", "tile") + (("split",) if num_splits > 1 else ()),
         interpret=interpret,
     )
     o_tiles = kernel(jnp.reshape(layer, (1,)), meta, block_tables, q_tiles, kv_pool)
+    if num_splits > 1:
+        # Splits that had no keys (and unowned tiles) wrote nothing: their memory is not read.
+        o_parts, lse = o_tiles
+        split = jnp.arange(num_splits, dtype=jnp.int32)[:, None]
+        lo, hi = split_range(meta[None, :, 2], split, block_kv, num_splits)  # [P, tiles]
+        wrote = ((lo < hi) & (meta[None, :, 0] >= 0))[:, None, :, None]  # [P, 1, tiles, 1]
+        lse = jnp.where(wrote, lse, -jnp.inf)
+        o_parts = jnp.where(wrote[..., None], o_parts, 0.0)
+        o_tiles = merge_splits(o_parts, lse, q.dtype)
 
     # Back to token order: token t is row ((t - cu[s]) % block_q) * G + g of tile starts[s] + (t - cu[s]) // block_q.
     t = jnp.arange(num_tokens, dtype=jnp.int32)

@@ -28,16 +28,19 @@ def run_case(seed, q_lens, kv_lens, bs, hq, hkv, d, dtype, interpret=True, **kw)
 
 # Decode (q_len 1): context lengths 1, bs-1, bs, bs+1 and a long one (several KV tiles: each slot
 # refilled, its barrier's phase flipping), over GQA/MQA/MHA, head dims 64/128, block sizes 8-64, both
-# dtypes, and the tuning arguments (KV tile size, slots in flight).
+# dtypes, and the tuning arguments (KV tile size, slots in flight, split-K). By default a decode
+# launch this small is split (``choose_splits``: 32 splits here, most of them empty for the short
+# contexts); ``num_splits=1`` is the unsplit kernel.
 DECODE = [
     # (bs, hq, hkv, d, dtype, kernel kwargs)
-    (16, 4, 2, 64, jnp.float32, {}),  # GQA G=2, 4 blocks per KV tile
-    (8, 4, 1, 128, jnp.bfloat16, dict(num_slots=3)),  # MQA, 8 blocks per KV tile
+    (16, 4, 2, 64, jnp.float32, {}),  # GQA G=2, 4 blocks per KV tile, split by default
+    (8, 4, 1, 128, jnp.bfloat16, dict(num_slots=3, num_splits=1)),  # MQA, 8 blocks per KV tile
     (64, 2, 2, 64, jnp.bfloat16, {}),  # MHA, one block per KV tile
-    (32, 8, 2, 128, jnp.float32, dict(block_kv=128, num_slots=1)),  # G=4, D=128, 4 blocks per KV tile
+    (32, 8, 2, 128, jnp.float32, dict(block_kv=128, num_slots=1, num_splits=2)),  # G=4, D=128
+    (16, 4, 2, 64, jnp.bfloat16, dict(num_splits=1)),  # case 0 unsplit
 ]
 
-SLOW_DECODE, SLOW_MIXED = {2}, {2, 4}  # a quick subset (``-m "not slow"``) still covers every feature
+SLOW_DECODE, SLOW_MIXED = {2, 4}, {2, 4}  # a quick subset (``-m "not slow"``) still covers every feature
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_DECODE else c
@@ -99,7 +102,7 @@ def test_no_shared_memory_races():
 
 
 @pytest.mark.parametrize("bs,hq,hkv,d,kw", [
-    (16, 16, 8, 128, {}), (32, 4, 2, 64, dict(block_kv=128, num_slots=3)),
+    (16, 16, 8, 128, {}), (32, 4, 2, 64, dict(block_kv=128, num_slots=3)), (16, 16, 8, 128, dict(num_splits=8)),
     pytest.param(64, 6, 2, 64, {}, marks=pytest.mark.slow), pytest.param(8, 8, 1, 128, {}, marks=pytest.mark.slow),
 ])
 def test_lowers_for_hopper(bs, hq, hkv, d, kw):
@@ -109,7 +112,7 @@ def test_lowers_for_hopper(bs, hq, hkv, d, kw):
     if jax.default_backend() != "cpu":
         pytest.skip("cross-lowering check for machines without a GPU")
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    q = jax.ShapeDtypeStruct((40, hq, d), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((4 if kw.get("num_splits") else 40, hq, d), jnp.bfloat16)  # splits: decode
     pool = jax.ShapeDtypeStruct((3, 64, bs, 2, hkv, d), jnp.bfloat16)
     fn = jax.jit(lambda *a: paged_attention_mgpu(a[0], a[1], 2, *a[2:], **kw))
     text = fn.trace(q, pool, i32(5), i32(4), i32(4, 20)).lower(lowering_platforms=("cuda",)).as_text()
@@ -149,6 +152,9 @@ def test_invalid_inputs_raise():
         paged_attention_mgpu(q, pool, 0, cu, kl, bt, interpret=True, block_q=33)  # 33 tokens x G=2 > 64 rows
     with pytest.raises(ValueError, match="num_slots"):
         paged_attention_mgpu(q, pool, 0, cu, kl, bt, interpret=True, num_slots=0)
+    for bad in (3, 64, 0):
+        with pytest.raises(ValueError, match="num_splits"):
+            paged_attention_mgpu(q, pool, 0, cu, kl, bt, interpret=True, num_splits=bad)
     with pytest.raises(ValueError, match="shared memory"):  # 4 slots of 256 x 128 bf16 keys and values
         paged_attention_mgpu(jnp.ones((4, 8, 128), jnp.bfloat16), jnp.ones((1, 4, 16, 2, 4, 128), jnp.bfloat16),
                              0, cu, kl, bt, block_kv=256, num_slots=4)
