@@ -34,6 +34,11 @@ How the work is cut:
     (``num_arrivals`` = copies per tile). ``num_slots`` slots (default 2): the copies of tile
     ``t + num_slots`` are issued as soon as tile ``t`` is consumed, so transfers overlap the
     arithmetic of the tiles before them. The output tile reuses Q's shared memory.
+  * Split-K (``num_splits > 1``, by default for decode launches too small to fill the GPU:
+    :func:`choose_splits`): a third grid axis cuts a tile's KV tiles into ``num_splits`` contiguous
+    ranges (:func:`split_range`); each program writes its range's output, normalised by its own
+    softmax sum, in fp32 with the log-sum-exp, and ``split_k.merge_splits`` (XLA) combines them.
+    Programs with an empty range exit at once and write nothing; the merge masks them.
   * ``S = Q K^T`` is one wgmma (``[64, D] x [D, block_kv]``, K's shared-memory tile read
     transposed); softmax online in fp32 and base 2 (running max and sum per row); ``P`` is cast to
     the pool dtype, written to shared memory and ``P V`` is a second wgmma (``[64, block_kv] x
@@ -53,7 +58,7 @@ Mosaic GPU does not lower a float32 ``P V`` at all ("Only f16 WGMMA supports tra
 values' tile is N-major, 32-bit wgmma operands must be K-major). fp8 pools are not supported (the
 Triton kernel reads them). ``head_dim`` 64 or 128; block sizes 8 to 128 (powers of two);
 ``G <= 64``. Not tuned: one warpgroup per program (a decode tile fills ``G`` of its 64 rows), no
-split-K for small decode batches, no warp specialisation, whole blocks copied for the last tile.
+warp specialisation, whole blocks copied for the last tile.
 
 Interpret mode (``interpret=True``) runs Mosaic GPU's CPU interpreter
 (``plgpu.InterpretGPUParams``), which simulates shared memory, TMA copies, barriers and wgmma
