@@ -127,7 +127,7 @@ def choose_block_q(num_tokens: int, num_seqs: int, group: int, decode: bool | No
 
 def choose_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, block_kv: int, max_context: int,
                   decode: bool) -> int:
-    """Split-K factor: for decode launches :func:`jaxpaged.kernels.shapes.decode_splits` (the Triton
+    """Split-K factor: for decode launches :func:`jaxpaged.kernels.split_k.decode_splits` (the Triton
     kernel's rule: about two programs per core), 1 for prefill (its query tiles fill the GPU)."""
     if not decode:
         return 1
