@@ -101,7 +101,10 @@ CUBLAS_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 # counts the donated KV pool more than once (280 GiB for a 93 GiB pool on the H200), so a pool of most
 # of the GPU made it print "Can't reduce memory use below ... by rematerialization" at every compile
 # while finding nothing to recompute (an inference step keeps no activations to trade).
-STEP_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
+# Autotuning at level 2: XLA still times its GEMM candidates on initialised buffers and keeps the
+# fastest, but does not check each candidate's output against a reference GEMM (level 4, the default),
+# the critical path of a cold warm-up (docs/DECISIONS.md).
+STEP_OPTIONS = {"xla_disable_hlo_passes": "rematerialization", "xla_gpu_autotune_level": 2}
 
 
 class ModelRunner:
