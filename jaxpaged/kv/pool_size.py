@@ -21,6 +21,11 @@ CPU_POOL_CAP_BYTES = 4 << 30  # never more than this on a CPU without num_blocks
 # room for every running sequence and for the prefix cache, while a small model on a large GPU does not
 # take (and initialise, and make XLA plan around) a pool of millions of blocks it can never use.
 GPU_POOL_CAP_SEQUENCES = 4
+# jax's Pallas-Triton lowering addresses an array with 32-bit offsets unless it is larger than 2**32
+# *bytes*, and Triton sign-extends them: in an array of one-byte elements (an fp8 pool) the elements
+# past 2**31 would be read and written at negative offsets, outside the pool. So a one-byte pool never
+# holds more than 2**31 elements unless it holds more than 2**32 bytes (each device's shard).
+I32_ELEMENTS, I64_OFFSET_BYTES = 2**31, 2**32
 
 
 def available_host_memory() -> int | None:
@@ -52,22 +57,52 @@ def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dty
     memory (with tensor parallelism: of the device with the least free memory, per device's share of a
     block), at most ``GPU_POOL_CAP_SEQUENCES`` times what ``max_num_seqs`` full-length sequences need;
     on a CPU ``CPU_POOL_FRACTION`` of the available host memory, at most ``CPU_POOL_CAP_BYTES``
-    and at most what ``min(max_num_seqs, 16)`` full-length sequences need."""
+    and at most what ``min(max_num_seqs, 16)`` full-length sequences need. A one-byte (fp8) pool of
+    2-4 GiB a device is moved out of that range (:func:`addressable_blocks`); a ``num_blocks`` in it is an
+    error."""
     bs = config.resolved_block_size(params.config.head_dim)
-    block_bytes = kv_bytes_per_token_per_device(params, jnp.dtype(dtype).itemsize) * (bs + scale_rows(dtype))
+    itemsize = jnp.dtype(dtype).itemsize
+    block_bytes = kv_bytes_per_token_per_device(params, itemsize) * (bs + scale_rows(dtype))
     if config.num_blocks is not None:
+        lo, hi = addressable_block_range(block_bytes, itemsize)
+        if lo < config.num_blocks < hi:
+            raise ValueError(
+                f"num_blocks={config.num_blocks} gives a {dtype} pool of "
+                f"{config.num_blocks * block_bytes / 2**30:.2f} GiB per device, which the GPU kernels cannot "
+                f"address (32-bit offsets between 2 and 4 GiB of one-byte elements): use num_blocks <= {lo} "
+                f"or >= {hi}")
         return config.num_blocks
     devices = [jax.devices()[0]] if params.mesh is None else \
         [d for d in params.mesh.devices.flat if d.process_index == jax.process_index()]
     frees = [free_device_memory(d) for d in devices]
     blocks_per_seq = math.ceil(max_model_len / bs)
     if all(f is not None for f in frees):
-        return min(int(min(frees) * config.memory_fraction // block_bytes),
-                   GPU_POOL_CAP_SEQUENCES * config.max_num_seqs * blocks_per_seq)
+        by_memory = int(min(frees) * config.memory_fraction // block_bytes)
+        return addressable_blocks(min(by_memory, GPU_POOL_CAP_SEQUENCES * config.max_num_seqs * blocks_per_seq),
+                                  by_memory, block_bytes, itemsize)
     enough = blocks_per_seq * min(config.max_num_seqs, 16)
     host = available_host_memory()
     budget = CPU_POOL_CAP_BYTES if host is None else min(int(host * CPU_POOL_FRACTION), CPU_POOL_CAP_BYTES)
-    return max(1, min(enough, budget // block_bytes))
+    by_memory = budget // block_bytes
+    return max(1, addressable_blocks(min(enough, by_memory), by_memory, block_bytes, itemsize))
+
+
+def addressable_block_range(block_bytes: int, itemsize: int) -> tuple[int, int]:
+    """``(lo, hi)``: block counts strictly between them make a pool the GPU kernels cannot address
+    (one-byte elements, more than 2**31 of them, at most 2**32 bytes: see ``I32_ELEMENTS``); none for
+    wider elements."""
+    if itemsize != 1:
+        return 0, 1
+    return I32_ELEMENTS // block_bytes, I64_OFFSET_BYTES // block_bytes + 1
+
+
+def addressable_blocks(wanted: int, most: int, block_bytes: int, itemsize: int) -> int:
+    """``wanted`` blocks, moved out of the unaddressable range: up past 4 GiB where ``most`` (what the
+    memory allows) permits, else down to 2**31 elements."""
+    lo, hi = addressable_block_range(block_bytes, itemsize)
+    if not lo < wanted < hi:
+        return wanted
+    return hi if hi <= most else lo
 
 
 def check_pool(num_blocks: int, bs: int, max_model_len: int) -> None:
