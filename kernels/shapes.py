@@ -22,4 +22,3 @@ def num_cores() -> int:
     import jax
 
     return getattr(jax.devices()[0], "core_count", None) or DEFAULT_NUM_CORES
-

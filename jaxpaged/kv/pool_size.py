@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from ..config import EngineConfig
 from ..models.checkpoint import ModelParams
 from ..kernels.fp8 import scale_rows
+from ..kernels.kv_write import I32_OFFSET_ELEMENTS, I64_OFFSET_BYTES
 from ..models.sharding import kv_bytes_per_token_per_device
 
 
@@ -21,11 +22,6 @@ CPU_POOL_CAP_BYTES = 4 << 30  # never more than this on a CPU without num_blocks
 # room for every running sequence and for the prefix cache, while a small model on a large GPU does not
 # take (and initialise, and make XLA plan around) a pool of millions of blocks it can never use.
 GPU_POOL_CAP_SEQUENCES = 4
-# jax's Pallas-Triton lowering addresses an array with 32-bit offsets unless it is larger than 2**32
-# *bytes*, and Triton sign-extends them: in an array of one-byte elements (an fp8 pool) the elements
-# past 2**31 would be read and written at negative offsets, outside the pool. So a one-byte pool never
-# holds more than 2**31 elements unless it holds more than 2**32 bytes (each device's shard).
-I32_ELEMENTS, I64_OFFSET_BYTES = 2**31, 2**32
 
 
 def available_host_memory() -> int | None:
@@ -89,11 +85,11 @@ def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dty
 
 def addressable_block_range(block_bytes: int, itemsize: int) -> tuple[int, int]:
     """``(lo, hi)``: block counts strictly between them make a pool the GPU kernels cannot address
-    (one-byte elements, more than 2**31 of them, at most 2**32 bytes: see ``I32_ELEMENTS``); none for
-    wider elements."""
+    (one-byte elements, more than 2**31 of them, at most 2**32 bytes: ``kv_write.pallas_addressable``);
+    none for wider elements."""
     if itemsize != 1:
         return 0, 1
-    return I32_ELEMENTS // block_bytes, I64_OFFSET_BYTES // block_bytes + 1
+    return I32_OFFSET_ELEMENTS // block_bytes, I64_OFFSET_BYTES // block_bytes + 1
 
 
 def addressable_blocks(wanted: int, most: int, block_bytes: int, itemsize: int) -> int:

@@ -208,12 +208,13 @@ def test_triton_lowering_addresses_fp8_pools_up_to_4_gib_with_32_bit_offsets(mon
     """Why ``kv/pool_size`` keeps a one-byte pool out of 2-4 GiB: jax's Pallas-Triton lowering picks
     64-bit offsets only for an array of more than 2**32 bytes, so in a 3 GiB fp8 pool (1.5 x 2**31
     elements) every pointer is a 32-bit offset, which Triton sign-extends. The attention kernel is
-    lowered for an sm_90 GPU here, without one (no pool is allocated)."""
+    lowered for an sm_90 GPU here, without one (no pool is allocated), once its own refusal of such a
+    pool (``kv_write.check_pool``) is checked and then stepped around to see what it guards against."""
     import types
 
     from jax._src.pallas.triton import pallas_call_registration as registration
 
-    from jaxpaged.kernels.paged_attention import paged_attention
+    from jaxpaged.kernels import paged_attention as module
 
     monkeypatch.setattr(registration, "gpu_info_lib",
                         types.SimpleNamespace(get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
@@ -229,12 +230,15 @@ def test_triton_lowering_addresses_fp8_pools_up_to_4_gib_with_32_bit_offsets(mon
     s, w = jax.ShapeDtypeStruct, 8
     args = [s((4, 4, 128), jnp.bfloat16), None, s((), jnp.int32), s((5,), jnp.int32), s((4,), jnp.int32),
             s((4, w), jnp.int32)]
+    pool = lambda gib: s((28, int(gib * 2**30 // (28 * 65 * 2 * 2 * 128)), 65, 2, 2, 128), jnp.float8_e4m3fn)  # noqa: E731
+    with pytest.raises(ValueError, match="cannot be addressed by the Pallas kernels"):
+        jax.jit(module.paged_attention).trace(*args[:1], pool(3), *args[2:])
+    monkeypatch.setattr(module, "check_pool", lambda kv_pool, layer: None)
     offset_bits = {}
     for gib in (3, 4.5):
-        blocks = int(gib * 2**30 // (28 * 65 * 2 * 2 * 128))  # 28 layers, 2 KV heads, head_dim 128
-        args[1] = s((28, blocks, 65, 2, 2, 128), jnp.float8_e4m3fn)
+        args[1] = pool(gib)  # 28 layers, 2 KV heads, head_dim 128
         modules.clear()
-        jax.jit(paged_attention).trace(*args).lower(lowering_platforms=("cuda",))
+        jax.jit(module.paged_attention).trace(*args).lower(lowering_platforms=("cuda",))
         pointers = [line for line in modules[0].splitlines() if "tt.addptr" in line and "f8E4M3FN" in line]
         assert pointers  # the pool's K, V and scale loads
         offset_bits[gib] = {64 if "xi64>" in line or ": i64" in line else 32 for line in pointers}
