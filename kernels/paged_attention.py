@@ -63,7 +63,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxpaged.kernels.fp8 import is_fp8, scale_rows, v_slab_index
+from jaxpaged.kernels.fp8 import is_fp8, power_of_two, scale_rows, v_slab_index
 from jaxpaged.kernels.kv_write import block_size_of, check_pool
 from jaxpaged.kernels.metadata import check_ragged_metadata
 from jaxpaged.kernels.shapes import next_pow2, num_cores as device_num_cores
@@ -219,21 +219,47 @@ def _ragged_attention_kernel(
         vt_at = kv_ref.at[layer, phys_v, row, 1, h, col]  # [D, tile]: values stored transposed
         ks_at = kv_ref.at[layer, phys, block_size, 0, h, off]
         vs_at = kv_ref.at[layer, phys, block_size, 1, h, off]
-        if masked:  # positions past kv_end are never read (Triton has no fp8 fill value: zeroed after the cast)
+        if masked and block_size >= block_k:  # whole tile (inside one allocated block), its tail zeroed
+            # Stale slots may hold anything, NaN included. Their keys only reach scores that the causal
+            # mask replaces by -inf; their values and V scales are zeroed so that p = 0 meets 0, not NaN.
             ok = pos < kv_end
-            k = jnp.where(ok[:, None], plgpu.load(k_at, mask=ok[:, None]).astype(q.dtype), 0)
-            vt = jnp.where(ok[None, :], plgpu.load(vt_at, mask=ok[None, :]).astype(q.dtype), 0)
+            k, ks = plgpu.load(k_at).astype(cdt), plgpu.load(ks_at).astype(jnp.float32)
+            vt = jnp.where(ok[None, :], plgpu.load(vt_at).astype(cdt), 0)
+            vs = jnp.where(ok, plgpu.load(vs_at).astype(jnp.float32), 0.0)
+        elif masked:  # a block id per slot: slots past kv_end may lie in no allocated block, never read
+            ok = pos < kv_end  # (Triton has no fp8 fill value: zeroed after the cast)
+            k = jnp.where(ok[:, None], plgpu.load(k_at, mask=ok[:, None]).astype(cdt), 0)
+            vt = jnp.where(ok[None, :], plgpu.load(vt_at, mask=ok[None, :]).astype(cdt), 0)
             ks = jnp.where(ok, plgpu.load(ks_at, mask=ok).astype(jnp.float32), 0.0)
             vs = jnp.where(ok, plgpu.load(vs_at, mask=ok).astype(jnp.float32), 0.0)
         else:
-            k, vt = plgpu.load(k_at).astype(q.dtype), plgpu.load(vt_at).astype(q.dtype)
+            k, vt = plgpu.load(k_at).astype(cdt), plgpu.load(vt_at).astype(cdt)
             ks, vs = plgpu.load(ks_at).astype(jnp.float32), plgpu.load(vs_at).astype(jnp.float32)
-        s = _dot(q, k, 1, precision) * (scale_log2 * ks)[None, :]  # [block_m, tile]
+        s = _dot(q_c, k, 1, precision) * (scale_log2 * ks)[None, :]  # [block_m, tile]
+        if not to_f16:
+            return online_softmax(carry, s, pos, row_pos if masked else None,
+                                  lambda p: _dot((p * vs[None, :]).astype(cdt), vt, 1, precision))
+        # f16 P: the V scales relative to the tile's largest (powers of two, so exactly), which then
+        # scales P @ V; P x scale stays in [0, 1], where f16 has more precision than bf16.
+        v_max = jnp.max(vs)
+        v_max = jnp.where(v_max > 0, v_max, 1.0)
         return online_softmax(carry, s, pos, row_pos if masked else None,
-                              lambda p: _dot((p * vs[None, :]).astype(q.dtype), vt, 1, precision))
+                              lambda p: _dot((p * (vs / v_max)[None, :]).astype(cdt), vt, 1, precision) * v_max)
 
     if fp8:
         step = step_fp8
+        # Tiles are converted to f16 for 16-bit queries: on sm_90 an fp8 pair becomes an f16 pair in one
+        # instruction, a bf16 pair takes several (measured: docs/DECISIONS.md). Queries too large for
+        # f16 are divided by a power of two (exact) that multiplies the scores back.
+        to_f16 = jnp.dtype(q.dtype).itemsize == 2
+        cdt = jnp.float16 if to_f16 else q.dtype
+        if to_f16:
+            q_max = jnp.max(jnp.abs(q.astype(jnp.float32)))
+            q_exp = jnp.clip(jnp.ceil(jnp.log2(q_max)).astype(jnp.int32) - 14, 0, 126)  # max / 2**e <= 2**15
+            q_c = (q.astype(jnp.float32) * power_of_two(-q_exp)).astype(cdt)
+            scale_log2 = scale_log2 * power_of_two(q_exp)
+        else:
+            q_c = q
 
     carry = (
         jnp.zeros((block_m, head_dim), jnp.float32),

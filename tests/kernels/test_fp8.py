@@ -105,6 +105,20 @@ def test_attention_over_an_fp8_pool_matches_the_reference(case):
     run_case(300 + case, *CASES[case])
 
 
+def test_fp8_attention_with_queries_beyond_f16_range_matches_the_reference():
+    """The kernel multiplies fp8 tiles converted to f16 by f16 queries: bf16 queries past f16's range
+    (65504) are divided by a power of two that multiplies the scores back, never inf."""
+    rng = np.random.default_rng(5)
+    q, k, v, cu, kl, tables = random_batch(rng, [1, 1, 3], [70, 9, 64], 64, 4, 2, 64)
+    q = q * 3e4  # some elements past 65504
+    assert np.abs(q).max() > 65504
+    args = (jnp.asarray(q, jnp.bfloat16), fp8_pool(k, v, E4M3), 1, jnp.asarray(cu), jnp.asarray(kl), jnp.asarray(tables))
+    out = np.asarray(paged_attention(*args, interpret=True), np.float32)
+    ref = np.asarray(reference(*args), np.float32)
+    assert np.all(np.isfinite(out))
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+
+
 @pytest.mark.slow  # (the quick subset keeps the default configuration's check above)
 def test_attention_over_an_fp8_pool_every_configuration():
     q_lens, kv_lens, bs, hq, hkv, d = [1] * 6, [1, 15, 64, 65, 60, 150], 64, 8, 2, 64
