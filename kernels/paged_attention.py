@@ -32,13 +32,16 @@ An fp8 pool (``kernels/fp8.py``) is read in KV tiles of ``FP8_TILE`` = 64 slots 
 block size of 64 or more (an fp8 pool's default) a tile lies in one pool block: its block id is one
 scalar, and its keys (``[64, D]``), its values, stored transposed (``[D, 64]``, each dimension's slots
 consecutive bytes) and its two scale vectors are contiguous loads. Smaller blocks are read with a
-block id per slot (correct, slower: gathered columns). The tiles are converted exactly to the
-query's dtype; the K scales multiply the scores' columns and the V scales the probabilities'
-columns. Why (measured on the H200, ``benchmarks/RESULTS.md``): at batch 256 x context 1,024 the
-same loop took 221 us over a block-64 pool in this layout, 290-302 us over values in key order (the
-8-bit ``P @ V`` operand strided along its contracted axis) and 340-365 us over block-16 tiles with
-scalar ids; bf16 took 264-271 us. The tile is 64 slots whatever the block size, so block sizes 8-128
-give the same arithmetic (batch-invariant mode keeps agreeing across block sizes).
+block id per slot (correct, slower: gathered columns). The tiles are converted exactly to f16
+(bf16/f16 queries; float32 queries: float32); the K scales multiply the scores' columns and the V
+scales the probabilities' columns (docs/NUMERICS.md). A masked tile inside one block is read whole
+and its values and V scales past ``kv_end`` zeroed (stale keys only reach scores the causal mask
+replaces). Why (measured on the H200, ``benchmarks/RESULTS.md``): at batch 256 x context 1,024 a
+loop over a block-64 pool in this layout took 221 us with bf16 tiles, 185 with f16 tiles, 290-302 us
+over values in key order (the 8-bit ``P @ V`` operand strided along its contracted axis) and 340-365
+us over block-16 tiles with scalar ids; bf16 took 264-271 us; load masks on the masked tiles cost
+60-100 us. The tile is 64 slots whatever the block size, so block sizes 8-128 give the same
+arithmetic (batch-invariant mode keeps agreeing across block sizes).
 
 Batch-invariant configuration (:func:`invariant_config`, ``batch_invariant=True``): one launch
 configuration for every step, prefill or decode: fixed ``block_m``, ``block_k`` fixed in tokens (tile
@@ -88,7 +91,7 @@ class AttentionConfig:
     mask_loads: the masked path's K/V loads skip positions at or past the tile's ``kv_end`` (no memory
       traffic for the tail of the last tile; they read as zeros) instead of loading and zeroing them.
       The same values either way, so the same outputs bitwise; ``False`` only for benchmarks (an fp8
-      pool's loads are always masked).
+      pool's masked tiles are read whole when inside one block, else with masked loads).
     """
 
     block_m: int
