@@ -257,7 +257,7 @@ def _ragged_attention_kernel(
         to_f16 = jnp.dtype(q.dtype).itemsize == 2
         cdt = jnp.float16 if to_f16 else q.dtype
         if to_f16:
-            q_max = jnp.max(jnp.abs(q.astype(jnp.float32)))
+            q_max = jnp.maximum(jnp.max(jnp.abs(q.astype(jnp.float32))), 1.0)  # (all-zero queries: log2 finite)
             q_exp = jnp.clip(jnp.ceil(jnp.log2(q_max)).astype(jnp.int32) - 14, 0, 126)  # max / 2**e <= 2**15
             q_c = (q.astype(jnp.float32) * power_of_two(-q_exp)).astype(cdt)
             scale_log2 = scale_log2 * power_of_two(q_exp)

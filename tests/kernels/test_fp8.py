@@ -107,11 +107,14 @@ def test_attention_over_an_fp8_pool_matches_the_reference(case):
 
 def test_fp8_attention_with_queries_beyond_f16_range_matches_the_reference():
     """The kernel multiplies fp8 tiles converted to f16 by f16 queries: bf16 queries past f16's range
-    (65504) are divided by a power of two that multiplies the scores back, never inf."""
+    (65504) are divided by a power of two that multiplies the scores back, never inf; all-zero queries
+    are not scaled at all."""
     rng = np.random.default_rng(5)
     q, k, v, cu, kl, tables = random_batch(rng, [1, 1, 3], [70, 9, 64], 64, 4, 2, 64)
     q = q * 3e4  # some elements past 65504
     assert np.abs(q).max() > 65504
+    q[cu[1]:cu[2]] = 0  # and a sequence whose queries are all zero over large keys (uniform attention, no NaN)
+    k[tables[1]] *= 1e6
     args = (jnp.asarray(q, jnp.bfloat16), fp8_pool(k, v, E4M3), 1, jnp.asarray(cu), jnp.asarray(kl), jnp.asarray(tables))
     out = np.asarray(paged_attention(*args, interpret=True), np.float32)
     ref = np.asarray(reference(*args), np.float32)
