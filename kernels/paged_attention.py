@@ -20,7 +20,9 @@ How the work is cut (the scheme of vLLM's Triton "unified attention", written fo
     block table inside the kernel). Tiles entirely at or before the tile's first query position need no
     mask; only the causal diagonal / the ``kv_len`` tail is masked, and there K and V are loaded with a
     mask at the tile's ``kv_end`` (masked positions read as zeros and cost no memory traffic), so stale
-    slots never enter the arithmetic. Tiles past the last query position are never loaded.
+    slots never enter the arithmetic (an fp8 pool's masked tile is read whole; its stale values are
+    zeroed and its stale keys reach only scores the causal mask replaces, see below). Tiles past the
+    last query position are never loaded.
   * Decode configuration (``T <= 2 S``): ``block_m = 16``, the context split over ``num_splits``
     programs (split-K) when the batch is too small to fill the GPU; each split writes a normalised
     partial output and its log-sum-exp, merged by a few XLA ops. Prefill configuration: ``block_m``
@@ -33,8 +35,9 @@ block size of 64 or more (an fp8 pool's default) a tile lies in one pool block: 
 scalar, and its keys (``[64, D]``), its values, stored transposed (``[D, 64]``, each dimension's slots
 consecutive bytes) and its two scale vectors are contiguous loads. Smaller blocks are read with a
 block id per slot (correct, slower: gathered columns). The tiles are converted exactly to f16
-(bf16/f16 queries; float32 queries: float32); the K scales multiply the scores' columns and the V
-scales the probabilities' columns (docs/NUMERICS.md). A masked tile inside one block is read whole
+(bf16/f16 queries, each row first brought into f16's range by a power of two; float32 queries:
+float32); the K scales multiply the scores' columns and the V scales, relative to each row's largest
+in the tile, the probabilities' columns (docs/NUMERICS.md). A masked tile inside one block is read whole
 and its values and V scales past ``kv_end`` zeroed (stale keys only reach scores the causal mask
 replaces). Why (measured on the H200, ``benchmarks/RESULTS.md``): at batch 256 x context 1,024 a
 loop over a block-64 pool in this layout took 221 us with bf16 tiles, 185 with f16 tiles, 290-302 us
@@ -238,29 +241,42 @@ def _ragged_attention_kernel(
         else:
             k, vt = plgpu.load(k_at).astype(cdt), plgpu.load(vt_at).astype(cdt)
             ks, vs = plgpu.load(ks_at).astype(jnp.float32), plgpu.load(vs_at).astype(jnp.float32)
-        s = _dot(q_c, k, 1, precision) * (scale_log2 * ks)[None, :]  # [block_m, tile]
         if not to_f16:
+            s = _dot(q_c, k, 1, precision) * (scale_log2 * ks)[None, :]  # [block_m, tile]
             return online_softmax(carry, s, pos, row_pos if masked else None,
                                   lambda p: _dot((p * vs[None, :]).astype(cdt), vt, 1, precision))
-        # f16 P: the V scales relative to the tile's largest (powers of two, so exactly), which then
-        # scales P @ V; P x scale stays in [0, 1], where f16 has more precision than bf16.
-        v_max = jnp.max(vs)
-        v_max = jnp.where(v_max > 0, v_max, 1.0)
+        s = _dot(q_c, k, 1, precision) * q_scale[:, None] * (scale_log2 * ks)[None, :]
+        # f16 P: each row's V scales relative to the largest that row sees in the tile (powers of two,
+        # so exactly; per row, so a row's bits never depend on other rows' positions), which then
+        # scales the row of P @ V. P x scale stays in [0, 1], where f16 keeps 11 significant bits.
+        if masked:
+            v_max = jnp.max(jnp.where(pos[None, :] <= row_pos[:, None], vs[None, :], 0.0), axis=1)
+            v_max = jnp.where(v_max > 0, v_max, 1.0)
+            v_rel = vs[None, :] * (1.0 / v_max)[:, None]
+        else:  # every row sees the whole tile
+            v_max = jnp.max(vs)
+            v_max = jnp.where(v_max > 0, v_max, 1.0)
+            v_rel = (vs * (1.0 / v_max))[None, :]
+            v_max = jnp.full((block_m,), v_max)
         return online_softmax(carry, s, pos, row_pos if masked else None,
-                              lambda p: _dot((p * (vs / v_max)[None, :]).astype(cdt), vt, 1, precision) * v_max)
+                              lambda p: _dot((p * v_rel).astype(cdt), vt, 1, precision) * v_max[:, None])
 
     if fp8:
         step = step_fp8
         # Tiles are converted to f16 for 16-bit queries: on sm_90 an fp8 pair becomes an f16 pair in one
-        # instruction, a bf16 pair takes several (measured: docs/DECISIONS.md). Queries too large for
-        # f16 are divided by a power of two (exact) that multiplies the scores back.
+        # instruction, a bf16 pair takes several (measured: docs/DECISIONS.md). Each query row is first
+        # multiplied by a power of two (exact) that brings its largest element to [2**14, 2**15), in
+        # f16's range with f16's full precision; the row's scores are multiplied back.
         to_f16 = jnp.dtype(q.dtype).itemsize == 2
         cdt = jnp.float16 if to_f16 else q.dtype
         if to_f16:
-            q_max = jnp.maximum(jnp.max(jnp.abs(q.astype(jnp.float32))), 1.0)  # (all-zero queries: log2 finite)
-            q_exp = jnp.clip(jnp.ceil(jnp.log2(q_max)).astype(jnp.int32) - 14, 0, 126)  # max / 2**e <= 2**15
-            q_c = (q.astype(jnp.float32) * power_of_two(-q_exp)).astype(cdt)
-            scale_log2 = scale_log2 * power_of_two(q_exp)
+            q32 = q.astype(jnp.float32)
+            row_max = jnp.max(jnp.abs(q32), axis=1)
+            # floor(log2(row_max)) read from the float's exponent bits (exact; zero rows: -127)
+            row_exp = ((lax.bitcast_convert_type(row_max, jnp.int32) >> 23) & 0xFF) - 127
+            q_exp = jnp.clip(row_exp - 14, -100, 113)
+            q_c = (q32 * power_of_two(-q_exp)[:, None]).astype(cdt)
+            q_scale = power_of_two(q_exp)  # [block_m]
         else:
             q_c = q
 

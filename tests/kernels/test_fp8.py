@@ -122,6 +122,41 @@ def test_fp8_attention_with_queries_beyond_f16_range_matches_the_reference():
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
 
 
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_bf16_queries_over_fp8_keep_batch_invariance_and_rows_independent(fp8):
+    """bf16 queries take the kernel's f16 path (each row's queries and V scales normalised per row). In
+    the batch-invariant configuration a token computed inside a prefill chunk equals, bitwise, the
+    same token decoded alone, even when a later token of its tile has a larger V scale and another
+    row of its query tile has huge or non-finite queries; small queries over large keys stay accurate."""
+    rng = np.random.default_rng(21)
+    hq, hkv, d, bs = 8, 1, 64, 64  # group 8: two tokens per 16-row query tile
+    k = rng.standard_normal((2, bs, hkv, d)) * 4
+    v = rng.standard_normal((2, bs, hkv, d)) * np.exp(rng.standard_normal((2, bs, 1, 1)))  # scales vary per token
+    v[0, 39] *= 64  # the chunk's second token: the largest V scale of the tile
+    k[0, 40:], v[0, 40:] = np.nan, np.nan  # stale slots
+    k[1], v[1] = np.nan, np.nan
+    pool = fp8_pool(k, v, fp8)
+    tables = jnp.asarray([[0]], jnp.int32)
+    q = rng.standard_normal((2, hq, d))
+    for big in (1e9, np.inf):
+        q[1, 3] = big  # the second token's fourth head
+        qb = jnp.asarray(q, jnp.bfloat16)
+        chunk = paged_attention(qb, pool, 1, jnp.asarray([0, 2], jnp.int32), jnp.asarray([40], jnp.int32), tables,
+                                interpret=True, batch_invariant=True)
+        alone_args = (qb[:1], pool, 1, jnp.asarray([0, 1], jnp.int32), jnp.asarray([39], jnp.int32), tables)
+        alone = paged_attention(*alone_args, interpret=True, batch_invariant=True)
+        np.testing.assert_array_equal(np.asarray(chunk[0], np.float32), np.asarray(alone[0], np.float32))
+        ref = np.asarray(reference(*alone_args), np.float32)
+        got = np.asarray(paged_attention(*alone_args, interpret=True), np.float32)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 5e-3
+    # queries of order 1e-6 over keys of order 1e6: scaled up into f16's normal range, not flushed
+    small_k = np.where(np.isnan(k), np.nan, k * 2.5e5)
+    args = (jnp.asarray(q[:1] * 1e-6, jnp.bfloat16), fp8_pool(small_k, v, fp8), 1, jnp.asarray([0, 1], jnp.int32),
+            jnp.asarray([39], jnp.int32), tables)
+    got, ref = np.asarray(paged_attention(*args, interpret=True), np.float32), np.asarray(reference(*args), np.float32)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 5e-3
+
+
 @pytest.mark.slow  # (the quick subset keeps the default configuration's check above)
 def test_attention_over_an_fp8_pool_every_configuration():
     q_lens, kv_lens, bs, hq, hkv, d = [1] * 6, [1, 15, 64, 65, 60, 150], 64, 8, 2, 64
@@ -138,17 +173,17 @@ def test_attention_over_an_fp8_pool_every_configuration():
 @pytest.mark.slow
 def test_batch_invariant_attention_over_fp8_pools_of_every_block_size_agrees_bitwise():
     """The same tokens written into fp8 pools of block size 8 (a 64-slot tile spans eight blocks) and 64
-    (one block a tile), blocks in random order, NaN wherever nothing was written, read by float32
-    queries in the batch-invariant configuration: each matches the reference, and the two agree
-    bitwise (the kernel reads 64-slot tiles whatever the block size)."""
+    (one block a tile), blocks in random order, NaN wherever nothing was written, read by float32 and
+    by bf16 queries (the kernel's f16 path) in the batch-invariant configuration: each matches the
+    reference, and the two agree bitwise (the kernel reads 64-slot tiles whatever the block size)."""
     rng = np.random.default_rng(11)
     hq, hkv, d, q_lens, kv_lens = 8, 2, 64, [1, 5, 1], [70, 5, 20]
     k = rand(rng, (sum(kv_lens), hkv, d), jnp.bfloat16, 3.0)
     v = rand(rng, (sum(kv_lens), hkv, d), jnp.bfloat16)
-    q = rand(rng, (sum(q_lens) + 2, hq, d), jnp.float32)
+    q32 = rand(rng, (sum(q_lens) + 2, hq, d), jnp.float32)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     outs = []
-    for bs in (8, 64):
+    for q, bs in ((q32, 8), (q32, 64), (q32.astype(jnp.bfloat16), 8), (q32.astype(jnp.bfloat16), 64)):
         width = max(-(-n // bs) for n in kv_lens)
         n = len(kv_lens) * width + 2
         tables = rng.permutation(n)[: len(kv_lens) * width].reshape(len(kv_lens), width).astype(np.int32)
@@ -160,8 +195,9 @@ def test_batch_invariant_attention_over_fp8_pools_of_every_block_size_agrees_bit
         outs.append(np.asarray(paged_attention(*args, interpret=True, batch_invariant=True), np.float32))
         np.testing.assert_allclose(outs[-1], np.asarray(reference(*args), np.float32),
                                    rtol=2e-2, atol=2e-2)
-    assert np.all(np.isfinite(outs[0]))
+    assert np.all(np.isfinite(outs[0])) and np.all(np.isfinite(outs[2]))
     np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[2], outs[3])
 
 
 def test_write_kv_quantises_each_token_into_the_scale_row():
