@@ -64,8 +64,9 @@ def pallas_addressable(num_bytes: int, itemsize: int) -> bool:
 
 def check_pool(kv_pool: jax.Array, layer: Layer) -> None:
     """Raises a ValueError naming the problem if ``kv_pool`` is not ``[L, N, bs, 2, Hkv, D]``, is too
-    large for 32-bit offsets but not for 64-bit ones (:func:`pallas_addressable`), or ``layer`` is not one of its layers (a Python int in range, or an integer scalar array: its value is
-    the caller's to keep in range, as the model's layer loop does)."""
+    large for 32-bit offsets but not for 64-bit ones (:func:`pallas_addressable`), or ``layer`` is not
+    one of its layers (a Python int in range, or an integer scalar array: its value is the caller's to
+    keep in range, as the model's layer loop does)."""
     if kv_pool.ndim != 6 or kv_pool.shape[3] != 2:
         raise ValueError(f"kv_pool must be [L, num_blocks, block_size, 2, Hkv, D]; got {kv_pool.shape}")
     if not pallas_addressable(kv_pool.size * kv_pool.dtype.itemsize, kv_pool.dtype.itemsize):
