@@ -113,6 +113,9 @@ def main() -> None:
               f" ({split:>17}) {r['engine_start_s']:18.1f} {r['start_s']:8.1f} {r['first_ttft_ms']:14.2f}"
               f" {r['steady_ttft_ms']:15.2f} {r['after_idle_ttft_ms']:19.2f}"
               f" {r['compiles_after_warmup']:23d} {len(r['warnings']):9d}")
+    for kind, r in rows.items():
+        for line in r["warnings"]:
+            print(f"{kind} warning: {line[:300]}")
 
 
 if __name__ == "__main__":

@@ -381,7 +381,14 @@ class LLMEngine:
     def kv_pool(self) -> jax.Array:
         """The KV pool (every layer's blocks, one donated array); waits for it if it is still being made."""
         if self._kv_pool_future is not None:
-            self._kv_pool, self._kv_pool_future = self._kv_pool_future.result(), None
+            future, self._kv_pool_future = self._kv_pool_future, None
+            try:
+                self._kv_pool = future.result()
+            except Exception as e:  # (raised in the thread: said here, with what was asked for)
+                raise RuntimeError(
+                    f"the KV pool of {self.num_blocks} blocks ({self.num_blocks * self.config.block_size} tokens, "
+                    f"{self.num_blocks * self.config.block_size * self.bytes_per_token / 2**30:.2f} GiB) could not "
+                    f"be allocated: {e}. Lower memory_fraction or set num_blocks.") from e
         return self._kv_pool
 
     @kv_pool.setter
