@@ -178,6 +178,11 @@ class EventLog:
     def for_request(self, request_id: str) -> list[KVEvent]:
         return [e for e in self._events if e.request_id == request_id]
 
+    def truncate(self, length: int) -> None:
+        """Drops the events recorded after the log held ``length``."""
+        while len(self._events) > length:
+            self._events.pop()
+
     def clear(self) -> None:
         self._events.clear()
 

@@ -66,3 +66,28 @@ def test_a_pool_that_cannot_be_made_says_so_when_first_needed(monkeypatch):
     llm = LLM(tiny_checkpoint_path("qwen3"), warmup=False, **SMALL)
     with pytest.raises(RuntimeError, match=r"KV pool of 32 blocks \(512 tokens.*RESOURCE_EXHAUSTED.*memory_fraction"):
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+
+
+def test_settle_leaves_no_trace_a_user_can_see():
+    """The throwaway requests that end a GPU warm-up: afterwards the stats, the step records, the KV
+    event log and the prefix cache are as before, and the next request's output is unchanged."""
+    from jaxpaged import EngineConfig, LLMEngine, load_params
+    from jaxpaged.llm import run_to_completion
+
+    config = EngineConfig(**{k: v for k, v in SMALL.items() if k != "dtype"}, kv_cache_dtype="float32", event_log=True)
+    params = load_params(tiny_checkpoint_path("qwen3"), dtype="float32")
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    plain, settled = LLMEngine(params, config), LLMEngine(params, config)
+    compiles = ("compile_seconds", "compiled_shapes")  # (no warm-up here: settle compiles its step)
+    before = {k: v for k, v in settled.stats().items() if k not in compiles}
+    settled.settle()
+    assert {k: v for k, v in settled.stats().items() if k not in compiles} == before
+    assert settled.stats()["compiled_shapes"] == 1  # (the throwaway requests did run a step)
+    assert len(settled.kv.events) == 0 and settled.metrics.records == []
+    assert settled.kv.num_cached_blocks == 0
+    outs = [run_to_completion(e, [list(range(1, 40))], sp)[0].outputs[0].token_ids for e in (plain, settled)]
+    assert outs[0] == outs[1]
+    # Requests already queued: settle does nothing (their outputs belong to the caller).
+    rid = settled.add_request([5, 6, 7], sp)
+    settled.settle()
+    assert rid in settled._requests and settled.stats()["steps"] == plain.stats()["steps"]
