@@ -47,6 +47,8 @@ the output; the fp8 values and power-of-two scales are the same in kernel and re
     python3 -m pip install -q --no-deps --no-build-isolation -e . && \
         PYTHONUNBUFFERED=1 python3 benchmarks/results/fp8/attention_variants/ladder.py 2>&1 | tee $OUT/ladder.log
     LADDER_SET=f16 python3 ...ladder.py   # the f16-conversion rows (knob ``cvt``) and a bf16-pool anchor (B16)
+    LADDER_SET=occ python3 ...ladder.py   # occupancy: the masked tiles in a while loop (``tail="while"``,
+                                          # and the engine kernel so changed, "pa_while"), stages, warps
     python benchmarks/results/fp8/attention_variants/ladder.py --tiny      # CPU: tiny shapes, interpret mode, correctness only
 """
 from __future__ import annotations
@@ -81,6 +83,29 @@ from jaxpaged.kernels.kv_write import pool_shape, write_kv  # noqa: E402
 from jaxpaged.kernels.paged_attention import (  # noqa: E402
     LOG2E, _MASKED, choose_config, online_softmax, paged_attention)
 from jaxpaged.kernels.paged_attention_reference import paged_attention_reference  # noqa: E402
+
+
+def _while_tail_kernel_module():
+    """The engine's kernel module with its masked tiles in a while loop (an scf.while: never
+    software-pipelined, no stage buffers): its source with the second ``fori_loop`` replaced."""
+    import importlib.util
+    import types
+
+    import jaxpaged.kernels.paged_attention as engine_kernel
+
+    src = open(engine_kernel.__file__).read()
+    old = "    acc, m_i, l_i = lax.fori_loop(mid, t1, functools.partial(step, masked=True), carry)\n"
+    new = ("    def w_cond(c):\n        return (c[0] < t1) & (c[0] >= mid)  # (two tests: not pattern-matched into an scf.for)\n"
+           "    def w_body(c):\n        return (c[0] + 1, *step(c[0], c[1:], masked=True))\n"
+           "    _, acc, m_i, l_i = lax.while_loop(w_cond, w_body, (mid, *carry))\n")
+    assert src.count(old) == 1, "the engine kernel's masked loop moved: update this replacement"
+    module = types.ModuleType("pa_while")
+    sys.modules["pa_while"] = module  # (its dataclasses look their module up there)
+    exec(compile(src.replace(old, new), "pa_while", "exec"), module.__dict__)
+    return module
+
+
+pa_while = _while_tail_kernel_module()
 
 FP8 = jnp.float8_e4m3fn
 BS = 64  # the fp8 pool's block size = the kernel's KV tile
@@ -283,6 +308,13 @@ def ladder_kernel(*refs, kn: Knobs, sh: Shapes, block_m: int, block_k: int, laye
         carry = lax.fori_loop(t0, mid, functools.partial(step, masked=False), carry)
         if kn.tail == "loop":
             acc, m_i, l_i = lax.fori_loop(mid, t1, functools.partial(step, masked=True), carry)
+        elif kn.tail == "while":  # a while loop (scf.while: never software-pipelined, no stage buffers)
+            def w_cond(c):
+                return (c[0] < t1) & (c[0] >= mid)  # (two tests: not pattern-matched into an scf.for)
+
+            def w_body(c):
+                return (c[0] + 1, *step(c[0], c[1:], masked=True))
+            _, acc, m_i, l_i = lax.while_loop(w_cond, w_body, (mid, *carry))
         else:  # a decode tile's masked tiles: at most cdiv(block_q - 1, block_k) + 1 (its last tokens' diagonal)
             for j in range(pl.cdiv(block_q - 1, block_k) + 1):
                 t = mid + j
@@ -373,6 +405,23 @@ def rungs(sh: Shapes, cu, kl):
             ("ragged+search+two_loops", dict(ragged_grid=True, search=True, kv_dyn=True, two_loops=True))]
     for name, ch in plus:
         out.append((f"V+{name}", f"variant replica plus {name}", L(dataclasses.replace(VARIANT, **ch))))
+    if os.environ.get("LADDER_SET") == "occ":  # occupancy: the tail outside the pipeliner, stages, warps
+        F = lambda **ch: L(dataclasses.replace(E, cvt="f16", **ch))  # noqa: E731
+        FV = lambda **ch: L(dataclasses.replace(VARIANT, cvt="f16", **ch))  # noqa: E731
+        return [out[0], out[2],
+                ("F-V1", "variant replica, tiles converted to f16", FV()),
+                ("F-E-tail_min", "engine replica, f16, masked loop reads whole tiles, zeroes V only", F(tail_loads="min")),
+                ("F-E-while_min", "F-E-tail_min, the masked tiles in a while loop (not pipelined)", F(tail="while", tail_loads="min")),
+                ("F-E-tail_min-st4", "F-E-tail_min, num_stages=4", F(tail_loads="min", num_stages=4)),
+                ("F-E-while_min-st4", "F-E-while_min, num_stages=4", F(tail="while", tail_loads="min", num_stages=4)),
+                ("F-E-tail_min-w2", "F-E-tail_min, num_warps=2", F(tail_loads="min", num_warps=2)),
+                ("F-E-while_min-w2", "F-E-while_min, num_warps=2", F(tail="while", tail_loads="min", num_warps=2)),
+                ("F-E-while_min-st2", "F-E-while_min, num_stages=2", F(tail="while", tail_loads="min", num_stages=2)),
+                ("F-V1-st4", "F-V1, num_stages=4", FV(num_stages=4)),
+                ("F-V1-w2", "F-V1, num_warps=2", FV(num_warps=2)),
+                ("E-while_min", "bf16 tiles, masked tiles in a while loop", L(dataclasses.replace(E, tail="while", tail_loads="min"))),
+                ("E0w", "the engine's kernel, its masked tiles in a while loop (pa_while)",
+                 lambda q, p, t: pa_while.paged_attention(q, p, 0, cu, kl, t, interpret=sh.interpret))]
     if os.environ.get("LADDER_SET") == "f16":
         F = lambda **ch: L(dataclasses.replace(E, cvt="f16", **ch))  # noqa: E731
         return out[:4] + [
@@ -483,11 +532,26 @@ def main():
     for r in kvlens_rows:
         table.append((f"X-{r}-kvlens", f"{r} with kv_lens in [1, CTX]: its masked path (correctness only)", None))
     table.append(("X-E0-ctx-1", "engine with kv_len = CTX - 1 (the last tile through the masked loop)", None))
+    if os.environ.get("LADDER_SET") == "occ":
+        kvlens_rows = {"F-E-while_min": Knobs(cvt="f16", tail="while", tail_loads="min"),
+                       "F-E-while_min-w2": Knobs(cvt="f16", tail="while", tail_loads="min", num_warps=2)}
+        table = [r for r in table if not r[0].startswith("X-")] + [("X-E0-ctx-1", "engine with kv_len = CTX - 1", None)]
+        table += [(f"X-{r}-kvlens", f"{r} with kv_lens in [1, CTX] (correctness only)", None) for r in kvlens_rows]
     ctx1_rows = {"X-Ecnd-ctx-1": Knobs(tail="cond"), "X-Ftf-ctx-1": Knobs(cvt="f16", tail_loads="full"),
                  "X-Ftm-ctx-1": Knobs(cvt="f16", tail_loads="min"), "X-Fall-ctx-1": Knobs(cvt="f16", tail="all", tail_loads="min"),
                  "X-Fcf-ctx-1": Knobs(cvt="f16", tail="cond", tail_loads="full")}
     for r, k in ctx1_rows.items():
         table.append((r, f"{k} with kv_len = CTX - 1 (every sequence's last tile masked)", None))
+    if os.environ.get("LADDER_SET") == "occ":
+        table.append(("B16", "the engine's kernel over a bf16 pool of block size 16 (the same K/V)", None))
+        table.append(("B16w", "pa_while over that bf16 pool", None))
+        table.append(("X-E0w-ctx-1", "pa_while with kv_len = CTX - 1", None))
+        table.append(("X-E0w-kvlens", "pa_while with kv_lens in [1, CTX] over a NaN-poisoned pool (correctness only)", None))
+        ctx1_rows = {"X-Ftm-ctx-1": Knobs(cvt="f16", tail_loads="min"),
+                     "X-Fwm-ctx-1": Knobs(cvt="f16", tail="while", tail_loads="min"),
+                     "X-Fwm-w2-ctx-1": Knobs(cvt="f16", tail="while", tail_loads="min", num_warps=2)}
+        table = [r for r in table if not (r[0].startswith("X-") and r[0].endswith("ctx-1")) or r[0] in ("X-E0-ctx-1", "X-E0w-ctx-1")]
+        table += [(r, f"{k} with kv_len = CTX - 1 (every sequence's last tile masked)", None) for r, k in ctx1_rows.items()]
     if os.environ.get("LADDER_SET") == "f16":
         table = [r for r in table if not r[0].startswith("X-") or r[0].endswith("ctx-1")
                  or r[0][2:-7] in kvlens_rows and r[0][2:4] == "F-"]
@@ -505,9 +569,10 @@ def main():
             continue
         try:
             pool_arg, ref_used, tables_arg = pool, ref, tables
-            if name == "B16":
+            if name in ("B16", "B16w"):
                 pool_arg, tables_arg = bf16_case(sh)
-                fn = lambda q, p, t: paged_attention(q, p, 0, cu, kl, t, interpret=sh.interpret)  # noqa: E731
+                pa = paged_attention if name == "B16" else pa_while.paged_attention
+                fn = lambda q, p, t, pa=pa: pa(q, p, 0, cu, kl, t, interpret=sh.interpret)  # noqa: E731
                 with jax.default_matmul_precision("highest"):
                     ref_used = np.asarray(jax.jit(paged_attention_reference, static_argnums=2)(
                         q, pool_arg, 0, cu, kl, tables_arg), np.float32)
@@ -526,7 +591,8 @@ def main():
                     poisoned[kind] = (kl2, p2, r2)
                 kl2, pool_arg, ref_used = poisoned[kind]
                 if name.startswith("X-E0"):
-                    fn = lambda q, p, t, kl2=kl2: paged_attention(q, p, 0, cu, kl2, t, interpret=sh.interpret)  # noqa: E731
+                    pa = pa_while.paged_attention if name.startswith("X-E0w") else paged_attention
+                    fn = lambda q, p, t, kl2=kl2, pa=pa: pa(q, p, 0, cu, kl2, t, interpret=sh.interpret)  # noqa: E731
                 else:
                     kn2 = kvlens_rows[name[2:-7]] if name.endswith("-kvlens") else ctx1_rows[name]
                     fn = lambda q, p, t, kl2=kl2, kn2=kn2: ladder_call(q, p, jnp.int32(0), cu, kl2, t, kn=kn2, sh=sh)  # noqa: E731
@@ -561,7 +627,7 @@ def main():
         except Exception as e:  # noqa: BLE001
             row = dict(rung=name, what=what, us=float("nan"), tbps=float("nan"), rel_err=float("nan"),
                        max_abs_vs_E1=float("nan"), ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
-        if name == "B16":
+        if name in ("B16", "B16w"):
             nbytes = nb_save
         results.append(row)
         print(json.dumps(row), flush=True)
