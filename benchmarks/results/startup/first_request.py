@@ -1,6 +1,13 @@
-"""Do dummy requests at the end of the warm-up absorb the first requests' CUDA-graph re-records?
-python .gpu/first5.py {plain|same3|other3|same6}: N dummy requests (32 tokens = the measured request's
-bucket, or 100 tokens = another bucket), then a first 32-token request after 0.2 s idle."""
+"""Do throwaway requests at the end of the warm-up absorb the first requests' CUDA-graph re-records?
+
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
+        python benchmarks/results/startup/first_request.py {plain|same3|other3|same6} 2> xla.log
+
+N throwaway requests (32 tokens = the measured request's bucket, or 100 tokens = another bucket), then
+a first 32-token request after 0.2 s of idle; "MARK" lines in stderr separate its part of XLA's log
+(count "updated_allocs"). Since 48924e0 the engine's warm-up ends with ``settle`` itself, so "plain"
+then includes three throwaway requests.
+"""
 import sys, time, warnings
 warnings.filterwarnings("ignore")
 import numpy as np, jax
