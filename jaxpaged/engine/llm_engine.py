@@ -17,7 +17,6 @@ while the device runs step N. Both modes share one bookkeeping path (advance, th
 
 from __future__ import annotations
 
-import concurrent.futures
 import copy
 import dataclasses
 import logging
@@ -136,17 +135,7 @@ class LLMEngine:
                                    max_model_len=self.max_model_len, eos_token_ids=cfg.eos_token_id,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    scheduling_policy=config.scheduling_policy)
-        # On one device the pool is made in a thread: mapping tens of GiB of device memory takes ~1.5 s on
-        # the H200, and the warm-up loads or compiles the steps meanwhile (they need only its shape).
-        self._kv_pool: jax.Array | None = None
-        self._kv_pool_future: concurrent.futures.Future | None = None
-        make = (params, self.num_blocks, config.block_size, self.kv_dtype)
-        if params.mesh is None and self.kv.host is None:
-            maker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxpaged-kv-pool")
-            self._kv_pool_future = maker.submit(make_kv_pool, *make)
-            maker.shutdown(wait=False)  # (the thread ends with its one task)
-        else:
-            self._kv_pool = make_kv_pool(*make)
+        self.kv_pool = make_kv_pool(params, self.num_blocks, config.block_size, self.kv_dtype)
         self.kv_transfers = KVTransfers(self.kv_pool, num_host_blocks) if self.kv.host is not None else None
         if config.kv_offloading_size:
             log.info("KV host tier: %d blocks, %.2f GiB", num_host_blocks,
@@ -378,37 +367,6 @@ class LLMEngine:
                                  eos_token_ids=self.params.config.eos_token_id,
                                  maybe_features=self._num_feature_requests > 0, min_tokens=self.min_token_bucket)
 
-    @property
-    def kv_pool(self) -> jax.Array:
-        """The KV pool (every layer's blocks, one donated array); waits for it if it is still being made."""
-        if self._kv_pool_future is not None:
-            future, self._kv_pool_future = self._kv_pool_future, None
-            try:
-                self._kv_pool = future.result()
-            except Exception as e:  # (raised in the thread: said here, with what was asked for)
-                raise RuntimeError(
-                    f"the KV pool of {self.num_blocks} blocks ({self.num_blocks * self.config.block_size} tokens, "
-                    f"{self.num_blocks * self.config.block_size * self.bytes_per_token / 2**30:.2f} GiB) could not "
-                    f"be allocated: {e}. Lower memory_fraction or set num_blocks.") from e
-        return self._kv_pool
-
-    @kv_pool.setter
-    def kv_pool(self, pool: jax.Array) -> None:
-        self._kv_pool, self._kv_pool_future = pool, None
-
-    def _kv_pool_spec(self):
-        """The pool, or while it is still being made its shape, dtype and device (enough to compile for)."""
-        if self._kv_pool_future is None:
-            return self._kv_pool
-        from jax.sharding import SingleDeviceSharding
-
-        from ..kernels.kv_write import pool_shape
-
-        cfg = self.params.config
-        shape = pool_shape(cfg.num_hidden_layers, self.num_blocks, self.config.block_size, cfg.num_key_value_heads,
-                           cfg.head_dim, self.kv_dtype)
-        return jax.ShapeDtypeStruct(shape, jnp.dtype(self.kv_dtype), sharding=SingleDeviceSharding(jax.local_devices()[0]))
-
     def _take_free_tokens(self) -> jax.Array | None:
         """A read-back token buffer for the next step's output, never the one the step reads its
         placeholders from (``_prev_tokens``, also read back when a step scheduled nothing)."""
@@ -519,7 +477,7 @@ class LLMEngine:
 
             bar = tqdm(total=2 if jax.default_backend() == "gpu" else 1, unit="phase",
                        desc=f"jaxpaged: compiling {len(steps)} step shapes")
-        compiled = self.runner.precompile(self.params.state, self._kv_pool_spec(), steps, self._prev_tokens)
+        compiled = self.runner.precompile(self.params.state, self.kv_pool, steps, self._prev_tokens)
         if self.kv_transfers is not None:
             self.kv_transfers.warmup(self.kv_pool)
         if bar is not None:
