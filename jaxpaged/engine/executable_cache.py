@@ -10,7 +10,9 @@ executable depends on: jax and jaxlib versions, the device kind, the model's con
 structure and dtype, the engine's step options and the engine's own source code. A different version,
 GPU or model config therefore never loads a wrong entry. Writes are atomic (a temporary file, then a
 rename), so concurrent engines can share a folder; an unreadable entry is reported once, deleted and
-compiled again, never fatal.
+compiled again, never fatal. On a CPU a step that XLA's persistent cache supplied is not stored: the
+XLA CPU runtime serialises such an executable without its compiled functions, and the copy loaded in
+the next process fails when it runs ("Function ... not found"; jax 0.12).
 """
 
 from __future__ import annotations
@@ -30,6 +32,23 @@ import jax
 log = logging.getLogger(__name__)
 _warned = False  # the unreadable-entry warning was given (once per process)
 _warn_lock = threading.Lock()
+_thread = threading.local()  # XLA persistent-cache hits seen by the current thread (compile_step)
+
+
+def _count_persistent_cache_hit(event: str, **_kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":  # (recorded in the compiling thread)
+        _thread.hits = getattr(_thread, "hits", 0) + 1
+
+
+jax.monitoring.register_event_listener(_count_persistent_cache_hit)
+
+
+def compile_step(lowered) -> tuple[Any, bool]:
+    """``lowered.compile()``, and whether the result may be stored here (see the module docstring)."""
+    before = getattr(_thread, "hits", 0)
+    compiled = lowered.compile()
+    from_xla_cache = getattr(_thread, "hits", 0) > before
+    return compiled, not (from_xla_cache and jax.default_backend() == "cpu")
 
 
 @functools.cache

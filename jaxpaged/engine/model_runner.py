@@ -25,7 +25,7 @@ from ..kernels.kv_write import write_kv
 from ..models.ops import get_attention_fn, get_model_ops, resolve_backend
 from ..models.qwen import DEFAULT_OPS, KVPool, ModelOps
 from ..sampling.features import sample_step
-from .executable_cache import clone
+from .executable_cache import clone, compile_step
 from .step_inputs import StepInputs, pack, to_step_memory, unpack
 from .tuning import StepTuning
 
@@ -159,6 +159,7 @@ class ModelRunner:
         # are also kept on disk when the engine gives an ``ExecutableCache`` (``executable_cache.py``).
         self._executables: dict[tuple, Any] = {}
         self.executable_cache = None
+        self._preloads: dict[str, concurrent.futures.Future] = {}  # executables being read from disk (preload)
         # The spare token buffer is donated on a GPU only: a CPU has no CUDA graphs, so the recycled
         # buffer buys nothing there, and there ``np.asarray`` may return a view of the buffer itself
         # (cached on the array), which a donated buffer would overwrite under its reader.
@@ -262,6 +263,32 @@ class ModelRunner:
             return self._replicate(zeros)
         return jax.device_put(zeros, jax.local_devices()[0])
 
+    def preload(self, kv_pool, steps: list[StepInputs], prev_tokens) -> None:
+        """Starts reading from ``executable_cache``, in threads, the executables ``precompile`` will want
+        for ``steps`` (it then takes them instead of reading them itself). ``kv_pool`` and ``prev_tokens``
+        need only their shapes and dtypes: the engine calls this before it makes its pool, so that
+        reading the executables overlaps mapping the pool's memory (reading them allocates no device
+        memory of the pool's allocator)."""
+        cache = self.executable_cache
+        if cache is None or self.mesh is not None:
+            return
+        names = []
+        for inputs in steps:
+            cublas = self.uses_cublas(inputs.token_ids.shape[0])
+            name = repr(self._base_key(pack(inputs)[1], prev_tokens, kv_pool, cublas) + (0,))
+            if name not in self._preloads:
+                names.append(name)
+        if names:
+            readers = concurrent.futures.ThreadPoolExecutor(min(len(names), os.cpu_count() or 1),
+                                                            thread_name_prefix="jaxpaged-preload")
+            self._preloads.update((name, readers.submit(cache.load, name)) for name in names)
+            readers.shutdown(wait=False)  # (the threads end with their reads)
+
+    def _load(self, name: str):
+        """The executable stored for ``name``: the preloaded one (``preload``), else read now."""
+        future = self._preloads.pop(name, None)
+        return future.result() if future is not None else self.executable_cache.load(name)
+
     def precompile(self, state: nnx.State, kv_pool: KVPool, steps: list[StepInputs], prev_tokens: jax.Array,
                    threads: int | None = None) -> list[tuple[StepInputs, int]]:
         """Compiles, without running, every copy of the step for each of ``steps``' shapes not compiled
@@ -295,15 +322,15 @@ class ModelRunner:
                 """A shape's executables: ``exe`` loaded, or ``lowered`` compiled (and stored); then its clones."""
                 if exe is None:
                     tc = time.perf_counter()
-                    exe = lowered.compile()
+                    exe, storable = compile_step(lowered)
                     compile_times.append((repr(base_key[0]), time.perf_counter() - tc))
-                    if cache is not None:
+                    if cache is not None and storable:
                         cache.store(repr(base_key + (0,)), exe)
                 return [exe] + [clone(exe) for _ in range(1, turns)] if self.mesh is None else [exe]
 
             with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
                 # Executables on disk load in parallel (each ~0.25 s on the H200, mostly in XLA's runtime).
-                loads = (list(pool.map(lambda w: cache.load(repr(w[0] + (0,))), wanted)) if cache
+                loads = (list(pool.map(lambda w: self._load(repr(w[0] + (0,))), wanted)) if cache
                          else [None] * len(wanted))
                 futures = {}
                 for i, loaded in enumerate(loads):
