@@ -151,7 +151,7 @@ class LLMEngine:
         self._max_width = bucket(-(-self.max_model_len // config.block_size), 1)
         self._table_width = self._max_width if self.runner.attention_backend in KERNEL_BACKENDS else None
         if jax.default_backend() == "gpu":
-            # The warm-up's executables are read from disk while the pool's memory is mapped (1.8 s for
+            # The warm-up's executables are read from disk while the pool's memory is mapped (~2 s for
             # 93 GiB on the H200); the pool is still made before anything else can allocate.
             self._preload_warmup()
         self.kv_pool = make_kv_pool(params, self.num_blocks, config.block_size, self.kv_dtype)
@@ -458,7 +458,8 @@ class LLMEngine:
         ``max_num_batched_tokens``, in each sampler variant (``random``, and ``filtered`` for top-k /
         top-p), every copy of each (``ModelRunner.precompile``: XLA compiles them in parallel). On a GPU
         each then runs once on an all-padding batch (no sequence, every slot -1: nothing is written or
-        read), so its first real launch finds everything loaded. Returns the seconds spent.
+        read), so its first real launch finds everything loaded, and three throwaway requests follow
+        (``settle``). Returns the seconds spent.
 
         Not compiled here, on first use instead: the variants of penalties, min_p, min_tokens with
         stop tokens, and logprobs (``sampling/features.py``: one per combination in use); on the jnp
