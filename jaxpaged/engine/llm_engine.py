@@ -531,7 +531,8 @@ class LLMEngine:
 
     def settle(self, num_requests: int = SETTLE_REQUESTS) -> None:
         """Runs ``num_requests`` throwaway one-token requests through the whole loop, then puts back
-        every counter, step record and KV event they left, so the engine looks as if none ran.
+        every counter, step record, KV event and random draw they left, so the engine looks as if none
+        ran.
 
         Why: XLA re-records a step's CUDA graph (~1.2 ms for a Qwen3-0.6B step on the H200) when a
         buffer the graph reads has moved since its last launch. Real steps reach the addresses they
@@ -548,7 +549,8 @@ class LLMEngine:
         m = self.metrics
         metrics = (len(m.records), m.total_seconds, m.total_steps, m.host_seconds, m.device_seconds)
         num_events = len(self.kv.events) if self.kv.events is not None else 0
-        prompt = [0] * max(1, self.config.block_size // 2)
+        rng_state = self._rng.bit_generator.state  # (requests without a seed draw theirs from it)
+        prompt = [0] * max(1, min(self.config.block_size // 2, self.max_model_len - 1))
         for i in range(num_requests):
             self.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), request_id=f"jaxpaged-settle-{i}")
             while self.has_unfinished_requests():
@@ -560,6 +562,7 @@ class LLMEngine:
         m.total_seconds, m.total_steps, m.host_seconds, m.device_seconds = metrics[1:]
         if self.kv.events is not None:
             self.kv.events.truncate(num_events)
+        self._rng.bit_generator.state = rng_state
 
     def close(self) -> None:
         """Releases what the engine acquired outside JAX (the stream token reader's CUDA stream and

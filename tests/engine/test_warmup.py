@@ -3,6 +3,8 @@ for a compilation; ``warmup=False`` skips it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from jaxpaged import LLM, SamplingParams
@@ -58,7 +60,8 @@ def test_settle_leaves_no_trace_a_user_can_see():
     from jaxpaged import EngineConfig, LLMEngine, load_params
     from jaxpaged.llm import run_to_completion
 
-    config = EngineConfig(**{k: v for k, v in SMALL.items() if k != "dtype"}, kv_cache_dtype="float32", event_log=True)
+    config = EngineConfig(**{k: v for k, v in SMALL.items() if k != "dtype"}, kv_cache_dtype="float32", event_log=True,
+                          seed=0)
     params = load_params(tiny_checkpoint_path("qwen3"), dtype="float32")
     sp = SamplingParams(temperature=0, max_tokens=4)
     plain, settled = LLMEngine(params, config), LLMEngine(params, config)
@@ -69,8 +72,18 @@ def test_settle_leaves_no_trace_a_user_can_see():
     assert settled.stats()["compiled_shapes"] == 1  # (the throwaway requests did run a step)
     assert len(settled.kv.events) == 0 and settled.metrics.records == []
     assert settled.kv.num_cached_blocks == 0
-    outs = [run_to_completion(e, [list(range(1, 40))], sp)[0].outputs[0].token_ids for e in (plain, settled)]
+    # The next requests' outputs are unchanged, a sampled one without a seed included (its seed comes
+    # from the engine's generator, which the throwaway requests drew from too).
+    sampled = SamplingParams(temperature=1.0, max_tokens=6)
+    outs = [[o.outputs[0].token_ids for o in run_to_completion(e, [list(range(1, 40)), [7, 8, 9]], [sp, sampled])]
+            for e in (plain, settled)]
     assert outs[0] == outs[1]
+    # An engine whose max_model_len is shorter than half a block still settles (shorter prompts).
+    short = LLMEngine(params, dataclasses.replace(config, max_model_len=4))
+    steps, step = [], short.step
+    short.step = lambda: steps.append(1) or step()
+    short.settle()
+    assert len(steps) >= 3 and short.stats()["steps"] == 0
     # Requests already queued: settle does nothing (their outputs belong to the caller).
     rid = settled.add_request([5, 6, 7], sp)
     settled.settle()
