@@ -540,8 +540,9 @@ class LLMEngine:
         from a serving loop's), so without this the first three requests each paid a re-record.
         Measured with XLA's command-buffer log (docs/DECISIONS.md): after three throwaway requests the
         next request re-records nothing, also when its prompt lands in another token bucket. Each
-        prompt is shorter than a block, so nothing enters the prefix cache. Does nothing while
-        requests are queued or running (their outputs must reach the caller).
+        prompt is shorter than a block, so nothing enters the prefix cache; the one block each used is
+        back on the free list (so block ids handed out later may start at 1, not 0). Does nothing
+        while requests are queued or running (their outputs must reach the caller).
         """
         if self.has_unfinished_requests():
             return
