@@ -540,20 +540,25 @@ class LLMEngine:
         from a serving loop's), so without this the first three requests each paid a re-record.
         Measured with XLA's command-buffer log (docs/DECISIONS.md): after three throwaway requests the
         next request re-records nothing, also when its prompt lands in another token bucket. Each
-        prompt is shorter than a block, so nothing enters the prefix cache; the one block each used is
-        back on the free list (so block ids handed out later may start at 1, not 0). Does nothing
-        while requests are queued or running (their outputs must reach the caller).
+        prompt is shorter than a block, so nothing enters the prefix cache; the blocks they used go
+        to the end of the free list (later requests get never-used blocks first). Does nothing while
+        requests are queued or running (their outputs must reach the caller), with a block size of 1
+        (no prompt is shorter than a block), or where the engine's limits admit no such request.
         """
-        if self.has_unfinished_requests():
+        prompt = [0] * min(self.config.block_size // 2, self.max_model_len - 1,
+                           self.config.max_num_batched_tokens - 1)
+        if self.has_unfinished_requests() or not prompt:
             return
         kv_counters, sched_counters = copy.copy(self.kv.counters), copy.copy(self.scheduler.counters)
         m = self.metrics
         metrics = (len(m.records), m.total_seconds, m.total_steps, m.host_seconds, m.device_seconds)
-        num_events = len(self.kv.events) if self.kv.events is not None else 0
+        events = self.kv.events.snapshot() if self.kv.events is not None else None
         rng_state = self._rng.bit_generator.state  # (requests without a seed draw theirs from it)
-        prompt = [0] * max(1, min(self.config.block_size // 2, self.max_model_len - 1))
         for i in range(num_requests):
-            self.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), request_id=f"jaxpaged-settle-{i}")
+            try:
+                self.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), request_id=f"jaxpaged-settle-{i}")
+            except ValueError:  # (refused whole, nothing queued: limits this check does not foresee)
+                break
             while self.has_unfinished_requests():
                 self.step()
         for counters, saved in ((self.kv.counters, kv_counters), (self.scheduler.counters, sched_counters)):
@@ -561,8 +566,8 @@ class LLMEngine:
                 setattr(counters, field.name, getattr(saved, field.name))
         del m.records[metrics[0]:]
         m.total_seconds, m.total_steps, m.host_seconds, m.device_seconds = metrics[1:]
-        if self.kv.events is not None:
-            self.kv.events.truncate(num_events)
+        if events is not None:
+            self.kv.events.restore(events)
         self._rng.bit_generator.state = rng_state
 
     def close(self) -> None:

@@ -268,16 +268,18 @@ class ModelRunner:
         for ``steps`` (it then takes them instead of reading them itself). ``kv_pool`` and ``prev_tokens``
         need only their shapes and dtypes: the engine calls this before it makes its pool, so that
         reading the executables overlaps mapping the pool's memory (reading them allocates no device
-        memory of the pool's allocator)."""
+        memory of the pool's allocator). Shapes already compiled or read are skipped; reads the next
+        ``precompile`` does not want are dropped there (an engine that never warms up keeps its reads
+        until its weights are dropped)."""
         cache = self.executable_cache
         if cache is None or self.mesh is not None:
             return
         names = []
         for inputs in steps:
             cublas = self.uses_cublas(inputs.token_ids.shape[0])
-            name = repr(self._base_key(pack(inputs)[1], prev_tokens, kv_pool, cublas) + (0,))
-            if name not in self._preloads:
-                names.append(name)
+            key = self._base_key(pack(inputs)[1], prev_tokens, kv_pool, cublas) + (0,)
+            if key not in self._shapes_seen and repr(key) not in self._preloads:  # (not compiled or read yet)
+                names.append(repr(key))
         if names:
             readers = concurrent.futures.ThreadPoolExecutor(min(len(names), os.cpu_count() or 1),
                                                             thread_name_prefix="jaxpaged-preload")
@@ -355,6 +357,7 @@ class ModelRunner:
                     done.append((base_key, inputs, turns, exes[0]))
         for base_key, _, turns, _ in done:
             self._shapes_seen.update(base_key + (turn,) for turn in range(turns))
+        self._preloads.clear()  # (reads this warm-up did not want: not kept alive with the weights)
         t2 = time.perf_counter()
         self.compile_seconds += t2 - t0
         self.last_precompile = {"executables": sum(turns for _, _, turns, _ in done),

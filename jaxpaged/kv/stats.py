@@ -178,10 +178,14 @@ class EventLog:
     def for_request(self, request_id: str) -> list[KVEvent]:
         return [e for e in self._events if e.request_id == request_id]
 
-    def truncate(self, length: int) -> None:
-        """Drops the events recorded after the log held ``length``."""
-        while len(self._events) > length:
-            self._events.pop()
+    def snapshot(self) -> list[KVEvent]:
+        """The events now in the log, oldest first (for ``restore``)."""
+        return list(self._events)
+
+    def restore(self, events: list[KVEvent]) -> None:
+        """Makes the log hold exactly ``events`` again (a ``snapshot``), whatever was recorded since."""
+        self._events.clear()
+        self._events.extend(events)
 
     def clear(self) -> None:
         self._events.clear()

@@ -88,3 +88,67 @@ def test_settle_leaves_no_trace_a_user_can_see():
     rid = settled.add_request([5, 6, 7], sp)
     settled.settle()
     assert rid in settled._requests and settled.stats()["steps"] == plain.stats()["steps"]
+
+
+def test_settle_under_tight_limits_and_a_bounded_event_log():
+    """settle never raises for a valid engine, leaves a bounded event log exactly as it was, and does
+    nothing where no throwaway prompt can stay under one block."""
+    from jaxpaged import EngineConfig, LLMEngine, load_params
+    from jaxpaged.llm import run_to_completion
+
+    params = load_params(tiny_checkpoint_path("qwen3"), dtype="float32")
+    base = dict(kv_cache_dtype="float32", num_blocks=32, max_model_len=64, max_num_seqs=8, compilation_cache=False)
+    # Chunked prefill off and a token budget of 8: the prompt must fit the budget with its token.
+    tight = LLMEngine(params, EngineConfig(**{**base, "max_model_len": None}, block_size=16,
+                                           max_num_batched_tokens=8, enable_chunked_prefill=False))
+    before = {k: v for k, v in tight.stats().items() if k not in ("compile_seconds", "compiled_shapes")}
+    steps, step = [], tight.step
+    tight.step = lambda: steps.append(1) or step()
+    tight.settle()
+    assert len(steps) >= 3  # (it ran, with 7-token prompts)
+    assert {k: v for k, v in tight.stats().items() if k not in ("compile_seconds", "compiled_shapes")} == before
+    # A log of 5 events, full of a real request's: settle's events (more than 5) leave it as it was.
+    logged = LLMEngine(params, EngineConfig(**base, block_size=16, max_num_batched_tokens=32, event_log=5))
+    run_to_completion(logged, [[1, 2, 3, 4, 5]], SamplingParams(temperature=0, max_tokens=2))
+    events = list(logged.kv.events)
+    assert events and all(e.request_id != "jaxpaged-settle-0" for e in events)
+    logged.settle()
+    assert list(logged.kv.events) == events
+    # Block size 1: any prompt fills a block (it would be cached), so settle does nothing.
+    one = LLMEngine(params, EngineConfig(**{**base, "max_model_len": 16}, block_size=1, max_num_batched_tokens=32,
+                                         attention_backend="triton"))
+    steps, step = [], one.step
+    one.step = lambda: steps.append(1) or step()
+    one.settle()
+    assert steps == [] and one.kv.num_cached_blocks == 0
+
+
+def test_preload_skips_shapes_already_compiled():
+    """The warm-up's executables are read ahead only for shapes not compiled yet (the runner is shared
+    by every engine over the same weights)."""
+    from jaxpaged import EngineConfig, LLMEngine, load_params
+
+    class Reads:  # an executable cache that records what is asked of it and has nothing
+        def __init__(self):
+            self.names = []
+
+        def load(self, name):
+            self.names.append(name)
+
+        def store(self, name, compiled):
+            pass
+
+    params = load_params(tiny_checkpoint_path("qwen3"), dtype="float32")
+    config = EngineConfig(**{k: v for k, v in SMALL.items() if k != "dtype"}, kv_cache_dtype="float32",
+                          attention_backend="triton")
+    engine = LLMEngine(params, config)
+    engine.runner.executable_cache = reads = Reads()
+    engine._preload_warmup()
+    for future in list(engine.runner._preloads.values()):
+        future.result()
+    assert len(reads.names) == 4  # 2 token buckets x 2 sampler variants
+    engine.warmup(use_tqdm=False)
+    assert engine.runner._preloads == {}  # taken by the warm-up (misses: compiled there)
+    reads.names.clear()
+    LLMEngine(params, config)._preload_warmup()  # a second engine over the same weights
+    assert reads.names == [] and engine.runner._preloads == {}
