@@ -10,7 +10,7 @@ thread spinning; the GPU kept busy through the idle (tiny kernels with the host 
 ~1.4 ms kernels with the host asleep); and with every other core kept busy by ``nice 19`` spinners.
 Last, ``nvidia-smi`` samples the SM clock every 20 ms across requests and 0.5 s idles.
 """
-import os, sys, time, subprocess, glob, threading
+import os, sys, time, subprocess, glob
 import numpy as np, jax, jax.numpy as jnp
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.llm import run_to_completion
