@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +92,7 @@ BLOCK_M = 64  # query rows of a program: Hopper wgmma's M per warpgroup
 MIN_KV_TILE = 64  # keys per inner step at least (wgmma K of P @ V: one 128-byte swizzle row of bf16)
 MAX_KV_TILE = 256  # wgmma's largest N (S = Q K^T)
 NUM_SLOTS = 2  # KV tiles in flight by default (double buffering)
+PREFILL_KV_TILE = int(os.environ.get('PKV', '128'))  # keys per inner step of the prefill kernel
 SWIZZLE = 128  # bytes: shared-memory swizzle of every tile (rows of 64 bf16 / 32 fp32 elements)
 SMEM_BYTES = 227 * 1024  # an H100/H200 block's shared memory
 _MASKED = -1e30  # initial running max: finite, so a fully masked row gives exp2(-inf) = 0, never NaN
@@ -106,6 +108,11 @@ def pool_dtypes(interpret) -> tuple[jnp.dtype, ...]:
 def kv_tile(block_size: int) -> int:
     """Default keys per inner step: ``MIN_KV_TILE``, or one pool block if larger."""
     return max(MIN_KV_TILE, block_size)
+
+
+def prefill_kv_tile(block_size: int) -> int:
+    """Default keys per inner step of the prefill kernel: ``PREFILL_KV_TILE``, or one pool block if larger."""
+    return max(PREFILL_KV_TILE, block_size)
 
 
 def smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype, split: bool = False) -> int:
@@ -175,7 +182,7 @@ def split_range(kv_end, split, block_kv: int, num_splits: int):
 
 def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, *refs,
                       scale_log2: float, group: int, block_kv: int, block_size: int, num_slots: int,
-                      num_splits: int):
+                      num_splits: int, p_in_registers: bool):
     """One program: KV head ``axis_index("kv_head")``, query tile ``axis_index("tile")`` and, with
     ``num_splits > 1``, split ``axis_index("split")`` of its KV tiles (:func:`split_range`).
 
@@ -257,11 +264,17 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, *refs,
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l_new = l_i * alpha + p.sum(axis=1)
-            p_smem[...] = p.astype(p_smem.dtype)
-            plgpu.commit_smem()  # P (and masked V) visible to wgmma, which reads through the async proxy
+            if p_in_registers:
+                p_op = p.astype(v_smem.dtype)
+                if masked:
+                    plgpu.commit_smem()  # the zeroed values visible to wgmma (it reads through the async proxy)
+            else:
+                p_smem[...] = p.astype(p_smem.dtype)
+                plgpu.commit_smem()  # P (and masked V) visible to wgmma, which reads through the async proxy
+                p_op = p_smem
 
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                plgpu.wgmma(acc_ref, p_op, v_smem.at[slot])
                 return acc_ref[...]
 
             o = pl.run_scoped(pv, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
@@ -306,7 +319,7 @@ def _interpret_params(interpret):
 
 
 def _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, block_kv, num_slots, block_q,
-              num_splits):
+              num_splits, prefill: bool = False):
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
     check_pool(kv_pool, layer)
@@ -343,7 +356,12 @@ def _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, bl
         raise ValueError(f"block_q={block_q} tokens x G={num_q_heads // num_kv_heads} heads must be 1..{BLOCK_M} rows")
     if num_splits is not None and not (is_pow2(num_splits) and num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits must be a power of two <= {MAX_SPLITS}, got {num_splits!r}")
-    need = smem_bytes(head_dim, block_kv, num_slots, kv_pool.dtype, split=(num_splits or 1) > 1)
+    if prefill:
+        from jaxpaged.kernels.paged_attention_mgpu_prefill import prefill_smem_bytes
+
+        need = prefill_smem_bytes(head_dim, block_kv, num_slots, kv_pool.dtype, p_in_smem=bool(interpret))
+    else:
+        need = smem_bytes(head_dim, block_kv, num_slots, kv_pool.dtype, split=(num_splits or 1) > 1)
     if not interpret and need > SMEM_BYTES:
         raise ValueError(f"a program would need {need} bytes of shared memory (> {SMEM_BYTES})")
 
@@ -380,12 +398,19 @@ def paged_attention_mgpu(
     Returns ``[T, Hq, D]`` in ``q.dtype``; zeros for padding tokens.
     Raises ValueError for what the kernel does not support (module docstring, "Scope").
     """
-    if block_kv is None:
-        block_kv = kv_tile(block_size_of(kv_pool)) if kv_pool.ndim == 6 else MIN_KV_TILE
-    _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, block_kv, num_slots, block_q,
-              num_splits)
     if decode is None:
-        decode = q.shape[0] <= 2 * kv_lens.shape[0]
+        decode = q.ndim == 3 and q.shape[0] <= 2 * kv_lens.shape[0]
+    prefill = not decode and block_q is None and num_splits in (None, 1)  # the warp-specialised kernel
+    if block_kv is None:
+        block_kv = (prefill_kv_tile if prefill else kv_tile)(block_size_of(kv_pool)) if kv_pool.ndim == 6 else MIN_KV_TILE
+    _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, block_kv, num_slots, block_q,
+              num_splits, prefill)
+    if prefill:
+        from jaxpaged.kernels.paged_attention_mgpu_prefill import paged_prefill_mgpu
+
+        return paged_prefill_mgpu(q, kv_pool, jnp.asarray(layer, jnp.int32), cu_q_lens, kv_lens, block_tables,
+                                  scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
+                                  interpret=_interpret_params(interpret), block_kv=block_kv, num_slots=num_slots)
     if block_q is None:
         block_q = choose_block_q(q.shape[0], kv_lens.shape[0], q.shape[1] // kv_pool.shape[4], decode)
     if num_splits is None:
@@ -438,7 +463,8 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
                     plgpu.SMEM((BLOCK_M,), jnp.float32)]
     kernel = plgpu.kernel(
         functools.partial(_attention_kernel, scale_log2=scale * LOG2E, group=group, block_kv=block_kv,
-                          block_size=block_size, num_slots=num_slots, num_splits=num_splits),
+                          block_size=block_size, num_slots=num_slots, num_splits=num_splits,
+                          p_in_registers=interpret is None and os.environ.get("PREG", "1") == "1"),
         out_type=out_type,
         scratch_types=scratch + [
             plgpu.Barrier(num_arrivals=1),
