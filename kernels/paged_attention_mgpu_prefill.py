@@ -57,7 +57,7 @@ def prefill_smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype, p_in
 
 def _prefill_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, q_smem, k_smem, v_smem, *refs,
                     scale_log2: float, group: int, block_q: int, block_kv: int, block_size: int, num_slots: int,
-                    p_in_registers: bool, pingpong: bool):
+                    p_in_registers: bool):
     """One program: KV head ``axis_index("kv_head")``, tile pair ``axis_index("tile")``, warpgroup
     ``axis_index("wg")``. GMEM refs as in the one-warpgroup kernel, with queries and outputs
     ``[Hkv, tiles, 2, R, D]`` (a warpgroup's ``R <= 64`` rows). Shared memory: ``q_smem [2, 64, D]``,
@@ -67,16 +67,10 @@ def _prefill_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, q_sme
     from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, _MASKED
 
     if p_in_registers:
-        q_bar, k_bar, v_bar, k_free, v_free, zeroed, turn = refs
+        q_bar, k_bar, v_bar, k_free, v_free, zeroed = refs
         p_smem = None
     else:
-        p_smem, q_bar, k_bar, v_bar, k_free, v_free, zeroed, turn = refs
-
-    def meet():
-        """Both compute warpgroups reach this point (the ping-pong schedule's rendezvous)."""
-        if pingpong:
-            plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(turn)
+        p_smem, q_bar, k_bar, v_bar, k_free, v_free, zeroed = refs
     head_dim = q_smem.shape[-1]
     num_rows = q_ref.shape[3]
     width = tables_ref.shape[1]
@@ -148,7 +142,6 @@ def _prefill_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, q_sme
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
-                    meet()  # (ping-pong: the other warpgroup's softmax runs while this one's wgmma does)
                     return acc_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, block_kv), jnp.float32)) * scale_log2
@@ -162,8 +155,6 @@ def _prefill_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, q_sme
                 alpha = jnp.exp2(m_i - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l_new = l_i * alpha + p.sum(axis=1)
-                if pingpong:
-                    plgpu.barrier_arrive(turn)  # softmax done
                 plgpu.barrier_wait(v_bar.at[slot])
                 if masked:
                     last = jnp.logical_and(t == num_kv - 1, tail)
@@ -176,8 +167,6 @@ def _prefill_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, q_sme
                         plgpu.commit_smem()
                         plgpu.barrier_arrive(zeroed)
 
-                if pingpong:
-                    plgpu.barrier_wait(turn)  # the tensor cores are this warpgroup's
                 if masked:
                     pl.when(jnp.logical_and(last, wg != owner))(lambda: plgpu.barrier_wait(zeroed))
                 if p_in_registers:
@@ -206,17 +195,8 @@ def _prefill_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, q_sme
                 plgpu.layout_cast(jnp.full((BLOCK_M,), _MASKED, jnp.float32), rows),
                 plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), rows),
             )
-            if pingpong:
-                pl.when(wg == 1)(meet)  # warpgroup 1 runs one phase behind warpgroup 0
             carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
             acc, _, l_i = lax.fori_loop(n_full, hi, functools.partial(step, masked=True), carry)
-            if pingpong:  # as many rendezvous as the other warpgroup: two a tile it reads and this one does not
-                @pl.loop(hi, num_kv)
-                def _catch_up(t):
-                    meet()
-                    meet()
-
-                pl.when(wg == 0)(meet)
             out = acc / lax.broadcast_in_dim(jnp.where(l_i > 0, l_i, 1.0), acc.shape, [0])
             q_tile[...] = out.astype(q_smem.dtype)  # Q is done
             plgpu.commit_smem()
@@ -224,9 +204,9 @@ def _prefill_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, q_sme
             plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_kv", "num_slots", "pingpong"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_kv", "num_slots"))
 def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, scale: float, interpret,
-                       block_kv: int, num_slots: int, pingpong: bool = False):
+                       block_kv: int, num_slots: int):
     """The prefill kernel after :func:`jaxpaged.kernels.paged_attention_mgpu.paged_attention_mgpu`'s
     validation; ``layer`` an ``i32[]``, ``interpret`` ``None`` or an ``InterpretGPUParams``."""
     from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, _transforms, tile_layout, tile_rows
@@ -262,7 +242,7 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
     kernel = plgpu.kernel(
         functools.partial(_prefill_kernel, scale_log2=scale * LOG2E, group=group, block_q=block_q,
                           block_kv=block_kv, block_size=block_size, num_slots=num_slots,
-                          p_in_registers=p_in_registers, pingpong=pingpong),
+                          p_in_registers=p_in_registers),
         out_type=jax.ShapeDtypeStruct((num_kv_heads, num_tiles, NUM_COMPUTE, rows, head_dim), q.dtype),
         scratch_types=scratch + [
             plgpu.Barrier(num_arrivals=1, num_barriers=NUM_COMPUTE),
@@ -271,7 +251,6 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
             plgpu.Barrier(num_arrivals=1, num_barriers=NUM_COMPUTE * num_slots),
             plgpu.Barrier(num_arrivals=1, num_barriers=NUM_COMPUTE * num_slots),
             plgpu.Barrier(num_arrivals=1),
-            plgpu.Barrier(num_arrivals=NUM_COMPUTE),
         ],
         grid=(num_kv_heads, num_tiles),
         grid_names=("kv_head", "tile"),
