@@ -114,7 +114,7 @@ def correctness(rng, tiny: bool, interpret: bool):
             ([1, 37, 0, 5, 1, 130], [1, 50, 9, 300, 1000, 200], 16, HQ, HKV, D, jnp.bfloat16),
             ([1, 1, 1, 200, 1], [63, 64, 65, 700, 1000], 64, 32, 4, 64, jnp.bfloat16),  # G=8, D=64
             ([3, 1, 1], [9, 8, 2000], 32, 8, 1, 128, jnp.bfloat16),  # MQA
-            ([300, 1, 129, 70], [1000, 40, 129, 70], 16, HQ, HKV, D, jnp.bfloat16),  # long prefills, a prefix hit
+            ([300, 1, 129, 70], [1000, 40, 129, 70], 16, HQ, HKV, D, jnp.bfloat16),  # prefill tile pairs, a prefix hit
             ([1] * 40, list(rng.integers(1, 2000, 40)), 16, HQ, HKV, D, jnp.bfloat16),
             ([1, 1], [17, 100], 16, 4, 2, 64, jnp.float32),  # expected: refused on the GPU
         ]

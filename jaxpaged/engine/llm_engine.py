@@ -465,9 +465,11 @@ class LLMEngine:
         stop tokens, and logprobs (``sampling/features.py``: one per combination in use); on the jnp
         reference backend (a CPU's default), steps whose block tables are narrower than
         ``max_model_len`` needs (their width is padded per step there).
-        ``freeze_gc``: then moves the process's long-lived objects out of the cyclic garbage
-        collector's reach (``heap.freeze_long_lived_heap``), so a full collection in the middle of a
-        workload takes milliseconds, not most of a second.
+        ``freeze_gc``: once the steps are compiled, moves the process's long-lived objects out of the
+        cyclic garbage collector's reach (``heap.freeze_long_lived_heap``), so a full collection in the
+        middle of a workload takes milliseconds, not most of a second. It runs before the warm-up's
+        launches, not after them: a collection walks the whole heap (~0.1 s), and a request right
+        after it found the launch path's host caches cold (as after any idle).
         """
         t0 = time.perf_counter()
         steps = self._warmup_steps()
@@ -482,6 +484,8 @@ class LLMEngine:
             self.kv_transfers.warmup(self.kv_pool)
         if bar is not None:
             bar.update(1)
+        if freeze_gc:  # before the runs: a full collection last would leave the first request cold caches
+            freeze_long_lived_heap()
         t_run = time.perf_counter()
         if jax.default_backend() == "gpu":
             # Each shape runs a few times in a row, each copy in turn (the runner alternates them), with
@@ -505,8 +509,6 @@ class LLMEngine:
             bar.close()
         self.warmup_profile = dict(self.runner.last_precompile, run_seconds=time.perf_counter() - t_run,
                                    total_seconds=time.perf_counter() - t0)
-        if freeze_gc:
-            freeze_long_lived_heap()
         return self.warmup_profile["total_seconds"]
 
     def _preload_warmup(self) -> None:

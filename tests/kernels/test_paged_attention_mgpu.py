@@ -71,6 +71,26 @@ def test_prefill_and_mixed_batches(case):
     run_case(20 + case, *shapes, **kw)
 
 
+# The warp-specialised prefill kernel (what a non-decode launch runs by default): tile pairs whose
+# second warpgroup owns no token, one token or a full tile; the pair's last key in the middle of a
+# KV tile (stale values zeroed by the owning warpgroup while the other waits) or at its end; prefix
+# hits; KV tiles of 64 and 128 keys over 1-3 slots.
+PREFILL = [
+    # (q_lens, kv_lens, bs, hq, hkv, d, dtype, kernel kwargs)
+    ([70, 33, 64], [70, 100, 64], 16, 4, 2, 64, jnp.bfloat16, {}),  # G=2: pairs of 64 tokens
+    ([150, 1, 40], [150, 9, 300], 16, 4, 2, 64, jnp.float32, dict(block_kv=128, num_slots=3)),
+    ([129, 7], [200, 7], 32, 2, 2, 128, jnp.bfloat16, dict(num_slots=1)),  # G=1: pairs of 128 tokens
+    ([20, 3], [84, 3], 8, 6, 2, 64, jnp.float32, dict(block_kv=64)),  # G=3: 21 tokens a warpgroup
+]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in (1, 2) else c
+                                  for c in range(len(PREFILL))])
+def test_prefill_kernel(case):
+    *shapes, kw = PREFILL[case]
+    run_case(40 + case, *shapes, **kw)
+
+
 def test_only_padding_and_empty_sequences():
     run_case(1, [0, 0], [5, 0], 8, 4, 2, 64, jnp.float32)
 
@@ -97,12 +117,15 @@ def test_no_shared_memory_races():
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     params = plgpu.InterpretGPUParams(detect_races=True)
-    run_case(3, [1, 1, 9], [1, 200, 70], 16, 4, 2, 64, jnp.float32, interpret=params)
+    run_case(3, [1, 1, 9], [1, 200, 70], 16, 4, 2, 64, jnp.float32, interpret=params, decode=True)
+    assert not gpu_interpret.get_races().races_found
+    run_case(4, [40, 1, 9], [100, 200, 70], 16, 4, 2, 64, jnp.float32, interpret=params)  # the prefill kernel
     assert not gpu_interpret.get_races().races_found
 
 
 @pytest.mark.parametrize("bs,hq,hkv,d,kw", [
     (16, 16, 8, 128, {}), (32, 4, 2, 64, dict(block_kv=128, num_slots=3)), (16, 16, 8, 128, dict(num_splits=8)),
+    (16, 16, 8, 128, dict(block_q=4)),  # a prefill launch on the one-warpgroup kernel
     pytest.param(64, 6, 2, 64, {}, marks=pytest.mark.slow), pytest.param(8, 8, 1, 128, {}, marks=pytest.mark.slow),
 ])
 def test_lowers_for_hopper(bs, hq, hkv, d, kw):
