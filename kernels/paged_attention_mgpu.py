@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +113,22 @@ def pool_dtypes(interpret) -> tuple[jnp.dtype, ...]:
 def kv_tile(block_size: int) -> int:
     """Default keys per inner step: ``MIN_KV_TILE``, or one pool block if larger."""
     return max(MIN_KV_TILE, block_size)
+
+
+def interpreter_threads() -> int:
+    """Threads XLA's CPU client runs computations on: one a core this process may use, or one a CPU
+    device where there are more (``--xla_force_host_platform_device_count``).
+
+    Mosaic GPU's interpreter runs each warpgroup of a program as a computation of its own whose
+    barrier waits block the thread running it; the caller's computation holds one more. With fewer
+    threads than warpgroups + 1, the warp-specialised prefill kernel (3 warpgroups) can deadlock (a
+    2-core machine did), so in interpret mode :func:`paged_attention_mgpu` runs its prefill launches
+    on the one-warpgroup kernel there."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(cores, jax.local_device_count("cpu"))
 
 
 def prefill_kv_tile(block_size: int) -> int:
@@ -405,6 +422,10 @@ def paged_attention_mgpu(
     if decode is None:
         decode = q.ndim == 3 and q.shape[0] <= 2 * kv_lens.shape[0]
     prefill = not decode and block_q is None and num_splits in (None, 1)  # the warp-specialised kernel
+    if prefill and interpret:
+        from jaxpaged.kernels.paged_attention_mgpu_prefill import NUM_COMPUTE
+
+        prefill = interpreter_threads() >= NUM_COMPUTE + 2  # (its docstring)
     if block_kv is None:
         block_kv = (prefill_kv_tile if prefill else kv_tile)(block_size_of(kv_pool)) if kv_pool.ndim == 6 else MIN_KV_TILE
     _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, block_kv, num_slots, block_q,

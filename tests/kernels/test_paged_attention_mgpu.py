@@ -91,6 +91,23 @@ def test_prefill_kernel(case):
     run_case(40 + case, *shapes, **kw)
 
 
+def test_prefill_launches_need_interpreter_threads(monkeypatch):
+    """In interpret mode a prefill launch runs the warp-specialised kernel only where the interpreter
+    has a thread for each of its warpgroups and the caller (else the one-warpgroup kernel: same
+    result); this suite's interpreter has them (conftest), so the cases above run that kernel."""
+    from jaxpaged.kernels import paged_attention_mgpu as mgpu
+    from jaxpaged.kernels import paged_attention_mgpu_prefill as ws
+
+    assert mgpu.interpreter_threads() >= ws.NUM_COMPUTE + 2
+    calls, real = [], ws.paged_prefill_mgpu
+    monkeypatch.setattr(ws, "paged_prefill_mgpu", lambda *a, **k: calls.append(a) or real(*a, **k))
+    for threads, expected in ((4, 1), (2, 0)):
+        monkeypatch.setattr(mgpu, "interpreter_threads", lambda threads=threads: threads)
+        calls.clear()
+        run_case(60, [20, 3], [84, 3], 8, 4, 2, 64, jnp.float32)
+        assert len(calls) == expected
+
+
 def test_only_padding_and_empty_sequences():
     run_case(1, [0, 0], [5, 0], 8, 4, 2, 64, jnp.float32)
 
