@@ -29,7 +29,9 @@ copies, waits for them and then computes; this one is for launches with many new
 
 Scope: as the one-warpgroup kernel (bf16 pools on the GPU, float32 in interpret mode; head_dim 64 or
 128; block sizes 8-128), without split-K. Decode launches stay on that kernel
-(:func:`jaxpaged.kernels.paged_attention_mgpu.paged_attention_mgpu` picks this one for the others).
+(:func:`jaxpaged.kernels.paged_attention_mgpu.paged_attention_mgpu` picks this one for the others; in
+interpret mode only where the interpreter has a thread for each warpgroup and the caller:
+``paged_attention_mgpu.interpreter_threads``).
 """
 
 from __future__ import annotations
