@@ -77,12 +77,19 @@ def cache_key(*parts: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
+def execution_devices(compiled) -> list:
+    """The devices ``compiled`` runs on, in its order. Loading a serialised executable needs them:
+    ``deserialize_and_load`` otherwise loads it for every device of the backend, and a step compiled
+    for one of several devices then fails when it runs ("Expected args ... to have 4 shards")."""
+    return list(compiled.runtime_executable().local_devices())
+
+
 def clone(compiled):
     """A second, independent executable of ``compiled`` (serialised and loaded again: no tracing, lowering or
     compiling; ~0.1-0.2 s for a Qwen3-0.6B step on the H200). Each copy keeps its own CUDA graphs."""
     from jax.experimental.serialize_executable import deserialize_and_load, serialize
 
-    return deserialize_and_load(*serialize(compiled))
+    return deserialize_and_load(*serialize(compiled), execution_devices=execution_devices(compiled))
 
 
 class ExecutableCache:
@@ -104,8 +111,10 @@ class ExecutableCache:
         try:
             from jax.experimental.serialize_executable import deserialize_and_load
 
-            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            compiled = deserialize_and_load(payload, in_tree, out_tree)
+            payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+            by_id = {d.id: d for d in jax.devices()}
+            compiled = deserialize_and_load(payload, in_tree, out_tree,
+                                            execution_devices=[by_id[i] for i in device_ids])
         except Exception as err:  # noqa: BLE001  (a damaged or foreign entry: compile again)
             global _warned
             with _warn_lock:  # (entries load in parallel threads: one warning, not one per thread)
@@ -124,7 +133,7 @@ class ExecutableCache:
             from jax.experimental.serialize_executable import serialize
 
             payload, in_tree, out_tree = serialize(compiled)
-            data = pickle.dumps((payload, in_tree, out_tree))
+            data = pickle.dumps((payload, in_tree, out_tree, [d.id for d in execution_devices(compiled)]))
         except Exception as err:  # noqa: BLE001
             log.debug("step not cached (%s)", err)
             return

@@ -88,3 +88,25 @@ def test_importing_jaxpaged_turns_off_gpu_preallocation_unless_the_user_set_it()
     out = subprocess.run([sys.executable, "-c", code], env={**env, "XLA_PYTHON_CLIENT_PREALLOCATE": "true"},
                          capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "true", out.stderr[-2000:]
+
+
+def test_a_step_for_one_of_several_devices_is_cloned_and_reloaded_for_that_device(tmp_path):
+    """A serialised executable comes back for the devices it was compiled for, not every device of the
+    backend (the suite has four CPU devices: conftest): a clone, and a copy stored and loaded again."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.engine.executable_cache import ExecutableCache, clone, execution_devices
+
+    assert len(jax.devices()) >= 2
+    device = jax.devices()[1]
+    x = jax.device_put(jnp.arange(4.0), device)
+    compiled = jax.jit(lambda a: a * 2 + 1).lower(x).compile()
+    assert execution_devices(compiled) == [device]
+    cache = ExecutableCache(tmp_path)
+    cache.store("double", compiled)
+    for copy in (clone(compiled), cache.load("double")):
+        out = copy(x)
+        assert out.devices() == {device}
+        assert out.tolist() == [1.0, 3.0, 5.0, 7.0]
+    assert cache.loaded == 1
