@@ -484,7 +484,7 @@ class LLMEngine:
             self.kv_transfers.warmup(self.kv_pool)
         if bar is not None:
             bar.update(1)
-        if freeze_gc:  # before the runs: a full collection last would leave the first request cold caches
+        if freeze_gc:  # before the runs: a full collection after them left the first request slower
             freeze_long_lived_heap()
         t_run = time.perf_counter()
         if jax.default_backend() == "gpu":
