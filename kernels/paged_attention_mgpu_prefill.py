@@ -57,13 +57,14 @@ def prefill_smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype, p_in
     return (rows * head_dim + 2 * num_slots * block_kv * head_dim + rows * block_kv * p_in_smem) * jnp.dtype(dtype).itemsize
 
 
-def _prefill_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, q_smem, k_smem, v_smem, *refs,
-                    scale_log2: float, group: int, block_q: int, block_kv: int, block_size: int, num_slots: int,
+def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, q_smem, k_smem, v_smem,
+                    *refs, scale_log2: float, group: int, block_q: int, block_kv: int, block_size: int, num_slots: int,
                     p_in_registers: bool):
-    """One program: KV head ``axis_index("kv_head")``, tile pair ``axis_index("tile")``, warpgroup
-    ``axis_index("wg")``. GMEM refs as in the one-warpgroup kernel, with queries and outputs
-    ``[Hkv, tiles, 2, R, D]`` (a warpgroup's ``R <= 64`` rows). Shared memory: ``q_smem [2, 64, D]``,
-    ``k_smem/v_smem [slots, block_kv, D]``, in the interpreter ``p_smem [2, 64, block_kv]``; barriers
+    """One program: KV head ``axis_index("kv_head")``, tile pair ``order_ref[axis_index("tile")]``
+    (``paged_attention_mgpu.launch_order``), warpgroup ``axis_index("wg")``. GMEM refs as in the
+    one-warpgroup kernel (with ``order_ref i32[tiles]``), with queries and outputs ``[Hkv, tiles, 2,
+    R, D]`` (a warpgroup's ``R <= 64`` rows). Shared memory: ``q_smem [2, 64, D]``, ``k_smem/v_smem
+    [slots, block_kv, D]``, in the interpreter ``p_smem [2, 64, block_kv]``; barriers
     ``q_bar[2]``, ``k_bar/v_bar[slots]`` (copies landed), ``k_free/v_free[2 * slots]`` (warpgroup ``w``
     released slot ``s``: index ``w * slots + s``), ``zeroed`` (the last tile's stale values are zero)."""
     from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, _MASKED
@@ -79,7 +80,7 @@ def _prefill_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, q_sme
     blocks_per_tile = block_kv // block_size
     wg = lax.axis_index("wg")
     h = lax.axis_index("kv_head")
-    tile = lax.axis_index("tile")
+    tile = order_ref[lax.axis_index("tile")]
     seq = meta_ref[tile, 0]
     pos0 = meta_ref[tile, 1]
     kv_end = meta_ref[tile, 2]
@@ -211,7 +212,7 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
                        block_kv: int, num_slots: int):
     """The prefill kernel after :func:`jaxpaged.kernels.paged_attention_mgpu.paged_attention_mgpu`'s
     validation; ``layer`` an ``i32[]``, ``interpret`` ``None`` or an ``InterpretGPUParams``."""
-    from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, _transforms, tile_layout, tile_rows
+    from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, _transforms, launch_order, tile_layout, tile_rows
 
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[4]
@@ -254,13 +255,14 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
             plgpu.Barrier(num_arrivals=1, num_barriers=NUM_COMPUTE * num_slots),
             plgpu.Barrier(num_arrivals=1),
         ],
-        grid=(num_kv_heads, num_tiles),
-        grid_names=("kv_head", "tile"),
+        grid=(num_tiles, num_kv_heads),  # the last axis varies fastest: a tile's KV heads run side by side
+        grid_names=("tile", "kv_head"),
         num_threads=NUM_COMPUTE + 1,
         thread_name="wg",
         interpret=interpret,
     )
-    o_tiles = kernel(jnp.reshape(layer, (1,)), meta, block_tables, q_tiles, kv_pool)
+    order = launch_order(meta)
+    o_tiles = kernel(jnp.reshape(layer, (1,)), order, meta, block_tables, q_tiles, kv_pool)
 
     # Back to token order: token t is row ((t - cu[s]) % block_q) * G + g of warpgroup
     # ((t - cu[s]) % (2 block_q)) // block_q of tile starts[s] + (t - cu[s]) // (2 block_q).

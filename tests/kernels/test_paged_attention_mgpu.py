@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu, tile_layout
+from jaxpaged.kernels.paged_attention_mgpu import launch_order, paged_attention_mgpu, tile_layout
 from test_paged_attention import run_case as triton_run_case
 
 
@@ -128,6 +128,8 @@ def test_tile_layout():
     np.testing.assert_array_equal(np.asarray(tok0)[[0, 1, 2, 4]], [0, 1, 5, 7])
     np.testing.assert_array_equal(pos0[[0, 1, 2, 4]], [4, 0, 4, 10])
     np.testing.assert_array_equal(kv_end[[0, 1, 2, 4]], [5, 4, 6, 12])
+    # Programs start with the tiles that read the most keys; ties keep tile order, unowned tiles last.
+    np.testing.assert_array_equal(np.asarray(launch_order(meta)), [4, 2, 0, 1, 3, 5, 6])
 
 
 @pytest.mark.slow
