@@ -192,12 +192,21 @@ def tile_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, block
     return meta, cu_q_lens[seq] + j * block_q, ntok, starts
 
 
-def launch_order(meta: jax.Array) -> jax.Array:
+def launch_order(meta: jax.Array, num_kv_heads: int, num_splits: int, interpret) -> jax.Array:
     """The tiles in the order their programs start (``meta`` from :func:`tile_layout`): the most keys
     first (longest processing time first), unowned tiles last. A tile's work grows with its
     ``kv_end``; in tile order a causal prefill's longest tiles ran in the last wave, with most SMs
     idle. Tile order took 1.29x this order's time in a 2,048-token prefill, 1.43x in a ragged prefill
-    step of mixed lengths and prefixes, and 1.05-1.32x in decode steps of ragged context lengths."""
+    step of mixed lengths and prefixes, and 1.05-1.32x in decode steps of 32-256 sequences of ragged
+    context lengths.
+
+    On the GPU, tile order where the sort cannot pay for itself (it cost 2-9 us, against kernels of
+    20-35 us, in decode launches of 1-8 sequences): launches with split-K (a few sequences' keys
+    split evenly) and launches of at most one program per SM (they all start at once). The
+    interpreter always sorts, so the CPU tests run the reordered launch."""
+    num_tiles = meta.shape[0]
+    if interpret is None and (num_splits > 1 or num_tiles * num_kv_heads <= num_cores()):
+        return jnp.arange(num_tiles, dtype=jnp.int32)
     work = jnp.where(meta[:, 0] >= 0, meta[:, 2], -1)
     return jnp.argsort(-work, stable=True).astype(jnp.int32)
 
@@ -512,7 +521,8 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         grid_names=("tile", "kv_head") + (("split",) if num_splits > 1 else ()),
         interpret=interpret,
     )
-    o_tiles = kernel(jnp.reshape(layer, (1,)), launch_order(meta), meta, block_tables, q_tiles, kv_pool)
+    order = launch_order(meta, num_kv_heads, num_splits, interpret)
+    o_tiles = kernel(jnp.reshape(layer, (1,)), order, meta, block_tables, q_tiles, kv_pool)
     if num_splits > 1:
         # Splits that had no keys (and unowned tiles) wrote nothing: their memory is not read.
         o_parts, lse = o_tiles

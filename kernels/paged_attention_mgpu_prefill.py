@@ -261,7 +261,7 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
         thread_name="wg",
         interpret=interpret,
     )
-    order = launch_order(meta)
+    order = launch_order(meta, num_kv_heads, 1, interpret)
     o_tiles = kernel(jnp.reshape(layer, (1,)), order, meta, block_tables, q_tiles, kv_pool)
 
     # Back to token order: token t is row ((t - cu[s]) % block_q) * G + g of warpgroup

@@ -128,8 +128,12 @@ def test_tile_layout():
     np.testing.assert_array_equal(np.asarray(tok0)[[0, 1, 2, 4]], [0, 1, 5, 7])
     np.testing.assert_array_equal(pos0[[0, 1, 2, 4]], [4, 0, 4, 10])
     np.testing.assert_array_equal(kv_end[[0, 1, 2, 4]], [5, 4, 6, 12])
-    # Programs start with the tiles that read the most keys; ties keep tile order, unowned tiles last.
-    np.testing.assert_array_equal(np.asarray(launch_order(meta)), [4, 2, 0, 1, 3, 5, 6])
+    # Programs start with the tiles that read the most keys; ties keep tile order, unowned tiles last
+    # (always in the interpreter; on a GPU only for launches of more programs than SMs, without split-K).
+    lpt, tile_order = [4, 2, 0, 1, 3, 5, 6], list(range(7))
+    for kv_heads, splits, interpret, want in ((2, 1, True, lpt), (2, 4, True, lpt), (2, 1, None, tile_order),
+                                              (1024, 1, None, lpt), (1024, 2, None, tile_order)):
+        np.testing.assert_array_equal(np.asarray(launch_order(meta, kv_heads, splits, interpret)), want)
 
 
 @pytest.mark.slow
