@@ -192,25 +192,6 @@ def tile_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, block
     return meta, cu_q_lens[seq] + j * block_q, ntok, starts
 
 
-def launch_order(meta: jax.Array, num_kv_heads: int, num_splits: int, interpret) -> jax.Array:
-    """The tiles in the order their programs start (``meta`` from :func:`tile_layout`): the most keys
-    first (longest processing time first), unowned tiles last. A tile's work grows with its
-    ``kv_end``; in tile order a causal prefill's longest tiles ran in the last wave, with most SMs
-    idle. Tile order took 1.29x this order's time in a 2,048-token prefill, 1.43x in a ragged prefill
-    step of mixed lengths and prefixes, and 1.05-1.32x in decode steps of 32-256 sequences of ragged
-    context lengths.
-
-    On the GPU, tile order where the sort cannot pay for itself (it cost 2-9 us, against kernels of
-    20-35 us, in decode launches of 1-8 sequences): launches with split-K (a few sequences' keys
-    split evenly) and launches of at most one program per SM (they all start at once). The
-    interpreter always sorts, so the CPU tests run the reordered launch."""
-    num_tiles = meta.shape[0]
-    if interpret is None and (num_splits > 1 or num_tiles * num_kv_heads <= num_cores()):
-        return jnp.arange(num_tiles, dtype=jnp.int32)
-    work = jnp.where(meta[:, 0] >= 0, meta[:, 2], -1)
-    return jnp.argsort(-work, stable=True).astype(jnp.int32)
-
-
 def split_range(kv_end, split, block_kv: int, num_splits: int):
     """KV tiles ``[lo, hi)`` that split ``split`` of a query tile needing keys ``[0, kv_end)`` reads:
     ``cdiv(num_kv, num_splits)`` consecutive tiles each (the last splits may be short or empty)."""
@@ -220,14 +201,13 @@ def split_range(kv_end, split, block_kv: int, num_splits: int):
     return lo, jnp.minimum(num_kv, lo + per)
 
 
-def _attention_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, *refs,
+def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, *refs,
                       scale_log2: float, group: int, block_kv: int, block_size: int, num_slots: int,
                       num_splits: int, p_in_registers: bool):
-    """One program: KV head ``axis_index("kv_head")``, query tile ``order_ref[axis_index("tile")]``
-    (:func:`launch_order`) and, with ``num_splits > 1``, split ``axis_index("split")`` of its KV tiles
-    (:func:`split_range`).
+    """One program: KV head ``axis_index("kv_head")``, query tile ``axis_index("tile")`` and, with
+    ``num_splits > 1``, split ``axis_index("split")`` of its KV tiles (:func:`split_range`).
 
-    Refs (GMEM): ``layer_ref i32[1]``, ``order_ref i32[tiles]``, ``meta_ref i32[tiles, 3]`` (:func:`tile_layout`),
+    Refs (GMEM): ``layer_ref i32[1]``, ``meta_ref i32[tiles, 3]`` (:func:`tile_layout`),
     ``tables_ref i32[S, W]``, ``q_ref [Hkv, tiles, R, D]`` (``R <= 64`` rows a tile),
     ``kv_ref [L, N, bs, 2, Hkv, D]``; output ``o_ref [Hkv, tiles, R, D]``, or with splits
     ``o_ref f32[P, Hkv, tiles, R, D]`` (each split's normalised partial) and ``lse_ref f32[P, Hkv,
@@ -248,7 +228,7 @@ def _attention_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref,
     width = tables_ref.shape[1]
     blocks_per_tile = block_kv // block_size
     h = lax.axis_index("kv_head")
-    tile = order_ref[lax.axis_index("tile")]
+    tile = lax.axis_index("tile")
     seq = meta_ref[tile, 0]
     kv_end = meta_ref[tile, 2]
     lo, hi = split_range(kv_end, split, block_kv, num_splits)
@@ -516,13 +496,11 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
             plgpu.Barrier(num_arrivals=block_kv // block_size, num_barriers=num_slots),
             plgpu.Barrier(num_arrivals=block_kv // block_size, num_barriers=num_slots),
         ],
-        # (the last axis varies fastest: a tile's KV heads and splits start side by side, in launch order)
-        grid=(num_tiles, num_kv_heads) + ((num_splits,) if num_splits > 1 else ()),
-        grid_names=("tile", "kv_head") + (("split",) if num_splits > 1 else ()),
+        grid=(num_kv_heads, num_tiles) + ((num_splits,) if num_splits > 1 else ()),
+        grid_names=("kv_head", "tile") + (("split",) if num_splits > 1 else ()),
         interpret=interpret,
     )
-    order = launch_order(meta, num_kv_heads, num_splits, interpret)
-    o_tiles = kernel(jnp.reshape(layer, (1,)), order, meta, block_tables, q_tiles, kv_pool)
+    o_tiles = kernel(jnp.reshape(layer, (1,)), meta, block_tables, q_tiles, kv_pool)
     if num_splits > 1:
         # Splits that had no keys (and unowned tiles) wrote nothing: their memory is not read.
         o_parts, lse = o_tiles

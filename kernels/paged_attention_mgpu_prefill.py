@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxpaged.kernels.kv_write import block_size_of
+from jaxpaged.kernels.shapes import num_cores
 
 NUM_COMPUTE = 2  # compute warpgroups a program; warpgroup NUM_COMPUTE issues the copies
 COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40  # per thread: 2 x 128 x 232 + 128 x 40 <= 64K registers
@@ -61,7 +62,7 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
                     *refs, scale_log2: float, group: int, block_q: int, block_kv: int, block_size: int, num_slots: int,
                     p_in_registers: bool):
     """One program: KV head ``axis_index("kv_head")``, tile pair ``order_ref[axis_index("tile")]``
-    (``paged_attention_mgpu.launch_order``), warpgroup ``axis_index("wg")``. GMEM refs as in the
+    (:func:`launch_order`), warpgroup ``axis_index("wg")``. GMEM refs as in the
     one-warpgroup kernel (with ``order_ref i32[tiles]``), with queries and outputs ``[Hkv, tiles, 2,
     R, D]`` (a warpgroup's ``R <= 64`` rows). Shared memory: ``q_smem [2, 64, D]``, ``k_smem/v_smem
     [slots, block_kv, D]``, in the interpreter ``p_smem [2, 64, block_kv]``; barriers
@@ -207,12 +208,30 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
             plgpu.wait_smem_to_gmem(0)
 
 
+def launch_order(meta: jax.Array, num_kv_heads: int, interpret) -> jax.Array:
+    """The tile pairs in the order their programs start (``meta`` from ``tile_layout``): the most
+    keys first (longest processing time first), unowned tiles last. A causal tile's work grows with
+    its ``kv_end``, and Pallas starts a grid's programs in index order, so in tile order a prefill's
+    longest tiles ran in the last wave with most SMs idle: 1.29x this order's time over 2,048 new
+    tokens, 1.43x in a ragged step of mixed lengths and prefixes (H200, ``benchmarks/RESULTS.md``).
+
+    On the GPU, launches of at most one program per SM keep tile order (they all start at once, and
+    the sort costs a few microseconds); the interpreter always sorts, so the CPU tests run the
+    reordered launch. (Decode launches, on the one-warpgroup kernel, need no sort: the engine orders a
+    step's rows longest context first, docs/DECISIONS.md.)"""
+    num_tiles = meta.shape[0]
+    if interpret is None and num_tiles * num_kv_heads <= num_cores():
+        return jnp.arange(num_tiles, dtype=jnp.int32)
+    work = jnp.where(meta[:, 0] >= 0, meta[:, 2], -1)
+    return jnp.argsort(-work, stable=True).astype(jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_kv", "num_slots"))
 def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, scale: float, interpret,
                        block_kv: int, num_slots: int):
     """The prefill kernel after :func:`jaxpaged.kernels.paged_attention_mgpu.paged_attention_mgpu`'s
     validation; ``layer`` an ``i32[]``, ``interpret`` ``None`` or an ``InterpretGPUParams``."""
-    from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, _transforms, launch_order, tile_layout, tile_rows
+    from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, _transforms, tile_layout, tile_rows
 
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[4]
@@ -261,7 +280,7 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
         thread_name="wg",
         interpret=interpret,
     )
-    order = launch_order(meta, num_kv_heads, 1, interpret)
+    order = launch_order(meta, num_kv_heads, interpret)
     o_tiles = kernel(jnp.reshape(layer, (1,)), order, meta, block_tables, q_tiles, kv_pool)
 
     # Back to token order: token t is row ((t - cu[s]) % block_q) * G + g of warpgroup

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.kernels.paged_attention_mgpu import launch_order, paged_attention_mgpu, tile_layout
+from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu, tile_layout
+from jaxpaged.kernels.paged_attention_mgpu_prefill import launch_order
 from test_paged_attention import run_case as triton_run_case
 
 
@@ -128,12 +129,11 @@ def test_tile_layout():
     np.testing.assert_array_equal(np.asarray(tok0)[[0, 1, 2, 4]], [0, 1, 5, 7])
     np.testing.assert_array_equal(pos0[[0, 1, 2, 4]], [4, 0, 4, 10])
     np.testing.assert_array_equal(kv_end[[0, 1, 2, 4]], [5, 4, 6, 12])
-    # Programs start with the tiles that read the most keys; ties keep tile order, unowned tiles last
-    # (always in the interpreter; on a GPU only for launches of more programs than SMs, without split-K).
+    # The prefill kernel's programs start with the tiles that read the most keys; ties keep tile order,
+    # unowned tiles last (always in the interpreter; on a GPU for launches of more programs than SMs).
     lpt, tile_order = [4, 2, 0, 1, 3, 5, 6], list(range(7))
-    for kv_heads, splits, interpret, want in ((2, 1, True, lpt), (2, 4, True, lpt), (2, 1, None, tile_order),
-                                              (1024, 1, None, lpt), (1024, 2, None, tile_order)):
-        np.testing.assert_array_equal(np.asarray(launch_order(meta, kv_heads, splits, interpret)), want)
+    for kv_heads, interpret, want in ((2, True, lpt), (2, None, tile_order), (1024, None, lpt)):
+        np.testing.assert_array_equal(np.asarray(launch_order(meta, kv_heads, interpret)), want)
 
 
 @pytest.mark.slow
