@@ -26,6 +26,8 @@ copies, waits for them and then computes; this one is for launches with many new
     last token zeroes them in shared memory and signals ``zeroed``; the other warpgroup, where its
     keys reach that tile, waits for that signal before its ``P V``. Keys are only ever selected
     away (``-inf`` scores), never multiplied.
+  * Programs start with the tile pairs that read the most keys (:func:`launch_order`): in tile order
+    a causal prefill's longest tiles ran in the last wave.
 
 Scope: as the one-warpgroup kernel (bf16 pools on the GPU, float32 in interpret mode; head_dim 64 or
 128; block sizes 8-128), without split-K. Decode launches stay on that kernel
