@@ -167,7 +167,9 @@ def _engine_process(conn, llm_kwargs: dict) -> None:
         core = EngineCore(llm.engine, lambda outs: conn.send(("outputs", [_pack(o) for o in outs])))
         while True:
             while conn.poll(0 if core.busy() else 0.1):
-                _, command_id, command = conn.recv()
+                kind, command_id, command = conn.recv()
+                if kind == "stop":
+                    return
                 try:
                     conn.send(("reply", command_id, True, core.execute(command)))
                 except (ValueError, TypeError, KeyError) as err:
@@ -241,10 +243,18 @@ class _ProcessTransport:
         return future
 
     def shutdown(self) -> None:
-        self._conn.close()
+        """Asks the engine process to stop and waits for it. (Closing the pipe alone did not reach the child
+        while this side's reader thread sat in ``recv`` on it: the child ran on until the join timed out,
+        10 s.)"""
+        try:
+            with self._send_lock:
+                self._conn.send(("stop", None, None))
+        except (OSError, ValueError):  # the engine process is gone already
+            pass
         self._proc.join(timeout=10)
         if self._proc.is_alive():
             self._proc.terminate()
+        self._conn.close()
 
 
 # ---- the server's side ------------------------------------------------------------------------------------

@@ -45,3 +45,19 @@ def test_streams_equal_generate_and_a_leaver_is_aborted():
         engine.shutdown()
     assert got == want and len(first) >= 1
     assert aborted == [1] and running == waiting == 0 and stats["blocks_used"] == 0
+
+
+def test_the_engine_process_answers_then_stops_when_asked():
+    """``AsyncEngine.in_process`` (what the server runs): a command round trip over the pipe, then
+    ``shutdown`` stops the child by a message: it returns by itself (exit code 0) rather than being
+    terminated (the pipe's closing alone did not reach it while the reader thread sat in ``recv``)."""
+    engine = AsyncEngine.in_process(dict(model=tiny_checkpoint_path("qwen3"), dtype="float32", max_model_len=64,
+                                         num_blocks=8, block_size=16, max_num_seqs=2, max_num_batched_tokens=32,
+                                         warmup=False))
+    proc = engine._transport._proc
+    try:
+        running, waiting, stats = asyncio.run(engine.snapshot())
+    finally:
+        engine.shutdown()
+    assert (running, waiting, stats["num_blocks"]) == (0, 0, 8)
+    assert not proc.is_alive() and proc.exitcode == 0
