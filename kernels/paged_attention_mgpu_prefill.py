@@ -60,14 +60,14 @@ def prefill_smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype, p_in
     return (rows * head_dim + 2 * num_slots * block_kv * head_dim + rows * block_kv * p_in_smem) * jnp.dtype(dtype).itemsize
 
 
-def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, q_smem, k_smem, v_smem,
-                    *refs, scale_log2: float, group: int, block_q: int, block_kv: int, block_size: int, num_slots: int,
-                    p_in_registers: bool):
+def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, q_smem, k_smem,
+                    v_smem, *refs, scale_log2: float, group: int, block_q: int, block_kv: int, block_size: int,
+                    num_slots: int, p_in_registers: bool):
     """One program: KV head ``axis_index("kv_head")``, tile pair ``order_ref[axis_index("tile")]``
-    (:func:`launch_order`), warpgroup ``axis_index("wg")``. GMEM refs as in the
-    one-warpgroup kernel (with ``order_ref i32[tiles]``), with queries and outputs ``[Hkv, tiles, 2,
-    R, D]`` (a warpgroup's ``R <= 64`` rows). Shared memory: ``q_smem [2, 64, D]``, ``k_smem/v_smem
-    [slots, block_kv, D]``, in the interpreter ``p_smem [2, 64, block_kv]``; barriers
+    (:func:`launch_order`), warpgroup ``axis_index("wg")``. GMEM refs as in the one-warpgroup kernel
+    (and ``order_ref i32[tiles]``), with queries and outputs ``[Hkv, tiles, 2, R, D]`` (a warpgroup's
+    ``R <= 64`` rows). Shared memory: ``q_smem [2, 64, D]``, ``k_smem/v_smem [slots, block_kv, D]``,
+    in the interpreter ``p_smem [2, 64, block_kv]``; barriers
     ``q_bar[2]``, ``k_bar/v_bar[slots]`` (copies landed), ``k_free/v_free[2 * slots]`` (warpgroup ``w``
     released slot ``s``: index ``w * slots + s``), ``zeroed`` (the last tile's stale values are zero)."""
     from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, _MASKED
