@@ -136,11 +136,12 @@ def prefill_kv_tile(block_size: int) -> int:
     return max(PREFILL_KV_TILE, block_size)
 
 
-def smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype, split: bool = False) -> int:
-    """Shared memory of one program: the Q (later output) tile, ``num_slots`` K and V tiles and P, and
-    with split-K the fp32 partial and its log-sum-exp (barriers aside)."""
-    tiles = (BLOCK_M * head_dim + 2 * num_slots * block_kv * head_dim + BLOCK_M * block_kv) * jnp.dtype(dtype).itemsize
-    return tiles + (BLOCK_M * head_dim + BLOCK_M) * 4 * split
+def smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype, split: bool = False,
+               p_in_smem: bool = False) -> int:
+    """Shared memory of one program: the Q (later output) tile, ``num_slots`` K and V tiles, with
+    split-K the fp32 partial and its log-sum-exp, and in the interpreter P (barriers aside)."""
+    tiles = (BLOCK_M * head_dim + 2 * num_slots * block_kv * head_dim + BLOCK_M * block_kv * p_in_smem)
+    return tiles * jnp.dtype(dtype).itemsize + (BLOCK_M * head_dim + BLOCK_M) * 4 * split
 
 
 def choose_block_q(num_tokens: int, num_seqs: int, group: int, decode: bool | None = None) -> int:
@@ -212,16 +213,18 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, *refs,
     ``kv_ref [L, N, bs, 2, Hkv, D]``; output ``o_ref [Hkv, tiles, R, D]``, or with splits
     ``o_ref f32[P, Hkv, tiles, R, D]`` (each split's normalised partial) and ``lse_ref f32[P, Hkv,
     tiles, R]`` (its log-sum-exp, base 2). Shared memory: ``q_smem [64, D]`` (its first ``R`` rows the
-    tile's queries, then its output), ``k_smem/v_smem [slots, block_kv, D]``, ``p_smem [64,
-    block_kv]``, with splits ``o32_smem f32[64, D]`` and ``lse_smem f32[64]``; barriers ``q_bar``,
+    tile's queries, then its output), ``k_smem/v_smem [slots, block_kv, D]``, in the interpreter
+    ``p_smem [64, block_kv]``, with splits ``o32_smem f32[64, D]`` and ``lse_smem f32[64]``; barriers ``q_bar``,
     ``k_bar[slots]``, ``v_bar[slots]``.
     """
+    refs = list(refs)
+    p_smem = None if p_in_registers else refs.pop(4 if num_splits == 1 else 5)
     if num_splits == 1:
-        o_ref, q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar = refs
+        o_ref, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = refs
         lse_ref = o32_smem = lse_smem = None
         split = 0
     else:
-        o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, o32_smem, lse_smem, q_bar, k_bar, v_bar = refs
+        o_ref, lse_ref, q_smem, k_smem, v_smem, o32_smem, lse_smem, q_bar, k_bar, v_bar = refs
         split = lax.axis_index("split")
     head_dim = q_smem.shape[-1]
     num_rows = q_ref.shape[2]
@@ -382,7 +385,8 @@ def _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, bl
 
         need = prefill_smem_bytes(head_dim, block_kv, num_slots, kv_pool.dtype, p_in_smem=bool(interpret))
     else:
-        need = smem_bytes(head_dim, block_kv, num_slots, kv_pool.dtype, split=(num_splits or 1) > 1)
+        need = smem_bytes(head_dim, block_kv, num_slots, kv_pool.dtype, split=(num_splits or 1) > 1,
+                          p_in_smem=bool(interpret))
     if not interpret and need > SMEM_BYTES:
         raise ValueError(f"a program would need {need} bytes of shared memory (> {SMEM_BYTES})")
 
@@ -477,8 +481,9 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         plgpu.SMEM((BLOCK_M, head_dim), dtype, transforms=_transforms(dtype)),
         plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=_transforms(dtype)),
         plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=_transforms(dtype)),
-        plgpu.SMEM((BLOCK_M, block_kv), dtype, transforms=_transforms(dtype)),
     ]
+    if interpret is not None:  # P through shared memory: the interpreter's wgmma reads shared memory only
+        scratch.append(plgpu.SMEM((BLOCK_M, block_kv), dtype, transforms=_transforms(dtype)))
     if num_splits == 1:
         out_type = jax.ShapeDtypeStruct(tiles_shape, q.dtype)
     else:
