@@ -1,8 +1,10 @@
-"""Prefill A/B on the H200: the engine's warp-specialised kernel vs intra_wg_overlap_kernel.py (FA3's
-intra-warpgroup overlap: S of tile t issued before P V of tile t-1, softmax while P V runs), cuDNN in the
-same process; max abs errors vs cuDNN. (Its ragged cases ran out of memory in the reference's einsum, a
-fault of this script, after the 1-16k rows.) Run from the repo root: python3 benchmarks/results/mosaic/
-prefill_schedule/intra_wg_overlap.py"""
+"""Prefill A/B on the H200: the engine's warp-specialised kernel vs the same kernel with FA3's intra-warpgroup
+overlap (S of tile t issued before P V of tile t-1, softmax while P V runs), cuDNN in the same process; max abs
+errors vs cuDNN. (Its ragged cases ran out of memory in the reference's einsum, a fault of this script, after
+the 1-16k rows.) The variant is intra_wg_overlap.patch over the kernel at 9e9c09f; from the repo root:
+  git show 9e9c09f:kernels/paged_attention_mgpu_prefill.py > benchmarks/results/mosaic/prefill_schedule/intra_wg_overlap_kernel.py
+  patch benchmarks/results/mosaic/prefill_schedule/intra_wg_overlap_kernel.py benchmarks/results/mosaic/prefill_schedule/intra_wg_overlap.patch
+  python3 benchmarks/results/mosaic/prefill_schedule/intra_wg_overlap.py"""
 import sys
 sys.path.insert(0, "benchmarks"); sys.path.insert(0, "benchmarks/results/mosaic/prefill_schedule")
 import warnings; warnings.filterwarnings("ignore")
