@@ -1,6 +1,6 @@
 """Where a small decode launch's time goes, Mosaic vs Triton: batch 1 / 8 x context 256 / 1,024 (block 16,
 Hq 16 / Hkv 8 / D 128). Each configuration: jit one attention call, warm it, trace 50 calls and sum the GPU
-kernels' time by name per call. ("wall" is one un-chained call's dispatch-bound time.) Run from the repo root:
+kernels' time by name per launch. ("wall" is one un-chained call's dispatch-bound time.) Run from the repo root:
 python3 benchmarks/results/mosaic/decode_profile.py"""
 import sys, os, gzip, json, glob, re, time, tempfile, collections
 sys.path.insert(0, "benchmarks")
@@ -48,10 +48,10 @@ for B in (1, 8):
                 tot[norm(e["name"])] += e["dur"]; cnt[norm(e["name"])] += 1
             busy = sum(tot.values()) / N
             span = (max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in gpu)) / N if gpu else float("nan")
-            print(f"== B={B} ctx={ctx} {name}: wall {wall:.1f} us/call, GPU busy {busy:.1f} us/call, span {span:.1f} us/call, kernels/call {len(gpu)/N:.1f}", flush=True)
+            print(f"== B={B} ctx={ctx} {name}: wall {wall:.1f} us/launch, GPU busy {busy:.1f} us/launch, span {span:.1f} us/launch, kernels/launch {len(gpu)/N:.1f}", flush=True)
             for k, v in tot.most_common(12):
                 print(f"   {v / N:8.2f} us  x{cnt[k] / N:.1f}  {k[:110]}", flush=True)
             summary.append((B, ctx, name, wall, busy, len(gpu) / N))
-print("\nB ctx backend | wall us/call | GPU busy us/call | kernels/call")
+print("\nB ctx backend | wall us/launch | GPU busy us/launch | kernels/launch")
 for s in summary:
     print(*s[:3], f"{s[3]:.1f} {s[4]:.1f} {s[5]:.1f}")
