@@ -214,8 +214,8 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, *refs,
     ``o_ref f32[P, Hkv, tiles, R, D]`` (each split's normalised partial) and ``lse_ref f32[P, Hkv,
     tiles, R]`` (its log-sum-exp, base 2). Shared memory: ``q_smem [64, D]`` (its first ``R`` rows the
     tile's queries, then its output), ``k_smem/v_smem [slots, block_kv, D]``, in the interpreter
-    ``p_smem [64, block_kv]``, with splits ``o32_smem f32[64, D]`` and ``lse_smem f32[64]``; barriers ``q_bar``,
-    ``k_bar[slots]``, ``v_bar[slots]``.
+    ``p_smem [64, block_kv]``, with splits ``o32_smem f32[64, D]`` and ``lse_smem f32[64]``; barriers
+    ``q_bar``, ``k_bar[slots]``, ``v_bar[slots]``.
     """
     refs = list(refs)
     p_smem = None if p_in_registers else refs.pop(4 if num_splits == 1 else 5)
