@@ -13,27 +13,35 @@ How the work is cut:
     tokens times the ``G = Hq // Hkv`` query heads that read that KV head, ``block_q * G <= 64`` rows:
     Hopper's wgmma has a fixed M of 64 per warpgroup, so one program is one warpgroup, its matmuls
     always 64 rows (those past ``block_q * G`` padding), and every K/V tile it loads serves all its
-    rows. ``block_q`` is ``64 // G`` for prefill and ``max(1, 8 // G)`` for decode
-    (:func:`choose_block_q`): a decode tile holds one token, and moving 8 rows of queries and outputs
-    instead of 64 keeps that traffic at 1/200 of the K/V reads (batch 256 x context 1,024, ``G = 2``:
-    5 MB, not 35 MB, against 1 GB). Grid ``(Hkv, tiles)``, the KV head fastest, so the programs of one
-    query tile read neighbouring bytes of each pool block.
-  * Sequence ``i`` owns tiles ``cu_q_lens[i] // block_q + i + j`` for ``j < cdiv(q_len_i, block_q)``
-    (the Triton kernel's numbering: ``cdiv(T, block_q) + S`` tiles bound it; unowned tiles exit at
-    once). A few XLA ops outside the kernel turn ``cu_q_lens``/``kv_lens`` into each tile's sequence,
-    first query position and key range (``i32[tiles, 3]``, read as scalars by the kernel) and lay the
-    queries out as ``[Hkv, tiles, R, D]`` (``R = block_q * G`` rounded up to 8), one contiguous TMA
-    box per program (its padding rows zero); the output comes back in the same layout and a gather
-    puts it in token order (padding tokens zero). Why not index ``q[T, Hq, D]`` directly: a tile's
-    ``G`` heads of ``block_q`` tokens are not one rectangular box of ``q``, and a ragged tile's store
-    would overwrite the next sequence's rows; the relayout costs two gathers about ``q``'s size.
+    rows. ``block_q`` is ``64 // G`` for prefill and 1 for decode (:func:`choose_block_q`). Grid
+    ``(Hkv, tiles)``, the KV head fastest, so the programs of one query tile read neighbouring bytes of
+    each pool block.
+  * Decode tiles (``block_q == 1``, tile ``t`` is token ``t``: :func:`token_layout`) read their queries
+    where they are: token ``t``'s ``G`` heads of KV head ``h`` are rows ``(t Hkv + h) G ...`` of ``q``
+    viewed as ``[T Hq, D]``, and one TMA copy brings ``R = G`` rounded up to 8 rows from there (moved
+    back near the end of ``q`` to stay in bounds: :func:`token_rows`; the extra rows are other heads'
+    queries, computed and dropped). A swizzled tile, which wgmma reads, takes TMA copies from rows
+    that are multiples of 8 only, so the rows land in an unswizzled tile and wgmma takes Q from
+    registers. Each program writes its ``R`` output rows to its own slot of ``[T, Hkv, R, D]``; one
+    gather, fused by XLA into the split-K merge, keeps each token's ``G`` rows. So a decode launch is
+    the kernel and the merge: relaying the queries into tiles first and the outputs back after cost a
+    batch-1 launch 3-5 us in XLA kernels around a 3-5 us attention kernel.
+  * Prefill tiles (``block_q > 1``): sequence ``i`` owns tiles ``cu_q_lens[i] // block_q + i + j`` for
+    ``j < cdiv(q_len_i, block_q)`` (the Triton kernel's numbering: ``cdiv(T, block_q) + S`` tiles bound
+    it; unowned tiles exit at once). A few XLA ops outside the kernel turn ``cu_q_lens``/``kv_lens``
+    into each tile's sequence, first query position and key range (``i32[tiles, 3]``, read as scalars
+    by the kernel) and lay the queries out as ``[tiles, Hkv, R, D]`` (``R = block_q * G`` rounded up to
+    8), one contiguous TMA box per program (its padding rows zero); the output comes back in the same
+    layout and a gather puts it in token order (padding tokens zero). A tile's ``G`` heads of
+    ``block_q`` tokens are not one rectangular box of ``q``, and a ragged tile's store would overwrite
+    the next sequence's rows; against a prefill tile's arithmetic the relayout is small.
   * KV tiles of ``block_kv`` tokens (default ``max(64, block_size)``): ``block_kv / block_size`` pool
     blocks, each one TMA copy of its ``[block_size, D]`` keys (``pool[layer, id, :, 0, h, :]``, rows
     strided by ``2 * Hkv * D``) and one of its values into a shared-memory slot, the physical block ids
     read as scalars from ``block_tables`` inside the kernel. All copies of a tile arrive on one barrier
     (``num_arrivals`` = copies per tile). ``num_slots`` slots (default 2): the copies of tile
     ``t + num_slots`` are issued as soon as tile ``t`` is consumed, so transfers overlap the
-    arithmetic of the tiles before them. The output tile reuses Q's shared memory.
+    arithmetic of the tiles before them. Without split-K the output tile reuses Q's shared memory.
   * Split-K (``num_splits > 1``, by default for decode launches too small to fill the GPU:
     :func:`choose_splits`): a third grid axis cuts a tile's KV tiles into ``num_splits`` contiguous
     ranges (:func:`split_range`); each program writes its range's output, normalised by its own
@@ -146,12 +154,12 @@ def smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype, split: bool 
 
 def choose_block_q(num_tokens: int, num_seqs: int, group: int, decode: bool | None = None) -> int:
     """Tokens per query tile. Prefill: ``64 // G`` (a tile fills the 64 rows of one wgmma). Decode
-    (``decode``, or with ``None`` the padded shapes: ``T <= 2 S``, the Triton kernel's test):
-    ``max(1, 8 // G)``, so a tile of one decode token moves 8 rows of queries and outputs through HBM,
-    not 64 (the wgmma still computes 64 rows: decode is bound by the K/V reads)."""
+    (``decode``, or with ``None`` the padded shapes: ``T <= 2 S``, the Triton kernel's test): 1, a tile
+    per token, whose queries and outputs the kernel reads and writes in place, ``R = G`` rounded up to 8
+    rows of them (the wgmma still computes 64 rows: decode is bound by the K/V reads)."""
     if decode is None:
         decode = num_tokens <= 2 * num_seqs
-    return max(1, 8 // group) if decode else BLOCK_M // group
+    return 1 if decode else BLOCK_M // group
 
 
 def choose_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, block_kv: int, max_context: int,
@@ -193,6 +201,27 @@ def tile_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, block
     return meta, cu_q_lens[seq] + j * block_q, ntok, starts
 
 
+def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> jax.Array:
+    """The query tiles of one token each (``block_q == 1``, what decode launches use): tile ``t`` is token
+    ``t``. Returns ``meta i32[T, 3]`` = (its sequence, ``-1`` for padding tokens; its position; its
+    position + 1, the ``kv_end`` of :func:`tile_layout`)."""
+    num_seqs = kv_lens.shape[0]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.sum(cu_q_lens[None, 1:] <= t[:, None], axis=1, dtype=jnp.int32)  # sequences ending at or before t
+    s = jnp.minimum(seq, num_seqs - 1)
+    pos = kv_lens[s] - (cu_q_lens[s + 1] - t)
+    return jnp.stack([jnp.where(seq < num_seqs, seq, -1), pos, pos + 1], axis=1).astype(jnp.int32)
+
+
+def token_rows(num_tokens: int, num_kv_heads: int, group: int, rows: int, q_rows: int) -> jax.Array:
+    """Where token ``t``'s ``G`` heads of KV head ``h`` sit in the ``R = rows`` query rows its tile reads from
+    the queries viewed as ``[q_rows, D]`` (``q_rows >= T * Hq`` and ``>= R``): the box starts at row
+    ``(t Hkv + h) G``, moved back just enough to end in bounds. Returns the offset ``i32[T, Hkv]``."""
+    first = (jnp.arange(num_tokens, dtype=jnp.int32)[:, None] * num_kv_heads
+             + jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :]) * group
+    return first - jnp.minimum(first, q_rows - rows)
+
+
 def split_range(kv_end, split, block_kv: int, num_splits: int):
     """KV tiles ``[lo, hi)`` that split ``split`` of a query tile needing keys ``[0, kv_end)`` reads:
     ``cdiv(num_kv, num_splits)`` consecutive tiles each (the last splits may be short or empty)."""
@@ -202,32 +231,31 @@ def split_range(kv_end, split, block_kv: int, num_splits: int):
     return lo, jnp.minimum(num_kv, lo + per)
 
 
-def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, *refs,
+def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref=None, *, k_smem, v_smem,
+                      q_bar, k_bar, v_bar, q_smem=None, q_plain=None, p_smem=None, o32_smem=None, lse_smem=None,
                       scale_log2: float, group: int, block_kv: int, block_size: int, num_slots: int,
-                      num_splits: int, p_in_registers: bool):
+                      num_splits: int, num_rows: int, token_order: bool):
     """One program: KV head ``axis_index("kv_head")``, query tile ``axis_index("tile")`` and, with
     ``num_splits > 1``, split ``axis_index("split")`` of its KV tiles (:func:`split_range`).
 
-    Refs (GMEM): ``layer_ref i32[1]``, ``meta_ref i32[tiles, 3]`` (:func:`tile_layout`),
-    ``tables_ref i32[S, W]``, ``q_ref [Hkv, tiles, R, D]`` (``R <= 64`` rows a tile),
-    ``kv_ref [L, N, bs, 2, Hkv, D]``; output ``o_ref [Hkv, tiles, R, D]``, or with splits
-    ``o_ref f32[P, Hkv, tiles, R, D]`` (each split's normalised partial) and ``lse_ref f32[P, Hkv,
-    tiles, R]`` (its log-sum-exp, base 2). Shared memory: ``q_smem [64, D]`` (its first ``R`` rows the
-    tile's queries, then its output), ``k_smem/v_smem [slots, block_kv, D]``, in the interpreter
-    ``p_smem [64, block_kv]``, with splits ``o32_smem f32[64, D]`` and ``lse_smem f32[64]``; barriers
-    ``q_bar``, ``k_bar[slots]``, ``v_bar[slots]``.
+    Refs (GMEM): ``layer_ref i32[1]``, ``meta_ref i32[tiles, 3]`` (:func:`tile_layout`, or with
+    ``token_order`` :func:`token_layout`), ``tables_ref i32[S, W]``, ``q_ref [tiles, Hkv, R, D]``
+    (``R = num_rows <= 64`` rows a tile), or with ``token_order`` the queries where they are, ``[T *
+    Hq, D]`` (at least ``R`` rows; the tile of token ``t`` reads the ``R`` rows from ``(t Hkv + h) G``,
+    moved back to stay in bounds: :func:`token_rows`), ``kv_ref [L, N, bs, 2, Hkv, D]``; outputs
+    ``o_ref [tiles, Hkv, R, D]``, or with splits ``o_ref f32[P, tiles, Hkv, R, D]`` (each split's
+    normalised partial) and ``lse_ref f32[P, tiles, Hkv, R]`` (its log-sum-exp, base 2).
+
+    Shared memory (keyword refs): ``q_smem [64, D]`` swizzled for wgmma, its first ``R`` rows the
+    tile's queries; ``k_smem/v_smem [slots, block_kv, D]``; barriers ``q_bar``, ``k_bar[slots]``,
+    ``v_bar[slots]``. With ``token_order``, ``q_plain [64, D]`` without swizzle: a swizzled tile takes
+    TMA copies from rows that are multiples of 8 only, so the queries land there and wgmma reads them
+    from registers (on the GPU ``q_smem`` is then absent). In the interpreter (its wgmma reads shared
+    memory only) ``p_smem [64, block_kv]`` for ``P``; on the GPU ``P`` goes from registers. With
+    splits ``o32_smem f32[64, D]`` and ``lse_smem f32[64]``; without, the output reuses the queries' tile.
     """
-    refs = list(refs)
-    p_smem = None if p_in_registers else refs.pop(4 if num_splits == 1 else 5)
-    if num_splits == 1:
-        o_ref, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = refs
-        lse_ref = o32_smem = lse_smem = None
-        split = 0
-    else:
-        o_ref, lse_ref, q_smem, k_smem, v_smem, o32_smem, lse_smem, q_bar, k_bar, v_bar = refs
-        split = lax.axis_index("split")
-    head_dim = q_smem.shape[-1]
-    num_rows = q_ref.shape[2]
+    split = lax.axis_index("split") if num_splits > 1 else 0
+    head_dim = k_smem.shape[-1]
     width = tables_ref.shape[1]
     blocks_per_tile = block_kv // block_size
     h = lax.axis_index("kv_head")
@@ -253,16 +281,29 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, *refs,
                 plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, :, 1, h, :], v_smem.at[slot, rows],
                                         v_bar.at[slot])
 
-        q_rows = q_smem if num_rows == BLOCK_M else q_smem.at[pl.ds(0, num_rows)]
-        if num_rows < BLOCK_M:  # rows past R: zeros, not stale shared memory (their outputs are dropped)
-            q_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), q_smem.dtype), plgpu.Layout.WGMMA)
-            plgpu.commit_smem()  # before the TMA writes the first R rows
-        plgpu.copy_gmem_to_smem(q_ref.at[h, tile], q_rows, q_bar)
+        if token_order:  # this token's G heads of KV head h, and the rows after them (or before, at the end)
+            first = jnp.minimum((tile * kv_ref.shape[4] + h) * group, q_ref.shape[0] - num_rows)
+            q_tile = q_plain  # rows past R: stale; each row's softmax is its own and only R rows are stored
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first, num_rows)], q_tile.at[pl.ds(0, num_rows)], q_bar)
+        else:
+            q_tile = q_smem
+            if num_rows < BLOCK_M:  # rows past R: zeros, not stale shared memory (their outputs are dropped)
+                q_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), q_smem.dtype), plgpu.Layout.WGMMA)
+                plgpu.commit_smem()  # before the TMA writes the first R rows
+            plgpu.copy_gmem_to_smem(q_ref.at[tile, h], q_smem.at[pl.ds(0, num_rows)], q_bar)
+        q_rows = q_tile.at[pl.ds(0, num_rows)]
         fetch(lo, 0)  # the range is not empty; tile lo + i goes to slot i
         for i in range(1, num_slots):
             pl.when(lo + i < hi)(functools.partial(fetch, lo + i, i))
 
         plgpu.barrier_wait(q_bar)
+        q_op = q_smem
+        if token_order:
+            q_op = plgpu.load(q_plain, layout=plgpu.Layout.WGMMA)  # wgmma's A operand from registers
+            if q_smem is not None:  # the interpreter: through a swizzled tile
+                q_smem[...] = q_op
+                plgpu.commit_smem()
+                q_op = q_smem
 
         def step(t, carry, masked: bool):
             acc, m_i, l_i = carry
@@ -270,7 +311,7 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, *refs,
             plgpu.barrier_wait(k_bar.at[slot])
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q_op, k_smem.at[slot].transpose((1, 0)))
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, block_kv), jnp.float32)) * scale_log2
@@ -278,8 +319,10 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, *refs,
             if masked:
                 wgmma_iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
                 key = t * block_kv + wgmma_iota((BLOCK_M, block_kv), 1)
-                # Row r is token r // G of the tile; padding rows see what the last token sees, at most.
-                last_key = jnp.minimum(pos0 + lax.div(wgmma_iota((BLOCK_M, block_kv), 0), group), kv_end - 1)
+                if token_order:  # one token: every row sees keys up to its position (other rows are dropped)
+                    last_key = kv_end - 1 + 0 * wgmma_iota((BLOCK_M, block_kv), 0)
+                else:  # row r is token r // G of the tile; padding rows see what the last token sees, at most
+                    last_key = jnp.minimum(pos0 + lax.div(wgmma_iota((BLOCK_M, block_kv), 0), group), kv_end - 1)
                 s = jnp.where(key <= last_key, s, -jnp.inf)
                 # Values at or past kv_end may be stale NaN: zero them (P = 0 there, but 0 * NaN = NaN).
                 v_key = t * block_kv + wgmma_iota((block_kv, head_dim), 0)
@@ -288,7 +331,7 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, *refs,
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l_new = l_i * alpha + p.sum(axis=1)
-            if p_in_registers:
+            if p_smem is None:
                 p_op = p.astype(v_smem.dtype)
                 if masked:
                     plgpu.commit_smem()  # the zeroed values visible to wgmma (it reads through the async proxy)
@@ -320,17 +363,17 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, *refs,
         has = l_i > 0
         out = acc / lax.broadcast_in_dim(jnp.where(has, l_i, 1.0), acc.shape, [0])
         if num_splits == 1:
-            q_smem[...] = out.astype(q_smem.dtype)  # Q is done
+            q_tile[...] = out.astype(q_tile.dtype)  # Q is done
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_rows, o_ref.at[h, tile])
+            plgpu.copy_smem_to_gmem(q_rows, o_ref.at[tile, h])
         else:  # the partial in fp32 and its log-sum-exp; merge_splits (XLA) combines the splits
             o32_smem[...] = out
             lse_smem[...] = jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)) * LOG2E, -jnp.inf)
             plgpu.commit_smem()
             o_rows = o32_smem if num_rows == BLOCK_M else o32_smem.at[pl.ds(0, num_rows)]
             lse_rows = lse_smem if num_rows == BLOCK_M else lse_smem.at[pl.ds(0, num_rows)]
-            plgpu.copy_smem_to_gmem(o_rows, o_ref.at[split, h, tile])
-            plgpu.copy_smem_to_gmem(lse_rows, lse_ref.at[split, h, tile])
+            plgpu.copy_smem_to_gmem(o_rows, o_ref.at[split, tile, h])
+            plgpu.copy_smem_to_gmem(lse_rows, lse_ref.at[split, tile, h])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -463,68 +506,82 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
     rows = tile_rows(block_q, group)
     if scale is None:
         scale = head_dim**-0.5
-    meta, tok0, ntok, starts = tile_layout(cu_q_lens, kv_lens, num_tokens, block_q)
+    token_order = block_q == 1
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    g = jnp.arange(group, dtype=jnp.int32)
+    if token_order:  # the kernel reads the queries where they are: tile t is token t (module docstring)
+        meta = token_layout(cu_q_lens, kv_lens, num_tokens)
+        q_in = q.reshape(num_tokens * num_q_heads, head_dim)
+        if q_in.shape[0] < rows:  # a box of R rows must fit
+            q_in = jnp.pad(q_in, ((0, rows - q_in.shape[0]), (0, 0)))
+        tile_t = t
+        row_t = token_rows(num_tokens, num_kv_heads, group, rows, q_in.shape[0])[:, :, None] + g  # [T, Hkv, G]
+    else:
+        meta, tok0, ntok, starts = tile_layout(cu_q_lens, kv_lens, num_tokens, block_q)
+        # Queries in tile layout [tiles, Hkv, R, D]: row r of a tile is token r // G, head r % G of the group.
+        r = jnp.arange(rows, dtype=jnp.int32)
+        row_tok, row_head = r // group, r % group
+        row_ok = row_tok[None, :] < ntok[:, None]  # [tiles, R]; false for unowned tiles and padding rows
+        tok = jnp.clip(tok0[:, None] + row_tok[None, :], 0, num_tokens - 1)
+        q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+        q_in = q4[tok, :, jnp.broadcast_to(row_head, tok.shape), :]  # [tiles, R, Hkv, D]
+        q_in = jnp.where(row_ok[:, :, None, None], q_in, jnp.zeros((), q.dtype)).transpose(0, 2, 1, 3)
+        # Token t of sequence s is row ((t - cu[s]) % block_q) * G + g of tile starts[s] + (t - cu[s]) // block_q.
+        num_seqs = kv_lens.shape[0]
+        seq_t = jnp.clip(jnp.sum(cu_q_lens[None, :] <= t[:, None], axis=1, dtype=jnp.int32) - 1, 0, num_seqs - 1)
+        off = t - cu_q_lens[seq_t]
+        tile_t = jnp.clip(starts[seq_t] + off // block_q, 0, meta.shape[0] - 1)
+        row_t = jnp.clip((off % block_q) * group, 0, rows - group)[:, None, None] + g  # [T, 1, G]
     num_tiles = meta.shape[0]
 
-    # Queries in tile layout [Hkv, tiles, R, D]: row r of a tile is token r // G, head r % G of the group.
-    r = jnp.arange(rows, dtype=jnp.int32)
-    row_tok, row_head = r // group, r % group
-    row_ok = row_tok[None, :] < ntok[:, None]  # [tiles, R]; false for unowned tiles and padding rows
-    tok = jnp.clip(tok0[:, None] + row_tok[None, :], 0, num_tokens - 1)
-    q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    q_tiles = q4[tok, :, jnp.broadcast_to(row_head, tok.shape), :]  # [tiles, R, Hkv, D]
-    q_tiles = jnp.where(row_ok[:, :, None, None], q_tiles, jnp.zeros((), q.dtype)).transpose(2, 0, 1, 3)
-
-    dtype = kv_pool.dtype  # == q.dtype (validated): the output tile reuses Q's shared memory
-    tiles_shape = (num_kv_heads, num_tiles, rows, head_dim)
-    scratch = [
-        plgpu.SMEM((BLOCK_M, head_dim), dtype, transforms=_transforms(dtype)),
-        plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=_transforms(dtype)),
-        plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=_transforms(dtype)),
-    ]
+    dtype = kv_pool.dtype  # == q.dtype (validated): the output tile reuses the queries'
+    tiles_shape = (num_tiles, num_kv_heads, rows, head_dim)
+    tile = lambda shape, dt=dtype: plgpu.SMEM(shape, dt, transforms=_transforms(dt))
+    slots = (num_slots, block_kv, head_dim)
+    scratch = dict(k_smem=tile(slots), v_smem=tile(slots), q_bar=plgpu.Barrier(num_arrivals=1),
+                   k_bar=plgpu.Barrier(num_arrivals=block_kv // block_size, num_barriers=num_slots),
+                   v_bar=plgpu.Barrier(num_arrivals=block_kv // block_size, num_barriers=num_slots))
+    if token_order:
+        scratch["q_plain"] = plgpu.SMEM((BLOCK_M, head_dim), dtype)
+    if interpret is not None or not token_order:
+        scratch["q_smem"] = tile((BLOCK_M, head_dim))
     if interpret is not None:  # P through shared memory: the interpreter's wgmma reads shared memory only
-        scratch.append(plgpu.SMEM((BLOCK_M, block_kv), dtype, transforms=_transforms(dtype)))
+        scratch["p_smem"] = tile((BLOCK_M, block_kv))
     if num_splits == 1:
         out_type = jax.ShapeDtypeStruct(tiles_shape, q.dtype)
     else:
         out_type = (jax.ShapeDtypeStruct((num_splits, *tiles_shape), jnp.float32),
                     jax.ShapeDtypeStruct((num_splits, *tiles_shape[:-1]), jnp.float32))
-        scratch += [plgpu.SMEM((BLOCK_M, head_dim), jnp.float32, transforms=_transforms(jnp.float32)),
-                    plgpu.SMEM((BLOCK_M,), jnp.float32)]
+        scratch.update(o32_smem=tile((BLOCK_M, head_dim), jnp.float32), lse_smem=plgpu.SMEM((BLOCK_M,), jnp.float32))
     kernel = plgpu.kernel(
         functools.partial(_attention_kernel, scale_log2=scale * LOG2E, group=group, block_kv=block_kv,
-                          block_size=block_size, num_slots=num_slots, num_splits=num_splits,
-                          p_in_registers=interpret is None),
+                          block_size=block_size, num_slots=num_slots, num_splits=num_splits, num_rows=rows,
+                          token_order=token_order),
         out_type=out_type,
-        scratch_types=scratch + [
-            plgpu.Barrier(num_arrivals=1),
-            plgpu.Barrier(num_arrivals=block_kv // block_size, num_barriers=num_slots),
-            plgpu.Barrier(num_arrivals=block_kv // block_size, num_barriers=num_slots),
-        ],
+        scratch_types=scratch,
         grid=(num_kv_heads, num_tiles) + ((num_splits,) if num_splits > 1 else ()),
         grid_names=("kv_head", "tile") + (("split",) if num_splits > 1 else ()),
         interpret=interpret,
     )
-    o_tiles = kernel(jnp.reshape(layer, (1,)), meta, block_tables, q_tiles, kv_pool)
-    if num_splits > 1:
+    o_tiles = kernel(jnp.reshape(layer, (1,)), meta, block_tables, q_in, kv_pool)
+
+    # Each token's G rows, [(P,) tiles, Hkv, R, ...] -> [(P,) T, Hkv, G, ...]: a gather XLA fuses into the merge.
+    kv_head = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
+
+    def to_tokens(x, lead: int = 0):
+        return x[(slice(None),) * lead + (tile_t[:, None, None], kv_head, row_t)]
+
+    if num_splits == 1:
+        out = to_tokens(o_tiles)
+    else:
         # Splits that had no keys (and unowned tiles) wrote nothing: their memory is not read.
         o_parts, lse = o_tiles
         split = jnp.arange(num_splits, dtype=jnp.int32)[:, None]
-        lo, hi = split_range(meta[None, :, 2], split, block_kv, num_splits)  # [P, tiles]
-        wrote = ((lo < hi) & (meta[None, :, 0] >= 0))[:, None, :, None]  # [P, 1, tiles, 1]
-        lse = jnp.where(wrote, lse, -jnp.inf)
-        o_parts = jnp.where(wrote[..., None], o_parts, 0.0)
-        o_tiles = merge_splits(o_parts, lse, q.dtype)
-
-    # Back to token order: token t is row ((t - cu[s]) % block_q) * G + g of tile starts[s] + (t - cu[s]) // block_q.
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    num_seqs = kv_lens.shape[0]
-    seq_t = jnp.clip(jnp.sum(cu_q_lens[None, :] <= t[:, None], axis=1, dtype=jnp.int32) - 1, 0, num_seqs - 1)
-    off = t - cu_q_lens[seq_t]
-    tile_t = jnp.clip(starts[seq_t] + off // block_q, 0, num_tiles - 1)
-    row_t = jnp.clip((off % block_q) * group, 0, rows - group)
-    o = o_tiles.transpose(1, 2, 0, 3)  # [tiles, R, Hkv, D]
-    out = o[tile_t[:, None], row_t[:, None] + jnp.arange(group, dtype=jnp.int32)[None, :]]  # [T, G, Hkv, D]
-    out = out.transpose(0, 2, 1, 3).reshape(num_tokens, num_q_heads, head_dim)
-    valid = t < cu_q_lens[num_seqs]
+        lo, hi = split_range(meta[None, tile_t, 2], split, block_kv, num_splits)  # [P, T]
+        wrote = ((lo < hi) & (meta[None, tile_t, 0] >= 0))[:, :, None, None]  # [P, T, 1, 1]
+        lse = jnp.where(wrote, to_tokens(lse, 1), -jnp.inf)
+        o_parts = jnp.where(wrote[..., None], to_tokens(o_parts, 1), 0.0)
+        out = merge_splits(o_parts, lse, q.dtype)  # [T, Hkv, G, D]
+    out = out.reshape(num_tokens, num_q_heads, head_dim)
+    valid = t < cu_q_lens[kv_lens.shape[0]]
     return jnp.where(valid[:, None, None], out, jnp.zeros((), out.dtype))
