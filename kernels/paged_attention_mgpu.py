@@ -164,11 +164,18 @@ def choose_block_q(num_tokens: int, num_seqs: int, group: int, decode: bool | No
 
 def choose_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, block_kv: int, max_context: int,
                   decode: bool) -> int:
-    """Split-K factor: for decode launches :func:`jaxpaged.kernels.split_k.decode_splits` (the Triton
-    kernel's rule: about two programs per core), 1 for prefill (its query tiles fill the GPU)."""
+    """Split-K factor: 1 for prefill (its query tiles fill the GPU); for decode launches
+    :func:`jaxpaged.kernels.split_k.decode_splits` (the Triton kernel's rule: about two programs per
+    core, rounded up to a power of two), halved where that rounding gives more programs than two a
+    core: a split-K program needs 112 KiB of shared memory, so two fit on an SM and a third would wait
+    for a second wave (8 sequences x context 1,024-4,096: 0.84-0.93x the time with half the splits)."""
     if not decode:
         return 1
-    return decode_splits(num_tokens, num_seqs, num_kv_heads, block_kv, max_context, num_cores())
+    cores = num_cores()
+    splits = decode_splits(num_tokens, num_seqs, num_kv_heads, block_kv, max_context, cores)
+    if splits > 1 and min(num_seqs, num_tokens) * num_kv_heads * splits > 2 * cores:
+        splits //= 2
+    return splits
 
 
 def tile_rows(block_q: int, group: int) -> int:
@@ -213,15 +220,6 @@ def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> j
     return jnp.stack([jnp.where(seq < num_seqs, seq, -1), pos, pos + 1], axis=1).astype(jnp.int32)
 
 
-def token_rows(num_tokens: int, num_kv_heads: int, group: int, rows: int, q_rows: int) -> jax.Array:
-    """Where token ``t``'s ``G`` heads of KV head ``h`` sit in the ``R = rows`` query rows its tile reads from
-    the queries viewed as ``[q_rows, D]`` (``q_rows >= T * Hq`` and ``>= R``): the box starts at row
-    ``(t Hkv + h) G``, moved back just enough to end in bounds. Returns the offset ``i32[T, Hkv]``."""
-    first = (jnp.arange(num_tokens, dtype=jnp.int32)[:, None] * num_kv_heads
-             + jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :]) * group
-    return first - jnp.minimum(first, q_rows - rows)
-
-
 def split_range(kv_end, split, block_kv: int, num_splits: int):
     """KV tiles ``[lo, hi)`` that split ``split`` of a query tile needing keys ``[0, kv_end)`` reads:
     ``cdiv(num_kv, num_splits)`` consecutive tiles each (the last splits may be short or empty)."""
@@ -263,6 +261,8 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
     seq = meta_ref[tile, 0]
     kv_end = meta_ref[tile, 2]
     lo, hi = split_range(kv_end, split, block_kv, num_splits)
+    row0 = (tile * kv_ref.shape[4] + h) * group  # token order: the tile's first query row in q [T * Hq, D]
+    first = jnp.minimum(row0, q_ref.shape[0] - num_rows)  # ... and the first row of the R it reads
 
     @pl.when(jnp.logical_and(seq >= 0, lo < hi))  # an unowned tile, or an empty split: nothing to do
     def _owned_tile():
@@ -281,17 +281,14 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
                 plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, :, 1, h, :], v_smem.at[slot, rows],
                                         v_bar.at[slot])
 
-        if token_order:  # this token's G heads of KV head h, and the rows after them (or before, at the end)
-            first = jnp.minimum((tile * kv_ref.shape[4] + h) * group, q_ref.shape[0] - num_rows)
-            q_tile = q_plain  # rows past R: stale; each row's softmax is its own and only R rows are stored
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first, num_rows)], q_tile.at[pl.ds(0, num_rows)], q_bar)
+        if token_order:  # this token's G heads of KV head h and the rows after them (before them, at the end)
+            # Rows past R stay stale: each row's softmax is its own, and only the token's G rows are stored.
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first, num_rows)], q_plain.at[pl.ds(0, num_rows)], q_bar)
         else:
-            q_tile = q_smem
             if num_rows < BLOCK_M:  # rows past R: zeros, not stale shared memory (their outputs are dropped)
                 q_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), q_smem.dtype), plgpu.Layout.WGMMA)
                 plgpu.commit_smem()  # before the TMA writes the first R rows
             plgpu.copy_gmem_to_smem(q_ref.at[tile, h], q_smem.at[pl.ds(0, num_rows)], q_bar)
-        q_rows = q_tile.at[pl.ds(0, num_rows)]
         fetch(lo, 0)  # the range is not empty; tile lo + i goes to slot i
         for i in range(1, num_slots):
             pl.when(lo + i < hi)(functools.partial(fetch, lo + i, i))
@@ -362,19 +359,38 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
         acc, m_i, l_i = lax.fori_loop(n_full, hi, functools.partial(step, masked=True), carry)
         has = l_i > 0
         out = acc / lax.broadcast_in_dim(jnp.where(has, l_i, 1.0), acc.shape, [0])
-        if num_splits == 1:
-            q_tile[...] = out.astype(q_tile.dtype)  # Q is done
+        lse = None if num_splits == 1 else jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)) * LOG2E, -jnp.inf)
+        if token_order:  # this token's G rows, in place
+            row_off = row0 - first
+            if num_splits == 1:
+                q_plain[...] = out.astype(q_plain.dtype)  # Q is done (it is in registers, or in q_smem)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_plain.at[pl.ds(row_off, group)], o_ref.at[pl.ds(row0, group)])
+            else:  # the partial in fp32 and its log-sum-exp (each row's in 8 lanes: a TMA row is >= 16 bytes)
+                o32_smem[...] = out
+                lse_smem[...] = lax.broadcast_in_dim(lse, lse_smem.shape, [0])
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o32_smem.at[pl.ds(row_off, group)], o_ref.at[split, pl.ds(row0, group)])
+                plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(row_off, group)], lse_ref.at[split, pl.ds(row0, group)])
+        elif num_splits == 1:
+            q_smem[...] = out.astype(q_smem.dtype)  # Q is done
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_rows, o_ref.at[tile, h])
+            plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(0, num_rows)], o_ref.at[tile, h])
         else:  # the partial in fp32 and its log-sum-exp; merge_splits (XLA) combines the splits
             o32_smem[...] = out
-            lse_smem[...] = jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)) * LOG2E, -jnp.inf)
+            lse_smem[...] = lse
             plgpu.commit_smem()
-            o_rows = o32_smem if num_rows == BLOCK_M else o32_smem.at[pl.ds(0, num_rows)]
-            lse_rows = lse_smem if num_rows == BLOCK_M else lse_smem.at[pl.ds(0, num_rows)]
-            plgpu.copy_smem_to_gmem(o_rows, o_ref.at[split, tile, h])
-            plgpu.copy_smem_to_gmem(lse_rows, lse_ref.at[split, tile, h])
+            plgpu.copy_smem_to_gmem(o32_smem.at[pl.ds(0, num_rows)], o_ref.at[split, tile, h])
+            plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, num_rows)], lse_ref.at[split, tile, h])
         plgpu.wait_smem_to_gmem(0)
+
+    if token_order and num_splits == 1:
+        @pl.when(seq < 0)  # a padding token: zeros (with splits, the merge masks what no split wrote)
+        def _padding_token():
+            q_plain[...] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), q_plain.dtype), plgpu.Layout.WGMMA)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_plain.at[pl.ds(0, group)], o_ref.at[pl.ds(row0, group)])
+            plgpu.wait_smem_to_gmem(0)
 
 
 def _interpret_params(interpret):
@@ -508,14 +524,13 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         scale = head_dim**-0.5
     token_order = block_q == 1
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    g = jnp.arange(group, dtype=jnp.int32)
-    if token_order:  # the kernel reads the queries where they are: tile t is token t (module docstring)
+    if token_order:  # the kernel reads the queries and writes the outputs in place (module docstring)
         meta = token_layout(cu_q_lens, kv_lens, num_tokens)
         q_in = q.reshape(num_tokens * num_q_heads, head_dim)
         if q_in.shape[0] < rows:  # a box of R rows must fit
             q_in = jnp.pad(q_in, ((0, rows - q_in.shape[0]), (0, 0)))
         tile_t = t
-        row_t = token_rows(num_tokens, num_kv_heads, group, rows, q_in.shape[0])[:, :, None] + g  # [T, Hkv, G]
+        out_rows = (num_tokens * num_q_heads,)
     else:
         meta, tok0, ntok, starts = tile_layout(cu_q_lens, kv_lens, num_tokens, block_q)
         # Queries in tile layout [tiles, Hkv, R, D]: row r of a tile is token r // G, head r % G of the group.
@@ -531,57 +546,65 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         seq_t = jnp.clip(jnp.sum(cu_q_lens[None, :] <= t[:, None], axis=1, dtype=jnp.int32) - 1, 0, num_seqs - 1)
         off = t - cu_q_lens[seq_t]
         tile_t = jnp.clip(starts[seq_t] + off // block_q, 0, meta.shape[0] - 1)
-        row_t = jnp.clip((off % block_q) * group, 0, rows - group)[:, None, None] + g  # [T, 1, G]
-    num_tiles = meta.shape[0]
+        row_t = jnp.clip((off % block_q) * group, 0, rows - group)[:, None] + jnp.arange(group, dtype=jnp.int32)
+        out_rows = (meta.shape[0], num_kv_heads, rows)
 
     dtype = kv_pool.dtype  # == q.dtype (validated): the output tile reuses the queries'
-    tiles_shape = (num_tiles, num_kv_heads, rows, head_dim)
     tile = lambda shape, dt=dtype: plgpu.SMEM(shape, dt, transforms=_transforms(dt))
     slots = (num_slots, block_kv, head_dim)
     scratch = dict(k_smem=tile(slots), v_smem=tile(slots), q_bar=plgpu.Barrier(num_arrivals=1),
                    k_bar=plgpu.Barrier(num_arrivals=block_kv // block_size, num_barriers=num_slots),
                    v_bar=plgpu.Barrier(num_arrivals=block_kv // block_size, num_barriers=num_slots))
-    if token_order:
+    if token_order:  # unswizzled: TMA copies in and out at any row
         scratch["q_plain"] = plgpu.SMEM((BLOCK_M, head_dim), dtype)
     if interpret is not None or not token_order:
         scratch["q_smem"] = tile((BLOCK_M, head_dim))
     if interpret is not None:  # P through shared memory: the interpreter's wgmma reads shared memory only
         scratch["p_smem"] = tile((BLOCK_M, block_kv))
     if num_splits == 1:
-        out_type = jax.ShapeDtypeStruct(tiles_shape, q.dtype)
+        out_type = jax.ShapeDtypeStruct((*out_rows, head_dim), q.dtype)
     else:
-        out_type = (jax.ShapeDtypeStruct((num_splits, *tiles_shape), jnp.float32),
-                    jax.ShapeDtypeStruct((num_splits, *tiles_shape[:-1]), jnp.float32))
-        scratch.update(o32_smem=tile((BLOCK_M, head_dim), jnp.float32), lse_smem=plgpu.SMEM((BLOCK_M,), jnp.float32))
+        lse_lanes = (8,) if token_order else ()
+        out_type = (jax.ShapeDtypeStruct((num_splits, *out_rows, head_dim), jnp.float32),
+                    jax.ShapeDtypeStruct((num_splits, *out_rows, *lse_lanes), jnp.float32))
+        if token_order:
+            scratch.update(o32_smem=plgpu.SMEM((BLOCK_M, head_dim), jnp.float32),
+                           lse_smem=plgpu.SMEM((BLOCK_M, 8), jnp.float32))
+        else:
+            scratch.update(o32_smem=tile((BLOCK_M, head_dim), jnp.float32), lse_smem=plgpu.SMEM((BLOCK_M,), jnp.float32))
     kernel = plgpu.kernel(
         functools.partial(_attention_kernel, scale_log2=scale * LOG2E, group=group, block_kv=block_kv,
                           block_size=block_size, num_slots=num_slots, num_splits=num_splits, num_rows=rows,
                           token_order=token_order),
         out_type=out_type,
         scratch_types=scratch,
-        grid=(num_kv_heads, num_tiles) + ((num_splits,) if num_splits > 1 else ()),
+        grid=(num_kv_heads, meta.shape[0]) + ((num_splits,) if num_splits > 1 else ()),
         grid_names=("kv_head", "tile") + (("split",) if num_splits > 1 else ()),
         interpret=interpret,
     )
-    o_tiles = kernel(jnp.reshape(layer, (1,)), meta, block_tables, q_in, kv_pool)
+    out = kernel(jnp.reshape(layer, (1,)), meta, block_tables, q_in, kv_pool)
 
-    # Each token's G rows, [(P,) tiles, Hkv, R, ...] -> [(P,) T, Hkv, G, ...]: a gather XLA fuses into the merge.
-    kv_head = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
+    def to_tokens(x, lead: int = 0):  # tile layout [lead.., tiles, Hkv, R, ...] -> [lead.., T, Hkv, G, ...]
+        kv_head = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
+        return x[(slice(None),) * lead + (tile_t[:, None, None], kv_head, row_t[:, None])]
 
-    def to_tokens(x, lead: int = 0):
-        return x[(slice(None),) * lead + (tile_t[:, None, None], kv_head, row_t)]
-
-    if num_splits == 1:
-        out = to_tokens(o_tiles)
-    else:
-        # Splits that had no keys (and unowned tiles) wrote nothing: their memory is not read.
-        o_parts, lse = o_tiles
+    if num_splits > 1:
+        # Splits that had no keys (and padding tokens, unowned tiles) wrote nothing: their memory is not read.
+        o_parts, lse = out
         split = jnp.arange(num_splits, dtype=jnp.int32)[:, None]
         lo, hi = split_range(meta[None, tile_t, 2], split, block_kv, num_splits)  # [P, T]
-        wrote = ((lo < hi) & (meta[None, tile_t, 0] >= 0))[:, :, None, None]  # [P, T, 1, 1]
-        lse = jnp.where(wrote, to_tokens(lse, 1), -jnp.inf)
-        o_parts = jnp.where(wrote[..., None], to_tokens(o_parts, 1), 0.0)
-        out = merge_splits(o_parts, lse, q.dtype)  # [T, Hkv, G, D]
-    out = out.reshape(num_tokens, num_q_heads, head_dim)
+        wrote = (lo < hi) & (meta[None, tile_t, 0] >= 0)
+        if token_order:  # [P, T * Hq, D] and [P, T * Hq, 8]: the merge reads rows as the Triton kernel's
+            o_parts = o_parts.reshape(num_splits, num_tokens, num_q_heads, head_dim)
+            lse = lse[..., 0].reshape(num_splits, num_tokens, num_q_heads)
+            wrote = wrote[:, :, None]
+        else:
+            o_parts, lse, wrote = to_tokens(o_parts, 1), to_tokens(lse, 1), wrote[:, :, None, None]
+        lse = jnp.where(wrote, lse, -jnp.inf)
+        o_parts = jnp.where(wrote[..., None], o_parts, 0.0)
+        return merge_splits(o_parts, lse, q.dtype).reshape(num_tokens, num_q_heads, head_dim)  # zeros where none wrote
+    if token_order:
+        return out.reshape(num_tokens, num_q_heads, head_dim)  # padding tokens: zeros, written by the kernel
+    out = to_tokens(out).reshape(num_tokens, num_q_heads, head_dim)
     valid = t < cu_q_lens[kv_lens.shape[0]]
     return jnp.where(valid[:, None, None], out, jnp.zeros((), out.dtype))

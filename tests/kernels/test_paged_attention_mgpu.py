@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu, tile_layout, token_layout, token_rows
+from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu, tile_layout, token_layout
 from jaxpaged.kernels.paged_attention_mgpu_prefill import launch_order
 from jaxpaged.kernels.kv_write import pool_from_caches
 from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
@@ -139,24 +139,22 @@ def test_tile_layout():
         np.testing.assert_array_equal(np.asarray(launch_order(meta, kv_heads, interpret)), want)
 
 
-def test_token_layout_and_rows():
-    """Decode launches have a tile per token and read each token's queries in place: tile t is token t
-    (padding tokens unowned); token t's G heads of KV head h sit at row offset 0 of its R-row box,
-    except near the end of the queries, where the box moves back to stay in bounds."""
+def test_token_layout():
+    """Decode launches have a tile per token: tile t is token t, padding tokens unowned."""
     meta = np.asarray(token_layout(jnp.array([0, 1, 1, 3], jnp.int32), jnp.array([5, 2, 9], jnp.int32), 5))
     np.testing.assert_array_equal(meta[:3], [[0, 4, 5], [2, 7, 8], [2, 8, 9]])  # (sequence, position, kv_end)
     np.testing.assert_array_equal(meta[3:, 0], [-1, -1])
-    # 3 tokens, Hkv 2, G 2 (Hq 4): 12 query rows, boxes of 8 start at (2t + h) * 2 but at most at row 4.
-    np.testing.assert_array_equal(np.asarray(token_rows(3, 2, 2, 8, 12)), [[0, 0], [0, 2], [4, 6]])
 
 
-def test_decode_of_fewer_query_rows_than_a_box():
-    """One token of 4 query heads (G 2): fewer rows than the 8 a tile reads, so the queries are padded."""
-    rng = np.random.default_rng(5)
-    q, k, v, cu, kl, tables = random_batch(rng, [1], [37], 16, 4, 2, 64, pad_tokens=0)
+@pytest.mark.parametrize("num_seqs,kw", [(1, {}), (1, dict(num_splits=1)), (3, {}), (3, dict(num_splits=1))])
+def test_decode_at_the_end_of_the_queries(num_seqs, kw):
+    """No padding tokens and 4 query heads (G 2): the last tokens' 8-row boxes move back to stay inside
+    ``q`` (one token: fewer rows than a box, so ``q`` is padded), and their outputs are written in place."""
+    rng = np.random.default_rng(5 + num_seqs)
+    q, k, v, cu, kl, tables = random_batch(rng, [1] * num_seqs, [37, 80, 1][:num_seqs], 16, 4, 2, 64, pad_tokens=0)
     layer = pool_from_caches(jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32))
     args = (jnp.asarray(q, jnp.float32), layer, 0, jnp.asarray(cu), jnp.asarray(kl), jnp.asarray(tables))
-    np.testing.assert_allclose(np.asarray(paged_attention_mgpu(*args, interpret=True)),
+    np.testing.assert_allclose(np.asarray(paged_attention_mgpu(*args, interpret=True, **kw)),
                                np.asarray(paged_attention_reference(*args)), rtol=1e-5, atol=1e-5)
 
 
