@@ -108,6 +108,8 @@ NUM_SLOTS = 2  # KV tiles in flight by default (double buffering)
 PREFILL_KV_TILE = 128  # keys per inner step of the prefill kernel (64 measured 1.1x slower at 4k-16k tokens)
 SWIZZLE = 128  # bytes: shared-memory swizzle of every tile (rows of 64 bf16 / 32 fp32 elements)
 SMEM_BYTES = 227 * 1024  # an H100/H200 block's shared memory
+LSE_LANES = 32  # a decode program's log-sum-exp, copied to each lane of a 128-byte row: TMA copies out of
+# shared memory from 128-byte aligned addresses, and a program's rows start at any row of its tile
 _MASKED = -1e30  # initial running max: finite, so a fully masked row gives exp2(-inf) = 0, never NaN
 HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -146,8 +148,9 @@ def prefill_kv_tile(block_size: int) -> int:
 
 def smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype, split: bool = False,
                p_in_smem: bool = False) -> int:
-    """Shared memory of one program: the Q (later output) tile, ``num_slots`` K and V tiles, with
-    split-K the fp32 partial and its log-sum-exp, and in the interpreter P (barriers aside)."""
+    """Shared memory of one program, at most: the Q (later output) tile, ``num_slots`` K and V tiles, with
+    split-K the fp32 partial and its log-sum-exp (decode launches put those in the slots' memory), and
+    in the interpreter P (barriers aside)."""
     tiles = (BLOCK_M * head_dim + 2 * num_slots * block_kv * head_dim + BLOCK_M * block_kv * p_in_smem)
     return tiles * jnp.dtype(dtype).itemsize + (BLOCK_M * head_dim + BLOCK_M) * 4 * split
 
@@ -229,8 +232,8 @@ def split_range(kv_end, split, block_kv: int, num_splits: int):
     return lo, jnp.minimum(num_kv, lo + per)
 
 
-def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref=None, *, k_smem, v_smem,
-                      q_bar, k_bar, v_bar, q_smem=None, q_plain=None, p_smem=None, o32_smem=None, lse_smem=None,
+def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref=None, *, q_bar, k_bar, v_bar,
+                      k_smem=None, v_smem=None, kv_then_out=None, q_smem=None, q_plain=None, p_smem=None, o32_smem=None, lse_smem=None,
                       scale_log2: float, group: int, block_kv: int, block_size: int, num_slots: int,
                       num_splits: int, num_rows: int, token_order: bool):
     """One program: KV head ``axis_index("kv_head")``, query tile ``axis_index("tile")`` and, with
@@ -252,6 +255,8 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
     memory only) ``p_smem [64, block_kv]`` for ``P``; on the GPU ``P`` goes from registers. With
     splits ``o32_smem f32[64, D]`` and ``lse_smem f32[64]``; without, the output reuses the queries' tile.
     """
+    if kv_then_out is not None:  # one piece of shared memory: the K/V slots, then the split's output
+        (k_smem, v_smem), (o32_smem, lse_smem) = kv_then_out
     split = lax.axis_index("split") if num_splits > 1 else 0
     head_dim = k_smem.shape[-1]
     width = tables_ref.shape[1]
@@ -366,7 +371,7 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
                 q_plain[...] = out.astype(q_plain.dtype)  # Q is done (it is in registers, or in q_smem)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(q_plain.at[pl.ds(row_off, group)], o_ref.at[pl.ds(row0, group)])
-            else:  # the partial in fp32 and its log-sum-exp (each row's in 8 lanes: a TMA row is >= 16 bytes)
+            else:  # the partial in fp32 and its log-sum-exp (in LSE_LANES lanes: TMA reads shared memory at 128-byte rows)
                 o32_smem[...] = out
                 lse_smem[...] = lax.broadcast_in_dim(lse, lse_smem.shape, [0])
                 plgpu.commit_smem()
@@ -552,7 +557,7 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
     dtype = kv_pool.dtype  # == q.dtype (validated): the output tile reuses the queries'
     tile = lambda shape, dt=dtype: plgpu.SMEM(shape, dt, transforms=_transforms(dt))
     slots = (num_slots, block_kv, head_dim)
-    scratch = dict(k_smem=tile(slots), v_smem=tile(slots), q_bar=plgpu.Barrier(num_arrivals=1),
+    scratch = dict(q_bar=plgpu.Barrier(num_arrivals=1),
                    k_bar=plgpu.Barrier(num_arrivals=block_kv // block_size, num_barriers=num_slots),
                    v_bar=plgpu.Barrier(num_arrivals=block_kv // block_size, num_barriers=num_slots))
     if token_order:  # unswizzled: TMA copies in and out at any row
@@ -561,17 +566,20 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         scratch["q_smem"] = tile((BLOCK_M, head_dim))
     if interpret is not None:  # P through shared memory: the interpreter's wgmma reads shared memory only
         scratch["p_smem"] = tile((BLOCK_M, block_kv))
+    kv = (tile(slots), tile(slots))
     if num_splits == 1:
         out_type = jax.ShapeDtypeStruct((*out_rows, head_dim), q.dtype)
+        scratch["k_smem"], scratch["v_smem"] = kv
     else:
-        lse_lanes = (8,) if token_order else ()
+        lse_lanes = (LSE_LANES,) if token_order else ()
         out_type = (jax.ShapeDtypeStruct((num_splits, *out_rows, head_dim), jnp.float32),
                     jax.ShapeDtypeStruct((num_splits, *out_rows, *lse_lanes), jnp.float32))
-        if token_order:
-            scratch.update(o32_smem=plgpu.SMEM((BLOCK_M, head_dim), jnp.float32),
-                           lse_smem=plgpu.SMEM((BLOCK_M, 8), jnp.float32))
+        if token_order:  # the output after the last K/V tile, in the slots' memory: 80 KiB a program, not 120
+            scratch["kv_then_out"] = plgpu.RefUnion(kv, (plgpu.SMEM((BLOCK_M, head_dim), jnp.float32),
+                                                         plgpu.SMEM((BLOCK_M, LSE_LANES), jnp.float32)))
         else:
-            scratch.update(o32_smem=tile((BLOCK_M, head_dim), jnp.float32), lse_smem=plgpu.SMEM((BLOCK_M,), jnp.float32))
+            scratch.update(k_smem=kv[0], v_smem=kv[1], o32_smem=tile((BLOCK_M, head_dim), jnp.float32),
+                           lse_smem=plgpu.SMEM((BLOCK_M,), jnp.float32))
     kernel = plgpu.kernel(
         functools.partial(_attention_kernel, scale_log2=scale * LOG2E, group=group, block_kv=block_kv,
                           block_size=block_size, num_slots=num_slots, num_splits=num_splits, num_rows=rows,
@@ -594,7 +602,7 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         split = jnp.arange(num_splits, dtype=jnp.int32)[:, None]
         lo, hi = split_range(meta[None, tile_t, 2], split, block_kv, num_splits)  # [P, T]
         wrote = (lo < hi) & (meta[None, tile_t, 0] >= 0)
-        if token_order:  # [P, T * Hq, D] and [P, T * Hq, 8]: the merge reads rows as the Triton kernel's
+        if token_order:  # [P, T * Hq, D] and [P, T * Hq, LSE_LANES]: the merge reads rows as the Triton kernel's
             o_parts = o_parts.reshape(num_splits, num_tokens, num_q_heads, head_dim)
             lse = lse[..., 0].reshape(num_splits, num_tokens, num_q_heads)
             wrote = wrote[:, :, None]
