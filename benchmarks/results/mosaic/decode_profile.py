@@ -17,7 +17,7 @@ def norm(n):
         p = n; n = re.sub(r"[._]\d+$", "", n)
     return n
 summary = []
-for B in (1, 8):
+for B in (1, 8, 64):
     for ctx in (256, 1024):
         nb = ctx // BS
         kk, kv_, kq = jax.random.split(jax.random.key(B * ctx), 3)
