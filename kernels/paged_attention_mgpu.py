@@ -170,8 +170,10 @@ def choose_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, block_kv: i
     """Split-K factor: 1 for prefill (its query tiles fill the GPU); for decode launches
     :func:`jaxpaged.kernels.split_k.decode_splits` (the Triton kernel's rule: about two programs per
     core, rounded up to a power of two), halved where that rounding gives more programs than two a
-    core: a split-K program needs 112 KiB of shared memory, so two fit on an SM and a third would wait
-    for a second wave (8 sequences x context 1,024-4,096: 0.84-0.93x the time with half the splits)."""
+    core: a split-K program needs 80 KiB of shared memory, so two fit on an SM and the rest would wait
+    for a second wave. Eight sequences of 4,096 tokens took 0.84-0.86x the time with half the splits
+    in two calls (H200, 2026-12-03; at 1,024 tokens, where the chained timing is dispatch-bound,
+    0.93x and 1.34x)."""
     if not decode:
         return 1
     cores = num_cores()
