@@ -17,15 +17,17 @@ How the work is cut:
     ``(Hkv, tiles)``, the KV head fastest, so the programs of one query tile read neighbouring bytes of
     each pool block.
   * Decode tiles (``block_q == 1``, tile ``t`` is token ``t``: :func:`token_layout`) read their queries
-    where they are: token ``t``'s ``G`` heads of KV head ``h`` are rows ``(t Hkv + h) G ...`` of ``q``
-    viewed as ``[T Hq, D]``, and one TMA copy brings ``R = G`` rounded up to 8 rows from there (moved
-    back near the end of ``q`` to stay in bounds: :func:`token_rows`; the extra rows are other heads'
-    queries, computed and dropped). A swizzled tile, which wgmma reads, takes TMA copies from rows
-    that are multiples of 8 only, so the rows land in an unswizzled tile and wgmma takes Q from
-    registers. Each program writes its ``R`` output rows to its own slot of ``[T, Hkv, R, D]``; one
-    gather, fused by XLA into the split-K merge, keeps each token's ``G`` rows. So a decode launch is
-    the kernel and the merge: relaying the queries into tiles first and the outputs back after cost a
-    batch-1 launch 3-5 us in XLA kernels around a 3-5 us attention kernel.
+    and write their outputs in place. Token ``t``'s ``G`` heads of KV head ``h`` are rows
+    ``(t Hkv + h) G ...`` of ``q`` viewed as ``[T Hq, D]``; one TMA copy brings ``R = G`` rounded up to
+    8 rows from there (moved back near the end of ``q`` to stay in bounds; the extra rows are other
+    heads' queries, computed and dropped), and the program's ``G`` output rows go to the same rows of
+    the output, or with split-K of its ``[P, T Hq, D]`` partials (the Triton kernel's layout, so the
+    merge reads rows in token order). A swizzled tile, which wgmma reads, takes TMA copies only at rows
+    that are multiples of 8, so these rows pass through unswizzled tiles and wgmma takes Q from
+    registers. Padding tokens' programs write zeros (with split-K the merge masks them). A decode
+    launch is then the kernel and the merge: relaying the queries into tiles first and the outputs
+    back after had cost a batch-1 launch 3-6 us of XLA kernels around a 3-5 us attention kernel
+    (H200, 2026-12-03).
   * Prefill tiles (``block_q > 1``): sequence ``i`` owns tiles ``cu_q_lens[i] // block_q + i + j`` for
     ``j < cdiv(q_len_i, block_q)`` (the Triton kernel's numbering: ``cdiv(T, block_q) + S`` tiles bound
     it; unowned tiles exit at once). A few XLA ops outside the kernel turn ``cu_q_lens``/``kv_lens``
@@ -235,27 +237,31 @@ def split_range(kv_end, split, block_kv: int, num_splits: int):
 
 
 def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref=None, *, q_bar, k_bar, v_bar,
-                      k_smem=None, v_smem=None, kv_then_out=None, q_smem=None, q_plain=None, p_smem=None, o32_smem=None, lse_smem=None,
+                      k_smem=None, v_smem=None, kv_then_out=None, q_smem=None, q_plain=None, p_smem=None,
+                      o32_smem=None, lse_smem=None,
                       scale_log2: float, group: int, block_kv: int, block_size: int, num_slots: int,
                       num_splits: int, num_rows: int, token_order: bool):
     """One program: KV head ``axis_index("kv_head")``, query tile ``axis_index("tile")`` and, with
     ``num_splits > 1``, split ``axis_index("split")`` of its KV tiles (:func:`split_range`).
 
-    Refs (GMEM): ``layer_ref i32[1]``, ``meta_ref i32[tiles, 3]`` (:func:`tile_layout`, or with
-    ``token_order`` :func:`token_layout`), ``tables_ref i32[S, W]``, ``q_ref [tiles, Hkv, R, D]``
-    (``R = num_rows <= 64`` rows a tile), or with ``token_order`` the queries where they are, ``[T *
-    Hq, D]`` (at least ``R`` rows; the tile of token ``t`` reads the ``R`` rows from ``(t Hkv + h) G``,
-    moved back to stay in bounds: :func:`token_rows`), ``kv_ref [L, N, bs, 2, Hkv, D]``; outputs
-    ``o_ref [tiles, Hkv, R, D]``, or with splits ``o_ref f32[P, tiles, Hkv, R, D]`` (each split's
-    normalised partial) and ``lse_ref f32[P, tiles, Hkv, R]`` (its log-sum-exp, base 2).
+    Refs (GMEM): ``layer_ref i32[1]``, ``meta_ref i32[tiles, 3]`` (:func:`tile_layout`),
+    ``tables_ref i32[S, W]``, ``q_ref [tiles, Hkv, R, D]`` (``R = num_rows <= 64`` rows a tile),
+    ``kv_ref [L, N, bs, 2, Hkv, D]``; outputs ``o_ref [tiles, Hkv, R, D]``, or with splits ``o_ref
+    f32[P, tiles, Hkv, R, D]`` (each split's normalised partial) and ``lse_ref f32[P, tiles, Hkv, R]``
+    (its log-sum-exp, base 2). With ``token_order`` (decode: :func:`token_layout`'s tiles) ``q_ref`` is
+    the queries where they are, ``[T Hq, D]`` (at least ``R`` rows), and the outputs ``o_ref [T Hq,
+    D]``, or ``f32[P, T Hq, D]`` and ``lse_ref f32[P, T Hq, LSE_LANES]``: the rows ``(t Hkv + h) G``
+    to ``+ G`` of token ``t``'s tile for KV head ``h``.
 
     Shared memory (keyword refs): ``q_smem [64, D]`` swizzled for wgmma, its first ``R`` rows the
     tile's queries; ``k_smem/v_smem [slots, block_kv, D]``; barriers ``q_bar``, ``k_bar[slots]``,
-    ``v_bar[slots]``. With ``token_order``, ``q_plain [64, D]`` without swizzle: a swizzled tile takes
-    TMA copies from rows that are multiples of 8 only, so the queries land there and wgmma reads them
-    from registers (on the GPU ``q_smem`` is then absent). In the interpreter (its wgmma reads shared
-    memory only) ``p_smem [64, block_kv]`` for ``P``; on the GPU ``P`` goes from registers. With
-    splits ``o32_smem f32[64, D]`` and ``lse_smem f32[64]``; without, the output reuses the queries' tile.
+    ``v_bar[slots]``. With ``token_order``, ``q_plain [64, D]`` without swizzle (a swizzled tile takes
+    TMA copies only at rows that are multiples of 8): the queries land there, wgmma reads them from
+    registers (on the GPU ``q_smem`` is then absent), and the output leaves from there. In the
+    interpreter (its wgmma reads shared memory only) ``p_smem [64, block_kv]`` for ``P``; on the GPU
+    ``P`` goes from registers. With splits ``o32_smem f32[64, D]`` and ``lse_smem`` (``f32[64]``, or
+    unswizzled with ``token_order``, ``f32[64, LSE_LANES]``), which with ``token_order`` come as
+    ``kv_then_out``, sharing the K/V slots' memory; without splits the output reuses the queries' tile.
     """
     if kv_then_out is not None:  # one piece of shared memory: the K/V slots, then the split's output
         (k_smem, v_smem), (o32_smem, lse_smem) = kv_then_out
