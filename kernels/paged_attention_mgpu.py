@@ -379,7 +379,7 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
                 q_plain[...] = out.astype(q_plain.dtype)  # Q is done (it is in registers, or in q_smem)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(q_plain.at[pl.ds(row_off, group)], o_ref.at[pl.ds(row0, group)])
-            else:  # the partial in fp32 and its log-sum-exp (in LSE_LANES lanes: TMA reads shared memory at 128-byte rows)
+            else:  # the fp32 partial and its log-sum-exp, in LSE_LANES lanes (TMA leaves at 128-byte rows)
                 o32_smem[...] = out
                 lse_smem[...] = lax.broadcast_in_dim(lse, lse_smem.shape, [0])
                 plgpu.commit_smem()
@@ -488,8 +488,9 @@ def paged_attention_mgpu(
       scale: softmax scale, default ``1/sqrt(D)``.
       interpret: ``True`` (or a ``plgpu.InterpretGPUParams``) runs Mosaic GPU's CPU interpreter.
       block_kv: keys per inner step (a multiple of 64 and of the block size, <= 256); default
-        :func:`kv_tile` (:func:`prefill_kv_tile` on the prefill kernel). num_slots: KV tiles in flight (1-4). block_q: tokens per query tile (at most
-        ``64 // G``); default :func:`choose_block_q` from the shapes, or from ``decode`` if given.
+        :func:`kv_tile` (:func:`prefill_kv_tile` on the prefill kernel). num_slots: KV tiles in flight
+        (1-4). block_q: tokens per query tile (at most ``64 // G``; 1: the in-place decode tiles);
+        default :func:`choose_block_q` from the shapes, or from ``decode`` if given.
         num_splits: programs sharing a query tile's keys (split-K, a power of two <= 32); default
         :func:`choose_splits`. All for tuning: any value gives the same result (to rounding).
     Returns ``[T, Hq, D]`` in ``q.dtype``; zeros for padding tokens.
