@@ -53,9 +53,9 @@ for B, ctx in ((1, 256), (1, 1024), (8, 1024)):
         busy = sum(tot.values()) / N / CH
         gpu.sort(key=lambda e: e["ts"])
         gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(gpu, gpu[1:])]
-        print(f"== B={B} ctx={ctx} {name}: wall {wall:.1f} us/call, GPU busy {busy:.1f} us/call, kernels/call {len(gpu)/N/CH:.1f}, median gap {np.median(gaps):.1f} us, max gap {max(gaps):.1f}", flush=True)
+        print(f"== B={B} ctx={ctx} {name}: wall {wall:.1f} us/launch, GPU busy {busy:.1f} us/launch, kernels/launch {len(gpu)/N/CH:.1f}, median gap {np.median(gaps):.1f} us, max gap {max(gaps):.1f}", flush=True)
         for k, v in tot.most_common(8):
             print(f"   {v / N / CH:8.2f} us  x{cnt[k] / N / CH:.1f}  {k[:100]}", flush=True)
         rows.append((B, ctx, name, wall, busy, len(gpu) / N / CH))
-print("\nB ctx variant | wall us/call (chained) | GPU busy us/call | kernels/call")
+print("\nB ctx variant | wall us/launch (chained) | GPU busy us/launch | kernels/launch")
 for r in rows: print(*r[:3], f"{r[3]:.1f} {r[4]:.1f} {r[5]:.1f}")
