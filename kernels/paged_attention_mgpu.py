@@ -330,7 +330,7 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
                 wgmma_iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
                 key = t * block_kv + wgmma_iota((BLOCK_M, block_kv), 1)
                 if token_order:  # one token: every row sees keys up to its position (other rows are dropped)
-                    last_key = kv_end - 1 + 0 * wgmma_iota((BLOCK_M, block_kv), 0)
+                    last_key = kv_end - 1
                 else:  # row r is token r // G of the tile; padding rows see what the last token sees, at most
                     last_key = jnp.minimum(pos0 + lax.div(wgmma_iota((BLOCK_M, block_kv), 0), group), kv_end - 1)
                 s = jnp.where(key <= last_key, s, -jnp.inf)
