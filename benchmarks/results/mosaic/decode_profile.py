@@ -1,4 +1,4 @@
-"""Where a small decode launch's time goes, Mosaic vs Triton: batch 1 / 8 x context 256 / 1,024 (block 16,
+"""Where a small decode launch's time goes, Mosaic vs Triton: batch 1 / 8 / 64 x context 256 / 1,024 (block 16,
 Hq 16 / Hkv 8 / D 128). Each configuration: jit one attention call, warm it, trace 50 calls and sum the GPU
 kernels' time by name per launch. ("wall" is one un-chained call's dispatch-bound time.) Run from the repo root:
 python3 benchmarks/results/mosaic/decode_profile.py"""
