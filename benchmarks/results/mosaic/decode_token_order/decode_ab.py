@@ -34,7 +34,7 @@ for b in batches:
         fns = dict(FNS)
         r["triton_rule"] = decode_splits(b, b, HKV, kv_tile(BS), nb * BS, num_cores())
         if r["triton_rule"] != r["splits"]:
-            fns["half"] = lambda *a, p=r["triton_rule"]: new_k(*a, num_splits=p)
+            fns["at_triton_splits"] = lambda *a, p=r["triton_rule"]: new_k(*a, num_splits=p)
         for rep in range(1):
             for name, fn in fns.items():
                 outs[name] = jax.block_until_ready(fn(q, pool, 0, cu, kl, tables[0]))
@@ -44,5 +44,5 @@ for b in batches:
         print("ROW", r, flush=True); rows.append(r)
 print("\nB ctx splits | tiles us | token order us | token order, Triton's split rule us | triton us | token/tiles | token/triton | token at Triton's rule/triton | tiles/triton | rel err vs triton | token==tiles")
 for r in rows:
-    hv = r.get("half", float("nan"))
+    hv = r.get("at_triton_splits", float("nan"))
     print(r["B"], r["ctx"], r["splits"], f"{r['old']:.1f} {r['new']:.1f} {hv:.1f} {r['triton']:.1f} {r['new']/r['old']:.3f} {r['new']/r['triton']:.3f} {hv/r['triton']:.3f} {r['old']/r['triton']:.3f} {r['err_new_vs_triton']:.1e} {r['new_eq_old']}")
