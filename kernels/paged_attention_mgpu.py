@@ -274,8 +274,9 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
     seq = meta_ref[tile, 0]
     kv_end = meta_ref[tile, 2]
     lo, hi = split_range(kv_end, split, block_kv, num_splits)
-    row0 = (tile * kv_ref.shape[4] + h) * group  # token order: the tile's first query row in q [T * Hq, D]
-    first = jnp.minimum(row0, q_ref.shape[0] - num_rows)  # ... and the first row of the R it reads
+    if token_order:
+        row0 = (tile * kv_ref.shape[4] + h) * group  # the tile's first query row in q [T * Hq, D]
+        first = jnp.minimum(row0, q_ref.shape[0] - num_rows)  # ... and the first row of the R it reads
 
     @pl.when(jnp.logical_and(seq >= 0, lo < hi))  # an unowned tile, or an empty split: nothing to do
     def _owned_tile():
