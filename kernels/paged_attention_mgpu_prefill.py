@@ -150,16 +150,18 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
                     plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
                     return acc_ref[...]
 
-                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, block_kv), jnp.float32)) * scale_log2
+                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, block_kv), jnp.float32))  # unscaled scores
                 plgpu.barrier_arrive(k_free.at[wg * num_slots + slot])
                 if masked:
                     iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
                     key = t * block_kv + iota((BLOCK_M, block_kv), 1)
                     last_key = jnp.minimum(first + lax.div(iota((BLOCK_M, block_kv), 0), group), end - 1)
                     s = jnp.where(key <= last_key, s, -jnp.inf)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
+                # The scale is applied to the row maxima and inside exp2's argument, where the multiply and
+                # the subtraction fuse into one FMA a score (the maxima are the same: scale > 0).
+                m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
                 alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l_new = l_i * alpha + p.sum(axis=1)
                 plgpu.barrier_wait(v_bar.at[slot])
                 if masked:
