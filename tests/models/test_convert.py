@@ -129,6 +129,19 @@ def test_misshapen_tensor_names_both_shapes(ckpt):
         load_params(ckpt, use_cache=False)
 
 
+def test_kv_cache_scales_in_a_checkpoint_are_ignored(ckpt):
+    """llm-compressor writes per-layer ``k_scale``/``v_scale`` for an fp8 KV cache: such a checkpoint loads, to
+    the same weights (the fp8 pool's per-token scales make them redundant: docs/NUMERICS.md)."""
+    plain = load_params(ckpt, use_cache=False)
+    tensors = {k: np.array(v) for k, v in read_safetensors(ckpt / "model.safetensors").items()}
+    for i in range(plain.config.num_hidden_layers):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = np.array(0.05, np.float32)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = np.array(0.02, np.float32)
+    write_safetensors(ckpt / "model.safetensors", tensors)
+    scaled = load_params(ckpt, use_cache=False)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), plain.state, scaled.state))
+
+
 def test_bad_dtype(ckpt):
     with pytest.raises(ValueError, match="unsupported dtype 'int8'"):
         load_params(ckpt, "int8", use_cache=False)
