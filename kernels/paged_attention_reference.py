@@ -76,18 +76,22 @@ def paged_attention_reference(
     seq_ids, positions, valid = token_layout(cu_q_lens, kv_lens, num_tokens)
     tables = block_tables[seq_ids]  # [T, W]
     width = tables.shape[1]
-    rows = kv_pool[layer, tables]  # [T, W, bs, 2, Hkv, D]: a gather, never a copy of the layer
     if is_fp8(kv_pool.dtype):  # row bs holds each slot's scales at [.., bs, kv, h, slot]: dequantise in fp32
+        rows = kv_pool[layer, tables]  # [T, W, bs + 1, 2, Hkv, D]: a gather, never a copy of the layer
         scales = jnp.moveaxis(rows[:, :, block_size, :, :, :block_size], -1, 2)  # [T, W, bs, 2, Hkv]
         values = values_from_slab(rows[:, :, :block_size, 1])  # stored transposed per (block, head)
         rows = dequantize(jnp.stack([rows[:, :, :block_size, 0], values], axis=3), scales)
-    keys = rows[:, :, :, 0].reshape(num_tokens, width * block_size, num_kv_heads, head_dim)
-    values = rows[:, :, :, 1].reshape(num_tokens, width * block_size, num_kv_heads, head_dim)
+        keys, values = rows[:, :, :, 0], rows[:, :, :, 1]
+    else:  # keys and values in a gather each, [T, W, bs, Hkv, D] (on a CPU faster than one gather of whole
+        # rows and their slices)
+        keys, values = kv_pool[layer, tables, :, 0], kv_pool[layer, tables, :, 1]
+    keys = keys.reshape(num_tokens, width * block_size, num_kv_heads, head_dim).astype(jnp.float32)
+    values = values.reshape(num_tokens, width * block_size, num_kv_heads, head_dim)
     key_pos = jnp.arange(width * block_size, dtype=jnp.int32)
     mask = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] < kv_lens[seq_ids][:, None])
     mask = mask & valid[:, None]  # [T, K]
-    # Stale slots may hold NaN: zero them so that 0 * NaN never reaches the output.
-    keys = jnp.where(mask[:, :, None, None], keys, 0).astype(jnp.float32)
+    # Stale slots may hold NaN: their scores are replaced by -inf below (keys are only ever selected
+    # away), and their values zeroed so that 0 * NaN never reaches the output.
     values = jnp.where(mask[:, :, None, None], values, 0).astype(jnp.float32)
     qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     hi = dot_precision(jnp.float32)  # fp32 math here whatever the storage: IEEE, never TF32
