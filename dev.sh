@@ -31,9 +31,15 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; sys.exit(sys.
   "$PY" -m venv .venv
 fi
 if [ ! -f .venv/.installed ] || [ pyproject.toml -nt .venv/.installed ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
+  # uv installs the dependencies in parallel (about 10 s from an empty cache against pip's ~100 s); pip
+  # is the fallback where uv cannot be installed.
   # (quiet: setuptools warns about every editable install of a package-dir mapping, which is intended here)
-  PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -e '.[test]'
+  if .venv/bin/python -m pip install -q uv 2>/dev/null && [ -x .venv/bin/uv ]; then
+    PYTHONWARNINGS=ignore .venv/bin/uv pip install -q --python .venv/bin/python -e '.[test]'
+  else
+    .venv/bin/python -m pip install -q --upgrade pip
+    PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -e '.[test]'
+  fi
   touch .venv/.installed
 fi
 
