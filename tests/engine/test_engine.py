@@ -258,7 +258,7 @@ def test_mosaic_backend_engine_matches_the_reference_backend():
 
     params = random_params(QwenConfig.from_dict({**tiny_config("qwen3", 512), "head_dim": 64}), "float32")
     prompts = [[5, 77, 300, 2, 9, 41, 41, 8, 100], [400, 12]]
-    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)  # a prefill step, then a decode step
     tokens = {}
     for name in ("reference", "mosaic"):
         cfg = EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=32, max_model_len=64,

@@ -45,7 +45,8 @@ def tokens(e):
     return [o.outputs[0].token_ids for o in run_to_completion(e, prompts, sp)]
 
 
-for name, tps in (("qwen2", (2,)), ("qwen3", (2, 4))):  # qwen3 at 4: KV heads replicated
+# (Qwen2 at tp=2, its q/k/v biases split with the heads, is the fused qkv epilogue's check below)
+for name, tps in (("qwen3", (2, 4)),):  # at 4: KV heads replicated
     one = load_params(tiny_checkpoint_path(name), "float32", use_cache=False)
     cfg = one.config
     want = tokens(engine(one, 1))
@@ -180,7 +181,7 @@ def run_forced(script: str, devices: int, timeout: int = 600) -> str:
 
 def test_tensor_parallel_engine_on_four_cpu_devices():
     out = run_forced(SCRIPT, 4)
-    assert out.count("OK ") == 6 and "DONE" in out, out
+    assert out.count("OK ") == 5 and "DONE" in out, out
 
 
 def test_shard_config_and_kv_head_replication():
