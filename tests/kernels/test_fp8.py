@@ -4,6 +4,8 @@ dequantises in fp32. Pools are NaN-poisoned wherever nothing was written, scale 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,6 +58,7 @@ def test_quantize_clips_beyond_the_largest_scale():
     assert np.all(np.isfinite(back)) and back[0, 0] == 448 * 2.0 ** 8 and back[0, 1] == -back[0, 0]
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))  # (op by op: some 30 executables compiled a call)
 def fp8_pool(k, v, fp8, layers=3, layer=1):
     """A pool ``[layers, N, bs + 1, 2, Hkv, D]`` in ``fp8`` whose layer ``layer`` holds ``k, v [N, bs, Hkv, D]``
     quantised per slot and head (values transposed in their slabs), the others NaN; NaN slots (never
