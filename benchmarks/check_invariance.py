@@ -144,7 +144,7 @@ def arrangement_list(tiny: bool, kv_tokens: int, max_model_len: int, block_sizes
         ("reversed arrival", {}, "reversed"),
         ("staggered arrival", {}, "staggered"),
         *((f"block size {b}", dict(block_size=b, num_blocks=kv_tokens // b), "batched") for b in block_sizes),
-        ("chunk budget", dict(max_num_batched_tokens=16 if tiny else 128), "batched"),
+        ("chunk budget", dict(max_num_batched_tokens=8 if tiny else 128), "batched"),
         ("tiny pool (preempts)", dict(num_blocks=tiny_pool, enable_prefix_caching=False), "batched"),
         ("sync scheduling", dict(async_scheduling=False), "batched"),
     ]
@@ -175,8 +175,9 @@ def check_arrangements(args) -> dict:
     longest = max(len(p) for p in prompts) + args.max_tokens
     max_model_len = -(-longest // 64) * 64
     kv_tokens = max(args.kv_tokens, 2 * max_model_len)
+    # (tiny: steps of at most 16 tokens, the CPU's one token bucket: each pool's step compiles once)
     base = dict(block_size=16, num_blocks=kv_tokens // 16, max_model_len=max_model_len,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=64 if args.tiny else 1024,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=16 if args.tiny else 1024,
                 attention_backend="triton")
     result = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "max_tokens": args.max_tokens,
               "modes": {}}
