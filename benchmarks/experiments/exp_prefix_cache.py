@@ -247,7 +247,7 @@ def full_settings(args: argparse.Namespace) -> argparse.Namespace:
     shape (pool, token budget, batch) serves every run, the timestamp diagnosis included."""
     if args.tiny_override:
         sizes = dict(system_len=100, questions=8, max_tokens=4, concurrency=[1, 4], c1_requests=4,
-                     max_num_seqs=4, max_num_batched_tokens=128, timestamp_at=32, requests=4,
+                     max_num_seqs=4, max_num_batched_tokens=64, timestamp_at=32, requests=4,
                      capacity_prefixes=4, capacity_rounds=2)
     else:
         sizes = dict(system_len=1500, questions=100, max_tokens=16, concurrency=[1, 4, 16, 64], c1_requests=24,

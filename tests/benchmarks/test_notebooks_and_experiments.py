@@ -123,24 +123,24 @@ def test_exp_prefix_cache(tmp_path):
     assert ts["hit_rate_inside"] < ts["hit_rate_moved"]
 
 
-@pytest.mark.slow  # ~22 s on a CPU
+@pytest.mark.slow  # ~15 s on a CPU
 def test_exp_block_size(tmp_path):
     exp = load_module(ROOT / "benchmarks" / "experiments" / "exp_block_size.py")
-    report = exp.main(["--out", str(tmp_path), "--block-sizes", "8", "16", "32", "--kv-tokens", "2048",
+    report = exp.main(["--out", str(tmp_path), "--block-sizes", "8", "32", "--kv-tokens", "2048",
                        "--requests", "12", "--max-model-len", "128", "--max-num-batched-tokens", "64",
                        "--shared-requests", "4", "--shared-prefix-len", "40"])
     assert json.loads((tmp_path / "block_size.json").read_text()).keys() == report.keys()
     assert report.keys() >= {"device", "args", "mixed", "shared", "outputs_identical", "throughput_meaningful"}
     assert report["outputs_identical"] and (tmp_path / "block_size.png").is_file()
     mixed, shared = report["mixed"], report["shared"]
-    assert [m["num_blocks"] * m["block_size"] for m in mixed] == [2048] * 3  # same KV budget
+    assert [m["num_blocks"] * m["block_size"] for m in mixed] == [2048] * 2  # same KV budget
     assert len({m["kv_pool_bytes"] for m in mixed}) == 1
     for m in mixed:
         assert m.keys() >= {"mean_block_utilisation", "peak_running", "tokens_per_second", "preemptions"}
         assert 0 < m["mean_block_utilisation"] <= 1
     # Bigger blocks waste more slots per sequence and share a prefix more coarsely.
     assert mixed[0]["mean_wasted_slots_per_seq"] < mixed[-1]["mean_wasted_slots_per_seq"]
-    assert [s["prefix_hit_tokens"] for s in shared] == [3 * 40, 3 * 32, 3 * 32]
+    assert [s["prefix_hit_tokens"] for s in shared] == [3 * 40, 3 * 32]  # whole blocks of the 40 shared tokens
     assert [s["prefix_hit_tokens"] for s in shared] == [s["expected_hit_tokens"] for s in shared]
 
 
