@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEY = "sk-test"
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--block-size", "16", "--num-blocks", "64",
-               "--max-num-seqs", "16", "--max-num-batched-tokens", "64", "--served-model-name", "tiny",
+               "--max-num-seqs", "16", "--max-num-batched-tokens", "32", "--served-model-name", "tiny",
                "--api-key", KEY]
 
 
