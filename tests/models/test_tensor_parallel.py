@@ -129,11 +129,12 @@ assert host.sharding.memory_kind == "pinned_host" and len(host.sharding.device_s
 assert {s.data.shape[-2] for s in host.addressable_shards} == {1}  # one KV head per device
 print("OK host tier")
 
-# The Pallas kernels (interpret mode here) run per shard too.
+# The Pallas kernels (interpret mode here) run per shard too: the same greedy tokens as one device
+# (float32: the reference backend's, whose first three of six are these).
 prompts, sp = prompts[:2], SamplingParams(temperature=0, max_tokens=3)
+qwen3_ref = [w[:3] for w in want[:2]]
 p = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False, tensor_parallel_size=2)
-ref = tokens(engine(load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False), 1, "triton"))
-assert tokens(engine(p, 2, "triton")) == ref
+assert tokens(engine(p, 2, "triton")) == qwen3_ref
 print("OK pallas")
 
 # The GPU's fused qkv epilogue (interpret mode here) per shard: its own q heads, KV heads and pool half,
@@ -145,7 +146,8 @@ from jaxpaged.models.qwen import DEFAULT_OPS
 fused_ops = dataclasses.replace(DEFAULT_OPS, qkv_epilogue=functools.partial(fused_qkv, interpret=True))
 plain_get_model_ops = runner_module.get_model_ops
 for name, tp in (("qwen2", 2), ("qwen3", 4)):
-    ref = tokens(engine(load_params(tiny_checkpoint_path(name), "float32", use_cache=False), 1))
+    ref = qwen3_ref if name == "qwen3" else tokens(engine(load_params(tiny_checkpoint_path(name), "float32",
+                                                                        use_cache=False), 1))
     runner_module.get_model_ops = lambda *a, **k: fused_ops
     try:
         got = tokens(engine(load_params(tiny_checkpoint_path(name), "float32", use_cache=False,
