@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a Python >= 3.12 virtual environment in .venv (once) and runs one job in it.
 #   ./dev.sh demo    generate with the embedded tiny Qwen model and print KV statistics
-#   ./dev.sh test    run the test suite (CPU; Pallas kernels in interpret mode; about 12-15 minutes on 2 cores;
+#   ./dev.sh test    run the test suite (CPU; Pallas kernels in interpret mode; about 9-10 minutes on 2 cores;
 #                    ./dev.sh test -m "not slow" for the quick subset, about 2 minutes)
 #   ./dev.sh <cmd>   run any command inside the environment, e.g. ./dev.sh python -m jaxpaged --help
 set -euo pipefail
