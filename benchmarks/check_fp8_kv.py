@@ -1,11 +1,13 @@
 """The fp8 KV cache against bf16: the compiled kernels' agreement with the jnp reference, decode attention
 time and bandwidth, and how far the model's logits move.
 
-  kernels   the Pallas attention kernel over an fp8 pool vs the reference (fp32 dequantisation), and the
-            fused qkv epilogue's fp8 writes vs the XLA path's (must be bitwise equal), compiled
-  attention decode attention, batch 256 x context 1,024 (one layer of Qwen3-0.6B's heads): bf16 (block
-            size 16) vs fp8 pool (64, its default; and 16), microseconds and bytes read per second
-            against the HBM ceiling given by --hbm-tbps
+  kernels   the Pallas attention kernels (``--backends``: Triton, Mosaic GPU) over an fp8 pool vs the
+            reference (fp32 dequantisation), and the fused qkv epilogue's fp8 writes vs the XLA path's
+            (must be bitwise equal), compiled
+  attention decode attention at ``--shapes`` (default batch 256 x context 1,024; one layer of
+            Qwen3-0.6B's heads), each backend: bf16 (block size 16) vs fp8 pool (64, its default; and
+            16 on Triton), microseconds and bytes read per second against the HBM read ceiling
+            measured in the same process (an XLA sum over 4 GiB; --hbm-tbps off the GPU)
   logits    a model's logits for every position of ``--prompts`` random prompts of ``--prompt-len`` tokens,
             computed over an fp8 pool and over a bf16 pool (the K/V of each chunk written, then read):
             max and mean absolute difference, top-1 agreement. Random weights are not a trained model:
@@ -62,16 +64,30 @@ def random_fp8_case(rng, num_seqs, ctx, bs, hq, hkv, d, fp8):
     return (q, pools[fp8], 0, *meta), (q, pools[jnp.bfloat16], 0, *meta)
 
 
-def check_kernels(fp8) -> dict:
+def attention_fn(backend: str):
+    """The Pallas attention kernel of ``backend`` ("triton" or "mosaic"), compiled or interpreted."""
+    if backend == "mosaic":
+        from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu
+
+        return lambda *a: paged_attention_mgpu(*a, interpret=interpret())
+    return lambda *a: paged_attention(*a, interpret=interpret())
+
+
+def check_kernels(fp8, backends) -> dict:
     rng = np.random.default_rng(0)
     out = {}
-    for name, (s, ctx, bs) in {"decode": (64, 300, 64), "decode_block16": (64, 300, 16), "long": (8, 1500, 64)}.items():
+    cases = {"decode": (64, 300, 64), "decode_block16": (64, 300, 16), "long": (8, 1500, 64)}
+    for name, (s, ctx, bs) in cases.items():
         args, _ = random_fp8_case(rng, s, ctx, bs, 16, 8, 128, fp8)
-        got = np.asarray(paged_attention(*args, interpret=interpret()), np.float32)
         with jax.default_matmul_precision("highest"):
             ref = np.asarray(paged_attention_reference(*args), np.float32)
-        out[f"attention_{name}_rel_err"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-        out[f"attention_{name}_finite"] = bool(np.all(np.isfinite(got)))
+        for backend in backends:
+            if backend == "mosaic" and bs < 64:  # Mosaic reads an fp8 pool one block (>= 64 slots) a tile
+                continue
+            got = np.asarray(attention_fn(backend)(*args), np.float32)
+            key = name if backend == "triton" else f"{backend}_{name}"
+            out[f"attention_{key}_rel_err"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+            out[f"attention_{key}_finite"] = bool(np.all(np.isfinite(got)))
     from jaxpaged.kernels.qkv_epilogue import qkv_epilogue
     from jaxpaged.models.qwen import ModelOps, qkv_epilogue_ops, rope_cos_sin, rotary
     import functools
@@ -92,23 +108,36 @@ def check_kernels(fp8) -> dict:
     return out
 
 
-def check_attention(fp8, hbm_tbps: float, tiny: bool) -> dict:
-    from bench_attention import chain_time
+def check_attention(fp8, hbm_tbps: float, tiny: bool, backends, shapes) -> dict:
+    """Decode attention per shape ``(batch, context)`` and backend; keys ``{batch}x{ctx}`` then
+    ``{backend}_{pool}`` (pool: ``bf16`` at block size 16, ``fp8`` at 64, ``fp8_block16``)."""
+    from bench_attention import chain_time, hbm_read_ceiling
 
+    if not interpret():
+        hbm_tbps = hbm_read_ceiling(False) / 1e12
     rng = np.random.default_rng(1)
-    s, ctx = (8, 64) if tiny else (256, 1024)
-    res = {}
-    fp8_64, _ = random_fp8_case(rng, s, ctx, 64, 16, 8, 128, fp8)
-    fp8_16, bf16_16 = random_fp8_case(rng, s, ctx, 16, 16, 8, 128, fp8)
-    # each pool dtype at its engine default block size (bf16 16, fp8 64), and fp8 at block size 16
-    for name, args, bs in (("fp8", fp8_64, 64), ("bf16", bf16_16, 16), ("fp8_block16", fp8_16, 16)):
-        q, pool, layer, cu, kl, tables = args
-        call = lambda qq, p, tb: paged_attention(qq, p, 0, cu, kl, tb, interpret=interpret())  # noqa: E731
-        _, t = chain_time(call, q, pool, [tables], reps=5 if tiny else 50, chain=1 if tiny else 8)
-        kv_bytes = s * ctx * 2 * 8 * 128 * jnp.dtype(pool.dtype).itemsize * ((bs + 1) / bs if "fp8" in name else 1)
-        res[name] = dict(block_size=bs, us=t * 1e6, kv_bytes=kv_bytes, tbps=kv_bytes / t / 1e12,
-                         of_ceiling=kv_bytes / t / 1e12 / hbm_tbps)
-    res["fp8_over_bf16_time"] = res["fp8"]["us"] / res["bf16"]["us"]
+    res = {"ceiling_tbps": hbm_tbps}
+    for s, ctx in ([(8, 64)] if tiny else shapes):
+        fp8_64, _ = random_fp8_case(rng, s, ctx, 64, 16, 8, 128, fp8)
+        fp8_16, bf16_16 = random_fp8_case(rng, s, ctx, 16, 16, 8, 128, fp8)
+        shape = res[f"{s}x{ctx}"] = {}
+        # each pool dtype at its engine default block size (bf16 16, fp8 64), and fp8 at block size 16
+        for backend in backends:
+            fn = attention_fn(backend)
+            for name, args, bs in (("fp8", fp8_64, 64), ("bf16", bf16_16, 16), ("fp8_block16", fp8_16, 16)):
+                if backend == "mosaic" and name == "fp8_block16":
+                    continue
+                q, pool, layer, cu, kl, tables = args
+                call = lambda qq, p, tb: fn(qq, p, 0, cu, kl, tb)  # noqa: E731
+                _, t = chain_time(call, q, pool, [tables], reps=5 if tiny else 50, chain=1 if tiny else 8)
+                kv_bytes = s * ctx * 2 * 8 * 128 * jnp.dtype(pool.dtype).itemsize * ((bs + 1) / bs if "fp8" in name else 1)
+                shape[f"{backend}_{name}"] = dict(block_size=bs, us=t * 1e6, kv_bytes=kv_bytes,
+                                                  tbps=kv_bytes / t / 1e12, of_ceiling=kv_bytes / t / 1e12 / hbm_tbps)
+        base = shape["triton_bf16"]["us"] if "triton" in backends else None
+        for backend in backends:
+            shape[f"{backend}_fp8_over_own_bf16_time"] = shape[f"{backend}_fp8"]["us"] / shape[f"{backend}_bf16"]["us"]
+            if base:
+                shape[f"{backend}_fp8_over_triton_bf16_time"] = shape[f"{backend}_fp8"]["us"] / base
     return res
 
 
@@ -158,13 +187,25 @@ def check_logits(fp8, tiny: bool, prompts: int, prompt_len: int, only: list[str]
     return out
 
 
+def print_attention_table(res: dict, backends) -> None:
+    print(f"decode attention, us (% of the {res['ceiling_tbps']:.2f} TB/s read ceiling)")
+    for shape, rows in res.items():
+        if isinstance(rows, dict):
+            cells = [f"{k} {v['us']:.1f} ({100 * v['of_ceiling']:.0f}%)" for k, v in rows.items() if isinstance(v, dict)]
+            ratios = [f"{k} {v:.3f}" for k, v in rows.items() if not isinstance(v, dict)]
+            print(f"  {shape}: " + "; ".join(cells) + " | " + "; ".join(ratios), flush=True)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tiny", action="store_true", help="CPU mode: tiny checkpoints, small shapes, interpret mode")
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--kv-cache-dtype", default="fp8", choices=sorted(FP8_DTYPES))
-    ap.add_argument("--hbm-tbps", type=float, default=4.8, help="the HBM ceiling to report against (H200: 4.8)")
+    ap.add_argument("--hbm-tbps", type=float, default=4.8, help="off the GPU: the HBM ceiling to report against")
+    ap.add_argument("--backends", nargs="+", choices=("triton", "mosaic"), default=["triton", "mosaic"],
+                    help="the attention kernels to check and time (mosaic: Hopper, or its interpreter)")
+    ap.add_argument("--shapes", nargs="+", default=["256x1024"], help="attention: batch x context")
     ap.add_argument("--prompts", type=int, default=None, help="logits: prompts (5; tiny 2)")
     ap.add_argument("--prompt-len", type=int, default=None, help="logits: tokens each (2048; tiny 64)")
     ap.add_argument("--models", nargs="*", default=None, help="logits: only these (qwen3-0.6b qwen2.5-7b)")
@@ -173,11 +214,13 @@ def main(argv=None) -> dict:
     report = {"kv_cache_dtype": args.kv_cache_dtype, "device": jax.devices()[0].device_kind}
     t0 = time.perf_counter()
     if "kernels" in args.sections:
-        report["kernels"] = check_kernels(fp8)
+        report["kernels"] = check_kernels(fp8, args.backends)
         print("kernels", report["kernels"], flush=True)
     if "attention" in args.sections:
-        report["attention"] = check_attention(fp8, args.hbm_tbps, args.tiny)
-        print("attention", report["attention"], flush=True)
+        shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes]
+        report["attention"] = check_attention(fp8, args.hbm_tbps, args.tiny, args.backends, shapes)
+        print("attention", json.dumps(report["attention"], indent=1), flush=True)
+        print_attention_table(report["attention"], args.backends)
     if "logits" in args.sections:
         report["logits"] = check_logits(fp8, args.tiny, args.prompts or (2 if args.tiny else 5),
                                         args.prompt_len or (64 if args.tiny else 2048), args.models)

@@ -45,7 +45,8 @@ class EngineConfig:
       written (``kernels/fp8.py``; no calibration): about twice the tokens in the same memory.
     attention_backend: ``auto`` (``triton`` on a GPU, the jnp reference elsewhere), ``triton`` (the Pallas
       kernel lowered by Triton, any CUDA GPU), ``mosaic`` (the Pallas kernel for Hopper on Mosaic GPU:
-      compute capability 9.0+, bf16 KV, not with ``batch_invariant``), ``reference`` (jnp).
+      compute capability 9.0+, bf16 KV or fp8 KV in blocks of at least 64 with bf16 weights, not with
+      ``batch_invariant``), ``reference`` (jnp).
       docs/DECISIONS.md says which is faster where.
     seed: the engine's generator for requests without a seed.
     event_log: keep a log of KV block events (``True``, or the number of events to keep).

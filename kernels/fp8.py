@@ -8,9 +8,11 @@ values: ``2**ceil(log2(amax / fp8_max))``, clamped to the powers of two the fp8 
 represents, and stored as an fp8 value (exactly).
 
 Keys sit as in a bf16 pool (``[..., t, 0, h, :]`` is slot ``t``'s key). Values are stored transposed
-within their ``(block, head)`` slab of ``bs x D`` entries: ``V[t, d]`` sits at row ``d // (D / bs)``,
-column ``(d % (D / bs)) * bs + t`` (:func:`v_slab_index`), so for each dimension ``d`` a block's slots
-are consecutive bytes. Why: the attention's ``P @ V`` contracts over tokens, and an 8-bit operand
+within their ``(block, head)`` slab of ``bs x D`` entries: ``V[t, d]`` sits at row ``d % bs``, column
+``(d // bs) * bs + t`` (:func:`v_slab_index`), so for each dimension ``d`` a block's slots are
+consecutive bytes, and columns ``[j bs, (j + 1) bs)`` of the slab are ``V^T``'s rows ``[j bs, (j + 1)
+bs)`` in order: the Mosaic GPU kernel copies ``V^T`` into shared memory with ``D / bs`` rectangular
+TMA boxes. Why: the attention's ``P @ V`` contracts over tokens, and an 8-bit operand
 whose contracted axis is strided in memory ran at half of bf16's bandwidth on the H200, while keys,
 contracted over ``d`` (contiguous), ran at full speed (``benchmarks/RESULTS.md``). Why:
 
@@ -77,24 +79,23 @@ def power_of_two(exponent: jax.Array) -> jax.Array:
 def v_slab_index(d, t, block_size: int, head_dim: int):
     """``(row, column)`` of value ``V[t, d]`` within its block's ``(block, head)`` slab of an fp8 pool
     (works on Python ints and integer arrays alike)."""
-    per = head_dim // block_size
-    return d // per, (d % per) * block_size + t
+    return d % block_size, (d // block_size) * block_size + t
 
 
 def values_to_slab(v: jax.Array) -> jax.Array:
     """``v [..., bs, H, D]`` (slot ``t``'s values at ``[..., t, h, :]``) -> the same entries as an fp8
     pool stores them (``[..., row, h, column]``, :func:`v_slab_index`)."""
     *lead, bs, h, d = v.shape
-    x = v.reshape(*lead, bs, h, bs, d // bs)  # [.., t, h, row, dd] with d = row * per + dd
-    x = jnp.moveaxis(x, (-4, -3, -2, -1), (-1, -3, -4, -2))  # [.., row, h, dd, t]
+    x = v.reshape(*lead, bs, h, d // bs, bs)  # [.., t, h, j, row] with d = j * bs + row
+    x = jnp.swapaxes(x, -4, -1)  # [.., row, h, j, t]
     return x.reshape(*lead, bs, h, d)
 
 
 def values_from_slab(slab: jax.Array) -> jax.Array:
     """The inverse of :func:`values_to_slab`: a pool's value slab ``[..., bs, H, D]`` -> ``[..., t, h, d]``."""
     *lead, bs, h, d = slab.shape
-    x = slab.reshape(*lead, bs, h, d // bs, bs)  # [.., row, h, dd, t]
-    x = jnp.moveaxis(x, (-4, -3, -2, -1), (-2, -3, -1, -4))  # [.., t, h, row, dd]
+    x = slab.reshape(*lead, bs, h, d // bs, bs)  # [.., row, h, j, t]
+    x = jnp.swapaxes(x, -4, -1)  # [.., t, h, j, row]
     return x.reshape(*lead, bs, h, d)
 
 

@@ -67,13 +67,27 @@ How the work is cut:
 Scope: bf16 pools on the GPU. A float32 pool runs in interpret mode only: Hopper's wgmma has no
 fp32 inputs (float32 operands run as TF32, about 10 mantissa bits, not the reference's fp32), and
 Mosaic GPU does not lower a float32 ``P V`` at all ("Only f16 WGMMA supports transposes": the
-values' tile is N-major, 32-bit wgmma operands must be K-major). fp8 pools are not supported (the
-Triton kernel reads them). ``head_dim`` 64 or 128; block sizes 8 to 128 (powers of two);
+values' tile is N-major, 32-bit wgmma operands must be K-major). fp8 pools (kernels/fp8.py) with
+bf16 queries, one pool block a KV tile (block size 64 or 128): see below. ``head_dim`` 64 or 128;
+block sizes 8 to 128 (powers of two);
 ``G <= 64``. One warpgroup per program (a decode tile fills ``G`` of its 64 rows), whole blocks
 copied for the last tile. Launches that are neither decode nor given ``block_q``/``num_splits``
 (prefill, chunked prefill, mixed steps) run the warp-specialised kernel of
 ``paged_attention_mgpu_prefill.py`` instead: two compute warpgroups share each K/V tile and a third
 issues the copies (1.3x faster than this kernel at 4k-16k tokens).
+
+fp8 pools: every launch runs the one-warpgroup kernel. A KV tile is one pool block: TMA copies its keys
+(``[bs, D]``), its values' ``V^T`` (``D / bs`` boxes of the transposed slab, kernels/fp8.py) and its two
+scale rows into fp8 slots. Each step converts the keys to f16 in registers (exact: an fp8 value is an
+f16 value) and stores them in an f16 tile for ``Q K^T``; the queries are f16 too, each row first
+multiplied by the power of two that brings its largest element near 2^14 (bf16 has a wider range than
+f16), which the scores' row is divided by again; the K scales multiply the scores' columns. ``V^T`` is
+converted the same way into the same f16 tile (``Q K^T`` is done with it); the V scales, divided by
+the largest the row sees in the tile (powers of two: exact), multiply the probabilities' columns
+before ``P`` is rounded to f16 (which keeps 11 significant bits of ``P`` in ``[0, 1]``, bf16 8), and
+that largest scale multiplies the row of ``P V``. The Triton kernel's f16 path does the same
+arithmetic. The slots are copied untiled with the TMA's swizzle only: a tiled copy needs the pool's
+row axis (``bs + 1`` rows, the scale row included) to be a multiple of 8.
 
 Interpret mode (``interpret=True``) runs Mosaic GPU's CPU interpreter
 (``plgpu.InterpretGPUParams``), which simulates shared memory, TMA copies, barriers and wgmma
@@ -108,6 +122,7 @@ MIN_KV_TILE = 64  # keys per inner step at least (wgmma K of P @ V: one 128-byte
 MAX_KV_TILE = 256  # wgmma's largest N (S = Q K^T)
 NUM_SLOTS = 2  # KV tiles in flight by default (double buffering)
 PREFILL_KV_TILE = 128  # keys per inner step of the prefill kernel (64 measured 1.1x slower at 4k-16k tokens)
+TMA_ALIGN = 128  # bytes: a TMA copy's shared-memory address is a multiple of this
 SWIZZLE = 128  # bytes: shared-memory swizzle of every tile (rows of 64 bf16 / 32 fp32 elements)
 SMEM_BYTES = 227 * 1024  # an H100/H200 block's shared memory
 LSE_LANES = 32  # a decode program's log-sum-exp, copied to each lane of a 128-byte row: TMA copies out of
@@ -149,12 +164,15 @@ def prefill_kv_tile(block_size: int) -> int:
 
 
 def smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype, split: bool = False,
-               p_in_smem: bool = False) -> int:
-    """Shared memory of one program, at most: the Q (later output) tile, ``num_slots`` K and V tiles, with
-    split-K the fp32 partial and its log-sum-exp (decode launches put those in the slots' memory), and
-    in the interpreter P (barriers aside)."""
-    tiles = (BLOCK_M * head_dim + 2 * num_slots * block_kv * head_dim + BLOCK_M * block_kv * p_in_smem)
-    return tiles * jnp.dtype(dtype).itemsize + (BLOCK_M * head_dim + BLOCK_M) * 4 * split
+               p_in_smem: bool = False, fp8: bool = False) -> int:
+    """Shared memory of one program, at most: the Q (later output) tile, ``num_slots`` K and V tiles (of an
+    fp8 pool: ``num_slots`` fp8 tiles and their scales, and one f16 tile, K's then V^T's),
+    with split-K the fp32 partial and its log-sum-exp (decode launches put those in the slots' memory),
+    and in the interpreter P (barriers aside)."""
+    kv_tiles = 1 if fp8 else 2 * num_slots
+    tiles = (BLOCK_M * head_dim + kv_tiles * block_kv * head_dim + BLOCK_M * block_kv * p_in_smem)
+    staged = num_slots * 2 * (block_kv * head_dim + max(block_kv, TMA_ALIGN)) if fp8 else 0  # one byte an element
+    return tiles * jnp.dtype(dtype).itemsize + staged + (BLOCK_M * head_dim + BLOCK_M) * 4 * split
 
 
 def choose_block_q(num_tokens: int, num_seqs: int, group: int, decode: bool | None = None) -> int:
@@ -190,9 +208,11 @@ def tile_rows(block_q: int, group: int) -> int:
     return -(-block_q * group // 8) * 8
 
 
-def _transforms(dtype):
-    """Tiling and swizzle of a shared-memory tile of ``dtype``: 8 rows x one 128-byte swizzle row."""
-    return (plgpu.TilingTransform((8, SWIZZLE // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(SWIZZLE))
+def _transforms(dtype, cols: int | None = None):
+    """Tiling and swizzle of a shared-memory tile of ``dtype``: 8 rows x one 128-byte swizzle row, or for a
+    tile of ``cols`` narrower than that (an fp8 tile of 64 columns), one row."""
+    swizzle = SWIZZLE if cols is None else min(SWIZZLE, cols * jnp.dtype(dtype).itemsize)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def tile_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, block_q: int):
@@ -236,9 +256,17 @@ def split_range(kv_end, split, block_kv: int, num_splits: int):
     return lo, jnp.minimum(num_kv, lo + per)
 
 
+def _scales(scale_row, shape):
+    """A KV tile's per-token scales (``scale_row``: at least ``shape[1]`` fp8 powers of two in shared
+    memory, kernels/fp8.py) in f32, broadcast over the ``shape[0]`` rows of its scores: a column each."""
+    wgmma = plgpu.Layout.WGMMA
+    row = plgpu.load(scale_row.at[pl.ds(0, shape[1])], layout=wgmma.reduce(0)).astype(jnp.float16).astype(jnp.float32)
+    return lax.broadcast_in_dim(row, shape, [1])
+
+
 def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref=None, *, q_bar, k_bar, v_bar,
                       k_smem=None, v_smem=None, kv_then_out=None, q_smem=None, q_plain=None, p_smem=None,
-                      o32_smem=None, lse_smem=None,
+                      o32_smem=None, lse_smem=None, fp8_union=None, q16_smem=None,
                       scale_log2: float, group: int, block_kv: int, block_size: int, num_slots: int,
                       num_splits: int, num_rows: int, token_order: bool):
     """One program: KV head ``axis_index("kv_head")``, query tile ``axis_index("tile")`` and, with
@@ -262,9 +290,20 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
     ``P`` goes from registers. With splits ``o32_smem f32[64, D]`` and ``lse_smem`` (``f32[64]``, or
     unswizzled with ``token_order``, ``f32[64, LSE_LANES]``), which with ``token_order`` come as
     ``kv_then_out``, sharing the K/V slots' memory; without splits the output reuses the queries' tile.
+
+    An fp8 pool (``fp8_union`` given; one pool block a KV tile; module docstring): the slots are
+    ``k8_smem [slots, block_kv, D]`` (keys as stored), ``vt8_smem [slots, D, block_kv]`` (values
+    transposed, as stored) and ``scale_smem [slots, 2, >= block_kv]`` (the block's K and V scale rows,
+    each at a ``TMA_ALIGN``-byte boundary);
+    ``k_smem [block_kv, D]`` and ``v_smem [D, block_kv]`` (``V^T``) hold one tile dequantised.
     """
     if kv_then_out is not None:  # one piece of shared memory: the K/V slots, then the split's output
         (k_smem, v_smem), (o32_smem, lse_smem) = kv_then_out
+    fp8 = fp8_union is not None
+    if fp8:  # one piece: the fp8 slots and the f16 K tile; the f16 V^T tile; [the split's output]
+        (k_smem, k8_smem, vt8_smem, scale_smem), (v_smem,), *out = fp8_union
+        if out:
+            (o32_smem, lse_smem), = out
     split = lax.axis_index("split") if num_splits > 1 else 0
     head_dim = k_smem.shape[-1]
     width = tables_ref.shape[1]
@@ -286,6 +325,19 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
 
         def fetch(t, slot):
             """Issues the TMA copies of KV tile ``t`` into ``slot``: one per pool block, K and V."""
+            if fp8:  # one block: its keys, its values' D / block_size boxes of V^T rows, its two scale rows
+                phys = tables_ref[seq, jnp.minimum(t, width - 1)]
+                plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, pl.ds(0, block_size), 0, h, :], k8_smem.at[slot],
+                                        k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, block_size, 0, h, pl.ds(0, block_size)],
+                                        scale_smem.at[slot, 0, pl.ds(0, block_size)], k_bar.at[slot])
+                for j in range(head_dim // block_size):  # kernels/fp8.py: slab columns [j bs, (j+1) bs) = V^T rows
+                    cols = pl.ds(j * block_size, block_size)
+                    plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, pl.ds(0, block_size), 1, h, cols],
+                                            vt8_smem.at[slot, cols], v_bar.at[slot])
+                plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, block_size, 1, h, pl.ds(0, block_size)],
+                                        scale_smem.at[slot, 1, pl.ds(0, block_size)], v_bar.at[slot])
+                return
             for b in range(blocks_per_tile):
                 blk = jnp.minimum(t * blocks_per_tile + b, width - 1)  # past the table: masked anyway
                 phys = tables_ref[seq, blk]
@@ -309,53 +361,93 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
 
         plgpu.barrier_wait(q_bar)
         q_op = q_smem
-        if token_order:
-            q_op = plgpu.load(q_plain, layout=plgpu.Layout.WGMMA)  # wgmma's A operand from registers
-            if q_smem is not None:  # the interpreter: through a swizzled tile
-                q_smem[...] = q_op
+        if token_order or fp8:  # wgmma's A operand from registers
+            q_op = plgpu.load(q_plain if token_order else q_smem, layout=plgpu.Layout.WGMMA)
+        q_unscale = scale_log2  # what multiplies Q K^T: the softmax scale (base 2), over fp8 each row's own
+        if fp8:  # Q in f16, each row times the power of two that brings its largest element near 2^14
+            q32 = q_op.astype(jnp.float32)
+            e = jnp.clip(jnp.round(jnp.log2(jnp.max(jnp.abs(q32), axis=1))), -100.0, 100.0)  # (zero rows: -100)
+            q_op = (q32 * lax.broadcast_in_dim(jnp.exp2(14.0 - e), q32.shape, [0])).astype(jnp.float16)
+            q_unscale = jnp.exp2(e - 14.0) * scale_log2
+            if q16_smem is not None:  # the interpreter: through a swizzled tile
+                q16_smem[...] = q_op
                 plgpu.commit_smem()
-                q_op = q_smem
+                q_op = q16_smem
+        elif token_order and q_smem is not None:  # the interpreter: through a swizzled tile
+            q_smem[...] = q_op
+            plgpu.commit_smem()
+            q_op = q_smem
 
         def step(t, carry, masked: bool):
             acc, m_i, l_i = carry
             slot = lax.rem(t - lo, num_slots)
+            wgmma_iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
             plgpu.barrier_wait(k_bar.at[slot])
+            if fp8:  # keys as stored, converted exactly to f16; their scales multiply the scores' columns
+                k_smem[...] = plgpu.load(k8_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
+                plgpu.commit_smem()  # visible to wgmma
+                k_op = k_smem.transpose((1, 0))
+            else:
+                k_op = k_smem.at[slot].transpose((1, 0))
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_op, k_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q_op, k_op)
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, block_kv), jnp.float32)) * scale_log2
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, block_kv), jnp.float32))
+            if fp8:
+                s = s * lax.broadcast_in_dim(q_unscale, s.shape, [0]) * _scales(scale_smem.at[slot, 0], s.shape)
+            else:
+                s = s * q_unscale
             plgpu.barrier_wait(v_bar.at[slot])
             if masked:
-                wgmma_iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
                 key = t * block_kv + wgmma_iota((BLOCK_M, block_kv), 1)
                 if token_order:  # one token: every row sees keys up to its position (other rows are dropped)
                     last_key = kv_end - 1
                 else:  # row r is token r // G of the tile; padding rows see what the last token sees, at most
                     last_key = jnp.minimum(pos0 + lax.div(wgmma_iota((BLOCK_M, block_kv), 0), group), kv_end - 1)
-                s = jnp.where(key <= last_key, s, -jnp.inf)
-                # Values at or past kv_end may be stale NaN: zero them (P = 0 there, but 0 * NaN = NaN).
-                v_key = t * block_kv + wgmma_iota((block_kv, head_dim), 0)
-                v_smem[slot] = jnp.where(v_key < kv_end, v_smem[slot], jnp.zeros((), v_smem.dtype))
+                visible = key <= last_key
+                s = jnp.where(visible, s, -jnp.inf)
+            # Values at or past kv_end may be stale NaN: zeroed (P = 0 there, but 0 * NaN = NaN).
+            if fp8:  # values (V^T) as stored, converted exactly to f16 (k_smem's memory: Q K^T is done)
+                vt = plgpu.load(vt8_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
+                if masked:
+                    vt = jnp.where(t * block_kv + wgmma_iota(vt.shape, 1) < kv_end, vt, jnp.zeros((), vt.dtype))
+                v_smem[...] = vt
+                v_op = v_smem.transpose((1, 0))  # [block_kv, D]
+            else:
+                if masked:
+                    v_key = t * block_kv + wgmma_iota((block_kv, head_dim), 0)
+                    v_smem[slot] = jnp.where(v_key < kv_end, v_smem[slot], jnp.zeros((), v_smem.dtype))
+                v_op = v_smem.at[slot]
             m_new = jnp.maximum(m_i, s.max(axis=1))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l_new = l_i * alpha + p.sum(axis=1)
-            if p_smem is None:
-                p_op = p.astype(v_smem.dtype)
+            if fp8:  # P's columns times their V scales over the row's largest, so P stays in [0, 1] for f16
+                v_scale = _scales(scale_smem.at[slot, 1], s.shape)
                 if masked:
-                    plgpu.commit_smem()  # the zeroed values visible to wgmma (it reads through the async proxy)
+                    v_scale = jnp.where(visible, v_scale, 0.0)  # (a stale scale may be NaN)
+                v_max = v_scale.max(axis=1)
+                v_max = jnp.where(v_max > 0, v_max, 1.0)  # powers of two: dividing is exact
+                p = p * v_scale * lax.broadcast_in_dim(1.0 / v_max, s.shape, [0])
+            p_dtype = jnp.float16 if fp8 else v_smem.dtype
+            if p_smem is None:
+                p_op = p.astype(p_dtype)
+                if masked or fp8:
+                    plgpu.commit_smem()  # the values written visible to wgmma (it reads through the async proxy)
             else:
                 p_smem[...] = p.astype(p_smem.dtype)
                 plgpu.commit_smem()  # P (and masked V) visible to wgmma, which reads through the async proxy
                 p_op = p_smem
 
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_op, v_smem.at[slot])
+                plgpu.wgmma(acc_ref, p_op, v_op)
                 return acc_ref[...]
 
             o = pl.run_scoped(pv, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
+            if fp8:
+                o = o * lax.broadcast_in_dim(v_max, o.shape, [0])
 
             @pl.when(t + num_slots < hi)  # the slot is consumed: refill it
             def _():
@@ -420,14 +512,18 @@ def _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, bl
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
     check_pool(kv_pool, layer)
-    if is_fp8(kv_pool.dtype):
-        raise ValueError(f"paged_attention_mgpu does not read fp8 pools ({kv_pool.dtype}); use the "
-                         "Triton kernel (kernels/paged_attention.py)")
-    if jnp.dtype(kv_pool.dtype) not in pool_dtypes(True):
-        raise ValueError(f"kv_pool dtype must be bfloat16 or float32, got {kv_pool.dtype}")
-    if q.dtype != kv_pool.dtype:
+    fp8 = is_fp8(kv_pool.dtype)
+    if fp8:
+        if q.dtype != jnp.bfloat16:
+            raise ValueError(f"q dtype ({q.dtype}) must be bfloat16 over an fp8 pool")
+        if block_kv != block_size_of(kv_pool):
+            raise ValueError(f"an fp8 pool is read one block a KV tile: block_kv ({block_kv}) must be its block "
+                             f"size ({block_size_of(kv_pool)}), at least {MIN_KV_TILE}")
+    elif jnp.dtype(kv_pool.dtype) not in pool_dtypes(True):
+        raise ValueError(f"kv_pool dtype must be bfloat16, float32 or fp8, got {kv_pool.dtype}")
+    elif q.dtype != kv_pool.dtype:
         raise ValueError(f"q dtype ({q.dtype}) must be the pool's ({kv_pool.dtype})")
-    if jnp.dtype(kv_pool.dtype) not in pool_dtypes(interpret):
+    if not fp8 and jnp.dtype(kv_pool.dtype) not in pool_dtypes(interpret):
         raise ValueError("a float32 pool runs in interpret mode only: Hopper's wgmma has no fp32 inputs "
                          "(TF32 at best), see the module docstring")
     num_q_heads, head_dim = q.shape[1:]
@@ -458,8 +554,8 @@ def _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, bl
 
         need = prefill_smem_bytes(head_dim, block_kv, num_slots, kv_pool.dtype, p_in_smem=bool(interpret))
     else:
-        need = smem_bytes(head_dim, block_kv, num_slots, kv_pool.dtype, split=(num_splits or 1) > 1,
-                          p_in_smem=bool(interpret))
+        need = smem_bytes(head_dim, block_kv, num_slots, q.dtype, split=(num_splits or 1) > 1,
+                          p_in_smem=bool(interpret), fp8=fp8)
     if not interpret and need > SMEM_BYTES:
         raise ValueError(f"a program would need {need} bytes of shared memory (> {SMEM_BYTES})")
 
@@ -499,7 +595,8 @@ def paged_attention_mgpu(
     """
     if decode is None:
         decode = q.ndim == 3 and q.shape[0] <= 2 * kv_lens.shape[0]
-    prefill = not decode and block_q is None and num_splits in (None, 1)  # the warp-specialised kernel
+    prefill = (not decode and block_q is None and num_splits in (None, 1)  # the warp-specialised kernel
+               and not is_fp8(kv_pool.dtype))  # (which reads bf16 pools)
     if prefill and interpret:
         from jaxpaged.kernels.paged_attention_mgpu_prefill import NUM_COMPUTE
 
@@ -564,32 +661,46 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         row_t = jnp.clip((off % block_q) * group, 0, rows - group)[:, None] + jnp.arange(group, dtype=jnp.int32)
         out_rows = (meta.shape[0], num_kv_heads, rows)
 
-    dtype = kv_pool.dtype  # == q.dtype (validated): the output tile reuses the queries'
-    tile = lambda shape, dt=dtype: plgpu.SMEM(shape, dt, transforms=_transforms(dt))
+    dtype = q.dtype  # the pool's, or bf16 over an fp8 pool (validated): the output tile reuses the queries'
+    fp8 = is_fp8(kv_pool.dtype)
+    tile = lambda shape, dt=dtype: plgpu.SMEM(shape, dt, transforms=_transforms(dt, shape[-1]))
     slots = (num_slots, block_kv, head_dim)
+    # Copies a KV tile's barrier waits for: one a pool block; of an fp8 block, its keys or its D / block_size
+    # boxes of values, and a scale row.
+    k_copies, v_copies = (2, head_dim // block_size + 1) if fp8 else (block_kv // block_size,) * 2
     scratch = dict(q_bar=plgpu.Barrier(num_arrivals=1),
-                   k_bar=plgpu.Barrier(num_arrivals=block_kv // block_size, num_barriers=num_slots),
-                   v_bar=plgpu.Barrier(num_arrivals=block_kv // block_size, num_barriers=num_slots))
+                   k_bar=plgpu.Barrier(num_arrivals=k_copies, num_barriers=num_slots),
+                   v_bar=plgpu.Barrier(num_arrivals=v_copies, num_barriers=num_slots))
     if token_order:  # unswizzled: TMA copies in and out at any row
         scratch["q_plain"] = plgpu.SMEM((BLOCK_M, head_dim), dtype)
     if interpret is not None or not token_order:
         scratch["q_smem"] = tile((BLOCK_M, head_dim))
     if interpret is not None:  # P through shared memory: the interpreter's wgmma reads shared memory only
-        scratch["p_smem"] = tile((BLOCK_M, block_kv))
-    kv = (tile(slots), tile(slots))
+        scratch["p_smem"] = tile((BLOCK_M, block_kv), jnp.float16 if fp8 else dtype)
+        if fp8:
+            scratch["q16_smem"] = tile((BLOCK_M, head_dim), jnp.float16)
+    split_out = (plgpu.SMEM((BLOCK_M, head_dim), jnp.float32), plgpu.SMEM((BLOCK_M, LSE_LANES), jnp.float32))
     if num_splits == 1:
         out_type = jax.ShapeDtypeStruct((*out_rows, head_dim), q.dtype)
-        scratch["k_smem"], scratch["v_smem"] = kv
     else:
         lse_lanes = (LSE_LANES,) if token_order else ()
         out_type = (jax.ShapeDtypeStruct((num_splits, *out_rows, head_dim), jnp.float32),
                     jax.ShapeDtypeStruct((num_splits, *out_rows, *lse_lanes), jnp.float32))
-        if token_order:  # the output after the last K/V tile, in the slots' memory: 80 KiB a program, not 120
-            scratch["kv_then_out"] = plgpu.RefUnion(kv, (plgpu.SMEM((BLOCK_M, head_dim), jnp.float32),
-                                                         plgpu.SMEM((BLOCK_M, LSE_LANES), jnp.float32)))
-        else:
-            scratch.update(k_smem=kv[0], v_smem=kv[1], o32_smem=tile((BLOCK_M, head_dim), jnp.float32),
-                           lse_smem=plgpu.SMEM((BLOCK_M,), jnp.float32))
+        if not token_order:
+            scratch.update(o32_smem=tile((BLOCK_M, head_dim), jnp.float32), lse_smem=plgpu.SMEM((BLOCK_M,), jnp.float32))
+    # With token_order and splits, the output after the last K/V tile lives in the slots' memory (80 KiB a
+    # program, not 120); over an fp8 pool the f16 V^T tile also shares the f16 K tile's memory.
+    shared_out = (split_out,) if token_order and num_splits > 1 else ()
+    if fp8:  # fp8 slots as stored (swizzled, untiled: TMA boxes at any row), one f16 K and one V^T tile
+        staged = lambda shape: plgpu.SMEM(shape, kv_pool.dtype, transforms=(plgpu.SwizzleTransform(shape[-1]),))
+        scale_rows = plgpu.SMEM((num_slots, 2, max(block_kv, TMA_ALIGN)), kv_pool.dtype)  # rows TMA-aligned
+        k_group = (tile((block_kv, head_dim), jnp.float16), staged(slots), staged((num_slots, head_dim, block_kv)),
+                   scale_rows)
+        scratch["fp8_union"] = plgpu.RefUnion(k_group, (tile((head_dim, block_kv), jnp.float16),), *shared_out)
+    elif shared_out:
+        scratch["kv_then_out"] = plgpu.RefUnion((tile(slots), tile(slots)), *shared_out)
+    else:
+        scratch["k_smem"], scratch["v_smem"] = tile(slots), tile(slots)
     kernel = plgpu.kernel(
         functools.partial(_attention_kernel, scale_log2=scale * LOG2E, group=group, block_kv=block_kv,
                           block_size=block_size, num_slots=num_slots, num_splits=num_splits, num_rows=rows,

@@ -8,7 +8,7 @@
 
 ``backend``: ``"triton"`` (the Pallas kernel of :mod:`jaxpaged.kernels.paged_attention`, lowered by Triton:
 any CUDA GPU), ``"mosaic"`` (the Pallas kernel of :mod:`jaxpaged.kernels.paged_attention_mgpu`, lowered
-by Mosaic GPU: Hopper and later, bf16 pools), ``"reference"`` (pure jnp gather, any platform) or
+by Mosaic GPU: Hopper and later, bf16 and fp8 pools), ``"reference"`` (pure jnp gather, any platform) or
 ``"auto"`` (triton on GPU, reference elsewhere; docs/DECISIONS.md has the measurements behind it). Off
 the GPU the Pallas kernels run in interpret mode, slowly, which is only useful in tests.
 
@@ -80,12 +80,13 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def check_attention_backend(backend: str, kv_dtype, batch_invariant: bool, head_dim: int, block_size: int) -> None:
+def check_attention_backend(backend: str, kv_dtype, batch_invariant: bool, head_dim: int, block_size: int,
+                            act_dtype=None) -> None:
     """Raises ValueError, naming ``attention_backend``, where ``backend`` cannot run this engine: the
     Mosaic GPU kernel needs compute capability 9.0+ (wgmma, TMA) and the pool dtypes, head dims and
-    block sizes :mod:`jaxpaged.kernels.paged_attention_mgpu` reads (fp8 pools are the Triton
-    kernel's), and is not the batch-invariant configuration (that guarantee is verified on the Triton
-    kernel only)."""
+    block sizes :mod:`jaxpaged.kernels.paged_attention_mgpu` reads (an fp8 pool: blocks of at least 64
+    slots, one a KV tile, and bf16 activations ``act_dtype``), and is not the batch-invariant
+    configuration (that guarantee is verified on the Triton kernel only)."""
     if resolve_backend(backend) != "mosaic":
         return
     from jaxpaged.kernels import paged_attention_mgpu as mgpu  # imports Mosaic GPU: only when asked for
@@ -101,6 +102,14 @@ def check_attention_backend(backend: str, kv_dtype, batch_invariant: bool, head_
         if float(cc) < 9.0:
             raise ValueError(f"attention_backend='mosaic' needs a GPU of compute capability 9.0+ (Hopper); "
                              f"this one is {cc}: use 'triton'")
+    if mgpu.is_fp8(kv_dtype):
+        if block_size < mgpu.MIN_KV_TILE:
+            raise ValueError(f"attention_backend='mosaic' reads an fp8 pool one block a KV tile: block_size must be "
+                             f">= {mgpu.MIN_KV_TILE} (the fp8 default), this engine has {block_size}")
+        if act_dtype is not None and jax.numpy.dtype(act_dtype) != jax.numpy.dtype(jax.numpy.bfloat16):
+            raise ValueError(f"attention_backend='mosaic' reads an fp8 pool with bfloat16 activations, this model's "
+                             f"are {jax.numpy.dtype(act_dtype).name}: use 'triton'")
+        return
     ok = mgpu.pool_dtypes(interpret=not _on_gpu())
     if jax.numpy.dtype(kv_dtype) not in ok:
         raise ValueError(f"attention_backend='mosaic' reads {'/'.join(d.name for d in ok)} KV pools here, not "

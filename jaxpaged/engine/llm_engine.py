@@ -110,7 +110,7 @@ class LLMEngine:
                              f"load_params(path, tensor_parallel_size={config.tensor_parallel_size})")
         self.kv_dtype = config.resolved_kv_cache_dtype(params.dtype)
         check_attention_backend(config.attention_backend, self.kv_dtype, config.batch_invariant, cfg.head_dim,
-                                config.block_size)
+                                config.block_size, params.dtype)
         if is_fp8(self.kv_dtype):
             check_fp8_support(config.kv_cache_dtype, config.block_size, cfg.head_dim)
         self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)

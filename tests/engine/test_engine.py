@@ -271,6 +271,27 @@ def test_mosaic_backend_engine_matches_the_reference_backend():
         LLMEngine(load_params(tiny_checkpoint_path("qwen3"), "float32"), cfg)
 
 
+@pytest.mark.slow  # (Mosaic GPU's interpreter)
+def test_mosaic_backend_engine_over_an_fp8_pool_matches_the_reference_backend():
+    """``kv_cache_dtype="fp8"`` on the Mosaic GPU kernel (bf16 activations, blocks of 64): the reference
+    backend's greedy tokens over the same fp8 pool through prefill and decode steps."""
+    from jaxpaged.models.checkpoint import random_params
+    from jaxpaged.models.config import QwenConfig
+    from jaxpaged.models.tiny import tiny_config
+
+    params = random_params(QwenConfig.from_dict({**tiny_config("qwen3", 512), "head_dim": 64}), "bfloat16")
+    prompts = [[5, 77, 300, 2, 9, 41, 41, 8, 100], [400, 12]]
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    tokens = {}
+    for name in ("reference", "mosaic"):
+        cfg = EngineConfig(kv_cache_dtype="fp8", num_blocks=8, max_model_len=64, max_num_batched_tokens=32,
+                           attention_backend=name)
+        engine = LLMEngine(params, cfg)
+        assert engine.config.block_size == 64
+        tokens[name] = [o.outputs[0].token_ids for o in run_to_completion(engine, prompts, sp)]
+    assert tokens["mosaic"] == tokens["reference"]
+
+
 def test_warmup_freezes_the_long_lived_heap_and_the_pool_is_still_freed(qwen3):
     """After ``warmup()`` the objects alive then are out of the cyclic collector's reach (a full collection
     no longer walks them), and a dropped engine still releases its KV pool at once (reference counts)."""

@@ -300,3 +300,50 @@ def test_triton_lowering_addresses_fp8_pools_up_to_4_gib_with_32_bit_offsets(mon
         assert pointers  # the pool's K, V and scale loads
         offset_bits[gib] = {64 if "xi64>" in line or ": i64" in line else 32 for line in pointers}
     assert offset_bits == {3: {32}, 4.5: {64}}, offset_bits
+
+
+# The Mosaic GPU kernel over fp8 pools (its CPU interpreter): one pool block a KV tile (64 slots, the fp8
+# default; 128), decode with split-K and without, a prefill tile with a prefix hit and an empty sequence.
+MOSAIC_CASES = [
+    ([1, 1, 1, 1], [1, 63, 64, 300], 64, 4, 2, 128, E4M3, dict(num_splits=2)),  # split-K, slots reused
+    ([1, 20, 0, 5], [9, 100, 4, 5], 64, 4, 2, 64, E5M2, {}),  # prefill tiles (G=2: 32 tokens a tile)
+    ([1, 1], [127, 300], 128, 8, 1, 128, E4M3, dict(num_splits=1)),  # MQA, blocks of 128
+]
+
+
+@pytest.mark.parametrize("case", [0, 1, pytest.param(2, marks=pytest.mark.slow)])
+def test_mosaic_attention_over_an_fp8_pool_matches_the_reference(case):
+    """Every slot nothing was written to is NaN, its scale too; the kernel converts the fp8 tiles to f16
+    exactly and applies the scales to the scores' and probabilities' columns (module docstring)."""
+    from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu
+
+    q_lens, kv_lens, bs, hq, hkv, d, fp8, kw = MOSAIC_CASES[case]
+    rng = np.random.default_rng(500 + case)
+    q, k, v, cu, kl, tables = random_batch(rng, q_lens, kv_lens, bs, hq, hkv, d)
+    v = v * np.exp(2 * rng.standard_normal((k.shape[0], bs, 1, 1)))  # V scales that vary from token to token
+    args = (jnp.asarray(q * 50, jnp.bfloat16), fp8_pool(k * 3, v, fp8), 1, jnp.asarray(cu), jnp.asarray(kl),
+            jnp.asarray(tables))
+    out = np.asarray(paged_attention_mgpu(*args, interpret=True, **kw), np.float32)
+    ref = np.asarray(reference(*args), np.float32)
+    assert np.all(np.isfinite(out)), "NaN or inf in the output (a stale slot or scale read?)"
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-3
+    assert np.all(out[cu[-1]:] == 0)
+
+
+def test_mosaic_kernel_over_fp8_lowers_for_hopper_and_refuses_what_it_cannot_read():
+    from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("cross-lowering check for machines without a GPU")
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    q = jax.ShapeDtypeStruct((4, 16, 128), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct(pool_shape(3, 64, 64, 8, 128, E4M3), E4M3)
+    fn = jax.jit(lambda *a: paged_attention_mgpu(a[0], a[1], 2, *a[2:]))
+    text = fn.trace(q, pool, i32(5), i32(4), i32(4, 20)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "wgmma.mma_async" in text and "cp.async.bulk.tensor" in text
+    small = jnp.zeros(pool_shape(1, 4, 16, 1, 64, E4M3), E4M3)
+    meta = (jnp.asarray([0, 1], jnp.int32), jnp.asarray([3], jnp.int32), jnp.zeros((1, 1), jnp.int32))
+    with pytest.raises(ValueError, match="one block a KV tile"):
+        paged_attention_mgpu(jnp.zeros((1, 2, 64), jnp.bfloat16), small, 0, *meta, interpret=True)
+    with pytest.raises(ValueError, match="must be bfloat16 over an fp8 pool"):
+        paged_attention_mgpu(jnp.zeros((1, 2, 64), jnp.float32), small, 0, *meta, interpret=True)

@@ -173,8 +173,11 @@ def test_mosaic_backend_refuses_what_it_cannot_run():
     backend.check_attention_backend("triton", jnp.float8_e4m3fn, True, 32, 256)
     with pytest.raises(ValueError, match="attention_backend='mosaic'.*batch_invariant"):
         backend.check_attention_backend("mosaic", jnp.bfloat16, True, 128, 16)
-    with pytest.raises(ValueError, match="attention_backend='mosaic'.*float8_e4m3fn"):
+    backend.check_attention_backend("mosaic", jnp.float8_e4m3fn, False, 128, 64, jnp.bfloat16)
+    with pytest.raises(ValueError, match="attention_backend='mosaic'.*fp8 pool.*block_size"):
         backend.check_attention_backend("mosaic", jnp.float8_e4m3fn, False, 128, 16)
+    with pytest.raises(ValueError, match="attention_backend='mosaic'.*bfloat16 activations.*float32"):
+        backend.check_attention_backend("mosaic", jnp.float8_e4m3fn, False, 128, 64, jnp.float32)
     with pytest.raises(ValueError, match="attention_backend='mosaic'.*block_size 256"):
         backend.check_attention_backend("mosaic", jnp.bfloat16, False, 128, 256)
 

@@ -202,7 +202,7 @@ def test_invalid_inputs_raise():
         call(q, pool.astype(jnp.float8_e4m3fn), 0, cu, kl, bt)
     with pytest.raises(ValueError, match="dtype"):
         call(q.astype(jnp.bfloat16), pool, 0, cu, kl, bt)
-    with pytest.raises(ValueError, match="bfloat16 or float32"):
+    with pytest.raises(ValueError, match="bfloat16, float32 or fp8"):
         call(q.astype(jnp.float16), pool.astype(jnp.float16), 0, cu, kl, bt)
     with pytest.raises(ValueError, match="multiple"):
         call(jnp.ones((4, 6, 64)), pool, 0, cu, kl, bt)
