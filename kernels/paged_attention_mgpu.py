@@ -294,8 +294,9 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
     An fp8 pool (``fp8_union`` given; one pool block a KV tile; module docstring): the slots are
     ``k8_smem [slots, block_kv, D]`` (keys as stored), ``vt8_smem [slots, D, block_kv]`` (values
     transposed, as stored) and ``scale_smem [slots, 2, >= block_kv]`` (the block's K and V scale rows,
-    each at a ``TMA_ALIGN``-byte boundary);
-    ``k_smem [block_kv, D]`` and ``v_smem [D, block_kv]`` (``V^T``) hold one tile dequantised.
+    each at a ``TMA_ALIGN``-byte boundary); ``k_smem f16[block_kv, D]`` and ``v_smem f16[D, block_kv]``
+    (``V^T``) share one piece of memory, the keys converted for ``Q K^T``, then the values for ``P V``;
+    in the interpreter ``q16_smem`` holds the f16 queries and ``p_smem`` is f16.
     """
     if kv_then_out is not None:  # one piece of shared memory: the K/V slots, then the split's output
         (k_smem, v_smem), (o32_smem, lse_smem) = kv_then_out

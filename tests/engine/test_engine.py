@@ -247,41 +247,20 @@ def test_pallas_backend_engine_matches_hf_and_warmup_covers_all_shapes(qwen3):
     assert engine.runner.num_compiled_executables == compiled
 
 
-@pytest.mark.slow  # (Mosaic GPU's interpreter: ~10 s on a CPU)
+@pytest.mark.slow  # (Mosaic GPU's interpreter: ~15 s on a CPU)
 def test_mosaic_backend_engine_matches_the_reference_backend():
-    """The engine on the Mosaic GPU kernel (its interpreter on CPU; the kernel reads head_dim 64/128, so
-    a random model of the tiny shapes at head_dim 64): the jnp reference backend's greedy tokens through
-    prefill and decode steps; a configuration it cannot run is refused before anything is built."""
-    from jaxpaged.models.checkpoint import random_params
-    from jaxpaged.models.config import QwenConfig
-    from jaxpaged.models.tiny import tiny_config
-
-    params = random_params(QwenConfig.from_dict({**tiny_config("qwen3", 512), "head_dim": 64}), "float32")
-    prompts = [[5, 77, 300, 2, 9, 41, 41, 8, 100], [400, 12]]
-    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)  # a prefill step, then a decode step
-    tokens = {}
-    for name in ("reference", "mosaic"):
-        cfg = EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=32, max_model_len=64,
-                           max_num_batched_tokens=32, attention_backend=name)
-        tokens[name] = [o.outputs[0].token_ids for o in run_to_completion(LLMEngine(params, cfg), prompts, sp)]
-    assert tokens["mosaic"] == tokens["reference"]
-    with pytest.raises(ValueError, match="attention_backend='mosaic'.*batch_invariant"):
-        LLMEngine(params, dataclasses.replace(cfg, batch_invariant=True))
-    with pytest.raises(ValueError, match="attention_backend='mosaic'.*head_dim 32"):
-        LLMEngine(load_params(tiny_checkpoint_path("qwen3"), "float32"), cfg)
-
-
-@pytest.mark.slow  # (Mosaic GPU's interpreter)
-def test_mosaic_backend_engine_over_an_fp8_pool_matches_the_reference_backend():
-    """``kv_cache_dtype="fp8"`` on the Mosaic GPU kernel (bf16 activations, blocks of 64): the reference
-    backend's greedy tokens over the same fp8 pool through prefill and decode steps."""
+    """The engine on the Mosaic GPU kernel (its interpreter on CPU) over an fp8 pool (blocks of 64, bf16
+    weights: the configuration the kernel runs on Hopper besides bf16 pools; the kernel reads head_dim
+    64/128, so a random model of the tiny shapes at head_dim 64): the jnp reference backend's greedy
+    tokens over the same pool through prefill and decode steps; a configuration it cannot run is
+    refused before anything is built. (The kernel over bf16 and float32 pools: its own tests.)"""
     from jaxpaged.models.checkpoint import random_params
     from jaxpaged.models.config import QwenConfig
     from jaxpaged.models.tiny import tiny_config
 
     params = random_params(QwenConfig.from_dict({**tiny_config("qwen3", 512), "head_dim": 64}), "bfloat16")
     prompts = [[5, 77, 300, 2, 9, 41, 41, 8, 100], [400, 12]]
-    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)  # a prefill step, then a decode step
     tokens = {}
     for name in ("reference", "mosaic"):
         cfg = EngineConfig(kv_cache_dtype="fp8", num_blocks=8, max_model_len=64, max_num_batched_tokens=32,
@@ -290,6 +269,12 @@ def test_mosaic_backend_engine_over_an_fp8_pool_matches_the_reference_backend():
         assert engine.config.block_size == 64
         tokens[name] = [o.outputs[0].token_ids for o in run_to_completion(engine, prompts, sp)]
     assert tokens["mosaic"] == tokens["reference"]
+    with pytest.raises(ValueError, match="attention_backend='mosaic'.*batch_invariant"):
+        LLMEngine(params, dataclasses.replace(cfg, batch_invariant=True))
+    with pytest.raises(ValueError, match="attention_backend='mosaic'.*fp8 pool.*block_size"):
+        LLMEngine(params, dataclasses.replace(cfg, block_size=16))
+    with pytest.raises(ValueError, match="attention_backend='mosaic'.*head_dim 32"):
+        LLMEngine(load_params(tiny_checkpoint_path("qwen3"), "float32"), dataclasses.replace(cfg, kv_cache_dtype="float32"))
 
 
 def test_warmup_freezes_the_long_lived_heap_and_the_pool_is_still_freed(qwen3):
