@@ -4,7 +4,8 @@ One process, three steps, each of which reports its own failure and lets the oth
 does not lower for the GPU prints the error and the script goes on):
 
   1. correctness: ragged decode/prefill batches (bf16, every unused pool slot NaN, blocks in random
-     order, block sizes 16-64, GQA/MQA) and a pool over 4 GiB read at its last layer and highest blocks;
+     order, block sizes 16-64, GQA/MQA; and fp8 pools of block size 64, e4m3 and e5m2, stale slots' values
+     and scales NaN) and a pool over 4 GiB read at its last layer and highest blocks;
      max abs and relative error of the Mosaic kernel and of the Triton kernel against the reference.
      A float32 pool is expected to be refused on the GPU (ValueError), checked in ``--tiny`` mode.
   2. decode timing: batch 256 x context 1,024, Hq 16, Hkv 8, D 128, bf16, block sizes 16 and 64, both
@@ -37,6 +38,7 @@ import numpy as np  # noqa: E402
 
 from bench_attention import (_chain_simple, chain_time, hbm_read_ceiling, make_case, prefill_flops,  # noqa: E402
                              reference_hi, rel_err, timed)
+from jaxpaged.kernels.fp8 import is_fp8, quantize_pool  # noqa: E402
 from jaxpaged.kernels.kv_write import pool_from_caches  # noqa: E402
 from jaxpaged.kernels.paged_attention import paged_attention  # noqa: E402
 from jaxpaged.kernels.paged_attention_mgpu import choose_splits, kv_tile, paged_attention_mgpu  # noqa: E402
@@ -93,7 +95,7 @@ def compare(name: str, args, interpret: bool, dtype_name: str):
             rec[kname] = dict(error=failure(f"{name} {kname}", e))
     if len(outs) == 2:
         rec["mosaic_vs_triton_max_abs"] = float(np.max(np.abs(outs["mosaic"] - outs["triton"])))
-    tol = 2e-2 if dtype_name == "bfloat16" else 1e-5
+    tol = 1e-5 if dtype_name == "float32" else 2e-2
     m = rec.get("mosaic", {})
     rec["mosaic_ok"] = "refused" in m or bool(
         m.get("finite") and m.get("rel_err", 1.0) <= tol / 4 and m.get("max_abs_err", 1.0) <= tol * 4)
@@ -107,6 +109,7 @@ def correctness(rng, tiny: bool, interpret: bool):
             ([1, 1, 1, 1, 1], [1, 15, 16, 17, 200], 16, 4, 2, 128, jnp.bfloat16),
             ([1, 37, 0, 5], [1, 50, 9, 80], 16, 4, 2, 64, jnp.bfloat16),
             ([1, 1, 9], [64, 65, 130], 64, 8, 1, 64, jnp.float32),
+            ([1, 5, 1], [63, 70, 130], 64, 4, 2, 128, jnp.float8_e4m3fn),
         ]
     else:
         cases = [
@@ -117,12 +120,19 @@ def correctness(rng, tiny: bool, interpret: bool):
             ([300, 1, 129, 70], [1000, 40, 129, 70], 16, HQ, HKV, D, jnp.bfloat16),  # prefill tile pairs, a prefix hit
             ([1] * 40, list(rng.integers(1, 2000, 40)), 16, HQ, HKV, D, jnp.bfloat16),
             ([1, 1], [17, 100], 16, 4, 2, 64, jnp.float32),  # expected: refused on the GPU
+            ([1] * 7, [1, 63, 64, 65, 300, 1000, 2000], 64, HQ, HKV, D, jnp.float8_e4m3fn),  # fp8: split-K decode
+            ([1, 37, 0, 5, 1, 130], [1, 50, 9, 300, 1000, 200], 64, HQ, HKV, D, jnp.float8_e4m3fn),  # prefix hits
+            ([1, 1, 200, 1], [63, 700, 1000, 129], 64, 8, 1, 64, jnp.float8_e5m2),  # MQA, D=64
         ]
     for q_lens, kv_lens, bs, hq, hkv, d, dtype in cases:
         name = f"q{str(q_lens)[:24]} kv{str(list(map(int, kv_lens)))[:30]} bs{bs} hq{hq} hkv{hkv} d{d}"
         try:
             num_blocks = len(q_lens) * max(math.ceil(k / bs) for k in kv_lens) + 8
-            args = make_case(rng, q_lens, kv_lens, bs, hq, hkv, d, dtype, num_blocks=num_blocks)
+            if is_fp8(dtype):  # bf16 queries over the fp8 pool of the same random K/V (stale slots stay NaN)
+                q, pool, *meta = make_case(rng, q_lens, kv_lens, bs, hq, hkv, d, jnp.float32, num_blocks=num_blocks)
+                args = (q.astype(jnp.bfloat16), jax.jit(quantize_pool, static_argnums=1)(pool, dtype), *meta)
+            else:
+                args = make_case(rng, q_lens, kv_lens, bs, hq, hkv, d, dtype, num_blocks=num_blocks)
             compare(name, args, interpret, jnp.dtype(dtype).name)
         except Exception as e:  # noqa: BLE001
             failure(f"case {name}", e)

@@ -99,6 +99,21 @@ def values_from_slab(slab: jax.Array) -> jax.Array:
     return x.reshape(*lead, bs, h, d)
 
 
+def quantize_pool(pool: jax.Array, dtype) -> jax.Array:
+    """A pool ``[L, N, bs, 2, Hkv, D]`` of values (bf16 or f32) as an fp8 pool of ``dtype``, ``[L, N, bs + 1,
+    2, Hkv, D]``: each slot's K and V quantised per head (:func:`quantize`), values moved into their slabs,
+    scales into the scale row. A slot holding a NaN keeps NaN values and gets a NaN scale, so stale slots
+    stay poisoned. For tests and benchmarks that build pools by hand (the engine writes through
+    ``kv_write``)."""
+    x = pool.astype(jnp.float32)
+    values, scales = quantize(x, dtype)  # [L, N, bs, 2, Hkv, D], [L, N, bs, 2, Hkv]
+    values = values.at[:, :, :, 1].set(values_to_slab(values[:, :, :, 1]))
+    scales = jnp.where(jnp.isnan(x).any(-1), jnp.nan, scales)
+    num_layers, n, bs, _, hkv, d = pool.shape
+    row = jnp.full((num_layers, n, 2, hkv, d), jnp.nan).at[..., :bs].set(jnp.moveaxis(scales, 2, -1))
+    return jnp.concatenate([values, row[:, :, None].astype(dtype)], axis=2)
+
+
 def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
     """``q [..., D]`` (fp8), ``scale [...]`` -> f32 values."""
     return q.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]

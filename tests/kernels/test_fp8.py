@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxpaged.kernels.fp8 import dequantize, exponent_range, quantize, scale_rows, values_from_slab, values_to_slab
-from jaxpaged.kernels.kv_write import block_size_of, pool_shape, write_kv
+from jaxpaged.kernels.fp8 import dequantize, exponent_range, quantize, quantize_pool, scale_rows, values_from_slab
+from jaxpaged.kernels.kv_write import block_size_of, pool_from_caches, pool_shape, write_kv
 from jaxpaged.kernels.paged_attention import FP8_TILE, choose_config, paged_attention
 from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
 from jaxpaged.kernels.qkv_epilogue import qkv_epilogue
@@ -63,13 +63,8 @@ def fp8_pool(k, v, fp8, layers=3, layer=1):
     """A pool ``[layers, N, bs + 1, 2, Hkv, D]`` in ``fp8`` whose layer ``layer`` holds ``k, v [N, bs, Hkv, D]``
     quantised per slot and head (values transposed in their slabs), the others NaN; NaN slots (never
     written) get NaN scales."""
-    rows = jnp.stack([jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32)], axis=2)  # [N, bs, 2, Hkv, D]
-    values, scales = quantize(rows, fp8)
-    values = values.at[:, :, 1].set(values_to_slab(values[:, :, 1]))
-    scales = jnp.where(jnp.isnan(rows).any(-1), jnp.nan, scales)  # [N, bs, 2, Hkv]
-    n, bs, _, hkv, d = rows.shape
-    srow = jnp.full((n, 2, hkv, d), jnp.nan).at[..., :bs].set(jnp.moveaxis(scales, 1, -1))
-    one = jnp.concatenate([values, srow[:, None].astype(fp8)], axis=1)  # [N, bs + 1, 2, Hkv, D]
+    one = quantize_pool(pool_from_caches(jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32)), fp8)[0]
+    n, bs, hkv, d = k.shape
     pool = jnp.full((layers,) + one.shape, jnp.nan, fp8).at[layer].set(one)
     assert pool.shape == pool_shape(layers, n, bs, hkv, d, fp8) and block_size_of(pool) == bs
     return pool
