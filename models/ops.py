@@ -32,6 +32,7 @@ from typing import Callable
 import jax
 
 from jaxpaged.kernels import add_rms_norm, gemv, matmul, paged_attention, paged_attention_reference, qkv_epilogue, rms_norm
+from jaxpaged.kernels.fp8 import is_fp8
 from jaxpaged.kernels.kv_write import write_kv
 from jaxpaged.models.qwen import (DEFAULT_OPS, ModelOps, qkv_epilogue_ops, rope_cos_sin, rotary, xla_matmul,
                                   xla_matmul_unfused_input)
@@ -102,7 +103,7 @@ def check_attention_backend(backend: str, kv_dtype, batch_invariant: bool, head_
         if float(cc) < 9.0:
             raise ValueError(f"attention_backend='mosaic' needs a GPU of compute capability 9.0+ (Hopper); "
                              f"this one is {cc}: use 'triton'")
-    if mgpu.is_fp8(kv_dtype):
+    if is_fp8(kv_dtype):
         if block_size < mgpu.MIN_KV_TILE:
             raise ValueError(f"attention_backend='mosaic' reads an fp8 pool one block a KV tile: block_size must be "
                              f">= {mgpu.MIN_KV_TILE} (the fp8 default), this engine has {block_size}")
