@@ -617,6 +617,13 @@ def paged_attention_mgpu(
     if num_splits is None:
         num_splits = choose_splits(q.shape[0], kv_lens.shape[0], kv_pool.shape[4], block_kv,
                                    block_tables.shape[1] * block_size_of(kv_pool), decode)
+    if block_q == 1 and is_fp8(kv_pool.dtype):  # decode over fp8: keys on wgmma's M (its module docstring)
+        from jaxpaged.kernels.paged_attention_mgpu_decode import paged_decode_fp8_mgpu
+
+        return paged_decode_fp8_mgpu(q, kv_pool, jnp.asarray(layer, jnp.int32), cu_q_lens, kv_lens, block_tables,
+                                     scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
+                                     interpret=_interpret_params(interpret), num_slots=num_slots,
+                                     num_splits=num_splits)
     return _paged_attention_mgpu(q, kv_pool, jnp.asarray(layer, jnp.int32), cu_q_lens, kv_lens, block_tables,
                                  scale=None if scale is None else float(scale),
                                  interpret=_interpret_params(interpret), block_kv=block_kv, num_slots=num_slots,

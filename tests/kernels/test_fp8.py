@@ -297,16 +297,19 @@ def test_triton_lowering_addresses_fp8_pools_up_to_4_gib_with_32_bit_offsets(mon
     assert offset_bits == {3: {32}, 4.5: {64}}, offset_bits
 
 
-# The Mosaic GPU kernel over fp8 pools (its CPU interpreter): one pool block a KV tile (64 slots, the fp8
-# default; 128), decode with split-K and without, a prefill tile with a prefix hit and an empty sequence.
+# The Mosaic GPU kernels over fp8 pools (their CPU interpreter): one pool block a KV tile (64 slots, the fp8
+# default; 128); decode (kernels/paged_attention_mgpu_decode.py) with split-K and without, and G = 7, whose
+# last token's rows are read from before its own (its R = 8 rows would pass the end of q); a prefill tile
+# (the one-warpgroup kernel) with a prefix hit and an empty sequence.
 MOSAIC_CASES = [
     ([1, 1, 1, 1], [1, 63, 64, 300], 64, 4, 2, 128, E4M3, dict(num_splits=2)),  # split-K, slots reused
     ([1, 20, 0, 5], [9, 100, 4, 5], 64, 4, 2, 64, E5M2, {}),  # prefill tiles (G=2: 32 tokens a tile)
     ([1, 1], [127, 300], 128, 8, 1, 128, E4M3, dict(num_splits=1)),  # MQA, blocks of 128
+    ([1] * 5, [7, 64, 129, 300, 65], 64, 14, 2, 64, E4M3, dict(num_splits=1)),  # G = 7: the last rows read back
 ]
 
 
-@pytest.mark.parametrize("case", [0, 1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case", [0, 1, pytest.param(2, marks=pytest.mark.slow), 3])
 def test_mosaic_attention_over_an_fp8_pool_matches_the_reference(case):
     """Every slot nothing was written to is NaN, its scale too; the kernel converts the fp8 tiles to f16
     exactly and applies the scales to the scores' and probabilities' columns (module docstring)."""

@@ -1,0 +1,274 @@
+"""Decode attention over fp8 pools on Mosaic GPU, keys on wgmma's M: ``S^T = K Q^T``, ``O^T += V^T P^T``.
+
+A decode step has ``G = Hq // Hkv`` query rows per KV head and token (2 at Qwen3-0.6B's shapes).
+:mod:`jaxpaged.kernels.paged_attention_mgpu` puts query rows on wgmma's M, which is 64 per warpgroup:
+both matmuls and the softmax between them compute 64 rows for ``G`` useful ones, and over an fp8 pool
+that work, not the halved reads, sets the time (measured: benchmarks/RESULTS.md, fp8 section). Here the
+products are transposed: the KV tile is the ``M`` operand (its 64 keys, or ``V^T``'s ``D`` rows) and the
+queries are wgmma's ``N = R`` (``G`` rounded up to 8), so a KV tile costs ``64 x R`` scores instead of
+``64 x 64``, and the fp8 tiles, converted to f16 in registers, feed wgmma from registers (the
+interpreter, whose wgmma reads shared memory only, goes through shared-memory tiles).
+
+One program: token ``t`` (grid axis ``tile``), KV head ``h`` and, with split-K, split ``p`` of its KV
+tiles (:func:`jaxpaged.kernels.paged_attention_mgpu.split_range`). A KV tile is one pool block of 64
+or 128 slots; its copies are those of the one-warpgroup kernel (keys, ``V^T`` in ``D / bs`` boxes, two
+scale rows). Per tile:
+
+  * ``S^T [bs, R] = K Q^T``: keys converted exactly to f16, queries scaled per row into f16's range
+    (each row's own power of two, undone on its score column, as the one-warpgroup kernel does);
+    the K scales multiply the score rows (one per key), keys at or past ``kv_end`` are ``-inf``;
+  * the online softmax runs down the columns (a column is a query row): running max, sum, rescale;
+  * ``P^T``'s rows times their V scale over the tile's largest (a power of two, exact; one value for
+    the tile, as every query row of a decode token sees the same keys), rounded to f16, stored in a
+    shared-memory tile that wgmma reads as its ``N`` operand;
+  * ``O^T [D, R] += V^T P^T``, then times that largest scale; values at or past ``kv_end`` are zeroed
+    before (stale slots may hold NaN, and ``0 x NaN`` is NaN).
+
+The output leaves as ``O^T``, ``[T, Hkv, D, R]`` (or fp32 partials and log-sum-exps per split), and
+XLA turns it into ``[T, Hq, D]`` (with split-K, in the merge). Same arithmetic as the one-warpgroup
+kernel, to the order of the f32 sums.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxpaged.kernels.kv_write import block_size_of
+from jaxpaged.kernels.split_k import merge_splits
+
+LOG2E = 1.4426950408889634
+BLOCK_M = 64  # wgmma's M per warpgroup: the queries' tile rows (only R of them used) and a key tile's
+TMA_ALIGN = 128  # bytes: a TMA copy's shared-memory address is a multiple of this
+_MASKED = -1e30  # initial running max: finite, so a column with no key gives exp2(-inf) = 0, never NaN
+
+
+def _tiled(shape, dtype):
+    """A shared-memory tile wgmma reads: 8-row tiles of one 128-byte swizzle row."""
+    item = jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 128 // item)), plgpu.SwizzleTransform(128)))
+
+
+def _column(vec_smem, n):
+    """``n`` f32 values from shared memory as a row vector of a ``[64, n]`` WGMMA array (one a column)."""
+    return plgpu.load(vec_smem.at[pl.ds(0, n)], layout=plgpu.Layout.WGMMA.reduce(0))
+
+
+def _key_scales(scale_row, n):
+    """A tile's ``n`` per-key fp8 scales (powers of two) in f32, as a column vector (one a key row)."""
+    return plgpu.load(scale_row.at[pl.ds(0, n)], layout=plgpu.Layout.WGMMA.reduce(1)).astype(
+        jnp.float16).astype(jnp.float32)
+
+
+def _decode_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref=None, *, q_bar, k_bar, v_bar,
+                   q_union, qs_smem, k8, vt8, scales, pt16, lse_smem=None, k16=None, vt16=None,
+                   scale_log2: float, group: int, rows: int, num_slots: int, num_splits: int):
+    """Refs: ``q_ref [T Hq (+ pad), D]`` bf16, ``kv_ref [L, N, bs + 1, 2, Hkv, D]`` fp8; ``o_ref [T, Hkv, D, R]``
+    bf16, or ``f32[P, T, Hkv, D, R]`` and ``lse_ref f32[P, T, Hkv, R]``. Columns ``c`` of a program's
+    output are query rows ``first + c`` of ``q`` (``first``: the tile's first row, moved back near the
+    end of ``q`` so that ``R`` rows fit; the caller reads its ``G`` columns from ``row0 - first``)."""
+    from jaxpaged.kernels.paged_attention_mgpu import split_range
+
+    q_plain, q16, out_smem = q_union  # one piece of memory: the queries, then f16 queries, then the output
+    wgmma = plgpu.Layout.WGMMA
+    block_size, head_dim = k8.shape[1:]
+    width = tables_ref.shape[1]
+    split = lax.axis_index("split") if num_splits > 1 else 0
+    h = lax.axis_index("kv_head")
+    tile = lax.axis_index("tile")
+    seq = meta_ref[tile, 0]
+    kv_end = meta_ref[tile, 2]
+    lo, hi = split_range(kv_end, split, block_size, num_splits)
+    row0 = (tile * kv_ref.shape[4] + h) * group
+    first = jnp.minimum(row0, q_ref.shape[0] - rows)
+
+    @pl.when(jnp.logical_and(seq >= 0, lo < hi))
+    def _owned():
+        layer = layer_ref[0]
+
+        def fetch(t, slot):
+            phys = tables_ref[seq, jnp.minimum(t, width - 1)]
+            plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, pl.ds(0, block_size), 0, h, :], k8.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, block_size, 0, h, pl.ds(0, block_size)],
+                                    scales.at[slot, 0, pl.ds(0, block_size)], k_bar.at[slot])
+            for j in range(head_dim // block_size):  # kernels/fp8.py: slab columns [j bs, (j+1) bs) = V^T rows
+                cols = pl.ds(j * block_size, block_size)
+                plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, pl.ds(0, block_size), 1, h, cols], vt8.at[slot, cols],
+                                        v_bar.at[slot])
+            plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, block_size, 1, h, pl.ds(0, block_size)],
+                                    scales.at[slot, 1, pl.ds(0, block_size)], v_bar.at[slot])
+
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first, rows)], q_plain.at[pl.ds(0, rows)], q_bar)
+        fetch(lo, 0)
+        for i in range(1, num_slots):
+            pl.when(lo + i < hi)(functools.partial(fetch, lo + i, i))
+
+        # Queries: each row times the power of two that brings its largest element near 2^14, in f16;
+        # the inverse (times the softmax scale, base 2) multiplies that row's score column.
+        plgpu.barrier_wait(q_bar)
+        q32 = plgpu.load(q_plain, layout=wgmma).astype(jnp.float32)  # rows past R: stale, never used
+        plgpu.commit_smem()  # (a warpgroup barrier: every warp has read q_plain before q16 overwrites it)
+        e = jnp.clip(jnp.round(jnp.log2(jnp.max(jnp.abs(q32), axis=1))), -100.0, 100.0)
+        q16[...] = (q32 * lax.broadcast_in_dim(jnp.exp2(14.0 - e), q32.shape, [0])).astype(jnp.float16)
+        qs_smem[...] = jnp.exp2(e - 14.0) * scale_log2
+        plgpu.commit_smem()
+        q_op = q16.at[pl.ds(0, rows)].transpose((1, 0))  # [D, R]: wgmma's N operand
+        q_unscale = _column(qs_smem, rows)
+        iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=wgmma)
+
+        def step(t, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(t - lo, num_slots)
+            plgpu.barrier_wait(k_bar.at[slot])
+            k_op = plgpu.load(k8.at[slot], layout=wgmma).astype(jnp.float16)  # [bs, D]
+            if k16 is not None:  # the interpreter's wgmma reads shared memory only
+                k16[...] = k_op
+                plgpu.commit_smem()
+                k_op = k16
+
+            shape = (block_size, rows)
+
+            def qk(acc_ref):  # while wgmma computes S^T, V^T is converted
+                plgpu.wgmma(acc_ref, k_op, q_op)
+                plgpu.barrier_wait(v_bar.at[slot])  # V^T and the V scales
+                vt = plgpu.load(vt8.at[slot], layout=wgmma).astype(jnp.float16)  # [D, bs]
+                if masked:
+                    vt = jnp.where(t * block_size + iota(vt.shape, 1) < kv_end, vt, jnp.zeros((), vt.dtype))
+                vs = lax.broadcast_in_dim(_key_scales(scales.at[slot, 1], block_size), shape, [0])
+                return acc_ref[...], vt, vs
+
+            s, vt, vs = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))  # S^T: a row per key
+            s = s * lax.broadcast_in_dim(_key_scales(scales.at[slot, 0], block_size), shape, [0])
+            s = s * lax.broadcast_in_dim(q_unscale, shape, [1])
+            if masked:
+                live = t * block_size + iota(shape, 0) < kv_end
+                s = jnp.where(live, s, -jnp.inf)
+                vs = jnp.where(live, vs, 0.0)  # (a stale scale may be NaN)
+            m_new = jnp.maximum(m_i, s.max(axis=0))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, shape, [1]))
+            l_new = l_i * alpha + p.sum(axis=0)
+            v_max = vs.max(axis=0)  # the tile's largest V scale, in every column
+            v_max = jnp.where(v_max > 0, v_max, 1.0)
+            p = p * vs * lax.broadcast_in_dim(1.0 / v_max, shape, [1])
+            pt16.transpose((1, 0))[...] = p.astype(jnp.float16)  # P^T [bs, R] into the [R, bs] tile
+            if vt16 is not None:
+                vt16[...] = vt
+                vt = vt16
+            plgpu.commit_smem()  # P^T (and V^T in the interpreter) visible to wgmma
+            p_op = pt16.transpose((1, 0))  # [bs, R]
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, vt, p_op)
+                return acc_ref[...]
+
+            o = pl.run_scoped(pv, plgpu.ACC((head_dim, rows), jnp.float32))
+
+            @pl.when(t + num_slots < hi)
+            def _():
+                fetch(t + num_slots, slot)
+
+            wide = lambda x: lax.broadcast_in_dim(x, acc.shape, [1])  # noqa: E731
+            return acc * wide(alpha) + o * wide(v_max), m_new, l_new
+
+        cols = wgmma.reduce(0)
+        carry = (plgpu.layout_cast(jnp.zeros((head_dim, rows), jnp.float32), wgmma),
+                 plgpu.layout_cast(jnp.full((rows,), _MASKED, jnp.float32), cols),
+                 plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), cols))
+        pos0 = meta_ref[tile, 1]
+        n_full = jnp.clip(lax.div(pos0 + 1, block_size), lo, hi)
+        carry = lax.fori_loop(lo, n_full, functools.partial(step, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(n_full, hi, functools.partial(step, masked=True), carry)
+        has = l_i > 0
+        out = acc / lax.broadcast_in_dim(jnp.where(has, l_i, 1.0), acc.shape, [1])
+        out_smem[...] = out.astype(out_smem.dtype)
+        if num_splits > 1:
+            lse_smem[...] = jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)) * LOG2E, -jnp.inf)
+        plgpu.commit_smem()
+        if num_splits == 1:
+            plgpu.copy_smem_to_gmem(out_smem, o_ref.at[tile, h])
+        else:
+            plgpu.copy_smem_to_gmem(out_smem, o_ref.at[split, tile, h])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, tile, h])
+        plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_slots", "num_splits"))
+def paged_decode_fp8_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, scale: float, interpret,
+                          num_slots: int, num_splits: int):
+    """Decode attention (one query tile a token) over an fp8 pool; arguments as
+    :func:`jaxpaged.kernels.paged_attention_mgpu.paged_attention_mgpu` after its validation (``layer`` an
+    ``i32[]``, ``interpret`` ``None`` or ``InterpretGPUParams``). Returns ``[T, Hq, D]`` bf16, padding
+    tokens zero."""
+    from jaxpaged.kernels.paged_attention_mgpu import LSE_LANES, split_range, token_layout  # noqa: F401
+
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = kv_pool.shape[4]
+    block_size = block_size_of(kv_pool)
+    group = num_q_heads // num_kv_heads
+    rows = -(-group // 8) * 8
+    meta = token_layout(cu_q_lens, kv_lens, num_tokens)
+    q_in = q.reshape(num_tokens * num_q_heads, head_dim)
+    if q_in.shape[0] < rows:
+        q_in = jnp.pad(q_in, ((0, rows - q_in.shape[0]), (0, 0)))
+    fp8 = kv_pool.dtype
+    staged = lambda shape: plgpu.SMEM(shape, fp8, transforms=(plgpu.SwizzleTransform(shape[-1]),))  # noqa: E731
+    out_dtype = q.dtype if num_splits == 1 else jnp.float32
+    scratch = dict(
+        q_bar=plgpu.Barrier(num_arrivals=1),
+        k_bar=plgpu.Barrier(num_arrivals=2, num_barriers=num_slots),
+        v_bar=plgpu.Barrier(num_arrivals=head_dim // block_size + 1, num_barriers=num_slots),
+        q_union=plgpu.RefUnion(plgpu.SMEM((BLOCK_M, head_dim), q.dtype), _tiled((BLOCK_M, head_dim), jnp.float16),
+                               plgpu.SMEM((head_dim, rows), out_dtype)),
+        qs_smem=plgpu.SMEM((BLOCK_M,), jnp.float32),
+        k8=staged((num_slots, block_size, head_dim)),
+        vt8=staged((num_slots, head_dim, block_size)),
+        scales=plgpu.SMEM((num_slots, 2, max(block_size, TMA_ALIGN)), fp8),
+        pt16=_tiled((rows, block_size), jnp.float16),
+    )
+    if interpret is not None:
+        scratch.update(k16=_tiled((block_size, head_dim), jnp.float16), vt16=_tiled((head_dim, block_size), jnp.float16))
+    if num_splits == 1:
+        out_type = jax.ShapeDtypeStruct((num_tokens, num_kv_heads, head_dim, rows), q.dtype)
+    else:
+        scratch["lse_smem"] = plgpu.SMEM((rows,), jnp.float32)
+        out_type = (jax.ShapeDtypeStruct((num_splits, num_tokens, num_kv_heads, head_dim, rows), jnp.float32),
+                    jax.ShapeDtypeStruct((num_splits, num_tokens, num_kv_heads, rows), jnp.float32))
+    kernel = plgpu.kernel(
+        functools.partial(_decode_kernel, scale_log2=scale * LOG2E, group=group, rows=rows, num_slots=num_slots,
+                          num_splits=num_splits),
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(num_kv_heads, num_tokens) + ((num_splits,) if num_splits > 1 else ()),
+        grid_names=("kv_head", "tile") + (("split",) if num_splits > 1 else ()),
+        interpret=interpret,
+    )
+    out = kernel(jnp.reshape(layer, (1,)), meta, block_tables, q_in, kv_pool)
+
+    # Program (t, h)'s G columns start at row0 - first (nonzero only near the end of q).
+    t = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
+    h = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :]
+    row0 = (t * num_kv_heads + h) * group
+    col = (row0 - jnp.minimum(row0, q_in.shape[0] - rows))[..., None] + jnp.arange(group, dtype=jnp.int32)
+
+    def heads(x):  # [..., T, Hkv, D, R] -> [..., T, Hkv, G, D]
+        x = jnp.swapaxes(x, -1, -2)
+        return jnp.take_along_axis(x, jnp.broadcast_to(col[..., None], x.shape[:-4] + col.shape + (1,)), axis=-2)
+
+    owned = meta[:, 0] >= 0
+    if num_splits == 1:
+        out = heads(out).reshape(num_tokens, num_q_heads, head_dim)
+        return jnp.where(owned[:, None, None], out, jnp.zeros((), out.dtype))
+    o_parts, lse = out
+    split = jnp.arange(num_splits, dtype=jnp.int32)[:, None]
+    lo, hi = split_range(meta[None, :, 2], split, block_size, num_splits)
+    wrote = ((lo < hi) & owned[None, :])[:, :, None, None]  # [P, T, 1, 1]
+    lse = jnp.take_along_axis(lse, jnp.broadcast_to(col, lse.shape[:1] + col.shape), axis=-1)  # [P, T, Hkv, G]
+    lse = jnp.where(wrote, lse, -jnp.inf).reshape(num_splits, num_tokens, num_q_heads)
+    o_parts = jnp.where(wrote[..., None], heads(o_parts), 0.0).reshape(num_splits, num_tokens, num_q_heads, head_dim)
+    return merge_splits(o_parts, lse, q.dtype)
