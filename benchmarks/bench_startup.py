@@ -36,12 +36,13 @@ import numpy as np
 import jaxpaged
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.llm import LLM, run_to_completion
-model, max_model_len = sys.argv[1], int(sys.argv[2])
+model, max_model_len, kv_cache_dtype, backend = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 t_import = time.perf_counter()
 if model == "tiny":
     from jaxpaged.models.tiny import tiny_checkpoint_path
     t_params = t_import  # the checkpoint is read inside LLM(...)
-    llm = LLM(tiny_checkpoint_path("qwen3"), max_model_len=max_model_len)
+    llm = LLM(tiny_checkpoint_path("qwen3"), max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
+              attention_backend=backend)
     engine = llm.engine
     t_engine = t_ready = time.perf_counter()
 else:
@@ -49,7 +50,8 @@ else:
     params = random_model({"qwen3-0.6b": QWEN3_0_6B, "qwen2.5-7b": QWEN2_5_7B}[model])
     jax.block_until_ready(params.state)
     t_params = time.perf_counter()
-    engine = LLMEngine(params, EngineConfig(max_model_len=max_model_len))
+    engine = LLMEngine(params, EngineConfig(max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
+                                              attention_backend=backend))
     t_engine = time.perf_counter()
     engine.warmup(use_tqdm=False)
     t_ready = time.perf_counter()
@@ -73,13 +75,14 @@ print("RESULT", json.dumps(dict(
     warmup=engine.warmup_profile, first_ttft_ms=first * 1e3, steady_ttft_ms=float(np.median(steady)) * 1e3,
     after_idle_ttft_ms=float(np.median(after_idle)) * 1e3,
     compiles_during_warmup=warm_compiles, compiles_after_warmup=len(compiles) - warm_compiles,
-    num_blocks=engine.num_blocks, kv_pool_gib=engine.stats()["kv_pool_bytes"] / 2**30)))
+    attention_backend=engine.runner.attention_backend, num_blocks=engine.num_blocks, kv_pool_gib=engine.stats()["kv_pool_bytes"] / 2**30)))
 """
 
 
-def run_child(model: str, max_model_len: int, cache: str) -> dict:
+def run_child(model: str, max_model_len: int, cache: str, kv_cache_dtype: str = "auto",
+              backend: str = "auto") -> dict:
     env = dict(os.environ, JAXPAGED_COMPILE_CACHE=cache, PYTHONUNBUFFERED="1")
-    res = subprocess.run([sys.executable, "-c", CHILD, model, str(max_model_len)], env=env, capture_output=True,
+    res = subprocess.run([sys.executable, "-c", CHILD, model, str(max_model_len), kv_cache_dtype, backend], env=env, capture_output=True,
                          text=True)
     if res.returncode:
         raise SystemExit(res.stderr[-3000:])
@@ -94,16 +97,19 @@ def main() -> None:
     ap.add_argument("--model", choices=("qwen3-0.6b", "qwen2.5-7b", "tiny"), default="qwen3-0.6b")
     ap.add_argument("--max-model-len", type=int, default=None, help="default 4096 (128 for tiny)")
     ap.add_argument("--cache", default=None, help="compilation cache folder (default: a fresh temporary one)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig(kv_cache_dtype=...): auto, fp8, ...")
+    ap.add_argument("--backend", default="auto", help="EngineConfig(attention_backend=...)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     max_len = args.max_model_len or (128 if args.model == "tiny" else 4096)
     cache = args.cache or tempfile.mkdtemp(prefix="jaxpaged-startup-")
-    rows = {kind: run_child(args.model, max_len, cache) for kind in ("cold", "cached")}
+    rows = {kind: run_child(args.model, max_len, cache, args.kv_cache_dtype, args.backend) for kind in ("cold", "cached")}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"startup_{args.model}.json"), "w") as f:
+        with open(os.path.join(args.out, f"startup_{args.model}{''.join('_' + a for a in (args.kv_cache_dtype, args.backend) if a != 'auto')}.json"), "w") as f:
             json.dump(rows, f, indent=1)
-    print(f"\nstart-up, {args.model}, max_model_len {max_len}, pool {rows['cold']['num_blocks']} blocks "
+    print(f"\nstart-up, {args.model}, kv_cache_dtype {args.kv_cache_dtype}, {rows['cold']['attention_backend']} "
+          f"attention, max_model_len {max_len}, pool {rows['cold']['num_blocks']} blocks "
           f"({format_bytes(int(rows['cold']['kv_pool_gib'] * 2**30))})")
     print("run     import s  weights s  engine s  warm-up s (lower / XLA after / run)  engine + warm-up s  start s"
           "  first TTFT ms  steady TTFT ms  after-idle TTFT ms  compiles after warm-up  warnings")

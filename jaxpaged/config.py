@@ -43,7 +43,8 @@ class EngineConfig:
       ``"bfloat16"``, ``"float16"``, ``"float32"``, or 8-bit: ``"fp8"`` (= ``"fp8_e4m3"``) or
       ``"fp8_e5m2"``, with a power-of-two scale per token, KV head and K or V chosen as each token is
       written (``kernels/fp8.py``; no calibration): about twice the tokens in the same memory.
-    attention_backend: ``auto`` (``triton`` on a GPU, the jnp reference elsewhere), ``triton`` (the Pallas
+    attention_backend: ``auto`` (``mosaic`` for an fp8 pool on Hopper where it reads it, else ``triton`` on a
+      GPU; the jnp reference elsewhere), ``triton`` (the Pallas
       kernel lowered by Triton, any CUDA GPU), ``mosaic`` (the Pallas kernel for Hopper on Mosaic GPU:
       compute capability 9.0+, bf16 KV or fp8 KV in blocks of at least 64 with bf16 weights, not with
       ``batch_invariant``), ``reference`` (jnp).

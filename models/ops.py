@@ -9,7 +9,8 @@
 ``backend``: ``"triton"`` (the Pallas kernel of :mod:`jaxpaged.kernels.paged_attention`, lowered by Triton:
 any CUDA GPU), ``"mosaic"`` (the Pallas kernel of :mod:`jaxpaged.kernels.paged_attention_mgpu`, lowered
 by Mosaic GPU: Hopper and later, bf16 and fp8 pools), ``"reference"`` (pure jnp gather, any platform) or
-``"auto"`` (triton on GPU, reference elsewhere; docs/DECISIONS.md has the measurements behind it). Off
+``"auto"`` (an engine's :func:`choose_attention_backend`: mosaic over fp8 pools on Hopper, triton on other
+GPU engines, reference elsewhere; docs/DECISIONS.md has the measurements behind it). Off
 the GPU the Pallas kernels run in interpret mode, slowly, which is only useful in tests.
 
 K/V are written by one XLA scatter (:func:`jaxpaged.kernels.kv_write.write_kv`, in place in the
@@ -79,6 +80,23 @@ def resolve_backend(backend: str) -> str:
     if backend == "auto":
         return "triton" if _on_gpu() else "reference"
     return backend
+
+
+def choose_attention_backend(backend: str, kv_dtype, batch_invariant: bool, head_dim: int, block_size: int,
+                             act_dtype=None, tensor_parallel_size: int = 1) -> str:
+    """The backend an engine runs: ``backend`` itself after :func:`check_attention_backend`, or for
+    ``"auto"`` the fastest measured for this engine: ``"mosaic"`` over an fp8 pool on Hopper where
+    that kernel reads it (its fp8 decode kernel put nano-vllm's workload at 1.16x the Triton
+    kernel's throughput, H200, docs/DECISIONS.md; on one device: it has not been measured sharded),
+    otherwise :func:`resolve_backend`'s choice."""
+    check_attention_backend(backend, kv_dtype, batch_invariant, head_dim, block_size, act_dtype)
+    if backend == "auto" and _on_gpu() and is_fp8(kv_dtype) and not batch_invariant and tensor_parallel_size == 1:
+        try:
+            check_attention_backend("mosaic", kv_dtype, batch_invariant, head_dim, block_size, act_dtype)
+        except ValueError:  # not Hopper, or a pool or model this kernel does not read
+            return resolve_backend(backend)
+        return "mosaic"
+    return resolve_backend(backend)
 
 
 def check_attention_backend(backend: str, kv_dtype, batch_invariant: bool, head_dim: int, block_size: int,

@@ -37,7 +37,7 @@ from ..kernels.fp8 import is_fp8, scale_rows
 from ..kernels.kv_write import pool_shape
 from ..kv.pool_size import check_pool, size_pool
 from ..models.checkpoint import ModelParams
-from ..models.ops import check_attention_backend, resolve_backend
+from ..models.ops import choose_attention_backend, resolve_backend
 from ..models.sharding import kv_bytes_per_token_per_device, make_kv_pool, params_tp
 from ..sampling import RequestOutputKind, SamplingParams
 from ..sampling.features import prompt_logprob_positions
@@ -109,8 +109,8 @@ class LLMEngine:
                              f"were loaded for {params_tp(params)} device(s): load them with "
                              f"load_params(path, tensor_parallel_size={config.tensor_parallel_size})")
         self.kv_dtype = config.resolved_kv_cache_dtype(params.dtype)
-        check_attention_backend(config.attention_backend, self.kv_dtype, config.batch_invariant, cfg.head_dim,
-                                config.block_size, params.dtype)
+        backend = choose_attention_backend(config.attention_backend, self.kv_dtype, config.batch_invariant,
+                                           cfg.head_dim, config.block_size, params.dtype, params_tp(params))
         if is_fp8(self.kv_dtype):
             check_fp8_support(config.kv_cache_dtype, config.block_size, cfg.head_dim)
         self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)
@@ -137,7 +137,7 @@ class LLMEngine:
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    scheduling_policy=config.scheduling_policy)
         self.compilation_cache_dir = enable_compilation_cache() if config.compilation_cache else None
-        self.runner = get_runner(params, config.attention_backend, config.batch_invariant, tuning)
+        self.runner = get_runner(params, backend, config.batch_invariant, tuning)
         if self.compilation_cache_dir and self.runner.executable_cache is None and params.mesh is None:
             key = cache_key(params.config, params.dtype, str(jax.tree.structure(params.state)),
                             self.runner.attention_backend, config.batch_invariant, self.runner.tuning)

@@ -237,3 +237,30 @@ def test_triton_dialect_module_is_found_by_mlir_without_failed_imports():
     finally:
         bootstrap._find_and_load = find_and_load
     assert not [name for name in failed if name.endswith(".tt")], failed
+
+
+def test_auto_backend_is_mosaic_for_fp8_pools_on_hopper_only(monkeypatch):
+    """``"auto"`` picks the Mosaic GPU kernel over an fp8 pool where it reads it (Hopper, blocks >= 64, bf16
+    activations, one device, not batch-invariant), the Triton kernel on other GPU engines."""
+    fp8, bf16 = jnp.float8_e4m3fn, jnp.bfloat16
+    choose = backend.choose_attention_backend
+    if jax.default_backend() == "cpu":
+        assert choose("auto", fp8, False, 128, 64, bf16) == "reference"
+    assert choose("mosaic", fp8, False, 128, 64, bf16) == "mosaic"
+    with pytest.raises(ValueError, match="attention_backend='mosaic'.*block_size"):
+        choose("mosaic", fp8, False, 128, 16, bf16)
+
+    class Device:
+        compute_capability = "9.0"
+
+    monkeypatch.setattr(backend, "_on_gpu", lambda: True)
+    monkeypatch.setattr(backend.jax, "devices", lambda *a: [Device()])
+    assert choose("auto", fp8, False, 128, 64, bf16) == "mosaic"
+    assert choose("auto", jnp.float8_e5m2, False, 64, 128, bf16) == "mosaic"
+    assert choose("triton", fp8, False, 128, 64, bf16) == "triton"
+    for args in [(bf16, False, 128, 16, bf16), (fp8, True, 128, 64, bf16), (fp8, False, 128, 16, bf16),
+                 (fp8, False, 128, 64, jnp.float32), (fp8, False, 256, 64, bf16)]:
+        assert choose("auto", *args) == "triton", args
+    assert choose("auto", fp8, False, 128, 64, bf16, tensor_parallel_size=2) == "triton"
+    Device.compute_capability = "8.0"  # an A100
+    assert choose("auto", fp8, False, 128, 64, bf16) == "triton"
