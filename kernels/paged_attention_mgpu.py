@@ -76,7 +76,9 @@ copied for the last tile. Launches that are neither decode nor given ``block_q``
 ``paged_attention_mgpu_prefill.py`` instead: two compute warpgroups share each K/V tile and a third
 issues the copies (1.3x faster than this kernel at 4k-16k tokens).
 
-fp8 pools: every launch runs the one-warpgroup kernel. A KV tile is one pool block: TMA copies its keys
+fp8 pools: decode launches run ``paged_attention_mgpu_decode.py`` (keys on wgmma's M: a decode token's
+``G`` query rows cost wgmma ``N = 8`` columns instead of 64 rows; 0.61x this kernel's time at batch 256,
+context 1,024, H200), prefill and mixed launches this one-warpgroup kernel. A KV tile is one pool block: TMA copies its keys
 (``[bs, D]``), its values' ``V^T`` (``D / bs`` boxes of the transposed slab, kernels/fp8.py) and its two
 scale rows into fp8 slots. Each step converts the keys to f16 in registers (exact: an fp8 value is an
 f16 value) and stores them in an f16 tile for ``Q K^T``; the queries are f16 too, each row first
@@ -302,9 +304,7 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
         (k_smem, v_smem), (o32_smem, lse_smem) = kv_then_out
     fp8 = fp8_union is not None
     if fp8:  # one piece: the fp8 slots and the f16 K tile; the f16 V^T tile; [the split's output]
-        (k_smem, k8_smem, vt8_smem, scale_smem), (v_smem,), *out = fp8_union
-        if out:
-            (o32_smem, lse_smem), = out
+        (k_smem, k8_smem, vt8_smem, scale_smem), (v_smem,) = fp8_union
     split = lax.axis_index("split") if num_splits > 1 else 0
     head_dim = k_smem.shape[-1]
     width = tables_ref.shape[1]
@@ -671,6 +671,8 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
 
     dtype = q.dtype  # the pool's, or bf16 over an fp8 pool (validated): the output tile reuses the queries'
     fp8 = is_fp8(kv_pool.dtype)
+    if fp8 and token_order:
+        raise ValueError("decode tiles over an fp8 pool run paged_attention_mgpu_decode (paged_attention_mgpu picks it)")
     tile = lambda shape, dt=dtype: plgpu.SMEM(shape, dt, transforms=_transforms(dt, shape[-1]))
     slots = (num_slots, block_kv, head_dim)
     # Copies a KV tile's barrier waits for: one a pool block; of an fp8 block, its keys or its D / block_size
@@ -697,14 +699,15 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         if not token_order:
             scratch.update(o32_smem=tile((BLOCK_M, head_dim), jnp.float32), lse_smem=plgpu.SMEM((BLOCK_M,), jnp.float32))
     # With token_order and splits, the output after the last K/V tile lives in the slots' memory (80 KiB a
-    # program, not 120); over an fp8 pool the f16 V^T tile also shares the f16 K tile's memory.
+    # program, not 120). Over an fp8 pool (query tiles of several tokens) the f16 V^T tile shares the f16 K
+    # tile's memory.
     shared_out = (split_out,) if token_order and num_splits > 1 else ()
     if fp8:  # fp8 slots as stored (swizzled, untiled: TMA boxes at any row), one f16 K and one V^T tile
         staged = lambda shape: plgpu.SMEM(shape, kv_pool.dtype, transforms=(plgpu.SwizzleTransform(shape[-1]),))
         scale_rows = plgpu.SMEM((num_slots, 2, max(block_kv, TMA_ALIGN)), kv_pool.dtype)  # rows TMA-aligned
         k_group = (tile((block_kv, head_dim), jnp.float16), staged(slots), staged((num_slots, head_dim, block_kv)),
                    scale_rows)
-        scratch["fp8_union"] = plgpu.RefUnion(k_group, (tile((head_dim, block_kv), jnp.float16),), *shared_out)
+        scratch["fp8_union"] = plgpu.RefUnion(k_group, (tile((head_dim, block_kv), jnp.float16),))
     elif shared_out:
         scratch["kv_then_out"] = plgpu.RefUnion((tile(slots), tile(slots)), *shared_out)
     else:
