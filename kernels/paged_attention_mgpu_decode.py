@@ -40,18 +40,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxpaged.kernels.kv_write import block_size_of
+from jaxpaged.kernels.paged_attention_mgpu import (BLOCK_M, LOG2E, SWIZZLE, TMA_ALIGN, _MASKED, split_range,
+                                                   token_layout)
 from jaxpaged.kernels.split_k import merge_splits
-
-LOG2E = 1.4426950408889634
-BLOCK_M = 64  # wgmma's M per warpgroup: the queries' tile rows (only R of them used) and a key tile's
-TMA_ALIGN = 128  # bytes: a TMA copy's shared-memory address is a multiple of this
-_MASKED = -1e30  # initial running max: finite, so a column with no key gives exp2(-inf) = 0, never NaN
 
 
 def _tiled(shape, dtype):
     """A shared-memory tile wgmma reads: 8-row tiles of one 128-byte swizzle row."""
     item = jnp.dtype(dtype).itemsize
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 128 // item)), plgpu.SwizzleTransform(128)))
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, SWIZZLE // item)),
+                                                plgpu.SwizzleTransform(SWIZZLE)))
 
 
 def _column(vec_smem, n):
@@ -72,8 +70,6 @@ def _decode_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_re
     bf16, or ``f32[P, T, Hkv, D, R]`` and ``lse_ref f32[P, T, Hkv, R]``. Columns ``c`` of a program's
     output are query rows ``first + c`` of ``q`` (``first``: the tile's first row, moved back near the
     end of ``q`` so that ``R`` rows fit; the caller reads its ``G`` columns from ``row0 - first``)."""
-    from jaxpaged.kernels.paged_attention_mgpu import split_range
-
     q_plain, q16, out_smem = q_union  # one piece of memory: the queries, then f16 queries, then the output
     wgmma = plgpu.Layout.WGMMA
     block_size, head_dim = k8.shape[1:]
@@ -205,8 +201,6 @@ def paged_decode_fp8_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
     :func:`jaxpaged.kernels.paged_attention_mgpu.paged_attention_mgpu` after its validation (``layer`` an
     ``i32[]``, ``interpret`` ``None`` or ``InterpretGPUParams``). Returns ``[T, Hq, D]`` bf16, padding
     tokens zero."""
-    from jaxpaged.kernels.paged_attention_mgpu import LSE_LANES, split_range, token_layout  # noqa: F401
-
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[4]
     block_size = block_size_of(kv_pool)
