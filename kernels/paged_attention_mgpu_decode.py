@@ -22,7 +22,13 @@ scale rows). Per tile:
     the tile, as every query row of a decode token sees the same keys), rounded to f16, stored in a
     shared-memory tile that wgmma reads as its ``N`` operand;
   * ``O^T [D, R] += V^T P^T``, then times that largest scale; values at or past ``kv_end`` are zeroed
-    before (stale slots may hold NaN, and ``0 x NaN`` is NaN).
+    before (stale slots may hold NaN, and ``0 x NaN`` is NaN). ``V^T`` is converted while the first
+    wgmma runs; every shared-memory read of a slot waits on that slot's barrier first (the V scales
+    too: read early, they were stale where many programs share the GPU, which the interpreter, whose
+    copies land at once, cannot show).
+
+Shared memory: the queries, then their f16 form, then the output share one ``[64, D]`` piece; with the
+fp8 slots (two by default) a program takes about 50 KiB.
 
 The output leaves as ``O^T``, ``[T, Hkv, D, R]`` (or fp32 partials and log-sum-exps per split), and
 XLA turns it into ``[T, Hq, D]`` (with split-K, in the merge). Same arithmetic as the one-warpgroup
