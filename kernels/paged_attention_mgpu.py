@@ -258,12 +258,46 @@ def split_range(kv_end, split, block_kv: int, num_splits: int):
     return lo, jnp.minimum(num_kv, lo + per)
 
 
-def _scales(scale_row, shape):
-    """A KV tile's per-token scales (``scale_row``: at least ``shape[1]`` fp8 powers of two in shared
-    memory, kernels/fp8.py) in f32, broadcast over the ``shape[0]`` rows of its scores: a column each."""
-    wgmma = plgpu.Layout.WGMMA
-    row = plgpu.load(scale_row.at[pl.ds(0, shape[1])], layout=wgmma.reduce(0)).astype(jnp.float16).astype(jnp.float32)
-    return lax.broadcast_in_dim(row, shape, [1])
+def _scales(scale_row, shape, key_axis: int = 1):
+    """A KV tile's per-token scales (``scale_row``: at least ``shape[key_axis]`` fp8 powers of two in shared
+    memory, kernels/fp8.py) in f32, broadcast over the other axis of its ``shape`` (WGMMA layout) scores:
+    one per key, a column each (keys on axis 1) or a row each (axis 0, the decode kernel's ``S^T``)."""
+    vec = plgpu.Layout.WGMMA.reduce(1 - key_axis)
+    row = plgpu.load(scale_row.at[pl.ds(0, shape[key_axis])], layout=vec).astype(jnp.float16).astype(jnp.float32)
+    return lax.broadcast_in_dim(row, shape, [key_axis])
+
+
+def fp8_block_copies(head_dim: int, block_size: int) -> tuple[int, int]:
+    """TMA copies of one fp8 pool block (:func:`copy_fp8_block`) on its K barrier and on its V barrier:
+    the keys and their scale row; the ``D / block_size`` boxes of ``V^T`` and their scale row."""
+    return 2, head_dim // block_size + 1
+
+
+def copy_fp8_block(kv_ref, layer, phys, h, slot, k8_smem, vt8_smem, scale_smem, k_bar, v_bar):
+    """Issues the TMA copies of KV head ``h`` of fp8 pool block ``phys`` (layer ``layer``) into ``slot``:
+    its keys as stored into ``k8_smem [slots, bs, D]``, its values' ``V^T`` (slab columns ``[j bs, (j+1)
+    bs)`` are ``V^T``'s rows, kernels/fp8.py) into ``vt8_smem [slots, D, bs]``, and its K and V scale rows
+    into ``scale_smem [slots, 2, >= bs]``; keys and K scales arrive on ``k_bar[slot]``, the rest on
+    ``v_bar[slot]``."""
+    block_size, head_dim = k8_smem.shape[1:]
+    plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, pl.ds(0, block_size), 0, h, :], k8_smem.at[slot], k_bar.at[slot])
+    plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, block_size, 0, h, pl.ds(0, block_size)],
+                            scale_smem.at[slot, 0, pl.ds(0, block_size)], k_bar.at[slot])
+    for j in range(head_dim // block_size):
+        cols = pl.ds(j * block_size, block_size)
+        plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, pl.ds(0, block_size), 1, h, cols], vt8_smem.at[slot, cols],
+                                v_bar.at[slot])
+    plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, block_size, 1, h, pl.ds(0, block_size)],
+                            scale_smem.at[slot, 1, pl.ds(0, block_size)], v_bar.at[slot])
+
+
+def f16_queries(q32, scale_log2: float):
+    """Queries ``q32 f32[rows, D]`` (WGMMA layout) for an f16 ``Q K^T`` over an fp8 pool: each row times the
+    power of two that brings its largest element near 2^14 (bf16 has a wider range than f16), in f16, and
+    per row what multiplies its scores back (the inverse times ``scale_log2``). Zero rows get 2^-100."""
+    e = jnp.clip(jnp.round(jnp.log2(jnp.max(jnp.abs(q32), axis=1))), -100.0, 100.0)
+    q16 = (q32 * lax.broadcast_in_dim(jnp.exp2(14.0 - e), q32.shape, [0])).astype(jnp.float16)
+    return q16, jnp.exp2(e - 14.0) * scale_log2
 
 
 def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref=None, *, q_bar, k_bar, v_bar,
@@ -327,17 +361,8 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
         def fetch(t, slot):
             """Issues the TMA copies of KV tile ``t`` into ``slot``: one per pool block, K and V."""
             if fp8:  # one block: its keys, its values' D / block_size boxes of V^T rows, its two scale rows
-                phys = tables_ref[seq, jnp.minimum(t, width - 1)]
-                plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, pl.ds(0, block_size), 0, h, :], k8_smem.at[slot],
-                                        k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, block_size, 0, h, pl.ds(0, block_size)],
-                                        scale_smem.at[slot, 0, pl.ds(0, block_size)], k_bar.at[slot])
-                for j in range(head_dim // block_size):  # kernels/fp8.py: slab columns [j bs, (j+1) bs) = V^T rows
-                    cols = pl.ds(j * block_size, block_size)
-                    plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, pl.ds(0, block_size), 1, h, cols],
-                                            vt8_smem.at[slot, cols], v_bar.at[slot])
-                plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, block_size, 1, h, pl.ds(0, block_size)],
-                                        scale_smem.at[slot, 1, pl.ds(0, block_size)], v_bar.at[slot])
+                copy_fp8_block(kv_ref, layer, tables_ref[seq, jnp.minimum(t, width - 1)], h, slot, k8_smem, vt8_smem,
+                               scale_smem, k_bar, v_bar)
                 return
             for b in range(blocks_per_tile):
                 blk = jnp.minimum(t * blocks_per_tile + b, width - 1)  # past the table: masked anyway
@@ -366,10 +391,7 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
             q_op = plgpu.load(q_plain if token_order else q_smem, layout=plgpu.Layout.WGMMA)
         q_unscale = scale_log2  # what multiplies Q K^T: the softmax scale (base 2), over fp8 each row's own
         if fp8:  # Q in f16, each row times the power of two that brings its largest element near 2^14
-            q32 = q_op.astype(jnp.float32)
-            e = jnp.clip(jnp.round(jnp.log2(jnp.max(jnp.abs(q32), axis=1))), -100.0, 100.0)  # (zero rows: -100)
-            q_op = (q32 * lax.broadcast_in_dim(jnp.exp2(14.0 - e), q32.shape, [0])).astype(jnp.float16)
-            q_unscale = jnp.exp2(e - 14.0) * scale_log2
+            q_op, q_unscale = f16_queries(q_op.astype(jnp.float32), scale_log2)
             if q16_smem is not None:  # the interpreter: through a swizzled tile
                 q16_smem[...] = q_op
                 plgpu.commit_smem()
@@ -677,7 +699,7 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
     slots = (num_slots, block_kv, head_dim)
     # Copies a KV tile's barrier waits for: one a pool block; of an fp8 block, its keys or its D / block_size
     # boxes of values, and a scale row.
-    k_copies, v_copies = (2, head_dim // block_size + 1) if fp8 else (block_kv // block_size,) * 2
+    k_copies, v_copies = fp8_block_copies(head_dim, block_size) if fp8 else (block_kv // block_size,) * 2
     scratch = dict(q_bar=plgpu.Barrier(num_arrivals=1),
                    k_bar=plgpu.Barrier(num_arrivals=k_copies, num_barriers=num_slots),
                    v_bar=plgpu.Barrier(num_arrivals=v_copies, num_barriers=num_slots))

@@ -46,27 +46,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxpaged.kernels.kv_write import block_size_of
-from jaxpaged.kernels.paged_attention_mgpu import (BLOCK_M, LOG2E, SWIZZLE, TMA_ALIGN, _MASKED, split_range,
-                                                   token_layout)
+from jaxpaged.kernels.paged_attention_mgpu import (BLOCK_M, LOG2E, TMA_ALIGN, _MASKED, _scales,
+                                                   _transforms, copy_fp8_block, f16_queries, fp8_block_copies,
+                                                   split_range, token_layout)
 from jaxpaged.kernels.split_k import merge_splits
 
 
-def _tiled(shape, dtype):
-    """A shared-memory tile wgmma reads: 8-row tiles of one 128-byte swizzle row."""
-    item = jnp.dtype(dtype).itemsize
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, SWIZZLE // item)),
-                                                plgpu.SwizzleTransform(SWIZZLE)))
+def _tile(shape, dtype):
+    """A shared-memory tile wgmma reads (the one-warpgroup kernel's tiling and swizzle)."""
+    return plgpu.SMEM(shape, dtype, transforms=_transforms(dtype, shape[-1]))
 
 
 def _column(vec_smem, n):
     """``n`` f32 values from shared memory as a row vector of a ``[64, n]`` WGMMA array (one a column)."""
     return plgpu.load(vec_smem.at[pl.ds(0, n)], layout=plgpu.Layout.WGMMA.reduce(0))
-
-
-def _key_scales(scale_row, n):
-    """A tile's ``n`` per-key fp8 scales (powers of two) in f32, as a column vector (one a key row)."""
-    return plgpu.load(scale_row.at[pl.ds(0, n)], layout=plgpu.Layout.WGMMA.reduce(1)).astype(
-        jnp.float16).astype(jnp.float32)
 
 
 def _decode_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref=None, *, q_bar, k_bar, v_bar,
@@ -94,16 +87,8 @@ def _decode_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_re
         layer = layer_ref[0]
 
         def fetch(t, slot):
-            phys = tables_ref[seq, jnp.minimum(t, width - 1)]
-            plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, pl.ds(0, block_size), 0, h, :], k8.at[slot], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, block_size, 0, h, pl.ds(0, block_size)],
-                                    scales.at[slot, 0, pl.ds(0, block_size)], k_bar.at[slot])
-            for j in range(head_dim // block_size):  # kernels/fp8.py: slab columns [j bs, (j+1) bs) = V^T rows
-                cols = pl.ds(j * block_size, block_size)
-                plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, pl.ds(0, block_size), 1, h, cols], vt8.at[slot, cols],
-                                        v_bar.at[slot])
-            plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, block_size, 1, h, pl.ds(0, block_size)],
-                                    scales.at[slot, 1, pl.ds(0, block_size)], v_bar.at[slot])
+            copy_fp8_block(kv_ref, layer, tables_ref[seq, jnp.minimum(t, width - 1)], h, slot, k8, vt8, scales,
+                           k_bar, v_bar)
 
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first, rows)], q_plain.at[pl.ds(0, rows)], q_bar)
         fetch(lo, 0)
@@ -115,9 +100,7 @@ def _decode_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_re
         plgpu.barrier_wait(q_bar)
         q32 = plgpu.load(q_plain, layout=wgmma).astype(jnp.float32)  # rows past R: stale, never used
         plgpu.commit_smem()  # (a warpgroup barrier: every warp has read q_plain before q16 overwrites it)
-        e = jnp.clip(jnp.round(jnp.log2(jnp.max(jnp.abs(q32), axis=1))), -100.0, 100.0)
-        q16[...] = (q32 * lax.broadcast_in_dim(jnp.exp2(14.0 - e), q32.shape, [0])).astype(jnp.float16)
-        qs_smem[...] = jnp.exp2(e - 14.0) * scale_log2
+        q16[...], qs_smem[...] = f16_queries(q32, scale_log2)
         plgpu.commit_smem()
         q_op = q16.at[pl.ds(0, rows)].transpose((1, 0))  # [D, R]: wgmma's N operand
         q_unscale = _column(qs_smem, rows)
@@ -141,11 +124,11 @@ def _decode_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_re
                 vt = plgpu.load(vt8.at[slot], layout=wgmma).astype(jnp.float16)  # [D, bs]
                 if masked:
                     vt = jnp.where(t * block_size + iota(vt.shape, 1) < kv_end, vt, jnp.zeros((), vt.dtype))
-                vs = lax.broadcast_in_dim(_key_scales(scales.at[slot, 1], block_size), shape, [0])
+                vs = _scales(scales.at[slot, 1], shape, key_axis=0)
                 return acc_ref[...], vt, vs
 
             s, vt, vs = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))  # S^T: a row per key
-            s = s * lax.broadcast_in_dim(_key_scales(scales.at[slot, 0], block_size), shape, [0])
+            s = s * _scales(scales.at[slot, 0], shape, key_axis=0)
             s = s * lax.broadcast_in_dim(q_unscale, shape, [1])
             if masked:
                 live = t * block_size + iota(shape, 0) < kv_end
@@ -219,20 +202,21 @@ def paged_decode_fp8_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
     fp8 = kv_pool.dtype
     staged = lambda shape: plgpu.SMEM(shape, fp8, transforms=(plgpu.SwizzleTransform(shape[-1]),))  # noqa: E731
     out_dtype = q.dtype if num_splits == 1 else jnp.float32
+    k_copies, v_copies = fp8_block_copies(head_dim, block_size)
     scratch = dict(
         q_bar=plgpu.Barrier(num_arrivals=1),
-        k_bar=plgpu.Barrier(num_arrivals=2, num_barriers=num_slots),
-        v_bar=plgpu.Barrier(num_arrivals=head_dim // block_size + 1, num_barriers=num_slots),
-        q_union=plgpu.RefUnion(plgpu.SMEM((BLOCK_M, head_dim), q.dtype), _tiled((BLOCK_M, head_dim), jnp.float16),
+        k_bar=plgpu.Barrier(num_arrivals=k_copies, num_barriers=num_slots),
+        v_bar=plgpu.Barrier(num_arrivals=v_copies, num_barriers=num_slots),
+        q_union=plgpu.RefUnion(plgpu.SMEM((BLOCK_M, head_dim), q.dtype), _tile((BLOCK_M, head_dim), jnp.float16),
                                plgpu.SMEM((head_dim, rows), out_dtype)),
         qs_smem=plgpu.SMEM((BLOCK_M,), jnp.float32),
         k8=staged((num_slots, block_size, head_dim)),
         vt8=staged((num_slots, head_dim, block_size)),
         scales=plgpu.SMEM((num_slots, 2, max(block_size, TMA_ALIGN)), fp8),
-        pt16=_tiled((rows, block_size), jnp.float16),
+        pt16=_tile((rows, block_size), jnp.float16),
     )
     if interpret is not None:
-        scratch.update(k16=_tiled((block_size, head_dim), jnp.float16), vt16=_tiled((head_dim, block_size), jnp.float16))
+        scratch.update(k16=_tile((block_size, head_dim), jnp.float16), vt16=_tile((head_dim, block_size), jnp.float16))
     if num_splits == 1:
         out_type = jax.ShapeDtypeStruct((num_tokens, num_kv_heads, head_dim, rows), q.dtype)
     else:
