@@ -17,18 +17,27 @@ scale rows). Per tile:
   * ``S^T [bs, R] = K Q^T``: keys converted exactly to f16, queries scaled per row into f16's range
     (each row's own power of two, undone on its score column, as the one-warpgroup kernel does);
     the K scales multiply the score rows (one per key), keys at or past ``kv_end`` are ``-inf``;
-  * the online softmax runs down the columns (a column is a query row): running max, sum, rescale;
-  * ``P^T``'s rows times their V scale over the tile's largest (a power of two, exact; one value for
-    the tile, as every query row of a decode token sees the same keys), rounded to f16, stored in a
-    shared-memory tile that wgmma reads as its ``N`` operand;
-  * ``O^T [D, R] += V^T P^T``, then times that largest scale; values at or past ``kv_end`` are zeroed
-    before (stale slots may hold NaN, and ``0 x NaN`` is NaN). ``V^T`` is converted while the first
-    wgmma runs; every shared-memory read of a slot waits on that slot's barrier first (the V scales
-    too: read early, they were stale where many programs share the GPU, which the interpreter, whose
-    copies land at once, cannot show).
+  * the online softmax runs down the columns (a column is a query row): running max and rescale; the
+    running sum stays one partial sum per key row, added up over the keys once after the last tile
+    (one cross-warp reduction a tile fewer);
+  * ``P^T``'s rows times their V scale and a constant power of two (:func:`v_shift`; over e5m2, over
+    the tile's largest V scale instead), rounded to f16, stored in a shared-memory tile that wgmma
+    reads as its ``N`` operand;
+  * ``O^T [D, R] += V^T P^T``, the power of two undone at the end; values at or past ``kv_end`` are
+    zeroed before (stale slots may hold NaN, and ``0 x NaN`` is NaN). ``V^T`` is read and converted
+    after ``S^T``'s wgmma completes: converted during it, both tiles' f16 registers are live at once;
+    every shared-memory read of a slot waits on that slot's barrier first (the V scales too: read
+    early, they were stale where many programs share the GPU, which the interpreter, whose copies
+    land at once, cannot show).
+
+Per tile this is one cross-warp reduction (e5m2) or two (e4m3) fewer than dividing by the tile's largest V scale and
+summing each tile's probabilities, and at 144 registers a thread three programs share a
+multiprocessor (benchmarks/RESULTS.md, fp8 section, has the variants measured: converting ``V^T``
+during the first wgmma, or issuing the next copy as soon as the slot is read, take 148-172 registers
+and lose at batch 256).
 
 Shared memory: the queries, then their f16 form, then the output share one ``[64, D]`` piece; with the
-fp8 slots (two by default) a program takes about 50 KiB.
+fp8 slots (two by default) a program takes 54 KiB (measured).
 
 The output leaves as ``O^T``, ``[T, Hkv, D, R]`` (or fp32 partials and log-sum-exps per split), and
 XLA turns it into ``[T, Hq, D]`` (with split-K, in the merge). Same arithmetic as the one-warpgroup
@@ -45,11 +54,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxpaged.kernels.fp8 import exponent_range
 from jaxpaged.kernels.kv_write import block_size_of
 from jaxpaged.kernels.paged_attention_mgpu import (BLOCK_M, LOG2E, TMA_ALIGN, _MASKED, _scales,
                                                    _transforms, copy_fp8_block, f16_queries, fp8_block_copies,
                                                    split_range, token_layout)
 from jaxpaged.kernels.split_k import merge_splits
+
+
+def v_shift(dtype) -> int | None:
+    """The power of two ``c`` that ``P^T`` times its V scales is multiplied by before rounding to f16, or
+    ``None`` where no constant works. ``P <= 1`` times a scale must stay within f16's normal range
+    (2^-14 .. 2^15): e4m3's scales (2^-9 .. 2^8, kernels/fp8.py) times 2^7 do, for every ``P`` down to
+    2^-12; e5m2's (2^-16 .. 2^15) span more than f16 holds beside ``P``, so each of its tiles divides by
+    the tile's largest V scale instead (one more reduction over the keys a tile)."""
+    lo, hi = exponent_range(dtype)
+    shift = 15 - hi
+    return shift if lo + shift >= -2 else None
 
 
 def _tile(shape, dtype):
@@ -64,7 +85,7 @@ def _column(vec_smem, n):
 
 def _decode_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref=None, *, q_bar, k_bar, v_bar,
                    q_union, qs_smem, k8, vt8, scales, pt16, lse_smem=None, k16=None, vt16=None,
-                   scale_log2: float, group: int, rows: int, num_slots: int, num_splits: int):
+                   scale_log2: float, group: int, rows: int, num_slots: int, num_splits: int, v_shift: int | None):
     """Refs: ``q_ref [T Hq (+ pad), D]`` bf16, ``kv_ref [L, N, bs + 1, 2, Hkv, D]`` fp8; ``o_ref [T, Hkv, D, R]``
     bf16, or ``f32[P, T, Hkv, D, R]`` and ``lse_ref f32[P, T, Hkv, R]``. Columns ``c`` of a program's
     output are query rows ``first + c`` of ``q`` (``first``: the tile's first row, moved back near the
@@ -118,29 +139,31 @@ def _decode_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_re
 
             shape = (block_size, rows)
 
-            def qk(acc_ref):  # while wgmma computes S^T, V^T is converted
+            def qk(acc_ref):
                 plgpu.wgmma(acc_ref, k_op, q_op)
-                plgpu.barrier_wait(v_bar.at[slot])  # V^T and the V scales
-                vt = plgpu.load(vt8.at[slot], layout=wgmma).astype(jnp.float16)  # [D, bs]
-                if masked:
-                    vt = jnp.where(t * block_size + iota(vt.shape, 1) < kv_end, vt, jnp.zeros((), vt.dtype))
-                vs = _scales(scales.at[slot, 1], shape, key_axis=0)
-                return acc_ref[...], vt, vs
+                return acc_ref[...]
 
-            s, vt, vs = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))  # S^T: a row per key
+            s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))  # S^T: a row per key
+            plgpu.barrier_wait(v_bar.at[slot])  # V^T and the V scales
+            vt = plgpu.load(vt8.at[slot], layout=wgmma).astype(jnp.float16)  # [D, bs]
+            vs = _scales(scales.at[slot, 1], shape, key_axis=0)
             s = s * _scales(scales.at[slot, 0], shape, key_axis=0)
             s = s * lax.broadcast_in_dim(q_unscale, shape, [1])
             if masked:
+                vt = jnp.where(t * block_size + iota(vt.shape, 1) < kv_end, vt, jnp.zeros((), vt.dtype))
                 live = t * block_size + iota(shape, 0) < kv_end
                 s = jnp.where(live, s, -jnp.inf)
                 vs = jnp.where(live, vs, 0.0)  # (a stale scale may be NaN)
             m_new = jnp.maximum(m_i, s.max(axis=0))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, shape, [1]))
-            l_new = l_i * alpha + p.sum(axis=0)
-            v_max = vs.max(axis=0)  # the tile's largest V scale, in every column
-            v_max = jnp.where(v_max > 0, v_max, 1.0)
-            p = p * vs * lax.broadcast_in_dim(1.0 / v_max, shape, [1])
+            l_new = l_i * lax.broadcast_in_dim(alpha, shape, [1]) + p  # summed over the keys after the last tile
+            if v_shift is not None:
+                p = p * (vs * float(2.0 ** v_shift))
+            else:
+                v_max = vs.max(axis=0)  # the tile's largest V scale, in every column
+                v_max = jnp.where(v_max > 0, v_max, 1.0)
+                p = p * vs * lax.broadcast_in_dim(1.0 / v_max, shape, [1])
             pt16.transpose((1, 0))[...] = p.astype(jnp.float16)  # P^T [bs, R] into the [R, bs] tile
             if vt16 is not None:
                 vt16[...] = vt
@@ -159,16 +182,20 @@ def _decode_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_re
                 fetch(t + num_slots, slot)
 
             wide = lambda x: lax.broadcast_in_dim(x, acc.shape, [1])  # noqa: E731
-            return acc * wide(alpha) + o * wide(v_max), m_new, l_new
+            acc = acc * wide(alpha) + (o if v_shift is not None else o * wide(v_max))
+            return acc, m_new, l_new
 
         cols = wgmma.reduce(0)
         carry = (plgpu.layout_cast(jnp.zeros((head_dim, rows), jnp.float32), wgmma),
                  plgpu.layout_cast(jnp.full((rows,), _MASKED, jnp.float32), cols),
-                 plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), cols))
+                 plgpu.layout_cast(jnp.zeros((block_size, rows), jnp.float32), wgmma))
         pos0 = meta_ref[tile, 1]
         n_full = jnp.clip(lax.div(pos0 + 1, block_size), lo, hi)
         carry = lax.fori_loop(lo, n_full, functools.partial(step, masked=False), carry)
         acc, m_i, l_i = lax.fori_loop(n_full, hi, functools.partial(step, masked=True), carry)
+        l_i = l_i.sum(axis=0)
+        if v_shift is not None:
+            acc = acc * float(2.0 ** -v_shift)
         has = l_i > 0
         out = acc / lax.broadcast_in_dim(jnp.where(has, l_i, 1.0), acc.shape, [1])
         out_smem[...] = out.astype(out_smem.dtype)
@@ -225,7 +252,7 @@ def paged_decode_fp8_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
                     jax.ShapeDtypeStruct((num_splits, num_tokens, num_kv_heads, rows), jnp.float32))
     kernel = plgpu.kernel(
         functools.partial(_decode_kernel, scale_log2=scale * LOG2E, group=group, rows=rows, num_slots=num_slots,
-                          num_splits=num_splits),
+                          num_splits=num_splits, v_shift=v_shift(fp8)),
         out_type=out_type,
         scratch_types=scratch,
         grid=(num_kv_heads, num_tokens) + ((num_splits,) if num_splits > 1 else ()),

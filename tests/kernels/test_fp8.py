@@ -306,10 +306,11 @@ MOSAIC_CASES = [
     ([1, 20, 0, 5], [9, 100, 4, 5], 64, 4, 2, 64, E5M2, {}),  # prefill tiles (G=2: 32 tokens a tile)
     ([1, 1], [127, 300], 128, 8, 1, 128, E4M3, dict(num_splits=1)),  # MQA, blocks of 128
     ([1] * 5, [7, 64, 129, 300, 65], 64, 14, 2, 64, E4M3, dict(num_splits=1)),  # G = 7: the last rows read back
+    ([1] * 3, [5, 64, 200], 64, 4, 1, 64, E5M2, dict(num_splits=1)),  # decode over e5m2: each tile's largest V scale
 ]
 
 
-@pytest.mark.parametrize("case", [0, 1, pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("case", [0, 1, pytest.param(2, marks=pytest.mark.slow), 3, 4])
 def test_mosaic_attention_over_an_fp8_pool_matches_the_reference(case):
     """Every slot nothing was written to is NaN, its scale too; the kernel converts the fp8 tiles to f16
     exactly and applies the scales to the scores' and probabilities' columns (module docstring)."""
