@@ -4,7 +4,9 @@ measured in the same process. From the repository root:
 
     python3 benchmarks/results/fp8/mosaic_decode/decode_table.py
 
-``decode_table.log`` is its output.
+``decode_table.log`` is its output. With ``NCU=1`` it only runs the fp8 kernel once at 256 x 1,024,
+for ``ncu --clock-control none -k regex:mosaic --section LaunchStats --section Occupancy``
+(``decode_table_ncu.log``: registers and occupancy).
 """
 import sys, os, time, json
 sys.path.insert(0, "benchmarks"); sys.path.insert(0, "tests/kernels"); sys.path.insert(0, "tests")
@@ -22,6 +24,12 @@ def new(q, pool, cu, kl, tb, splits=None, slots=2):
     bs = M.block_size_of(pool)
     s = splits or M.choose_splits(q.shape[0], kl.shape[0], pool.shape[4], bs, tb.shape[1] * bs, True)
     return paged_decode_fp8_mgpu(q, pool, jnp.int32(0), cu, kl, tb, scale=q.shape[-1] ** -0.5, interpret=None, num_slots=slots, num_splits=s)
+
+if os.environ.get("NCU"):
+    fp8_64, _ = random_fp8_case(np.random.default_rng(1), 256, 1024, 64, 16, 8, 128, E4M3)
+    q, p8, _, cu, kl, tb8 = fp8_64
+    jax.block_until_ready(new(q, p8, cu, kl, tb8))
+    sys.exit(0)
 
 print("== correctness (rel err vs fp32-dequantised reference)", flush=True)
 cases = [([1] * 6, [1, 63, 64, 65, 300, 1000], 64, 16, 8, 128, E4M3),
