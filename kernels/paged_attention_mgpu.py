@@ -291,14 +291,12 @@ def copy_fp8_block(kv_ref, layer, phys, h, slot, k8_smem, vt8_smem, scale_smem, 
                             scale_smem.at[slot, 1, pl.ds(0, block_size)], v_bar.at[slot])
 
 
-def f16_queries(q, scale_log2: float):
-    """Queries ``q [rows, D]`` (bf16 or f32, WGMMA layout) for an f16 ``Q K^T`` over an fp8 pool: each row
-    times the power of two that brings its largest element near 2^14 (bf16 has a wider range than f16),
-    in f16, and per row what multiplies its scores back (the inverse times ``scale_log2``). Zero rows get
-    2^-100. The largest magnitude is taken in ``q``'s own dtype (exact), so a bf16 tile is widened to f32
-    only element by element, never held whole (32 registers a thread fewer at 64 x 128)."""
-    e = jnp.clip(jnp.round(jnp.log2(jnp.max(jnp.abs(q), axis=1).astype(jnp.float32))), -100.0, 100.0)
-    q16 = (q.astype(jnp.float32) * lax.broadcast_in_dim(jnp.exp2(14.0 - e), q.shape, [0])).astype(jnp.float16)
+def f16_queries(q32, scale_log2: float):
+    """Queries ``q32 f32[rows, D]`` (WGMMA layout) for an f16 ``Q K^T`` over an fp8 pool: each row times the
+    power of two that brings its largest element near 2^14 (bf16 has a wider range than f16), in f16, and
+    per row what multiplies its scores back (the inverse times ``scale_log2``). Zero rows get 2^-100."""
+    e = jnp.clip(jnp.round(jnp.log2(jnp.max(jnp.abs(q32), axis=1))), -100.0, 100.0)
+    q16 = (q32 * lax.broadcast_in_dim(jnp.exp2(14.0 - e), q32.shape, [0])).astype(jnp.float16)
     return q16, jnp.exp2(e - 14.0) * scale_log2
 
 

@@ -119,9 +119,9 @@ def _decode_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_re
         # Queries: each row times the power of two that brings its largest element near 2^14, in f16;
         # the inverse (times the softmax scale, base 2) multiplies that row's score column.
         plgpu.barrier_wait(q_bar)
-        q_tile = plgpu.load(q_plain, layout=wgmma)  # bf16; rows past R: stale, never used
+        q32 = plgpu.load(q_plain, layout=wgmma).astype(jnp.float32)  # rows past R: stale, never used
         plgpu.commit_smem()  # (a warpgroup barrier: every warp has read q_plain before q16 overwrites it)
-        q16[...], qs_smem[...] = f16_queries(q_tile, scale_log2)
+        q16[...], qs_smem[...] = f16_queries(q32, scale_log2)
         plgpu.commit_smem()
         q_op = q16.at[pl.ds(0, rows)].transpose((1, 0))  # [D, R]: wgmma's N operand
         q_unscale = _column(qs_smem, rows)
