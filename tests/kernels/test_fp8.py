@@ -329,6 +329,32 @@ def test_mosaic_attention_over_an_fp8_pool_matches_the_reference(case):
     assert np.all(out[cu[-1]:] == 0)
 
 
+def test_mosaic_decode_shifts_e4m3_v_scales_by_a_constant_across_their_whole_range():
+    """Over e4m3 the decode kernel multiplies P by its V scales times 2^7 instead of dividing by each tile's
+    largest scale: V rows whose scales sit at both ends of e4m3's range (2^-9 and 2^8) in one tile must
+    neither overflow f16 (P V-scale 2^7 <= 2^15) nor lose the small rows."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from jaxpaged.kernels.paged_attention_mgpu_decode import paged_decode_fp8_mgpu, v_shift
+
+    assert v_shift(E4M3) == 7 and v_shift(E5M2) is None
+    lo, hi = exponent_range(E4M3)
+    rng = np.random.default_rng(7)
+    q, k, v, cu, kl, tables = random_batch(rng, [1, 1], [64, 130], 64, 4, 2, 64)
+    v = v / np.abs(v).max(-1, keepdims=True)  # rows of largest magnitude 1, then times 448 x 2^e:
+    e = rng.choice([lo - 2, lo, 0, hi - 1, hi], size=v.shape[:-1] + (1,))  # scales 2^-9 .. 2^8 in one tile
+    e[tables[0, 0]] = lo - 3  # the first sequence: every row at the smallest scale
+    v = v * 448.0 * 2.0 ** e
+    args = (jnp.asarray(q * 20, jnp.bfloat16), fp8_pool(k, v, E4M3), 1, jnp.asarray(cu), jnp.asarray(kl),
+            jnp.asarray(tables))
+    out = np.asarray(paged_decode_fp8_mgpu(*args[:2], jnp.int32(1), *args[3:], scale=64 ** -0.5,
+                                           interpret=plgpu.InterpretGPUParams(), num_slots=2, num_splits=1), np.float32)
+    ref = np.asarray(paged_attention_reference(*args), np.float32)
+    assert np.all(np.isfinite(out)), "f16 overflow (P times a V scale past 65,504?)"
+    for t in range(2):  # each sequence against its own size (the first one's outputs are ~2^-20 of the second's)
+        assert np.linalg.norm(out[t] - ref[t]) / np.linalg.norm(ref[t]) < 2e-3, t
+
+
 def test_mosaic_kernel_over_fp8_lowers_for_hopper_and_refuses_what_it_cannot_read():
     from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu
 
