@@ -30,9 +30,9 @@ scale rows). Per tile:
     early, they were stale where many programs share the GPU, which the interpreter, whose copies
     land at once, cannot show).
 
-Per tile this is one cross-warp reduction (e5m2) or two (e4m3) fewer than dividing by the tile's largest V scale and
-summing each tile's probabilities, and at 144 registers a thread three programs share a
-multiprocessor (benchmarks/RESULTS.md, fp8 section, has the variants measured: converting ``V^T``
+Per tile this is one cross-warp reduction (e5m2) or two (e4m3) fewer than dividing by the tile's
+largest V scale and summing each tile's probabilities, and at 144 registers a thread three programs
+share a multiprocessor (benchmarks/RESULTS.md, fp8 section, has the variants measured: converting ``V^T``
 during the first wgmma, or issuing the next copy as soon as the slot is read, take 148-172 registers
 and lose at batch 256).
 
@@ -41,7 +41,8 @@ fp8 slots (two by default) a program takes 54 KiB (measured).
 
 The output leaves as ``O^T``, ``[T, Hkv, D, R]`` (or fp32 partials and log-sum-exps per split), and
 XLA turns it into ``[T, Hq, D]`` (with split-K, in the merge). Same arithmetic as the one-warpgroup
-kernel, to the order of the f32 sums.
+kernel, to the order of the f32 sums (its V scaling is by another power of two, so P rounds to the same
+f16 wherever both stay within f16's normal range).
 """
 
 from __future__ import annotations
