@@ -750,12 +750,13 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         kv_head = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
         return x[(slice(None),) * lead + (tile_t[:, None, None], kv_head, row_t[:, None])]
 
+    valid = t < cu_q_lens[kv_lens.shape[0]]  # padding tokens (clipped to a tile, maybe another token's)
     if num_splits > 1:
         # Splits that had no keys (and padding tokens, unowned tiles) wrote nothing: their memory is not read.
         o_parts, lse = out
         split = jnp.arange(num_splits, dtype=jnp.int32)[:, None]
         lo, hi = split_range(meta[None, tile_t, 2], split, block_kv, num_splits)  # [P, T]
-        wrote = (lo < hi) & (meta[None, tile_t, 0] >= 0)
+        wrote = (lo < hi) & (meta[None, tile_t, 0] >= 0) & valid[None, :]
         if token_order:  # [P, T * Hq, D] and [P, T * Hq, LSE_LANES]: the merge reads rows as the Triton kernel's
             o_parts = o_parts.reshape(num_splits, num_tokens, num_q_heads, head_dim)
             lse = lse[..., 0].reshape(num_splits, num_tokens, num_q_heads)
@@ -768,5 +769,4 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
     if token_order:
         return out.reshape(num_tokens, num_q_heads, head_dim)  # padding tokens: zeros, written by the kernel
     out = to_tokens(out).reshape(num_tokens, num_q_heads, head_dim)
-    valid = t < cu_q_lens[kv_lens.shape[0]]
     return jnp.where(valid[:, None, None], out, jnp.zeros((), out.dtype))

@@ -65,6 +65,7 @@ MIXED = [
     ([2, 1, 17], [2, 100, 30], 16, 6, 2, 64, jnp.float32, {}),  # G=3: block_q=21, 63 rows used
     ([2, 1, 17], [2, 100, 30], 16, 6, 2, 64, jnp.float32, dict(decode=True)),  # block_q=2: 6 of 8 rows
     ([1, 20, 0, 5], [9, 100, 4, 5], 16, 16, 2, 64, jnp.float32, dict(block_q=5)),  # 40-row tiles
+    ([1, 3], [40, 200], 16, 4, 2, 64, jnp.float32, dict(num_splits=2)),  # split-K: padding tokens share a tile
 ]
 
 
