@@ -59,17 +59,18 @@ DERIVED_LINES = ("xla ops", "xla modules", "steps", "framework", "tensorflow", "
 load_params = benchmark_params
 
 
-def build_engine(params, *, batch: int, max_model_len: int, block_size: int = 16,
-                 max_num_batched_tokens: int = 8192, backend: str = "auto",
+def build_engine(params, *, batch: int, max_model_len: int, block_size: int | None = None,
+                 max_num_batched_tokens: int = 8192, backend: str = "auto", kv_cache_dtype: str = "auto",
                  async_scheduling: bool = True, prefix_caching: bool = True,
                  tuning: StepTuning | None = None) -> LLMEngine:
     """An engine whose pool holds exactly ``batch`` sequences of ``max_model_len`` tokens (+1 block);
-    ``tuning``: the step's bucketing and compilation (``None``: the device's defaults)."""
-    blocks_per_seq = -(-max_model_len // block_size)
-    config = EngineConfig(block_size=block_size, num_blocks=batch * blocks_per_seq + 1, max_num_seqs=batch,
-                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                          attention_backend=backend, async_scheduling=async_scheduling,
-                          enable_prefix_caching=prefix_caching)
+    ``block_size`` ``None``: the engine's default for ``kv_cache_dtype``; ``tuning``: the step's
+    bucketing and compilation (``None``: the device's defaults)."""
+    config = EngineConfig(block_size=block_size, max_num_seqs=batch, max_num_batched_tokens=max_num_batched_tokens,
+                          max_model_len=max_model_len, attention_backend=backend, kv_cache_dtype=kv_cache_dtype,
+                          async_scheduling=async_scheduling, enable_prefix_caching=prefix_caching)
+    blocks_per_seq = -(-max_model_len // config.resolved_block_size(params.config.head_dim))
+    config = dataclasses.replace(config, num_blocks=batch * blocks_per_seq + 1)
     return LLMEngine(params, config, tuning=tuning)
 
 
@@ -413,7 +414,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", choices=MODELS, default="qwen3-0.6b")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=None, help="default: the engine's for --kv-cache-dtype")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"))
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
                     help="prefill budget per step (one or two prefill buckets get compiled)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; >0 samples (the workload uses 0.6)")
@@ -448,6 +450,7 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{params.config.max_position_embeddings} positions")
     engine = build_engine(params, batch=args.batch, max_model_len=max_model_len, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend,
+                          kv_cache_dtype=args.kv_cache_dtype,
                           async_scheduling=args.async_scheduling, tuning=tuning_from_args(args))
     steady = reach_steady_decode(engine, batch=args.batch, ctx=args.ctx, max_tokens=gen,
                                  temperature=args.temperature,
@@ -490,6 +493,7 @@ def main_ttft(args) -> dict:
     params = load_params(args.model)
     engine = build_engine(params, batch=1, max_model_len=args.ctx + 8, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend,
+                          kv_cache_dtype=args.kv_cache_dtype,
                           async_scheduling=args.async_scheduling, tuning=tuning_from_args(args))
     rng = np.random.default_rng(0)
     t0, c0 = time.perf_counter(), engine.runner.compile_seconds
