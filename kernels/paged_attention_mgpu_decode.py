@@ -36,11 +36,14 @@ share a multiprocessor (benchmarks/RESULTS.md, fp8 section, has the variants mea
 during the first wgmma, or issuing the next copy as soon as the slot is read, take 148-172 registers
 and lose at batch 256).
 
-Shared memory: the queries, then their f16 form, then the output share one ``[64, D]`` piece; with the
-fp8 slots (two by default) a program takes 54 KiB (measured).
+Shared memory: the queries, then their f16 form share one ``[64, D]`` piece; the keys' fp8 slots, after
+the last tile, the output's swizzled tile; with two slots (the default) a program takes 54 KiB.
 
-The output leaves as ``O^T``, ``[T, Hkv, D, R]`` (or fp32 partials and log-sum-exps per split), and
-XLA turns it into ``[T, Hq, D]`` (with split-K, in the merge). Same arithmetic as the one-warpgroup
+The output is written in place, as the one-warpgroup kernel's: ``O^T`` is stored transposed into a
+swizzled ``[64, D]`` tile (a transposed store into unswizzled memory does not lower), read back row-major
+into the queries' unswizzled rows, and the token's ``G`` rows go to ``o [T Hq, D]`` (a padding token's
+program writes zeros). With split-K the programs write fp32 ``O^T`` partials and log-sum-exps, which
+XLA merges into ``[T, Hq, D]``. Same arithmetic as the one-warpgroup
 kernel, to the order of the f32 sums (its V scaling is by another power of two, so P rounds to the same
 f16 wherever both stay within f16's normal range).
 """
@@ -85,13 +88,14 @@ def _column(vec_smem, n):
 
 
 def _decode_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref=None, *, q_bar, k_bar, v_bar,
-                   q_union, qs_smem, k8, vt8, scales, pt16, lse_smem=None, k16=None, vt16=None,
+                   q_union, qs_smem, k_union, vt8, scales, pt16, lse_smem=None, k16=None, vt16=None,
                    scale_log2: float, group: int, rows: int, num_slots: int, num_splits: int, v_shift: int | None):
-    """Refs: ``q_ref [T Hq (+ pad), D]`` bf16, ``kv_ref [L, N, bs + 1, 2, Hkv, D]`` fp8; ``o_ref [T, Hkv, D, R]``
+    """Refs: ``q_ref [T Hq (+ pad), D]`` bf16, ``kv_ref [L, N, bs + 1, 2, Hkv, D]`` fp8; ``o_ref [T Hq, D]``
     bf16, or ``f32[P, T, Hkv, D, R]`` and ``lse_ref f32[P, T, Hkv, R]``. Columns ``c`` of a program's
     output are query rows ``first + c`` of ``q`` (``first``: the tile's first row, moved back near the
-    end of ``q`` so that ``R`` rows fit; the caller reads its ``G`` columns from ``row0 - first``)."""
+    end of ``q`` so that ``R`` rows fit; its ``G`` rows start at column ``row0 - first``)."""
     q_plain, q16, out_smem = q_union  # one piece of memory: the queries, then f16 queries, then the output
+    k8, o_tile = k_union  # the keys' slots, then (after the last tile) the output
     wgmma = plgpu.Layout.WGMMA
     block_size, head_dim = k8.shape[1:]
     width = tables_ref.shape[1]
@@ -199,16 +203,27 @@ def _decode_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_re
             acc = acc * float(2.0 ** -v_shift)
         has = l_i > 0
         out = acc / lax.broadcast_in_dim(jnp.where(has, l_i, 1.0), acc.shape, [1])
-        out_smem[...] = out.astype(out_smem.dtype)
-        if num_splits > 1:
-            lse_smem[...] = jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)) * LOG2E, -jnp.inf)
-        plgpu.commit_smem()
-        if num_splits == 1:
-            plgpu.copy_smem_to_gmem(out_smem, o_ref.at[tile, h])
+        if num_splits == 1:  # this token's G rows, in place (O^T transposed through a swizzled tile)
+            o_tile.at[pl.ds(0, rows)].transpose((1, 0))[...] = out.astype(o_tile.dtype)
+            plgpu.commit_smem()
+            q_plain[...] = plgpu.load(o_tile, layout=wgmma)  # (rows past R: stale, never copied)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_plain.at[pl.ds(row0 - first, group)], o_ref.at[pl.ds(row0, group)])
         else:
+            out_smem[...] = out
+            lse_smem[...] = jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)) * LOG2E, -jnp.inf)
+            plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_smem, o_ref.at[split, tile, h])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, tile, h])
         plgpu.wait_smem_to_gmem(0)
+
+    if num_splits == 1:
+        @pl.when(seq < 0)  # a padding token: zeros (with splits, the merge masks what no split wrote)
+        def _padding_token():
+            q_plain[...] = plgpu.layout_cast(jnp.zeros(q_plain.shape, q_plain.dtype), wgmma)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_plain.at[pl.ds(0, group)], o_ref.at[pl.ds(row0, group)])
+            plgpu.wait_smem_to_gmem(0)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_slots", "num_splits"))
@@ -229,16 +244,15 @@ def paged_decode_fp8_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         q_in = jnp.pad(q_in, ((0, rows - q_in.shape[0]), (0, 0)))
     fp8 = kv_pool.dtype
     staged = lambda shape: plgpu.SMEM(shape, fp8, transforms=(plgpu.SwizzleTransform(shape[-1]),))  # noqa: E731
-    out_dtype = q.dtype if num_splits == 1 else jnp.float32
     k_copies, v_copies = fp8_block_copies(head_dim, block_size)
     scratch = dict(
         q_bar=plgpu.Barrier(num_arrivals=1),
         k_bar=plgpu.Barrier(num_arrivals=k_copies, num_barriers=num_slots),
         v_bar=plgpu.Barrier(num_arrivals=v_copies, num_barriers=num_slots),
         q_union=plgpu.RefUnion(plgpu.SMEM((BLOCK_M, head_dim), q.dtype), _tile((BLOCK_M, head_dim), jnp.float16),
-                               plgpu.SMEM((head_dim, rows), out_dtype)),
+                               plgpu.SMEM((head_dim, rows), jnp.float32)),
         qs_smem=plgpu.SMEM((BLOCK_M,), jnp.float32),
-        k8=staged((num_slots, block_size, head_dim)),
+        k_union=plgpu.RefUnion(staged((num_slots, block_size, head_dim)), _tile((BLOCK_M, head_dim), q.dtype)),
         vt8=staged((num_slots, head_dim, block_size)),
         scales=plgpu.SMEM((num_slots, 2, max(block_size, TMA_ALIGN)), fp8),
         pt16=_tile((rows, block_size), jnp.float16),
@@ -246,7 +260,7 @@ def paged_decode_fp8_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
     if interpret is not None:
         scratch.update(k16=_tile((block_size, head_dim), jnp.float16), vt16=_tile((head_dim, block_size), jnp.float16))
     if num_splits == 1:
-        out_type = jax.ShapeDtypeStruct((num_tokens, num_kv_heads, head_dim, rows), q.dtype)
+        out_type = jax.ShapeDtypeStruct((num_tokens * num_q_heads, head_dim), q.dtype)
     else:
         scratch["lse_smem"] = plgpu.SMEM((rows,), jnp.float32)
         out_type = (jax.ShapeDtypeStruct((num_splits, num_tokens, num_kv_heads, head_dim, rows), jnp.float32),
@@ -272,10 +286,9 @@ def paged_decode_fp8_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         x = jnp.swapaxes(x, -1, -2)
         return jnp.take_along_axis(x, jnp.broadcast_to(col[..., None], x.shape[:-4] + col.shape + (1,)), axis=-2)
 
-    owned = meta[:, 0] >= 0
     if num_splits == 1:
-        out = heads(out).reshape(num_tokens, num_q_heads, head_dim)
-        return jnp.where(owned[:, None, None], out, jnp.zeros((), out.dtype))
+        return out.reshape(num_tokens, num_q_heads, head_dim)  # padding tokens: zeros, written by the kernel
+    owned = meta[:, 0] >= 0
     o_parts, lse = out
     split = jnp.arange(num_splits, dtype=jnp.int32)[:, None]
     lo, hi = split_range(meta[None, :, 2], split, block_size, num_splits)
