@@ -4,7 +4,7 @@ measured in the same process. From the repository root:
 
     python3 benchmarks/results/fp8/mosaic_decode/decode_table.py
 
-``decode_table.log`` is its output. With ``NCU=1`` it only runs the fp8 kernel once at 256 x 1,024,
+``decode_table.log`` is its output; ``SLOTS3=1`` adds the kernel with three slots. With ``NCU=1`` it only runs the fp8 kernel once at 256 x 1,024,
 for ``ncu --clock-control none -k regex:mosaic --section LaunchStats --section Occupancy``
 (``decode_table_ncu.log``: registers and occupancy).
 """
@@ -63,6 +63,8 @@ for s_, ctx in [(256, 1024), (64, 1024), (64, 4096), (8, 4096), (1, 1024), (256,
     variants = [("triton bf16", lambda qq, p, tb: paged_attention(qq, p, 0, cu, kl, tb), p16, tb16),
                 ("mosaic bf16", lambda qq, p, tb: M.paged_attention_mgpu(qq, p, 0, cu, kl, tb), p16, tb16),
                 ("mosaic decode fp8", lambda qq, p, tb: new(qq, p, cu, kl, tb), p8, tb8)]
+    if os.environ.get("SLOTS3"):  # the same kernel with three fp8 slots in flight
+        variants.append(("mosaic decode fp8 3 slots", lambda qq, p, tb: new(qq, p, cu, kl, tb, slots=3), p8, tb8))
     for name, call, pool, tb in variants:
         try:
             _, t = chain_time(call, q, pool, [tb], reps=30, chain=8)
