@@ -4,7 +4,8 @@ measured in the same process. From the repository root:
 
     python3 benchmarks/results/fp8/mosaic_decode/decode_table.py
 
-``decode_table.log`` is its output; ``SLOTS3=1`` adds the kernel with three slots. With ``NCU=1`` it only runs the fp8 kernel once at 256 x 1,024,
+``decode_table.log`` is its output; ``SLOTS3=1`` adds the kernel with three slots; ``ROWS=256x256,...``
+times those shapes only. With ``NCU=1`` it only runs the fp8 kernel once at 256 x 1,024,
 for ``ncu --clock-control none -k regex:mosaic --section LaunchStats --section Occupancy``
 (``decode_table_ncu.log``: registers and occupancy).
 """
@@ -53,7 +54,10 @@ ceil = hbm_read_ceiling(False) / 1e12
 print(f"ceiling {ceil:.2f} TB/s", flush=True)
 rows = []
 rng = np.random.default_rng(1)
-for s_, ctx in [(256, 1024), (64, 1024), (64, 4096), (8, 4096), (1, 1024), (256, 256)]:
+shapes = [(256, 1024), (64, 1024), (64, 4096), (8, 4096), (1, 1024), (256, 256)]
+if os.environ.get("ROWS"):  # e.g. ROWS=256x256,8x4096: only those timings
+    shapes = [tuple(int(x) for x in r.split("x")) for r in os.environ["ROWS"].split(",")]
+for s_, ctx in shapes:
     fp8_64, _ = random_fp8_case(rng, s_, ctx, 64, 16, 8, 128, E4M3)
     _, bf16_16 = random_fp8_case(rng, s_, ctx, 16, 16, 8, 128, E4M3)
     q, p8, _, cu, kl, tb8 = fp8_64
