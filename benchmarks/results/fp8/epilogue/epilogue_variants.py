@@ -59,9 +59,29 @@ rows = [("bf16 pool, block 16", E.qkv_epilogue, jnp.bfloat16, 16, {}),
         ("fp8: no quantisation (astype)", V.qkv_epilogue, fp8, 64, dict(no_quant=True)),
         ("fp8: all three", V.qkv_epilogue, fp8, 64, dict(v_contig=True, no_scales=True, no_quant=True)),
         ("fp8 pool, block 16", E.qkv_epilogue, fp8, 16, {}),
-        ("fp8, one token a program", E.qkv_epilogue, fp8, 64, dict(block_tokens=1))]
+        ("fp8, one token a program", E.qkv_epilogue, fp8, 64, dict(block_tokens=1)),
+        ("fp8: writes under pl.when (q programs skip them)", V.qkv_epilogue, fp8, 64, dict(guard=True)),
+        ("fp8: separate K and V programs", V.qkv_epilogue, fp8, 64, dict(split_v=True)),
+        ("fp8: separate K and V programs, one token each", V.qkv_epilogue, fp8, 64, dict(split_v=True, block_tokens=1)),
+        ("fp8: separate K and V programs, 16 tokens each", V.qkv_epilogue, fp8, 64, dict(split_v=True, block_tokens=16))]
+if os.environ.get("ONLY"):
+    rows = [r for r in rows if any(w in r[0] for w in os.environ["ONLY"].split(","))]
+def same_as_kernel(kw, bs=64):
+    """Whether a variant writes the same pool and q as the kernel (one launch on a fresh pool)."""
+    blocks = T + 8
+    slots = jnp.asarray(rng.permutation(blocks)[:T] * bs + rng.integers(0, bs, T), jnp.int32)
+    pool = jnp.full(pool_shape(2, blocks, bs, HKV, D, fp8), jnp.nan, fp8)
+    args = (parts, None, qn, kn, cos, sin, pool, 1, slots)
+    q0, p0 = E.qkv_epilogue(*args, eps=1e-6, dtype=jnp.bfloat16, interpret=INTERPRET)
+    q1, p1 = V.qkv_epilogue(*args, eps=1e-6, dtype=jnp.bfloat16, interpret=INTERPRET, **kw)
+    as_bits = lambda x: np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8))  # noqa: E731
+    return bool(np.array_equal(np.asarray(q0), np.asarray(q1)) and np.array_equal(as_bits(p0), as_bits(p1)))
+
+
 out = []
 for name, mod, dtype, bs, kw in rows:
+    if "guard" in kw or "split_v" in kw:
+        print(f"{name}: same pool and q as the kernel: {same_as_kernel(kw)}", flush=True)
     fn = lambda *a, **k: mod(*a, **k, **kw)  # noqa: E731
     try:
         out.append((name, run(name, fn, dtype, bs)))

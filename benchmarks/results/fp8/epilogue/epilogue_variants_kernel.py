@@ -52,7 +52,7 @@ def token_block(num_tokens: int) -> tuple[int, int]:
 
 def _kernel(layer_ref, parts_ref, bias_ref, qw_ref, kw_ref, cos_ref, sin_ref, slot_ref, pool_in_ref, q_out_ref,
             pool_ref, *, num_q_heads: int, num_kv_heads: int, eps: float, has_bias: bool, has_norm: bool,
-            block_tokens: int, v_contig=False, no_scales=False, no_quant=False):
+            block_tokens: int, v_contig=False, no_scales=False, no_quant=False, guard=False, split_v=False):
     """Program ``(i, j)``: tokens ``[i * block_tokens, (i + 1) * block_tokens)`` (those past the step
     masked); head ``j`` of q (``j < Hq``: normed, rotated, stored to ``q_out``) or KV head ``j - Hq``
     (k normed and rotated, v as it is, both written to the pool). Rows are independent: every value
@@ -130,6 +130,10 @@ def _kernel(layer_ref, parts_ref, bias_ref, qw_ref, kw_ref, cos_ref, sin_ref, sl
     blk1 = jnp.where(write1, jnp.maximum(slot1, 0) // block_size, pool_ref.shape[1])
     off1 = jnp.maximum(slot1, 0) % block_size
     row, col = v_slab_index(dims, off, block_size, head_dim)  # values sit transposed (kernels/fp8.py)
+    if guard:
+        pl.when(~is_q)(lambda: _fp8_writes(pool_ref, layer, out, v, blk, off, kvh, dims, row, col, write, blk1,
+                                           off1, kv_head, write1, block_size))
+        return
     for kv, x in ((0, out), (1, v)):
         if no_quant:
             values, scale = x.astype(pool_ref.dtype), jnp.ones(x.shape[:1], jnp.float32)
@@ -142,6 +146,104 @@ def _kernel(layer_ref, parts_ref, bias_ref, qw_ref, kw_ref, cos_ref, sin_ref, sl
         if not no_scales:
             plgpu.store(pool_ref.at[layer, blk1, block_size, kv, jnp.maximum(kv_head, 0), off1],
                         scale.astype(pool_ref.dtype), mask=write1)
+
+
+def _fp8_writes(pool_ref, layer, out, v, blk, off, kvh, dims, row, col, write, blk1, off1, kv_head, write1, block_size):
+    for kv, x in ((0, out), (1, v)):
+        values, scale = quantize(x, pool_ref.dtype)
+        if kv == 0:
+            plgpu.store(pool_ref.at[layer, blk, off, 0, kvh, dims], values, mask=write)
+        else:
+            plgpu.store(pool_ref.at[layer, blk + 0 * dims, row + 0 * off, 1, kvh, col], values, mask=write)
+        plgpu.store(pool_ref.at[layer, blk1, block_size, kv, jnp.maximum(kv_head, 0), off1],
+                    scale.astype(pool_ref.dtype), mask=write1)
+
+
+def _kernel_split(layer_ref, parts_ref, bias_ref, qw_ref, kw_ref, cos_ref, sin_ref, slot_ref, pool_in_ref, q_out_ref,
+                  pool_ref, *, num_q_heads: int, num_kv_heads: int, eps: float, has_bias: bool, has_norm: bool,
+                  block_tokens: int, **unused):
+    """fp8 only: programs ``j < Hq`` a q head, ``Hq <= j < Hq + Hkv`` a K head (normed, rotated,
+    quantised, written), ``j >= Hq + Hkv`` a V head (quantised, written transposed); each part under
+    ``pl.when``, so a program runs only its own."""
+    del pool_in_ref
+    layer = layer_ref[0]
+    num_parts, num_tokens = parts_ref.shape[0], parts_ref.shape[1]
+    head_dim = cos_ref.shape[1]
+    block_size = pool_ref.shape[2] - 1
+    dtype = q_out_ref.dtype
+    toks = pl.program_id(0) * block_tokens + lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)
+    tok_ok = toks < num_tokens
+    j = pl.program_id(1)
+    toks1 = pl.program_id(0) * block_tokens + lax.broadcasted_iota(jnp.int32, (block_tokens,), 0)
+    dims = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
+    row_ok = tok_ok & (dims >= 0)
+    num_slots = pool_ref.shape[1] * block_size
+
+    def load_head(first_col, cols, mask):
+        col = first_col + cols
+        acc = plgpu.load(parts_ref.at[0, toks, col], mask=mask, other=0).astype(jnp.float32)
+        for p in range(1, num_parts):
+            acc = acc + plgpu.load(parts_ref.at[p, toks, col], mask=mask, other=0).astype(jnp.float32)
+        x = acc.astype(dtype)
+        if has_bias:
+            b = plgpu.load(bias_ref.at[col], mask=(cols >= 0), other=0).astype(jnp.float32)
+            x = (x.astype(jnp.float32) + b).astype(dtype)
+        return x.astype(jnp.float32)
+
+    def targets(kv_head):
+        slot = plgpu.load(slot_ref.at[toks], mask=tok_ok, other=-1)
+        write = (slot >= 0) & (slot < num_slots) & row_ok
+        blk = jnp.where(write, jnp.maximum(slot, 0) // block_size, pool_ref.shape[1])
+        off = jnp.maximum(slot, 0) % block_size
+        slot1 = plgpu.load(slot_ref.at[toks1], mask=toks1 < num_tokens, other=-1)
+        write1 = (slot1 >= 0) & (slot1 < num_slots) & (toks1 < num_tokens)
+        blk1 = jnp.where(write1, jnp.maximum(slot1, 0) // block_size, pool_ref.shape[1])
+        off1 = jnp.maximum(slot1, 0) % block_size
+        return write, blk, off, write1, blk1, off1
+
+    @pl.when(j < num_q_heads + num_kv_heads)
+    def _q_or_k():
+        is_q = j < num_q_heads
+        kv_head = jnp.maximum(j - num_q_heads, 0)
+        half = head_dim // 2
+        rot_dims = (dims + half) % head_dim
+        sign = jnp.where(dims < half, -1.0, 1.0).astype(jnp.float32)
+        cos = plgpu.load(cos_ref.at[toks, dims], mask=row_ok, other=0).astype(jnp.float32)
+        sin = plgpu.load(sin_ref.at[toks, dims], mask=row_ok, other=0).astype(jnp.float32)
+        x = load_head(j * head_dim, dims, row_ok)
+        xr = load_head(j * head_dim, rot_dims, row_ok)
+        if has_norm:
+            inv = lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / head_dim + eps)
+            w = jnp.where(is_q, plgpu.load(qw_ref.at[dims]), plgpu.load(kw_ref.at[dims])).astype(jnp.float32)
+            wr = jnp.where(is_q, plgpu.load(qw_ref.at[rot_dims]), plgpu.load(kw_ref.at[rot_dims])).astype(jnp.float32)
+            x = (w * (x * inv).astype(dtype).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+            xr = (wr * (xr * inv).astype(dtype).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+        a = (x * cos).astype(dtype).astype(jnp.float32)
+        b = (sign * xr * sin).astype(dtype).astype(jnp.float32)
+        out = (a + b).astype(dtype)
+
+        @pl.when(is_q)
+        def _():
+            head = jnp.minimum(j, num_q_heads - 1) + jnp.zeros_like(dims)
+            plgpu.store(q_out_ref.at[toks, head, dims], out, mask=row_ok)
+
+        @pl.when(~is_q)
+        def _():
+            write, blk, off, write1, blk1, off1 = targets(kv_head)
+            values, scale = quantize(out, pool_ref.dtype)
+            plgpu.store(pool_ref.at[layer, blk, off, 0, kv_head + 0 * dims, dims], values, mask=write)
+            plgpu.store(pool_ref.at[layer, blk1, block_size, 0, kv_head, off1], scale.astype(pool_ref.dtype),
+                        mask=write1)
+
+    @pl.when(j >= num_q_heads + num_kv_heads)
+    def _v():
+        kv_head = jnp.maximum(j - num_q_heads - num_kv_heads, 0)
+        write, blk, off, write1, blk1, off1 = targets(kv_head)
+        v = load_head((num_q_heads + num_kv_heads) * head_dim + kv_head * head_dim, dims, row_ok)
+        values, scale = quantize(v, pool_ref.dtype)
+        row, col = v_slab_index(dims, off, block_size, head_dim)
+        plgpu.store(pool_ref.at[layer, blk + 0 * dims, row + 0 * off, 1, kv_head + 0 * dims, col], values, mask=write)
+        plgpu.store(pool_ref.at[layer, blk1, block_size, 1, kv_head, off1], scale.astype(pool_ref.dtype), mask=write1)
 
 
 def qkv_epilogue(parts: jax.Array, bias: jax.Array | None, q_norm: jax.Array | None, k_norm: jax.Array | None,
@@ -191,12 +293,13 @@ def _qkv_epilogue(parts, bias, q_norm, k_norm, cos, sin, kv_pool, layer, slot_ma
         if block_tokens < 1 or block_tokens & (block_tokens - 1):
             raise ValueError(f"block_tokens must be a power of two, got {block_tokens}")
         block, num_warps = block_tokens, 1 if block_tokens == 1 else 4
-    kernel = functools.partial(_kernel, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+    split_v = dict(switches).get("split_v", False)
+    kernel = functools.partial(_kernel_split if split_v else _kernel, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                eps=float(eps), has_bias=has_bias, has_norm=has_norm, block_tokens=block,
                                **dict(switches))
     q, pool = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(num_tokens, block), num_q_heads + num_kv_heads),
+        grid=(pl.cdiv(num_tokens, block), num_q_heads + num_kv_heads * (2 if split_v else 1)),
         out_shape=(jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), dtype),
                    jax.ShapeDtypeStruct(kv_pool.shape, kv_pool.dtype)),
         input_output_aliases={8: 1},
