@@ -8,7 +8,8 @@ sizes each is ~1.3-2.5 us of launch-bound GPU time, ~7 us a layer, ~0.2 ms of a 
 the H200 (``tools/profile_step.py``). Here program ``(token block, head)``
 does it all for one q head or one KV head of a few tokens (:func:`token_block`: one token and one
 warp up to 32 tokens, so a decode step of a few tokens still spreads over the SMs; 8 tokens and 4
-warps above, so a batch-256 step is 768 programs instead of 6,144).
+warps above, so a batch-256 step is 768 programs instead of 6,144; over an fp8 pool one token a
+program at every size).
 
 Same math as the model's XLA path (``models/qwen.qkv_epilogue_ops`` with ``rms_norm``, ``rotary``,
 ``write_kv``): the
@@ -37,12 +38,16 @@ from .fp8 import is_fp8, quantize, scale_rows, v_slab_index
 from .kv_write import check_pool
 
 
-def token_block(num_tokens: int) -> tuple[int, int]:
-    """``(tokens per program, warps)`` for a step of ``num_tokens``: one token and one warp per program
-    up to 32 tokens (a decode step of a few tokens still spreads over the SMs), 8 tokens and 4 warps
-    above. Why: at batch 256 one program per (token, head) is 6,144 one-warp programs, ~5.6 us a layer
-    on the H200 for ~4 MB of traffic (``tools/profile_step.py``)."""
-    return (1, 1) if num_tokens <= 32 else (8, 4)
+def token_block(num_tokens: int, fp8: bool = False) -> tuple[int, int]:
+    """``(tokens per program, warps)`` for a step of ``num_tokens`` writing a pool of 16-bit or (``fp8``)
+    8-bit values: one token and one warp per program up to 32 tokens (a decode step of a few tokens
+    still spreads over the SMs), 8 tokens and 4 warps above, except over an fp8 pool. Why, measured on
+    the H200 at 256 tokens (Qwen3-0.6B shapes): over a bf16 pool one program per (token, head) is
+    6,144 one-warp programs, ~5.6 us a layer for ~4 MB of traffic (``tools/profile_step.py``), 8
+    tokens a program 3.9 us; over an fp8 pool, whose values are written one byte a 32-byte sector
+    (kernels/fp8.py: V transposed), 8 tokens a program take 12.5 us and one token a program 9.7 us
+    (``benchmarks/results/fp8/epilogue/``)."""
+    return (1, 1) if num_tokens <= 32 or fp8 else (8, 4)
 
 
 def _kernel(layer_ref, parts_ref, bias_ref, qw_ref, kw_ref, cos_ref, sin_ref, slot_ref, pool_in_ref, q_out_ref,
@@ -176,7 +181,7 @@ def _qkv_epilogue(parts, bias, q_norm, k_norm, cos, sin, kv_pool, layer, slot_ma
     dtype = jnp.dtype(dtype)
     has_bias, has_norm = bias is not None, q_norm is not None
     dummy = jnp.zeros((head_dim,), dtype)
-    block, num_warps = token_block(num_tokens)
+    block, num_warps = token_block(num_tokens, is_fp8(kv_pool.dtype))
     if block_tokens is not None:
         if block_tokens < 1 or block_tokens & (block_tokens - 1):
             raise ValueError(f"block_tokens must be a power of two, got {block_tokens}")

@@ -125,6 +125,7 @@ def test_qkv_epilogue_token_block():
     from jaxpaged.kernels.qkv_epilogue import token_block
     assert token_block(1) == token_block(32) == (1, 1)
     assert token_block(33) == token_block(8192) == (8, 4)
+    assert token_block(256, fp8=True) == token_block(8192, fp8=True) == (1, 1)  # (its docstring: measured)
     with pytest.raises(ValueError, match="block_tokens"):
         qkv_epilogue(jnp.zeros((1, 3, 8 * 32)), None, None, None, jnp.zeros((3, 32)), jnp.zeros((3, 32)),
                      jnp.zeros((1, 2, 4, 2, 2, 32)), 0, jnp.zeros(3, jnp.int32), eps=1e-6, dtype=jnp.float32,
