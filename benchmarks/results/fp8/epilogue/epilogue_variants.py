@@ -4,6 +4,9 @@ and fed back (no copies), us a launch. Variants from ``epilogue_variants_kernel.
 kernels/qkv_epilogue.py with switches on its fp8 write). From the repository root, on a GPU:
 
     python3 benchmarks/results/fp8/epilogue/epilogue_variants.py
+
+``TOKENS=n`` sets the tokens, ``PREFILL=1`` gives them a prefill's slots (consecutive tokens in a
+block), ``ONLY=a,b`` keeps the rows whose names contain ``a`` or ``b``.
 """
 import os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -14,6 +17,7 @@ from jaxpaged.kernels.kv_write import pool_shape
 from jaxpaged.models.qwen import rope_cos_sin
 
 T, HQ, HKV, D, L = int(os.environ.get("TOKENS", 256)), 16, 8, 128, int(os.environ.get("LAUNCHES", 28))
+PREFILL = bool(os.environ.get("PREFILL"))  # the slots of one long prefill instead of a decode step's
 INTERPRET = jax.default_backend() == "cpu"  # (a check of the script itself, on a CPU)
 rng = np.random.default_rng(0)
 parts = jnp.asarray(rng.standard_normal((1, T, (HQ + 2 * HKV) * D)), jnp.bfloat16)
@@ -25,7 +29,11 @@ cos, sin = rope_cos_sin(positions, D, 1e6, jnp.bfloat16)
 
 def run(name, fn, dtype, bs, reps=2 if INTERPRET else 50):
     blocks = T + 8
-    slots = jnp.asarray(rng.permutation(blocks)[:T] * bs + rng.integers(0, bs, T), jnp.int32)
+    if PREFILL:  # a prefill's slots: consecutive tokens fill a block, blocks in random order
+        t = np.arange(T)
+        slots = jnp.asarray(rng.permutation(blocks)[t // bs] * bs + t % bs, jnp.int32)
+    else:  # a decode step's: each token in its own block
+        slots = jnp.asarray(rng.permutation(blocks)[:T] * bs + rng.integers(0, bs, T), jnp.int32)
     pool = jnp.zeros(pool_shape(2, blocks, bs, HKV, D, dtype), dtype)
 
     def step(pool):
@@ -87,6 +95,6 @@ for name, mod, dtype, bs, kw in rows:
         out.append((name, run(name, fn, dtype, bs)))
     except Exception as e:
         print(name, "FAILED", str(e)[:300], flush=True)
-print(f"\nqkv epilogue, {T} tokens, Qwen3-0.6B shapes, us a launch (median of 50 x 4 steps of {L} launches)")
+print(f"\nqkv epilogue, {T} tokens{' (a prefill)' if PREFILL else ''}, Qwen3-0.6B shapes, us a launch (median of 50 x 4 steps of {L} launches)")
 for name, us in out:
     print(f"| {name} | {us:.2f} |")
