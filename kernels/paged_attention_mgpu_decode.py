@@ -275,8 +275,10 @@ def paged_decode_fp8_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         interpret=interpret,
     )
     out = kernel(jnp.reshape(layer, (1,)), meta, block_tables, q_in, kv_pool)
+    if num_splits == 1:
+        return out.reshape(num_tokens, num_q_heads, head_dim)  # padding tokens: zeros, written by the kernel
 
-    # Program (t, h)'s G columns start at row0 - first (nonzero only near the end of q).
+    # Split (p, t, h)'s G columns start at row0 - first (nonzero only near the end of q).
     t = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
     h = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :]
     row0 = (t * num_kv_heads + h) * group
@@ -286,8 +288,6 @@ def paged_decode_fp8_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         x = jnp.swapaxes(x, -1, -2)
         return jnp.take_along_axis(x, jnp.broadcast_to(col[..., None], x.shape[:-4] + col.shape + (1,)), axis=-2)
 
-    if num_splits == 1:
-        return out.reshape(num_tokens, num_q_heads, head_dim)  # padding tokens: zeros, written by the kernel
     owned = meta[:, 0] >= 0
     o_parts, lse = out
     split = jnp.arange(num_splits, dtype=jnp.int32)[:, None]

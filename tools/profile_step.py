@@ -47,6 +47,7 @@ import numpy as np  # noqa: E402
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from jaxpaged.engine.heap import freeze_long_lived_heap  # noqa: E402
 from jaxpaged.engine.tuning import StepTuning  # noqa: E402
+from jaxpaged.kernels.fp8 import FP8_DTYPES  # noqa: E402
 from jaxpaged.workloads import BENCHMARK_MODELS, benchmark_params  # noqa: E402
 
 MODELS = BENCHMARK_MODELS
@@ -415,7 +416,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--block-size", type=int, default=None, help="default: the engine's for --kv-cache-dtype")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", *FP8_DTYPES))
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
                     help="prefill budget per step (one or two prefill buckets get compiled)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; >0 samples (the workload uses 0.6)")
