@@ -1,57 +1,125 @@
-"""Where a small decode launch's time goes, Mosaic vs Triton: batch 1 / 8 / 64 x context 256 / 1,024 (block 16,
-Hq 16 / Hkv 8 / D 128). Each configuration: jit one attention call, warm it, trace 50 calls and sum the GPU
-kernels' time by name per launch. ("wall" is one un-chained call's dispatch-bound time.) Run from the repo root:
-python3 benchmarks/results/mosaic/decode_profile.py"""
-import sys, os, gzip, json, glob, re, time, tempfile, collections
+"""Where a decode launch's time goes, Mosaic vs Triton: batch x context (block 16, Hq 16 / Hkv 8 / D 128).
+
+Each configuration: jit one attention call, warm it, time 200 calls chained through their outputs
+("wall", one launch a jit), the same with 8 launches a jit (``bench_attention.chain_time``, as the
+decode sweep of ``check_attention_mgpu.py`` times it: "chain8"), then trace 50 calls and sum the GPU
+kernels' time by name per launch ("busy": every kernel of the launch; "attn": the attention kernel
+alone). The read ceiling is measured in the same process twice: XLA's sum over 4 GiB (the sweep's
+ceiling), and XLA's sum over as many bytes as the launch reads (its GPU time from the trace, as the
+kernel's): the time any single kernel reading those bytes takes. Run from the repository root:
+
+    python3 benchmarks/results/mosaic/decode_profile.py [--batches 1,8,64] [--ctxs 256,1024]
+"""
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+import warnings
+
 sys.path.insert(0, "benchmarks")
-import warnings; warnings.filterwarnings("ignore")
-import jax, jax.numpy as jnp, numpy as np
-from jaxpaged.kernels.kv_write import pool_from_caches
-from jaxpaged.kernels.paged_attention import paged_attention
-from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu
+warnings.filterwarnings("ignore")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from bench_attention import chain_time, hbm_read_ceiling  # noqa: E402
+
+from jaxpaged.kernels.kv_write import pool_from_caches  # noqa: E402
+from jaxpaged.kernels.paged_attention import paged_attention  # noqa: E402
+from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu  # noqa: E402
+
 HQ, HKV, D, BS = 16, 8, 128, 16
 N = 50
-def norm(n):
-    p = None
-    while p != n:
-        p = n; n = re.sub(r"[._]\d+$", "", n)
-    return n
-summary = []
-for B in (1, 8, 64):
-    for ctx in (256, 1024):
-        nb = ctx // BS
-        kk, kv_, kq = jax.random.split(jax.random.key(B * ctx), 3)
-        blocks = B * nb + 16
-        pool = pool_from_caches(jax.random.normal(kk, (blocks, BS, HKV, D), jnp.bfloat16), jax.random.normal(kv_, (blocks, BS, HKV, D), jnp.bfloat16))
-        table = jnp.asarray(np.random.default_rng(0).permutation(blocks)[:B * nb].reshape(B, nb).astype(np.int32))
-        q = jax.random.normal(kq, (B, HQ, D), jnp.bfloat16)
-        cu = jnp.arange(B + 1, dtype=jnp.int32); kl = jnp.full((B,), ctx, jnp.int32)
-        for name, fn in (("mosaic", lambda *a: paged_attention_mgpu(*a)), ("triton", lambda *a: paged_attention(*a))):
-            f = jax.jit(lambda qq, pool, cu, kl, tb, fn=fn: fn(qq, pool, 0, cu, kl, tb))
-            out = f(q, pool, cu, kl, table); jax.block_until_ready(out)
-            for _ in range(20): out = f(out, pool, cu, kl, table)
-            jax.block_until_ready(out)
-            t0 = time.perf_counter()
-            for _ in range(200): out = f(out, pool, cu, kl, table)
-            jax.block_until_ready(out); wall = (time.perf_counter() - t0) / 200 * 1e6
-            d = tempfile.mkdtemp()
-            jax.profiler.start_trace(d)
-            for _ in range(N): out = f(out, pool, cu, kl, table)
-            jax.block_until_ready(out)
-            jax.profiler.stop_trace()
-            fs = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
-            ev = json.load(gzip.open(fs[0], "rt"))["traceEvents"]
-            pids = {e["pid"]: e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
-            gpu = [e for e in ev if e.get("ph") == "X" and "/device:GPU:0" in pids.get(e.get("pid"), "")]
-            tot = collections.Counter(); cnt = collections.Counter()
-            for e in gpu:
-                tot[norm(e["name"])] += e["dur"]; cnt[norm(e["name"])] += 1
-            busy = sum(tot.values()) / N
-            span = (max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in gpu)) / N if gpu else float("nan")
-            print(f"== B={B} ctx={ctx} {name}: wall {wall:.1f} us/launch, GPU busy {busy:.1f} us/launch, span {span:.1f} us/launch, kernels/launch {len(gpu)/N:.1f}", flush=True)
-            for k, v in tot.most_common(12):
-                print(f"   {v / N:8.2f} us  x{cnt[k] / N:.1f}  {k[:110]}", flush=True)
-            summary.append((B, ctx, name, wall, busy, len(gpu) / N))
-print("\nB ctx backend | wall us/launch | GPU busy us/launch | kernels/launch")
-for s in summary:
-    print(*s[:3], f"{s[3]:.1f} {s[4]:.1f} {s[5]:.1f}")
+
+
+def norm(name: str) -> str:
+    prev = None
+    while prev != name:
+        prev, name = name, re.sub(r"[._]\d+$", "", name)
+    return name
+
+
+def traced(step, x, n: int):
+    """Runs ``x = step(x)`` n times under the profiler; returns ({kernel: us per call}, {kernel: count per
+    call}, the last x)."""
+    d = tempfile.mkdtemp()
+    jax.profiler.start_trace(d)
+    for _ in range(n):
+        x = step(x)
+    jax.block_until_ready(x)
+    jax.profiler.stop_trace()
+    ev = json.load(gzip.open(glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)[0], "rt"))["traceEvents"]
+    pids = {e["pid"]: e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = [e for e in ev if e.get("ph") == "X" and "/device:GPU:0" in pids.get(e.get("pid"), "")]
+    tot, cnt = collections.Counter(), collections.Counter()
+    for e in gpu:
+        tot[norm(e["name"])] += e["dur"] / n
+        cnt[norm(e["name"])] += 1 / n
+    return tot, cnt, x
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--ctxs", default="256,1024")
+    args = ap.parse_args(argv)
+    ceiling = hbm_read_ceiling(False)
+    print(f"read ceiling (XLA sum over 4 GiB) {ceiling / 1e12:.2f} TB/s", flush=True)
+    summary = []
+    for b in (int(x) for x in args.batches.split(",")):
+        for ctx in (int(x) for x in args.ctxs.split(",")):
+            nb = ctx // BS
+            kv_bytes = b * ctx * HKV * D * 2 * 2
+            kk, kv_, kq = jax.random.split(jax.random.key(b * ctx), 3)
+            blocks = b * nb + 16
+            pool = pool_from_caches(jax.random.normal(kk, (blocks, BS, HKV, D), jnp.bfloat16),
+                                    jax.random.normal(kv_, (blocks, BS, HKV, D), jnp.bfloat16))
+            table = jnp.asarray(np.random.default_rng(0).permutation(blocks)[:b * nb].reshape(b, nb).astype(np.int32))
+            q = jax.random.normal(kq, (b, HQ, D), jnp.bfloat16)
+            cu = jnp.arange(b + 1, dtype=jnp.int32)
+            kl = jnp.full((b,), ctx, jnp.int32)
+            flat = jax.random.normal(kk, (kv_bytes // 2,), jnp.bfloat16)  # XLA's read of the same bytes
+            read = jax.jit(lambda acc, x: acc + jnp.sum(x, dtype=jnp.float32))
+            tot, _, _ = traced(lambda acc: read(acc, flat), jnp.float32(0), N)
+            xla_us = max(tot.values())
+            del flat
+            print(f"== B={b} ctx={ctx}: {kv_bytes / 1e6:.1f} MB; XLA sum over them {xla_us:.2f} us GPU time "
+                  f"({kv_bytes / xla_us / 1e6:.2f} TB/s)", flush=True)
+            for name, fn in (("mosaic", paged_attention_mgpu), ("triton", paged_attention)):
+                f = jax.jit(lambda qq, pool, cu, kl, tb, fn=fn: fn(qq, pool, 0, cu, kl, tb))
+                out = jax.block_until_ready(f(q, pool, cu, kl, table))
+                for _ in range(20):
+                    out = f(out, pool, cu, kl, table)
+                jax.block_until_ready(out)
+                t0 = time.perf_counter()
+                for _ in range(200):
+                    out = f(out, pool, cu, kl, table)
+                jax.block_until_ready(out)
+                wall = (time.perf_counter() - t0) / 200 * 1e6
+                _, chain8 = chain_time(lambda qq, cs, tb, fn=fn: fn(qq, cs[0], 0, cs[1], cs[2], tb),
+                                       q, (pool, cu, kl), [table], 5, 8)
+                tot, cnt, out = traced(lambda x, f=f: f(x, pool, cu, kl, table), out, N)
+                attn = max(tot.values())
+                busy = sum(tot.values())
+                print(f"-- {name}: wall {wall:.1f} us/launch, chain8 {chain8 * 1e6:.1f}, GPU busy {busy:.1f}, "
+                      f"attention kernel {attn:.2f} us ({kv_bytes / attn / 1e6:.2f} TB/s, "
+                      f"{100 * kv_bytes / attn * 1e6 / ceiling:.0f}% of the ceiling)", flush=True)
+                for k, v in tot.most_common(6):
+                    print(f"   {v:8.2f} us  x{cnt[k]:.1f}  {k[:110]}", flush=True)
+                summary.append((b, ctx, name, wall, chain8 * 1e6, busy, attn, kv_bytes / attn * 1e6 / ceiling, xla_us))
+            del pool
+    print(f"\nread ceiling {ceiling / 1e12:.2f} TB/s; us per launch")
+    print("| B | ctx | kernel | wall | chain8 | GPU busy | attention kernel | % ceiling | XLA sum, same bytes |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for b, ctx, name, wall, c8, busy, attn, frac, xla_us in summary:
+        print(f"| {b} | {ctx} | {name} | {wall:.1f} | {c8:.1f} | {busy:.1f} | {attn:.2f} | {100 * frac:.0f}% | {xla_us:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

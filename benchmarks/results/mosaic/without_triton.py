@@ -48,7 +48,7 @@ import bench_throughput  # noqa: E402
 import dataclasses  # noqa: E402
 
 from jaxpaged.engine import model_runner  # noqa: E402
-from jaxpaged.kernels import gemv  # noqa: E402
+from jaxpaged.kernels import add_rms_norm, gemv  # noqa: E402
 from jaxpaged.models import ops  # noqa: E402
 from jaxpaged.models.qwen import DEFAULT_OPS  # noqa: E402
 from jaxpaged.sampling import sampler  # noqa: E402
@@ -71,10 +71,11 @@ elif variant == "xla:gemv":
 elif variant == "xla:sampler":
     xla_sampler()
 elif variant != "triton":
-    field = {"xla:epilogue": "qkv_epilogue", "xla:norm": "add_rms_norm"}[variant]
+    xla = {"xla:epilogue": dict(qkv_epilogue=None),
+           "xla:norm": dict(add_rms_norm=lambda parts, residual, weight, eps: add_rms_norm.add_rms_norm_ops(
+               parts, residual, weight, eps, DEFAULT_OPS.rms_norm))}[variant]
     gpu_ops = ops.get_model_ops
-    model_runner.get_model_ops = lambda batch_invariant=False: dataclasses.replace(
-        gpu_ops(batch_invariant), **{field: getattr(DEFAULT_OPS, field)})
+    model_runner.get_model_ops = lambda batch_invariant=False: dataclasses.replace(gpu_ops(batch_invariant), **xla)
 backend = "mosaic" if variant == "mosaic_xla" else "triton"
 name = variant.replace(":", "_")
 if "--latency-only" not in sys.argv:
