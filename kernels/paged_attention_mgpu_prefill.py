@@ -124,8 +124,9 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
             def _refill(t):
                 slot = lax.rem(t, num_slots)
                 for free, which, bars in ((k_free, 0, k_bar), (v_free, 1, v_bar)):
-                    for w in range(NUM_COMPUTE):
-                        pl.when(t < his[w])(lambda w=w, free=free: plgpu.barrier_wait(free.at[w * num_slots + slot]))
+                    with jax.named_scope("wait_free"):
+                        for w in range(NUM_COMPUTE):
+                            pl.when(t < his[w])(lambda w=w, free=free: plgpu.barrier_wait(free.at[w * num_slots + slot]))
                     fetch(t + num_slots, slot, which, bars)
 
         @pl.when(wg < NUM_COMPUTE)
@@ -144,26 +145,30 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
             def step(t, carry, masked: bool):
                 acc, m_i, l_i = carry
                 slot = lax.rem(t, num_slots)
-                plgpu.barrier_wait(k_bar.at[slot])
+                with jax.named_scope("wait_k"):
+                    plgpu.barrier_wait(k_bar.at[slot])
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
                     return acc_ref[...]
 
-                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, block_kv), jnp.float32))  # unscaled scores
+                with jax.named_scope("qk"):
+                    s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, block_kv), jnp.float32))  # unscaled scores
                 plgpu.barrier_arrive(k_free.at[wg * num_slots + slot])
-                if masked:
-                    iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
-                    key = t * block_kv + iota((BLOCK_M, block_kv), 1)
-                    last_key = jnp.minimum(first + lax.div(iota((BLOCK_M, block_kv), 0), group), end - 1)
-                    s = jnp.where(key <= last_key, s, -jnp.inf)
-                # The scale is applied to the row maxima and inside exp2's argument, where the multiply and
-                # the subtraction fuse into one FMA a score (the maxima are the same: scale > 0).
-                m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l_new = l_i * alpha + p.sum(axis=1)
-                plgpu.barrier_wait(v_bar.at[slot])
+                with jax.named_scope("softmax"):
+                    if masked:
+                        iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
+                        key = t * block_kv + iota((BLOCK_M, block_kv), 1)
+                        last_key = jnp.minimum(first + lax.div(iota((BLOCK_M, block_kv), 0), group), end - 1)
+                        s = jnp.where(key <= last_key, s, -jnp.inf)
+                    # The scale is applied to the row maxima and inside exp2's argument, where the multiply
+                    # and the subtraction fuse into one FMA a score (the maxima are the same: scale > 0).
+                    m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
+                    alpha = jnp.exp2(m_i - m_new)
+                    p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    l_new = l_i * alpha + p.sum(axis=1)
+                with jax.named_scope("wait_v"):
+                    plgpu.barrier_wait(v_bar.at[slot])
                 if masked:
                     last = jnp.logical_and(t == num_kv - 1, tail)
 
@@ -189,11 +194,12 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
                     if not p_in_registers:
                         return acc_ref[...]
 
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                if p_in_registers:  # the wgmma accumulates into the rescaled output in place
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                else:  # (the interpreter does not run an accumulator initialised from registers)
-                    acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
+                with jax.named_scope("pv"):
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    if p_in_registers:  # the wgmma accumulates into the rescaled output in place
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    else:  # (the interpreter does not run an accumulator initialised from registers)
+                        acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
                 plgpu.barrier_arrive(v_free.at[wg * num_slots + slot])
                 return acc, m_new, l_new
 
