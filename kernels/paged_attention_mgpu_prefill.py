@@ -28,6 +28,9 @@ copies, waits for them and then computes; this one is for launches with many new
     away (``-inf`` scores), never multiplied.
   * Programs start with the tile pairs that read the most keys (:func:`launch_order`): in tile order
     a causal prefill's longest tiles ran in the last wave.
+  * Each phase of a step is a ``jax.named_scope`` (``wait_k``, ``qk``, ``softmax``, ``wait_v``, ``pv``;
+    the memory warpgroup's ``wait_free``), which Mosaic GPU's profiler records per warpgroup when a
+    launch sets ``profile_space`` (``benchmarks/results/mosaic/prefill_schedule/prefill_regions.py``).
 
 Scope: as the one-warpgroup kernel (bf16 pools on the GPU, float32 in interpret mode; head_dim 64 or
 128; block sizes 8-128), without split-K. Decode launches stay on that kernel

@@ -10,6 +10,9 @@ SM's clock cycles (the profiler reads ``%clock``), shown in thousands.
 From the repository root, on a Hopper GPU:
 
     python3 benchmarks/results/mosaic/prefill_schedule/prefill_regions.py [TOKENS, default 4096]
+
+Checked so far by lowering the profiled kernel for sm_90a on a CPU (the kernel lowers; the trace's
+callback needs the GPU); no GPU has run it yet.
 """
 import collections
 import glob
