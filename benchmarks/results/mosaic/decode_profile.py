@@ -12,23 +12,19 @@ kernel's): the time any single kernel reading those bytes takes. Run from the re
 """
 import argparse
 import collections
-import glob
-import gzip
-import json
-import os
-import re
 import sys
 import tempfile
 import time
 import warnings
 
-sys.path.insert(0, "benchmarks")
+sys.path[:0] = ["benchmarks", "tools"]
 warnings.filterwarnings("ignore")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_attention import chain_time, hbm_read_ceiling  # noqa: E402
+from profile_step import find_trace_file, load_trace, normalise_kernel_name  # noqa: E402
 
 from jaxpaged.kernels.kv_write import pool_from_caches  # noqa: E402
 from jaxpaged.kernels.paged_attention import paged_attention  # noqa: E402
@@ -36,13 +32,6 @@ from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu  # noqa: 
 
 HQ, HKV, D, BS = 16, 8, 128, 16
 N = 50
-
-
-def norm(name: str) -> str:
-    prev = None
-    while prev != name:
-        prev, name = name, re.sub(r"[._]\d+$", "", name)
-    return name
 
 
 def traced(step, x, n: int):
@@ -54,13 +43,13 @@ def traced(step, x, n: int):
         x = step(x)
     jax.block_until_ready(x)
     jax.profiler.stop_trace()
-    ev = json.load(gzip.open(glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)[0], "rt"))["traceEvents"]
+    ev = load_trace(find_trace_file(d))
     pids = {e["pid"]: e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu = [e for e in ev if e.get("ph") == "X" and "/device:GPU:0" in pids.get(e.get("pid"), "")]
     tot, cnt = collections.Counter(), collections.Counter()
     for e in gpu:
-        tot[norm(e["name"])] += e["dur"] / n
-        cnt[norm(e["name"])] += 1 / n
+        tot[normalise_kernel_name(e["name"])] += e["dur"] / n
+        cnt[normalise_kernel_name(e["name"])] += 1 / n
     return tot, cnt, x
 
 
