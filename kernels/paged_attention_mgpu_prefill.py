@@ -18,9 +18,17 @@ copies, waits for them and then computes; this one is for launches with many new
     and slot: a warpgroup that needs fewer tiles, the first one on the causal diagonal, stops
     releasing, and the memory warpgroup stops waiting for it, at the same tile).
   * A compute warpgroup runs the one-warpgroup kernel's loop over its own key range: ``S = Q K^T``
-    (wgmma), the online softmax in fp32, base 2, and ``P V`` with ``P`` from registers on the GPU
-    (the interpreter takes wgmma operands from shared memory only, so there ``P`` goes through a
-    shared-memory tile). Tiles before the warpgroup's first query position take the unmasked path.
+    (wgmma), the online softmax in fp32, base 2 (``exp2`` as the approximate, flush-to-zero
+    instruction), and ``P V`` with ``P`` from registers on the GPU (the interpreter takes wgmma
+    operands from shared memory only, so there ``P`` goes through a shared-memory tile). Tiles before
+    the warpgroup's first query position take the unmasked path.
+  * The two compute warpgroups take turns on the tensor cores (FA3's ping-pong, in the form of jax's
+    ``attention_mgpu``): a ``schedule`` barrier both arrive at twice a tile, once after issuing
+    ``Q K^T`` and once after the softmax, with warpgroup 1 a turn behind, so one warpgroup's softmax
+    runs while the other's matrix products do. The output's rescale and ``P``'s conversion to bf16 are
+    part of the softmax turn, held there by an ``optimization_barrier`` (turns without that ordering
+    timed the same as none). A warpgroup whose keys end a tile
+    before its partner's still takes its turns for that tile, so both meet the barrier equally often.
   * Stale values: TMA copies whole pool blocks, so the tile holding the pair's last key may carry
     stale (NaN) values after it, and ``P = 0`` times NaN is NaN. The warpgroup holding the pair's
     last token zeroes them in shared memory and signals ``zeroed``; the other warpgroup, where its
@@ -76,10 +84,14 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
     from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, _MASKED
 
     if p_in_registers:
-        q_bar, k_bar, v_bar, k_free, v_free, zeroed = refs
+        q_bar, k_bar, v_bar, k_free, v_free, zeroed, schedule = refs
         p_smem = None
     else:
-        p_smem, q_bar, k_bar, v_bar, k_free, v_free, zeroed = refs
+        p_smem, q_bar, k_bar, v_bar, k_free, v_free, zeroed, schedule = refs
+
+    def rendezvous():
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
     head_dim = q_smem.shape[-1]
     num_rows = q_ref.shape[3]
     width = tables_ref.shape[1]
@@ -153,6 +165,7 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
+                    rendezvous()  # the other warpgroup's turn on the tensor cores
                     return acc_ref[...]
 
                 with jax.named_scope("qk"):
@@ -169,7 +182,12 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
                     m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
                     alpha = jnp.exp2(m_i - m_new)
                     p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                     l_new = l_i * alpha + p.sum(axis=1)
+                    if p_in_registers:
+                        p16 = p.astype(v_smem.dtype)
+                        acc, l_new, m_new, p16 = lax.optimization_barrier((acc, l_new, m_new, p16))
+                plgpu.barrier_arrive(schedule)  # done with the softmax
                 with jax.named_scope("wait_v"):
                     plgpu.barrier_wait(v_bar.at[slot])
                 if masked:
@@ -185,8 +203,9 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
 
                 if masked:
                     pl.when(jnp.logical_and(last, wg != owner))(lambda: plgpu.barrier_wait(zeroed))
+                plgpu.barrier_wait(schedule)  # the tensor cores are free
                 if p_in_registers:
-                    p_op = p.astype(v_smem.dtype)
+                    p_op = p16
                 else:
                     p_op = p_smem.at[wg]
                     p_op[...] = p.astype(p_smem.dtype)
@@ -198,7 +217,6 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
                         return acc_ref[...]
 
                 with jax.named_scope("pv"):
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                     if p_in_registers:  # the wgmma accumulates into the rescaled output in place
                         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                     else:  # (the interpreter does not run an accumulator initialised from registers)
@@ -212,8 +230,16 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
                 plgpu.layout_cast(jnp.full((BLOCK_M,), _MASKED, jnp.float32), rows),
                 plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), rows),
             )
+            pl.when(wg == 1)(rendezvous)  # warpgroup 1 starts a turn behind
             carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
             acc, _, l_i = lax.fori_loop(n_full, hi, functools.partial(step, masked=True), carry)
+
+            @pl.loop(hi, num_kv)
+            def _idle_steps(t):  # a warpgroup whose keys end a tile early keeps the turns paired
+                rendezvous()
+                rendezvous()
+
+            pl.when(wg == 0)(rendezvous)
             out = acc / lax.broadcast_in_dim(jnp.where(l_i > 0, l_i, 1.0), acc.shape, [0])
             q_tile[...] = out.astype(q_smem.dtype)  # Q is done
             plgpu.commit_smem()
@@ -286,11 +312,13 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
             plgpu.Barrier(num_arrivals=1, num_barriers=NUM_COMPUTE * num_slots),
             plgpu.Barrier(num_arrivals=1, num_barriers=NUM_COMPUTE * num_slots),
             plgpu.Barrier(num_arrivals=1),
+            plgpu.Barrier(num_arrivals=NUM_COMPUTE),
         ],
         grid=(num_tiles, num_kv_heads),  # the last axis varies fastest: a tile's KV heads run side by side
         grid_names=("tile", "kv_head"),
         num_threads=NUM_COMPUTE + 1,
         thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),  # exp2 as ex2.approx.ftz: no denormal fix-up
         interpret=interpret,
     )
     order = launch_order(meta, num_kv_heads, interpret)

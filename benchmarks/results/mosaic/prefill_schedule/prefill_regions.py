@@ -5,14 +5,18 @@ The kernel names its phases with ``jax.named_scope`` (compute warpgroups: ``wait
 Mosaic GPU records each phase's start and end per warpgroup in a buffer and writes a trace after the
 call. One causal sequence of ``TOKENS`` new tokens (block 16, Hq 16 / Hkv 8 / D 128, bf16), the profiled
 kernel run once after an unprofiled warm-up; per warpgroup role, each phase's share of the
-warpgroup's time from its first event to its last (summed over programs), and the spans. Times are the
-SM's clock cycles (the profiler reads ``%clock``), shown in thousands.
+warpgroup's time from its first event to its last (summed over programs), and the spans. The trace's
+times are microseconds (the profiler reads the GPU's global timer); the logs beside this script, run
+before that was read right, label them "thousand cycles". Also per step: each phase's mean time, the
+step period, and how the two compute warpgroups of a program line up (``TRACE_COPY=path`` keeps the
+raw trace).
 From the repository root, on a Hopper GPU:
 
     python3 benchmarks/results/mosaic/prefill_schedule/prefill_regions.py [TOKENS, default 4096]
 
-Checked so far by lowering the profiled kernel for sm_90a on a CPU (the kernel lowers; the trace's
-callback needs the GPU); no GPU has run it yet.
+Run on an H100 (2026-12-05, the kernel before its warpgroups took turns): ``prefill_regions_4096.log``,
+``prefill_regions_8192.log``. Recording the phases slows the kernel (a program's span in the trace is
+~1.4x its share of the unprofiled launch), so the shares, not the times, are the result.
 """
 import collections
 import glob
@@ -73,6 +77,9 @@ def main():
           f"written after the first call)", flush=True)
     files = glob.glob(os.path.join(d, "*.json"))
     events = json.load(open(files[0]))["traceEvents"]
+    if os.environ.get("TRACE_COPY"):  # keep the raw trace (for reading it again off the GPU)
+        import shutil
+        shutil.copy(files[0], os.environ["TRACE_COPY"])
     by_trace = collections.defaultdict(list)
     for e in events:
         by_trace[e["tid"]].append(e)
@@ -95,13 +102,47 @@ def main():
             continue
         n = len(spans[role])
         print(f"\n{role} warpgroups: {n}, first-to-last event span per warpgroup mean "
-              f"{np.mean(spans[role]):.1f}, max {np.max(spans[role]):.1f} thousand cycles")
-        print("| phase | share of the span | thousand cycles per warpgroup |")
+              f"{np.mean(spans[role]):.1f}, max {np.max(spans[role]):.1f} us")
+        print("| phase | share of the span | us per warpgroup |")
         print("| --- | --- | --- |")
         for name, c in totals[role].most_common():
             print(f"| {name}{'' if name in phases[role] else ' (not a phase)'} | {100 * c / whole:.1f}% | {c / n:.1f} |")
         rest = whole - sum(totals[role][name] for name in phases[role])
         print(f"| (outside the phases) | {100 * rest / whole:.1f}% | {rest / n:.1f} |")
+    pairing(events)
+
+
+def pairing(events):
+    """Per compute step: each phase's mean time, the step period (one ``qk`` start to the next), and
+    how a program's two compute warpgroups line up: the share of a ``qk`` (``softmax``) phase that the
+    partner's ``qk`` (``softmax``) overlaps, and the offset between their ``qk`` starts. Traces
+    ``3p + 1`` and ``3p + 2`` are program ``p``'s compute warpgroups."""
+    intervals = collections.defaultdict(lambda: collections.defaultdict(list))
+    open_at = {}
+    for e in events:
+        key = (e["tid"], e["name"])
+        if e["ph"] == "B":
+            open_at[key] = e["ts"]
+        elif key in open_at:
+            intervals[e["tid"]][e["name"]].append((open_at.pop(key), e["ts"]))
+    print("\ncompute steps, mean us:", ", ".join(
+        f"{ph} {np.mean([b - a for iv in intervals.values() for a, b in iv.get(ph, [])]):.3f}"
+        for ph in ("wait_k", "qk", "softmax", "wait_v", "pv")),
+          f"; step period {np.mean([d for iv in intervals.values() for d in np.diff([a for a, _ in iv.get('qk', [])])]):.3f}")
+    overlap = {"qk": [], "softmax": []}
+    offsets = []
+    for tid, a in intervals.items():
+        b = intervals.get(tid + 1, {})
+        if tid % 3 != 1 or "qk" not in a or "qk" not in b:
+            continue
+        for i in range(min(len(a["qk"]), len(b["qk"]))):
+            offsets.append(b["qk"][i][0] - a["qk"][i][0])
+            for ph, shares in overlap.items():
+                (x0, x1), (y0, y1) = a[ph][i], b[ph][i]
+                shares.append(max(0.0, min(x1, y1) - max(x0, y0)) / max(x1 - x0, 1e-9))
+    print(f"partner overlap: qk {np.mean(overlap['qk']):.2f}, softmax {np.mean(overlap['softmax']):.2f}; "
+          f"partner's qk start minus this one's, us: median {np.median(offsets):.3f}, "
+          f"p10 {np.percentile(offsets, 10):.3f}, p90 {np.percentile(offsets, 90):.3f}")
 
 
 if __name__ == "__main__":
