@@ -79,13 +79,16 @@ def test_prefill_and_mixed_batches(case):
 # The warp-specialised prefill kernel (what a non-decode launch runs by default): tile pairs whose
 # second warpgroup owns no token, one token or a full tile; the pair's last key in the middle of a
 # KV tile (stale values zeroed by the owning warpgroup while the other waits) or at its end; prefix
-# hits; KV tiles of 64 and 128 keys over 1-3 slots.
+# hits; a first warpgroup whose keys end a tile early; KV tiles of 64 and 128 keys over 1-3 slots.
 PREFILL = [
     # (q_lens, kv_lens, bs, hq, hkv, d, dtype, kernel kwargs)
     ([70, 33, 64], [70, 100, 64], 16, 4, 2, 64, jnp.bfloat16, {}),  # G=2: pairs of 64 tokens
     ([150, 1, 40], [150, 9, 300], 16, 4, 2, 64, jnp.float32, dict(block_kv=128, num_slots=3)),
     ([129, 7], [200, 7], 32, 2, 2, 128, jnp.bfloat16, dict(num_slots=1)),  # G=1: pairs of 128 tokens
     ([20, 3], [84, 3], 8, 6, 2, 64, jnp.float32, dict(block_kv=64)),  # G=3: 21 tokens a warpgroup
+    # After a 96-token prefix, the first warpgroup's keys end a KV tile before the second's: it keeps
+    # taking its turns on the tensor cores (``schedule`` barrier) for that tile without reading it.
+    ([64, 50], [160, 96], 16, 4, 2, 64, jnp.bfloat16, dict(block_kv=64)),
 ]
 
 
