@@ -27,8 +27,8 @@ copies, waits for them and then computes; this one is for launches with many new
     ``Q K^T`` and once after the softmax, with warpgroup 1 a turn behind, so one warpgroup's softmax
     runs while the other's matrix products do. The output's rescale and ``P``'s conversion to bf16 are
     part of the softmax turn, held there by an ``optimization_barrier`` (turns without that ordering
-    timed the same as none). A warpgroup whose keys end a tile
-    before its partner's still takes its turns for that tile, so both meet the barrier equally often.
+    timed the same as none). A warpgroup whose keys end a tile before its partner's still takes its
+    turns for that tile, so both meet the barrier equally often.
   * Stale values: TMA copies whole pool blocks, so the tile holding the pair's last key may carry
     stale (NaN) values after it, and ``P = 0`` times NaN is NaN. The warpgroup holding the pair's
     last token zeroes them in shared memory and signals ``zeroed``; the other warpgroup, where its
@@ -80,7 +80,8 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
     ``R <= 64`` rows). Shared memory: ``q_smem [2, 64, D]``, ``k_smem/v_smem [slots, block_kv, D]``,
     in the interpreter ``p_smem [2, 64, block_kv]``; barriers
     ``q_bar[2]``, ``k_bar/v_bar[slots]`` (copies landed), ``k_free/v_free[2 * slots]`` (warpgroup ``w``
-    released slot ``s``: index ``w * slots + s``), ``zeroed`` (the last tile's stale values are zero)."""
+    released slot ``s``: index ``w * slots + s``), ``zeroed`` (the last tile's stale values are zero),
+    ``schedule`` (the compute warpgroups' turns, two arrivals a phase)."""
     from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, _MASKED
 
     if p_in_registers:
@@ -92,6 +93,7 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
     def rendezvous():
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
+
     head_dim = q_smem.shape[-1]
     num_rows = q_ref.shape[3]
     width = tables_ref.shape[1]
