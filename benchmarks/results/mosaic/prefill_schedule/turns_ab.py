@@ -2,7 +2,8 @@
 before its compute warpgroups took turns on the tensor cores ("base", the kernel at 54b2272) against
 the kernel with the turns ("sched"; "sched_approx" is the engine's kernel as it is), with and without
 the approximate exp2 (``approx_math``), and with 240/24 registers for the compute/memory warpgroups
-instead of 232/40; also FA3's intra-warpgroup overlap ("ov", see intra_wg_overlap.py). Each variant is timed twice,
+instead of 232/40; also FA3's intra-warpgroup overlap ("ov", see intra_wg_overlap.py), and "ahead": a turn
+issues ``P V`` of tile t and ``Q K^T`` of tile t+1 back to back (``pv_qk_back_to_back.patch``). Each variant is timed twice,
 interleaved; the table gives the better of the two, and the max abs error against cuDNN. Causal, one
 sequence, Hq 16 / Hkv 8 / D 128, bf16, pool blocks of 16 tokens in random order, NaN in unused blocks.
 
@@ -11,7 +12,9 @@ inputs only and failed on these bf16 ones ("FAIL jax_fa3"); this script leaves i
 
 From the repository root, on a Hopper GPU:
   git show 54b2272:kernels/paged_attention_mgpu_prefill.py > benchmarks/results/mosaic/prefill_schedule/base_kernel.py
-  (for the overlap variants, intra_wg_overlap_kernel.py as intra_wg_overlap.py says)
+  (for the overlap variants, intra_wg_overlap_kernel.py as intra_wg_overlap.py says; for "ahead":
+  cp kernels/paged_attention_mgpu_prefill.py benchmarks/results/mosaic/prefill_schedule/pv_qk_back_to_back_kernel.py
+  and patch that file with pv_qk_back_to_back.patch, over the kernel at cccdf05)
   python3 benchmarks/results/mosaic/prefill_schedule/turns_ab.py [TOKENS,...] [VARIANT,...]
 """
 import importlib
@@ -42,6 +45,8 @@ VARIANTS = {  # name (as in the logs): (module, compute registers, memory regist
     "sched": (turns_mod, 232, 40, False),
     "sched_approx": (turns_mod, 232, 40, True),  # the engine's kernel as it is
     "sched_240": (turns_mod, 240, 24, False),
+    "ahead": ("pv_qk_back_to_back_kernel", 232, 40, True),
+    "ahead_240": ("pv_qk_back_to_back_kernel", 240, 24, True),
 }
 if len(sys.argv) > 2:
     VARIANTS = {k: VARIANTS[k] for k in sys.argv[2].split(",")}
