@@ -8,15 +8,22 @@ kernel gives each program one warpgroup and 64 query rows, and the warpgroup its
 copies, waits for them and then computes; this one is for launches with many new tokens a sequence
 (prefill, chunked prefill, prefix hits), where a program's arithmetic, not its reads, sets the pace:
 
-  * A program owns a *pair* of query tiles of one sequence for one KV head: ``2 * block_q`` tokens
+  * A work item is a *pair* of query tiles of one sequence for one KV head: ``2 * block_q`` tokens
     (``block_q = 64 // G``), the first ``block_q`` in compute warpgroup 0's 64 rows, the next in
     warpgroup 1's. Both read the same K/V tiles from shared memory, so a tile copied once serves 128
     query rows (half the copies a query row needs in the one-warpgroup kernel).
+  * The launch is persistent: a program an SM, each taking its items in turn
+    (:func:`program_items`), so one item's first copies (its Q tiles, its first K/V tiles) land while
+    the item before it still computes, and no SM waits for a program to end and the next to start.
+    Against a program an item: 0.96-0.97x the time at 4k-8k tokens, 0.99x at 16k (H100,
+    ``benchmarks/RESULTS.md``). An item's Q tiles go into one of two buffers, its output over them.
   * Warpgroup 2 (the memory warpgroup, its registers handed to the compute warpgroups with
     ``set_max_registers``) issues each K/V tile's TMA copies, one per pool block, as soon as both
     compute warpgroups have released the slot the tile goes to (a ``*_free`` barrier per warpgroup
-    and slot: a warpgroup that needs fewer tiles, the first one on the causal diagonal, stops
-    releasing, and the memory warpgroup stops waiting for it, at the same tile).
+    and slot; the slots turn over the program's tiles of all its items). A warpgroup that needs
+    fewer tiles than its partner (the first one on the causal diagonal) still waits for and releases
+    the rest, without reading them: each thread counts a barrier's phases for itself, so it has to
+    see every phase to stay in step over the items.
   * A compute warpgroup runs the one-warpgroup kernel's loop over its own key range: ``S = Q K^T``
     (wgmma), the online softmax in fp32, base 2 (``exp2`` as the approximate, flush-to-zero
     instruction), and ``P V`` with ``P`` from registers on the GPU (the interpreter takes wgmma
@@ -31,11 +38,11 @@ copies, waits for them and then computes; this one is for launches with many new
     turns for that tile, so both meet the barrier equally often.
   * Stale values: TMA copies whole pool blocks, so the tile holding the pair's last key may carry
     stale (NaN) values after it, and ``P = 0`` times NaN is NaN. The warpgroup holding the pair's
-    last token zeroes them in shared memory and signals ``zeroed``; the other warpgroup, where its
-    keys reach that tile, waits for that signal before its ``P V``. Keys are only ever selected
-    away (``-inf`` scores), never multiplied.
-  * Programs start with the tile pairs that read the most keys (:func:`launch_order`): in tile order
-    a causal prefill's longest tiles ran in the last wave.
+    last token zeroes them in shared memory and signals on its own ``zeroed`` barrier; the other
+    warpgroup waits for that signal before its ``P V`` (or, where its keys end earlier, after its
+    turns for that tile). Keys are only ever selected away (``-inf`` scores), never multiplied.
+  * Items are taken longest first (:func:`launch_order`): in tile order a causal prefill's longest
+    tiles ran in the last wave.
   * Each phase of a step is a ``jax.named_scope`` (``wait_k``, ``qk``, ``softmax``, ``wait_v``, ``pv``;
     the memory warpgroup's ``wait_free``), which Mosaic GPU's profiler records per warpgroup when a
     launch sets ``profile_space`` (``benchmarks/results/mosaic/prefill_schedule/prefill_regions.py``).
@@ -62,26 +69,48 @@ from jaxpaged.kernels.shapes import num_cores
 
 NUM_COMPUTE = 2  # compute warpgroups a program; warpgroup NUM_COMPUTE issues the copies
 COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40  # per thread: 2 x 128 x 232 + 128 x 40 <= 64K registers
+INTERPRET_PROGRAMS = 2  # programs of an interpreted launch (each takes several items)
 
 
 def prefill_smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype, p_in_smem: bool) -> int:
-    """Shared memory of one program: two Q (later output) tiles, ``num_slots`` K and V tiles, and in the
-    interpreter the two warpgroups' P tiles."""
+    """Shared memory of one program: two buffers of two Q (later output) tiles, ``num_slots`` K and V
+    tiles, and in the interpreter the two warpgroups' P tiles."""
     rows = NUM_COMPUTE * 64
-    return (rows * head_dim + 2 * num_slots * block_kv * head_dim + rows * block_kv * p_in_smem) * jnp.dtype(dtype).itemsize
+    return (2 * rows * head_dim + 2 * num_slots * block_kv * head_dim + rows * block_kv * p_in_smem) * jnp.dtype(dtype).itemsize
+
+
+def program_items(num_items: int, num_programs: int, prog):
+    """Program ``prog``'s share of a persistent launch: how many work items it takes, and the rank (in
+    :func:`launch_order`) of its ``j``-th. Wave ``j`` hands ranks ``j * P .. (j + 1) * P - 1`` to the
+    ``P`` programs, in program order on even waves and reversed on odd ones, so a program that drew a
+    long item in one wave draws a short one in the next (the ranks fall with the work). Static
+    round-robin, not a queue: Hopper has no launch-cancel to hand out work as programs finish."""
+    full, rest = divmod(num_items, num_programs)
+
+    def rank(j):
+        return j * num_programs + jnp.where(lax.rem(j, 2) == 0, prog, num_programs - 1 - prog)
+
+    count = full + (rank(full) < num_items).astype(jnp.int32) if rest else jnp.int32(full)
+    return count, rank
 
 
 def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, q_smem, k_smem,
                     v_smem, *refs, scale_log2: float, group: int, block_q: int, block_kv: int, block_size: int,
-                    num_slots: int, p_in_registers: bool):
-    """One program: KV head ``axis_index("kv_head")``, tile pair ``order_ref[axis_index("tile")]``
-    (:func:`launch_order`), warpgroup ``axis_index("wg")``. GMEM refs as in the one-warpgroup kernel
-    (and ``order_ref i32[tiles]``), with queries and outputs ``[Hkv, tiles, 2, R, D]`` (a warpgroup's
-    ``R <= 64`` rows). Shared memory: ``q_smem [2, 64, D]``, ``k_smem/v_smem [slots, block_kv, D]``,
-    in the interpreter ``p_smem [2, 64, block_kv]``; barriers
-    ``q_bar[2]``, ``k_bar/v_bar[slots]`` (copies landed), ``k_free/v_free[2 * slots]`` (warpgroup ``w``
-    released slot ``s``: index ``w * slots + s``), ``zeroed`` (the last tile's stale values are zero),
-    ``schedule`` (the compute warpgroups' turns, two arrivals a phase)."""
+                    num_slots: int, p_in_registers: bool, num_items: int, num_programs: int):
+    """One program of a persistent launch: work items (tile pair, KV head) of ranks
+    :func:`program_items` (a rank ``r`` is tile pair ``order_ref[r // Hkv]``, KV head ``r % Hkv``),
+    warpgroup ``axis_index("wg")``. GMEM refs as in the one-warpgroup kernel (and ``order_ref
+    i32[tiles]``), with queries and outputs ``[Hkv, tiles, 2, R, D]`` (a warpgroup's ``R <= 64`` rows).
+    Shared memory: ``q_smem [2, 2, 64, D]`` (an item's Q tiles in buffer ``j % 2``, its outputs
+    written over them), ``k_smem/v_smem [slots, block_kv, D]`` (a program's ``n``-th K/V tile, over
+    all its items, in slot ``n % slots``), in the interpreter ``p_smem [2, 64, block_kv]``; barriers
+    ``q_bar[2 * 2]`` (buffer ``b``'s Q tile of warpgroup ``w`` landed: ``b * 2 + w``), ``k_bar/v_bar[slots]``
+    (copies landed), ``k_free/v_free[2 * slots]`` (warpgroup ``w`` released slot ``s``: ``w * slots + s``),
+    ``zeroed[2]`` (the last tile's stale values are zero, signalled by the warpgroup ``w`` holding the
+    pair's last token on ``zeroed[w]``), ``schedule`` (the compute warpgroups' turns,
+    two arrivals a phase). Every compute warpgroup waits for and releases every tile of an item, the
+    ones past its keys too (their turns taken without reading them), so each barrier's phases, which
+    each thread counts for itself, stay in step over the items."""
     from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, _MASKED
 
     if p_in_registers:
@@ -95,34 +124,41 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
         plgpu.barrier_wait(schedule)
 
     head_dim = q_smem.shape[-1]
+    num_kv_heads = q_ref.shape[0]
     num_rows = q_ref.shape[3]
     width = tables_ref.shape[1]
     blocks_per_tile = block_kv // block_size
     wg = lax.axis_index("wg")
-    h = lax.axis_index("kv_head")
-    tile = order_ref[lax.axis_index("tile")]
-    seq = meta_ref[tile, 0]
-    pos0 = meta_ref[tile, 1]
-    kv_end = meta_ref[tile, 2]
-    num_kv = lax.div(kv_end + (block_kv - 1), block_kv)
-    tail = lax.rem(kv_end, block_kv) != 0  # the last tile holds keys at or past kv_end (maybe stale)
-    owner = (kv_end - pos0 > block_q).astype(jnp.int32)  # the warpgroup holding the pair's last token
+    layer = layer_ref[0]
+    my_items, rank = program_items(num_items, num_programs, lax.axis_index("program"))
 
-    def key_range(w):
+    def item(j):
+        """Item ``j`` of this program: its tile pair and KV head, sequence (-1: unowned), first query
+        position, keys, KV tiles, whether the last tile holds keys at or past ``kv_end`` (maybe
+        stale), and the warpgroup holding the pair's last token."""
+        r = jnp.minimum(rank(j), num_items - 1)  # (one past the last item is looked at, not taken)
+        tile = order_ref[lax.div(r, num_kv_heads)]
+        seq, pos0, kv_end = meta_ref[tile, 0], meta_ref[tile, 1], meta_ref[tile, 2]
+        num_kv = jnp.where(seq >= 0, lax.div(kv_end + (block_kv - 1), block_kv), 0)
+        tail = lax.rem(kv_end, block_kv) != 0
+        owner = (kv_end - pos0 > block_q).astype(jnp.int32)
+        return tile, lax.rem(r, num_kv_heads), seq, pos0, kv_end, num_kv, tail, owner
+
+    def key_range(w, pos0, kv_end):
         """Warpgroup ``w``'s first query position, one past its last, and its KV tiles ``[0, hi)``."""
         first = pos0 + w * block_q
         end = jnp.minimum(first + block_q, kv_end)
         hi = jnp.where(first < kv_end, lax.div(end + (block_kv - 1), block_kv), 0)
         return first, end, hi
 
-    @pl.when(seq >= 0)  # an unowned tile: nothing to do
-    def _owned_tile():
-        layer = layer_ref[0]
+    @pl.when(wg == NUM_COMPUTE)
+    def _memory_warpgroup():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-        @pl.when(wg == NUM_COMPUTE)
-        def _memory_warpgroup():
-            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-            his = [key_range(w)[2] for w in range(NUM_COMPUTE)]
+        def copy_item(j, n0):
+            """Issue item ``j``'s K/V tiles, its ``t``-th into slot ``(n0 + t) % slots`` once both compute
+            warpgroups have released that slot's previous tile."""
+            _, h, seq, _, _, num_kv, _, _ = item(j)
 
             def fetch(t, slot, which: int, bars):
                 for b in range(blocks_per_tile):
@@ -131,132 +167,169 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
                     dst = (k_smem if which == 0 else v_smem).at[slot, pl.ds(b * block_size, block_size)]
                     plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, :, which, h, :], dst, bars.at[slot])
 
-            for i in range(num_slots):
-                @pl.when(i < num_kv)
-                def _first_tiles():
-                    fetch(i, i, 0, k_bar)
-                    fetch(i, i, 1, v_bar)
-
-            @pl.loop(0, jnp.maximum(num_kv - num_slots, 0))
-            def _refill(t):
-                slot = lax.rem(t, num_slots)
+            @pl.loop(0, num_kv)
+            def _tiles(t):
+                n = n0 + t
+                slot = lax.rem(n, num_slots)
                 for free, which, bars in ((k_free, 0, k_bar), (v_free, 1, v_bar)):
                     with jax.named_scope("wait_free"):
-                        for w in range(NUM_COMPUTE):
-                            pl.when(t < his[w])(lambda w=w, free=free: plgpu.barrier_wait(free.at[w * num_slots + slot]))
-                    fetch(t + num_slots, slot, which, bars)
+                        @pl.when(n >= num_slots)
+                        def _slot_released():
+                            for w in range(NUM_COMPUTE):
+                                plgpu.barrier_wait(free.at[w * num_slots + slot])
+                    fetch(t, slot, which, bars)
 
-        @pl.when(wg < NUM_COMPUTE)
-        def _compute_warpgroup():
-            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-            first, end, hi = key_range(wg)
-            n_full = jnp.minimum(lax.div(first + 1, block_kv), hi)  # tiles every row sees entirely
-            q_tile = q_smem.at[wg]
-            q_rows = q_tile if num_rows == BLOCK_M else q_tile.at[pl.ds(0, num_rows)]
-            if num_rows < BLOCK_M:  # rows past R: zeros, not stale shared memory (their outputs are dropped)
-                q_tile[...] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), q_smem.dtype), plgpu.Layout.WGMMA)
-                plgpu.commit_smem()
-            plgpu.copy_gmem_to_smem(q_ref.at[h, tile, wg], q_rows, q_bar.at[wg])
-            plgpu.barrier_wait(q_bar.at[wg])
+            return n0 + num_kv
 
-            def step(t, carry, masked: bool):
-                acc, m_i, l_i = carry
-                slot = lax.rem(t, num_slots)
-                with jax.named_scope("wait_k"):
-                    plgpu.barrier_wait(k_bar.at[slot])
+        lax.fori_loop(0, my_items, copy_item, jnp.int32(0))
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
-                    rendezvous()  # the other warpgroup's turn on the tensor cores
-                    return acc_ref[...]
+    @pl.when(wg < NUM_COMPUTE)
+    def _compute_warpgroup():
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        if num_rows < BLOCK_M:  # rows past R: never copied into (their outputs are dropped)
+            for b in range(2):
+                q_smem[b, wg] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), q_smem.dtype), plgpu.Layout.WGMMA)
+            plgpu.commit_smem()
 
-                with jax.named_scope("qk"):
-                    s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, block_kv), jnp.float32))  # unscaled scores
-                plgpu.barrier_arrive(k_free.at[wg * num_slots + slot])
-                with jax.named_scope("softmax"):
-                    if masked:
-                        iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
-                        key = t * block_kv + iota((BLOCK_M, block_kv), 1)
-                        last_key = jnp.minimum(first + lax.div(iota((BLOCK_M, block_kv), 0), group), end - 1)
-                        s = jnp.where(key <= last_key, s, -jnp.inf)
-                    # The scale is applied to the row maxima and inside exp2's argument, where the multiply
-                    # and the subtraction fuse into one FMA a score (the maxima are the same: scale > 0).
-                    m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
-                    alpha = jnp.exp2(m_i - m_new)
-                    p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    l_new = l_i * alpha + p.sum(axis=1)
-                    if p_in_registers:
-                        p16 = p.astype(v_smem.dtype)
-                        acc, l_new, m_new, p16 = lax.optimization_barrier((acc, l_new, m_new, p16))
-                plgpu.barrier_arrive(schedule)  # done with the softmax
-                with jax.named_scope("wait_v"):
-                    plgpu.barrier_wait(v_bar.at[slot])
-                if masked:
-                    last = jnp.logical_and(t == num_kv - 1, tail)
+        def load_q(j):
+            """Issue item ``j``'s Q tile of this warpgroup into buffer ``j % 2``."""
+            tile, h, seq, *_ = item(j)
+            buf = lax.rem(j, 2)
 
-                    @pl.when(jnp.logical_and(last, wg == owner))
-                    def _zero_stale_values():
-                        v_key = t * block_kv + plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0,
-                                                                      layout=plgpu.Layout.WGMMA)
-                        v_smem[slot] = jnp.where(v_key < kv_end, v_smem[slot], jnp.zeros((), v_smem.dtype))
-                        plgpu.commit_smem()
-                        plgpu.barrier_arrive(zeroed)
+            @pl.when(jnp.logical_and(j < my_items, seq >= 0))
+            def _copy():
+                q_buf = q_smem.at[buf, wg]
+                q_rows = q_buf if num_rows == BLOCK_M else q_buf.at[pl.ds(0, num_rows)]
+                plgpu.copy_gmem_to_smem(q_ref.at[h, tile, wg], q_rows, q_bar.at[buf * NUM_COMPUTE + wg])
 
-                if masked:
-                    pl.when(jnp.logical_and(last, wg != owner))(lambda: plgpu.barrier_wait(zeroed))
-                plgpu.barrier_wait(schedule)  # the tensor cores are free
-                if p_in_registers:
-                    p_op = p16
-                else:
-                    p_op = p_smem.at[wg]
-                    p_op[...] = p.astype(p_smem.dtype)
-                    plgpu.commit_smem()
+        load_q(jnp.int32(0))
 
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_op, v_smem.at[slot])
-                    if not p_in_registers:
+        def compute_item(j, n0):
+            """Item ``j``, its ``t``-th K/V tile in slot ``(n0 + t) % slots``; its output written over its Q
+            tile and stored. Item ``j + 1``'s Q is copied into the other buffer meanwhile."""
+            tile, h, seq, pos0, kv_end, num_kv, tail, owner = item(j)
+            load_q(j + 1)  # its buffer held item j - 1, whose output store has read it
+
+            @pl.when(seq >= 0)
+            def _owned_tile():
+                buf = lax.rem(j, 2)
+                first, end, hi = key_range(wg, pos0, kv_end)
+                n_full = jnp.minimum(lax.div(first + 1, block_kv), hi)  # tiles every row sees entirely
+                q_tile = q_smem.at[buf, wg]
+                q_rows = q_tile if num_rows == BLOCK_M else q_tile.at[pl.ds(0, num_rows)]
+                plgpu.barrier_wait(q_bar.at[buf * NUM_COMPUTE + wg])
+
+                def step(t, carry, masked: bool):
+                    acc, m_i, l_i = carry
+                    slot = lax.rem(n0 + t, num_slots)
+                    with jax.named_scope("wait_k"):
+                        plgpu.barrier_wait(k_bar.at[slot])
+
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
+                        rendezvous()  # the other warpgroup's turn on the tensor cores
                         return acc_ref[...]
 
-                with jax.named_scope("pv"):
-                    if p_in_registers:  # the wgmma accumulates into the rescaled output in place
-                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                    else:  # (the interpreter does not run an accumulator initialised from registers)
-                        acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
-                plgpu.barrier_arrive(v_free.at[wg * num_slots + slot])
-                return acc, m_new, l_new
+                    with jax.named_scope("qk"):
+                        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, block_kv), jnp.float32))  # unscaled scores
+                    plgpu.barrier_arrive(k_free.at[wg * num_slots + slot])
+                    with jax.named_scope("softmax"):
+                        if masked:
+                            iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
+                            key = t * block_kv + iota((BLOCK_M, block_kv), 1)
+                            last_key = jnp.minimum(first + lax.div(iota((BLOCK_M, block_kv), 0), group), end - 1)
+                            s = jnp.where(key <= last_key, s, -jnp.inf)
+                        # The scale is applied to the row maxima and inside exp2's argument, where the multiply
+                        # and the subtraction fuse into one FMA a score (the maxima are the same: scale > 0).
+                        m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
+                        alpha = jnp.exp2(m_i - m_new)
+                        p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                        l_new = l_i * alpha + p.sum(axis=1)
+                        if p_in_registers:
+                            p16 = p.astype(v_smem.dtype)
+                            acc, l_new, m_new, p16 = lax.optimization_barrier((acc, l_new, m_new, p16))
+                    plgpu.barrier_arrive(schedule)  # done with the softmax
+                    with jax.named_scope("wait_v"):
+                        plgpu.barrier_wait(v_bar.at[slot])
+                    if masked:
+                        last = jnp.logical_and(t == num_kv - 1, tail)
 
-            rows = plgpu.Layout.WGMMA.reduce(1)
-            carry = (
-                plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), jnp.float32), plgpu.Layout.WGMMA),
-                plgpu.layout_cast(jnp.full((BLOCK_M,), _MASKED, jnp.float32), rows),
-                plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), rows),
-            )
-            pl.when(wg == 1)(rendezvous)  # warpgroup 1 starts a turn behind
-            carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-            acc, _, l_i = lax.fori_loop(n_full, hi, functools.partial(step, masked=True), carry)
+                        @pl.when(jnp.logical_and(last, wg == owner))
+                        def _zero_stale_values():
+                            v_key = t * block_kv + plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0,
+                                                                          layout=plgpu.Layout.WGMMA)
+                            v_smem[slot] = jnp.where(v_key < kv_end, v_smem[slot], jnp.zeros((), v_smem.dtype))
+                            plgpu.commit_smem()
+                            plgpu.barrier_arrive(zeroed.at[owner])
 
-            @pl.loop(hi, num_kv)
-            def _idle_steps(t):  # a warpgroup whose keys end a tile early keeps the turns paired
-                rendezvous()
-                rendezvous()
+                        pl.when(jnp.logical_and(last, wg != owner))(lambda: plgpu.barrier_wait(zeroed.at[owner]))
+                    plgpu.barrier_wait(schedule)  # the tensor cores are free
+                    if p_in_registers:
+                        p_op = p16
+                    else:
+                        p_op = p_smem.at[wg]
+                        p_op[...] = p.astype(p_smem.dtype)
+                        plgpu.commit_smem()
 
-            pl.when(wg == 0)(rendezvous)
-            out = acc / lax.broadcast_in_dim(jnp.where(l_i > 0, l_i, 1.0), acc.shape, [0])
-            q_tile[...] = out.astype(q_smem.dtype)  # Q is done
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_rows, o_ref.at[h, tile, wg])
-            plgpu.wait_smem_to_gmem(0)
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p_op, v_smem.at[slot])
+                        if not p_in_registers:
+                            return acc_ref[...]
+
+                    with jax.named_scope("pv"):
+                        if p_in_registers:  # the wgmma accumulates into the rescaled output in place
+                            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                        else:  # (the interpreter does not run an accumulator initialised from registers)
+                            acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
+                    plgpu.barrier_arrive(v_free.at[wg * num_slots + slot])
+                    return acc, m_new, l_new
+
+                rows = plgpu.Layout.WGMMA.reduce(1)
+                carry = (
+                    plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+                    plgpu.layout_cast(jnp.full((BLOCK_M,), _MASKED, jnp.float32), rows),
+                    plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), rows),
+                )
+                pl.when(wg == 1)(rendezvous)  # warpgroup 1 starts a turn behind
+                carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+                acc, _, l_i = lax.fori_loop(n_full, hi, functools.partial(step, masked=True), carry)
+
+                @pl.loop(hi, num_kv)
+                def _idle_steps(t):
+                    """Tiles past this warpgroup's keys: the turns, the copies' and the zeroing's
+                    signals as if it read them, so every barrier's phases stay paired."""
+                    slot = lax.rem(n0 + t, num_slots)
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    plgpu.barrier_arrive(k_free.at[wg * num_slots + slot])
+                    rendezvous()
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    plgpu.barrier_arrive(v_free.at[wg * num_slots + slot])
+                    rendezvous()  # (the owner zeroes the last tile in its turn after this one)
+                    pl.when(jnp.logical_and(t == num_kv - 1, tail))(lambda: plgpu.barrier_wait(zeroed.at[owner]))
+
+                pl.when(wg == 0)(rendezvous)
+                out = acc / lax.broadcast_in_dim(jnp.where(l_i > 0, l_i, 1.0), acc.shape, [0])
+                q_tile[...] = out.astype(q_smem.dtype)  # Q is done
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_rows, o_ref.at[h, tile, wg])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer is free for item j + 2's Q
+
+            return n0 + num_kv
+
+        lax.fori_loop(0, my_items, compute_item, jnp.int32(0))
+        plgpu.wait_smem_to_gmem(0)
 
 
 def launch_order(meta: jax.Array, num_kv_heads: int, interpret) -> jax.Array:
-    """The tile pairs in the order their programs start (``meta`` from ``tile_layout``): the most
-    keys first (longest processing time first), unowned tiles last. A causal tile's work grows with
-    its ``kv_end``, and Pallas starts a grid's programs in index order, so in tile order a prefill's
-    longest tiles ran in the last wave with most SMs idle: 1.29x this order's time over 2,048 new
-    tokens, 1.43x in a ragged step of mixed lengths and prefixes (H200, ``benchmarks/RESULTS.md``).
+    """The tile pairs in the order the programs take them (``meta`` from ``tile_layout``; rank ``r``
+    is pair ``order[r // Hkv]``, KV head ``r % Hkv``): the most keys first (longest processing time
+    first), unowned tiles last. A causal tile's work grows with its ``kv_end``; in tile order a
+    prefill's longest tiles ran in the last wave with most SMs idle: 1.29x this order's time over
+    2,048 new tokens, 1.43x in a ragged step of mixed lengths and prefixes (H200, a program an item
+    then, ``benchmarks/RESULTS.md``).
 
-    On the GPU, launches of at most one program per SM keep tile order (they all start at once, and
+    On the GPU, launches of at most one item per SM keep tile order (they all start at once, and
     the sort costs a few microseconds); the interpreter always sorts, so the CPU tests run the
     reordered launch. (Decode launches, on the one-warpgroup kernel, need no sort: the engine orders a
     step's rows longest context first, docs/DECISIONS.md.)"""
@@ -295,29 +368,33 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
     dtype = kv_pool.dtype
     p_in_registers = interpret is None  # the interpreter's wgmma reads shared memory only
     scratch = [
-        plgpu.SMEM((NUM_COMPUTE, BLOCK_M, head_dim), dtype, transforms=_transforms(dtype)),
+        plgpu.SMEM((2, NUM_COMPUTE, BLOCK_M, head_dim), dtype, transforms=_transforms(dtype)),
         plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=_transforms(dtype)),
         plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=_transforms(dtype)),
     ]
     if not p_in_registers:
         scratch.append(plgpu.SMEM((NUM_COMPUTE, BLOCK_M, block_kv), dtype, transforms=_transforms(dtype)))
     per_tile = block_kv // block_size
+    num_items = num_tiles * num_kv_heads
+    # A program an SM, each looping over its items; in the interpreter a few, so that programs there
+    # take several items too.
+    num_programs = min(num_items, num_cores() if interpret is None else INTERPRET_PROGRAMS)
     kernel = plgpu.kernel(
         functools.partial(_prefill_kernel, scale_log2=scale * LOG2E, group=group, block_q=block_q,
                           block_kv=block_kv, block_size=block_size, num_slots=num_slots,
-                          p_in_registers=p_in_registers),
+                          p_in_registers=p_in_registers, num_items=num_items, num_programs=num_programs),
         out_type=jax.ShapeDtypeStruct((num_kv_heads, num_tiles, NUM_COMPUTE, rows, head_dim), q.dtype),
         scratch_types=scratch + [
+            plgpu.Barrier(num_arrivals=1, num_barriers=2 * NUM_COMPUTE),
+            plgpu.Barrier(num_arrivals=per_tile, num_barriers=num_slots),
+            plgpu.Barrier(num_arrivals=per_tile, num_barriers=num_slots),
+            plgpu.Barrier(num_arrivals=1, num_barriers=NUM_COMPUTE * num_slots),
+            plgpu.Barrier(num_arrivals=1, num_barriers=NUM_COMPUTE * num_slots),
             plgpu.Barrier(num_arrivals=1, num_barriers=NUM_COMPUTE),
-            plgpu.Barrier(num_arrivals=per_tile, num_barriers=num_slots),
-            plgpu.Barrier(num_arrivals=per_tile, num_barriers=num_slots),
-            plgpu.Barrier(num_arrivals=1, num_barriers=NUM_COMPUTE * num_slots),
-            plgpu.Barrier(num_arrivals=1, num_barriers=NUM_COMPUTE * num_slots),
-            plgpu.Barrier(num_arrivals=1),
             plgpu.Barrier(num_arrivals=NUM_COMPUTE),
         ],
-        grid=(num_tiles, num_kv_heads),  # the last axis varies fastest: a tile's KV heads run side by side
-        grid_names=("tile", "kv_head"),
+        grid=(num_programs,),
+        grid_names=("program",),
         num_threads=NUM_COMPUTE + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),  # exp2 as ex2.approx.ftz: no denormal fix-up

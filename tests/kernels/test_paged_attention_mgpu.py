@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu, tile_layout, token_layout
-from jaxpaged.kernels.paged_attention_mgpu_prefill import launch_order
+from jaxpaged.kernels.paged_attention_mgpu_prefill import launch_order, program_items
 from jaxpaged.kernels.kv_write import pool_from_caches
 from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
 from test_paged_attention import run_case as triton_run_case
@@ -80,6 +80,7 @@ def test_prefill_and_mixed_batches(case):
 # second warpgroup owns no token, one token or a full tile; the pair's last key in the middle of a
 # KV tile (stale values zeroed by the owning warpgroup while the other waits) or at its end; prefix
 # hits; a first warpgroup whose keys end a tile early; KV tiles of 64 and 128 keys over 1-3 slots.
+# The interpreter launches two programs, each taking several items in turn (the GPU: one an SM).
 PREFILL = [
     # (q_lens, kv_lens, bs, hq, hkv, d, dtype, kernel kwargs)
     ([70, 33, 64], [70, 100, 64], 16, 4, 2, 64, jnp.bfloat16, {}),  # G=2: pairs of 64 tokens
@@ -121,6 +122,20 @@ def test_prefill_launches_need_interpreter_threads(monkeypatch):
 
 def test_only_padding_and_empty_sequences():
     run_case(1, [0, 0], [5, 0], 8, 4, 2, 64, jnp.float32)
+
+
+@pytest.mark.parametrize("num_items,num_programs", [(1, 1), (5, 5), (7, 3), (12, 3), (2048, 132), (1000, 132)])
+def test_program_items(num_items, num_programs):
+    """The persistent prefill launch's programs take every item exactly once, in waves of ``P``
+    ranks, snaking (a program's ranks alternate between the front and the back of their waves)."""
+    taken = []
+    for prog in range(num_programs):
+        count, rank = program_items(num_items, num_programs, prog)
+        ranks = [int(rank(j)) for j in range(int(count))]
+        assert all(r // num_programs == j for j, r in enumerate(ranks))  # one a wave, in wave order
+        assert all(r % num_programs == (prog if j % 2 == 0 else num_programs - 1 - prog) for j, r in enumerate(ranks))
+        taken += ranks
+    assert sorted(taken) == list(range(num_items))
 
 
 def test_tile_layout():

@@ -1,6 +1,7 @@
 """Prefill A/B (one process, cuDNN's causal attention timed beside it): the warp-specialised kernel
 before its compute warpgroups took turns on the tensor cores ("base", the kernel at 54b2272) against
-the kernel with the turns ("sched"; "sched_approx" is the engine's kernel as it is), with and without
+the kernel with the turns ("sched"; "sched_approx" is the engine's kernel as it is, with its persistent
+launch; "turns_approx" the same kernel with a program an item, as at 62bfb36), with and without
 the approximate exp2 (``approx_math``), and with 240/24 registers for the compute/memory warpgroups
 instead of 232/40; also FA3's intra-warpgroup overlap ("ov", see intra_wg_overlap.py), and "ahead": a turn
 issues ``P V`` of tile t and ``Q K^T`` of tile t+1 back to back (``pv_qk_back_to_back.patch``). Each variant is timed twice,
@@ -12,9 +13,10 @@ inputs only and failed on these bf16 ones ("FAIL jax_fa3"); this script leaves i
 
 From the repository root, on a Hopper GPU:
   git show 54b2272:kernels/paged_attention_mgpu_prefill.py > benchmarks/results/mosaic/prefill_schedule/base_kernel.py
+  git show 62bfb36:kernels/paged_attention_mgpu_prefill.py > benchmarks/results/mosaic/prefill_schedule/turns_kernel.py
   (for the overlap variants, intra_wg_overlap_kernel.py as intra_wg_overlap.py says; for "ahead":
-  cp kernels/paged_attention_mgpu_prefill.py benchmarks/results/mosaic/prefill_schedule/pv_qk_back_to_back_kernel.py
-  and patch that file with pv_qk_back_to_back.patch, over the kernel at cccdf05)
+  git show cccdf05:kernels/paged_attention_mgpu_prefill.py > benchmarks/results/mosaic/prefill_schedule/pv_qk_back_to_back_kernel.py
+  and patch that file with pv_qk_back_to_back.patch)
   python3 benchmarks/results/mosaic/prefill_schedule/turns_ab.py [TOKENS,...] [VARIANT,...]
 """
 import importlib
@@ -45,6 +47,7 @@ VARIANTS = {  # name (as in the logs): (module, compute registers, memory regist
     "sched": (turns_mod, 232, 40, False),
     "sched_approx": (turns_mod, 232, 40, True),  # the engine's kernel as it is
     "sched_240": (turns_mod, 240, 24, False),
+    "turns_approx": ("turns_kernel", 232, 40, True),  # the kernel at 62bfb36 (one program a work item)
     "ahead": ("pv_qk_back_to_back_kernel", 232, 40, True),
     "ahead_240": ("pv_qk_back_to_back_kernel", 240, 24, True),
 }
