@@ -14,7 +14,7 @@ From the repository root, on a Hopper GPU:
 
     python3 benchmarks/results/mosaic/prefill_schedule/prefill_regions.py [TOKENS, default 4096]
 
-Run on an H100 (2026-12-05, the kernel before its warpgroups took turns): ``prefill_regions_4096.log``,
+Run on an H100 (2026-12-05, the kernel before its warpgroups took turns, a program an item): ``prefill_regions_4096.log``,
 ``prefill_regions_8192.log``. Recording the phases slows the kernel (a program's span in the trace is
 ~1.4x its share of the unprofiled launch), so the shares, not the times, are the result.
 """
@@ -38,7 +38,10 @@ from jaxpaged.kernels import paged_attention_mgpu_prefill as prefill  # noqa: E4
 
 TOKENS = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
 HQ, HKV, D, BS, BLOCK_KV = 16, 8, 128, 16, 128
-SPACE = 5 * (TOKENS // BLOCK_KV) + 64  # ranges a warpgroup records: 5 a KV tile, and slack
+# Ranges a warpgroup records: 5 a KV tile, over the items of a persistent program (at most ceil(items /
+# SMs), each of at most TOKENS / BLOCK_KV tiles), and slack.
+ITEMS = TOKENS // (2 * 64 // (HQ // HKV)) * HKV
+SPACE = 5 * -(-ITEMS // prefill.num_cores()) * (TOKENS // BLOCK_KV) + 64
 
 
 def run(profile_dir: str | None):
