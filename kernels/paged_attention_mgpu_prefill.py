@@ -186,7 +186,8 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
     @pl.when(wg < NUM_COMPUTE)
     def _compute_warpgroup():
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-        if num_rows < BLOCK_M:  # rows past R: never copied into (their outputs are dropped)
+        if num_rows < BLOCK_M:  # rows past R, never copied into: zeros, later an earlier item's (finite)
+            # output rows, not stale shared memory (their own outputs are dropped)
             for b in range(2):
                 q_smem[b, wg] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), q_smem.dtype), plgpu.Layout.WGMMA)
             plgpu.commit_smem()
