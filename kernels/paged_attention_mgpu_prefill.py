@@ -16,7 +16,8 @@ copies, waits for them and then computes; this one is for launches with many new
     (:func:`program_items`), so one item's first copies (its Q tiles, its first K/V tiles) land while
     the item before it still computes, and no SM waits for a program to end and the next to start.
     Against a program an item: 0.96-0.97x the time at 4k-8k tokens, 0.99x at 16k (H100,
-    ``benchmarks/RESULTS.md``). An item's Q tiles go into one of two buffers, its output over them.
+    ``benchmarks/RESULTS.md``). An item's Q tiles go into one of two buffers (one where shared memory
+    has no room for two: :func:`prefill_q_buffers`), its output over them.
   * Warpgroup 2 (the memory warpgroup, its registers handed to the compute warpgroups with
     ``set_max_registers``) issues each K/V tile's TMA copies, one per pool block, as soon as both
     compute warpgroups have released the slot the tile goes to (a ``*_free`` barrier per warpgroup
@@ -72,11 +73,23 @@ COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40  # per thread: 2 x 128 x 232 + 128
 INTERPRET_PROGRAMS = 2  # programs of an interpreted launch (each takes several items)
 
 
-def prefill_smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype, p_in_smem: bool) -> int:
-    """Shared memory of one program: two buffers of two Q (later output) tiles, ``num_slots`` K and V
-    tiles, and in the interpreter the two warpgroups' P tiles."""
+def prefill_smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype, p_in_smem: bool,
+                       q_buffers: int = 1) -> int:
+    """Shared memory of one program: ``q_buffers`` buffers of two Q (later output) tiles, ``num_slots``
+    K and V tiles, and in the interpreter the two warpgroups' P tiles."""
     rows = NUM_COMPUTE * 64
-    return (2 * rows * head_dim + 2 * num_slots * block_kv * head_dim + rows * block_kv * p_in_smem) * jnp.dtype(dtype).itemsize
+    return (q_buffers * rows * head_dim + 2 * num_slots * block_kv * head_dim
+            + rows * block_kv * p_in_smem) * jnp.dtype(dtype).itemsize
+
+
+def prefill_q_buffers(head_dim: int, block_kv: int, num_slots: int, dtype) -> int:
+    """Two Q buffers (the next item's Q copied while this one computes) where a Hopper block's shared
+    memory holds them beside the K/V slots, else one (the next item's Q copied when this one's output
+    is stored): at head_dim 128, 3 slots of 128 keys or 2 of 192 leave room for one. The same count
+    in the interpreter, so the CPU tests run the GPU's choice."""
+    from jaxpaged.kernels.paged_attention_mgpu import SMEM_BYTES
+
+    return 2 if prefill_smem_bytes(head_dim, block_kv, num_slots, dtype, False, q_buffers=2) <= SMEM_BYTES else 1
 
 
 def program_items(num_items: int, num_programs: int, prog):
@@ -96,15 +109,15 @@ def program_items(num_items: int, num_programs: int, prog):
 
 def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, q_smem, k_smem,
                     v_smem, *refs, scale_log2: float, group: int, block_q: int, block_kv: int, block_size: int,
-                    num_slots: int, p_in_registers: bool, num_items: int, num_programs: int):
+                    num_slots: int, p_in_registers: bool, num_items: int, num_programs: int, q_buffers: int):
     """One program of a persistent launch: work items (tile pair, KV head) of ranks
     :func:`program_items` (a rank ``r`` is tile pair ``order_ref[r // Hkv]``, KV head ``r % Hkv``),
     warpgroup ``axis_index("wg")``. GMEM refs as in the one-warpgroup kernel (and ``order_ref
     i32[tiles]``), with queries and outputs ``[Hkv, tiles, 2, R, D]`` (a warpgroup's ``R <= 64`` rows).
-    Shared memory: ``q_smem [2, 2, 64, D]`` (an item's Q tiles in buffer ``j % 2``, its outputs
-    written over them), ``k_smem/v_smem [slots, block_kv, D]`` (a program's ``n``-th K/V tile, over
+    Shared memory: ``q_smem [B, 2, 64, D]`` (``B = q_buffers``: item ``j``'s Q tiles in buffer
+    ``j % B``, its outputs written over them), ``k_smem/v_smem [slots, block_kv, D]`` (a program's ``n``-th K/V tile, over
     all its items, in slot ``n % slots``), in the interpreter ``p_smem [2, 64, block_kv]``; barriers
-    ``q_bar[2 * 2]`` (buffer ``b``'s Q tile of warpgroup ``w`` landed: ``b * 2 + w``), ``k_bar/v_bar[slots]``
+    ``q_bar[B * 2]`` (buffer ``b``'s Q tile of warpgroup ``w`` landed: ``b * 2 + w``), ``k_bar/v_bar[slots]``
     (copies landed), ``k_free/v_free[2 * slots]`` (warpgroup ``w`` released slot ``s``: ``w * slots + s``),
     ``zeroed[2]`` (the last tile's stale values are zero, signalled by the warpgroup ``w`` holding the
     pair's last token on ``zeroed[w]``), ``schedule`` (the compute warpgroups' turns,
@@ -186,16 +199,16 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
     @pl.when(wg < NUM_COMPUTE)
     def _compute_warpgroup():
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-        if num_rows < BLOCK_M:  # rows past R, never copied into: zeros, later an earlier item's (finite)
-            # output rows, not stale shared memory (their own outputs are dropped)
-            for b in range(2):
+        if num_rows < BLOCK_M:  # rows past R, never copied into: zeros, not uninitialised shared memory
+            # (later an earlier item's output rows; rows are independent, and theirs are dropped)
+            for b in range(q_buffers):
                 q_smem[b, wg] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), q_smem.dtype), plgpu.Layout.WGMMA)
             plgpu.commit_smem()
 
         def load_q(j):
-            """Issue item ``j``'s Q tile of this warpgroup into buffer ``j % 2``."""
+            """Issue item ``j``'s Q tile of this warpgroup into buffer ``j % q_buffers``."""
             tile, h, seq, *_ = item(j)
-            buf = lax.rem(j, 2)
+            buf = lax.rem(j, q_buffers)
 
             @pl.when(jnp.logical_and(j < my_items, seq >= 0))
             def _copy():
@@ -203,17 +216,19 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
                 q_rows = q_buf if num_rows == BLOCK_M else q_buf.at[pl.ds(0, num_rows)]
                 plgpu.copy_gmem_to_smem(q_ref.at[h, tile, wg], q_rows, q_bar.at[buf * NUM_COMPUTE + wg])
 
-        load_q(jnp.int32(0))
+        if q_buffers == 2:
+            load_q(jnp.int32(0))
 
         def compute_item(j, n0):
             """Item ``j``, its ``t``-th K/V tile in slot ``(n0 + t) % slots``; its output written over its Q
-            tile and stored. Item ``j + 1``'s Q is copied into the other buffer meanwhile."""
+            tile and stored. With two Q buffers, item ``j + 1``'s Q is copied into the other meanwhile."""
             tile, h, seq, pos0, kv_end, num_kv, tail, owner = item(j)
-            load_q(j + 1)  # its buffer held item j - 1, whose output store has read it
+            # The buffer held item j - 1 (two buffers) or item j - 1 itself (one), whose output store has read it.
+            load_q(j + 1 if q_buffers == 2 else j)
 
             @pl.when(seq >= 0)
             def _owned_tile():
-                buf = lax.rem(j, 2)
+                buf = lax.rem(j, q_buffers)
                 first, end, hi = key_range(wg, pos0, kv_end)
                 n_full = jnp.minimum(lax.div(first + 1, block_kv), hi)  # tiles every row sees entirely
                 q_tile = q_smem.at[buf, wg]
@@ -368,8 +383,9 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
 
     dtype = kv_pool.dtype
     p_in_registers = interpret is None  # the interpreter's wgmma reads shared memory only
+    q_buffers = prefill_q_buffers(head_dim, block_kv, num_slots, dtype)
     scratch = [
-        plgpu.SMEM((2, NUM_COMPUTE, BLOCK_M, head_dim), dtype, transforms=_transforms(dtype)),
+        plgpu.SMEM((q_buffers, NUM_COMPUTE, BLOCK_M, head_dim), dtype, transforms=_transforms(dtype)),
         plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=_transforms(dtype)),
         plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=_transforms(dtype)),
     ]
@@ -383,10 +399,11 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
     kernel = plgpu.kernel(
         functools.partial(_prefill_kernel, scale_log2=scale * LOG2E, group=group, block_q=block_q,
                           block_kv=block_kv, block_size=block_size, num_slots=num_slots,
-                          p_in_registers=p_in_registers, num_items=num_items, num_programs=num_programs),
+                          p_in_registers=p_in_registers, num_items=num_items, num_programs=num_programs,
+                          q_buffers=q_buffers),
         out_type=jax.ShapeDtypeStruct((num_kv_heads, num_tiles, NUM_COMPUTE, rows, head_dim), q.dtype),
         scratch_types=scratch + [
-            plgpu.Barrier(num_arrivals=1, num_barriers=2 * NUM_COMPUTE),
+            plgpu.Barrier(num_arrivals=1, num_barriers=q_buffers * NUM_COMPUTE),
             plgpu.Barrier(num_arrivals=per_tile, num_barriers=num_slots),
             plgpu.Barrier(num_arrivals=per_tile, num_barriers=num_slots),
             plgpu.Barrier(num_arrivals=1, num_barriers=NUM_COMPUTE * num_slots),

@@ -90,6 +90,9 @@ PREFILL = [
     # After a 96-token prefix, the first warpgroup's keys end a KV tile before the second's: it keeps
     # taking its turns on the tensor cores (``schedule`` barrier) for that tile without reading it.
     ([64, 50], [160, 96], 16, 4, 2, 64, jnp.bfloat16, dict(block_kv=64)),
+    # Three slots of 128 keys leave no room for a second Q buffer: the next item's Q is copied when
+    # the item before it has stored its output (``prefill_q_buffers``).
+    ([20, 3, 70], [150, 3, 70], 16, 4, 2, 64, jnp.float32, dict(block_kv=128, num_slots=3)),
 ]
 
 
