@@ -205,16 +205,22 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
                 q_smem[b, wg] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), q_smem.dtype), plgpu.Layout.WGMMA)
             plgpu.commit_smem()
 
-        def load_q(j):
-            """Issue item ``j``'s Q tile of this warpgroup into buffer ``j % q_buffers``."""
-            tile, h, seq, *_ = item(j)
+        def q_buffer(j):
+            """Item ``j``'s Q tile of this warpgroup (buffer ``j % q_buffers``), its first R rows (what
+            the copies move) and the barrier its copy signals."""
             buf = lax.rem(j, q_buffers)
+            q_tile = q_smem.at[buf, wg]
+            q_rows = q_tile if num_rows == BLOCK_M else q_tile.at[pl.ds(0, num_rows)]
+            return q_tile, q_rows, q_bar.at[buf * NUM_COMPUTE + wg]
+
+        def load_q(j):
+            """Issue item ``j``'s Q tile of this warpgroup."""
+            tile, h, seq, *_ = item(j)
 
             @pl.when(jnp.logical_and(j < my_items, seq >= 0))
             def _copy():
-                q_buf = q_smem.at[buf, wg]
-                q_rows = q_buf if num_rows == BLOCK_M else q_buf.at[pl.ds(0, num_rows)]
-                plgpu.copy_gmem_to_smem(q_ref.at[h, tile, wg], q_rows, q_bar.at[buf * NUM_COMPUTE + wg])
+                _, q_rows, landed = q_buffer(j)
+                plgpu.copy_gmem_to_smem(q_ref.at[h, tile, wg], q_rows, landed)
 
         if q_buffers == 2:
             load_q(jnp.int32(0))
@@ -228,12 +234,10 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
 
             @pl.when(seq >= 0)
             def _owned_tile():
-                buf = lax.rem(j, q_buffers)
                 first, end, hi = key_range(wg, pos0, kv_end)
                 n_full = jnp.minimum(lax.div(first + 1, block_kv), hi)  # tiles every row sees entirely
-                q_tile = q_smem.at[buf, wg]
-                q_rows = q_tile if num_rows == BLOCK_M else q_tile.at[pl.ds(0, num_rows)]
-                plgpu.barrier_wait(q_bar.at[buf * NUM_COMPUTE + wg])
+                q_tile, q_rows, q_landed = q_buffer(j)
+                plgpu.barrier_wait(q_landed)
 
                 def step(t, carry, masked: bool):
                     acc, m_i, l_i = carry
@@ -329,7 +333,7 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
                 q_tile[...] = out.astype(q_smem.dtype)  # Q is done
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(q_rows, o_ref.at[h, tile, wg])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer is free for item j + 2's Q
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer is free for the next Q copied into it
 
             return n0 + num_kv
 
