@@ -206,15 +206,25 @@ def decode_sweep(args, ceiling: float, interpret: bool):
     batches = [2] if args.tiny else [int(x) for x in args.batches.split(",")]
     ctxs = [64] if args.tiny else [int(x) for x in args.ctxs.split(",")]
     hq, hkv, d, bs = (4, 2, 64, 16) if args.tiny else (HQ, HKV, D, 16)
-    need = max(b * c for b in batches for c in ctxs) // bs
+    # The pool is sized for the largest shape that fits: a launch over it needs about its size again
+    # on the device (256 x 32k tokens, 32 GiB, runs on an H200 and not on an 80 GB H100).
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0) if not interpret else 0
+    kv_token = hkv * d * 2 * 2
+    fits = [(b, c) for b in batches for c in ctxs if not limit or 2.2 * b * c * kv_token < limit]
+    for b, c in sorted(set((b, c) for b in batches for c in ctxs) - set(fits)):
+        log(f"decode sweep {b}x{c} skipped: {b * c * kv_token / 2**30:.1f} GiB of KV, twice that over the "
+            f"device's {limit / 2**30:.0f} GiB")
+    need = max(b * c for b, c in fits) // bs
     pool_blocks = need + 1024
     pool = jax.random.normal(jax.random.key(7), (1, pool_blocks, bs, 2, hkv, d), jnp.bfloat16)
     log(f"decode sweep pool {pool.nbytes / 2**30:.1f} GiB")
     fns = kernels(interpret)
     for b in batches:
         for ctx in ctxs:
+            if (b, ctx) not in fits:
+                continue
             nb = ctx // bs
-            kv_bytes = b * ctx * hkv * d * 2 * 2
+            kv_bytes = b * ctx * kv_token
             rot = max(1, min(args.chain, pool_blocks // (b * nb), math.ceil(256e6 / kv_bytes)))
             perm = np.random.default_rng(b * 31 + ctx).permutation(pool_blocks)
             tables = [jnp.asarray(perm[r * b * nb:(r + 1) * b * nb].reshape(b, nb).astype(np.int32))
