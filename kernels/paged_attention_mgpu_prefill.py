@@ -8,10 +8,20 @@ kernel gives each program one warpgroup and 64 query rows, and the warpgroup its
 copies, waits for them and then computes; this one is for launches with many new tokens a sequence
 (prefill, chunked prefill, prefix hits), where a program's arithmetic, not its reads, sets the pace:
 
-  * A work item is a *pair* of query tiles of one sequence for one KV head: ``2 * block_q`` tokens
-    (``block_q = 64 // G``), the first ``block_q`` in compute warpgroup 0's 64 rows, the next in
-    warpgroup 1's. Both read the same K/V tiles from shared memory, so a tile copied once serves 128
-    query rows (half the copies a query row needs in the one-warpgroup kernel).
+  * A work item is a *pair* of query tiles of one sequence for one query head: 128 tokens, the first
+    64 in compute warpgroup 0's rows, the next 64 in warpgroup 1's. Both read the same K/V tiles (of
+    the head's KV head) from shared memory, so a tile copied once serves 128 query rows (half the
+    copies a query row needs in the one-warpgroup kernel); the ``G`` query heads of a KV head are
+    items side by side in the launch order, so their reads of the same keys meet in the L2.
+  * Queries are read and outputs written in place, in ``q``'s ``[T, Hq, D]``: a warpgroup's tile is
+    one TMA box of 64 rows of its head. A swizzled tile takes boxes that start at multiples of 8
+    rows, so a sequence's pairs start at its first token rounded down to a multiple of 8
+    (:func:`pair_layout`; rows before the sequence's are computed and not stored). A tile whose rows
+    are all its sequence's is stored in one box, the others by groups of 8 rows, where a group shared
+    with the sequence before or after goes to a small side output that XLA scatters
+    (:func:`side_rows`). Laying the queries out in tiles before the launch and gathering the outputs
+    back after had been two XLA copies of the queries' size around the kernel: 0.77x / 0.88x / 0.94x /
+    0.96x the launch's time without them at 2k / 4k / 8k / 16k tokens (H100, ``benchmarks/RESULTS.md``).
   * The launch is persistent: a program an SM, each taking its items in turn
     (:func:`program_items`), so one item's first copies (its Q tiles, its first K/V tiles) land while
     the item before it still computes, and no SM waits for a program to end and the next to start.
@@ -42,14 +52,16 @@ copies, waits for them and then computes; this one is for launches with many new
     last token zeroes them in shared memory and signals on its own ``zeroed`` barrier; the other
     warpgroup waits for that signal before its ``P V`` (or, where its keys end earlier, after its
     turns for that tile). Keys are only ever selected away (``-inf`` scores), never multiplied.
-  * Items are taken longest first (:func:`launch_order`): in tile order a causal prefill's longest
-    tiles ran in the last wave.
+  * Items are taken longest first (:func:`launch_order`): in pair order a causal prefill's longest
+    pairs ran in the last wave.
   * Each phase of a step is a ``jax.named_scope`` (``wait_k``, ``qk``, ``softmax``, ``wait_v``, ``pv``;
     the memory warpgroup's ``wait_free``), which Mosaic GPU's profiler records per warpgroup when a
     launch sets ``profile_space`` (``benchmarks/results/mosaic/prefill_schedule/prefill_regions.py``).
 
 Scope: as the one-warpgroup kernel (bf16 pools on the GPU, float32 in interpret mode; head_dim 64 or
-128; block sizes 8-128), without split-K. Decode launches stay on that kernel
+128; block sizes 8-128; any ``G``), without split-K. TMA boxes also need ``T`` a multiple of 8 and at
+least 128 rows: other launches copy ``q`` into one that is (the engine's token counts are powers of
+two, so only its launches of under 128 tokens do). Decode launches stay on that kernel
 (:func:`jaxpaged.kernels.paged_attention_mgpu.paged_attention_mgpu` picks this one for the others; in
 interpret mode only where the interpreter has a thread for each warpgroup and the caller:
 ``paged_attention_mgpu.interpreter_threads``).
@@ -107,13 +119,15 @@ def program_items(num_items: int, num_programs: int, prog):
     return count, rank
 
 
-def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, q_smem, k_smem,
-                    v_smem, *refs, scale_log2: float, group: int, block_q: int, block_kv: int, block_size: int,
-                    num_slots: int, p_in_registers: bool, num_items: int, num_programs: int, q_buffers: int):
-    """One program of a persistent launch: work items (tile pair, KV head) of ranks
-    :func:`program_items` (a rank ``r`` is tile pair ``order_ref[r // Hkv]``, KV head ``r % Hkv``),
-    warpgroup ``axis_index("wg")``. GMEM refs as in the one-warpgroup kernel (and ``order_ref
-    i32[tiles]``), with queries and outputs ``[Hkv, tiles, 2, R, D]`` (a warpgroup's ``R <= 64`` rows).
+def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, side_ref, q_smem, k_smem,
+                    v_smem, *refs, scale_log2: float, group: int, block_kv: int, block_size: int, num_slots: int,
+                    p_in_registers: bool, num_items: int, num_programs: int, q_buffers: int):
+    """One program of a persistent launch: work items (tile pair, query head) of ranks
+    :func:`program_items` (a rank ``r`` is pair ``order_ref[r // Hq]``, query head ``r % Hq``, which
+    reads KV head ``r % Hq // G``), warpgroup ``axis_index("wg")``. GMEM refs: ``meta_ref i32[pairs,
+    6]`` (:func:`pair_layout`), queries and outputs ``[T, Hq, D]`` in place (``T`` a multiple of 8, at
+    least 128), ``side_ref [2 (S + 1), Hq, 8, D]`` (the outputs of the groups of 8 rows that also hold
+    another sequence's rows: :func:`side_rows`), the rest as in the one-warpgroup kernel.
     Shared memory: ``q_smem [B, 2, 64, D]`` (``B = q_buffers``: item ``j``'s Q tiles in buffer
     ``j % B``, its outputs written over them), ``k_smem/v_smem [slots, block_kv, D]`` (a program's ``n``-th K/V tile, over
     all its items, in slot ``n % slots``), in the interpreter ``p_smem [2, 64, block_kv]``; barriers
@@ -137,30 +151,34 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
         plgpu.barrier_wait(schedule)
 
     head_dim = q_smem.shape[-1]
-    num_kv_heads = q_ref.shape[0]
-    num_rows = q_ref.shape[3]
+    num_tokens, num_q_heads = q_ref.shape[:2]
     width = tables_ref.shape[1]
     blocks_per_tile = block_kv // block_size
     wg = lax.axis_index("wg")
     layer = layer_ref[0]
     my_items, rank = program_items(num_items, num_programs, lax.axis_index("program"))
 
+    def first_row(w, tok0):
+        """Warpgroup ``w``'s first query row of the pair from token ``tok0``: 64 rows from there, or the
+        last 64 of ``q`` (the rows before its own computed again, not stored)."""
+        return pl.multiple_of(jnp.minimum(tok0 + w * BLOCK_M, num_tokens - BLOCK_M), 8)
+
     def item(j):
-        """Item ``j`` of this program: its tile pair and KV head, sequence (-1: unowned), first query
-        position, keys, KV tiles, whether the last tile holds keys at or past ``kv_end`` (maybe
-        stale), and the warpgroup holding the pair's last token."""
+        """Item ``j`` of this program: its tile pair and query head, sequence (-1: unowned), first token
+        and its position, keys, KV tiles, whether the last tile holds keys at or past ``kv_end`` (maybe
+        stale), the warpgroup holding the pair's last token, and the sequence's tokens ``[lo, hi)``."""
         r = jnp.minimum(rank(j), num_items - 1)  # (one past the last item is looked at, not taken)
-        tile = order_ref[lax.div(r, num_kv_heads)]
-        seq, pos0, kv_end = meta_ref[tile, 0], meta_ref[tile, 1], meta_ref[tile, 2]
+        tile = order_ref[lax.div(r, num_q_heads)]
+        seq, pos0, kv_end, tok0, lo, hi = (meta_ref[tile, c] for c in range(6))
         num_kv = jnp.where(seq >= 0, lax.div(kv_end + (block_kv - 1), block_kv), 0)
         tail = lax.rem(kv_end, block_kv) != 0
-        owner = (kv_end - pos0 > block_q).astype(jnp.int32)
-        return tile, lax.rem(r, num_kv_heads), seq, pos0, kv_end, num_kv, tail, owner
+        owner = (pos0 + first_row(1, tok0) - tok0 < kv_end).astype(jnp.int32)
+        return tile, lax.rem(r, num_q_heads), seq, pos0, kv_end, num_kv, tail, owner, tok0, lo, hi
 
-    def key_range(w, pos0, kv_end):
+    def key_range(w, tok0, pos0, kv_end):
         """Warpgroup ``w``'s first query position, one past its last, and its KV tiles ``[0, hi)``."""
-        first = pos0 + w * block_q
-        end = jnp.minimum(first + block_q, kv_end)
+        first = pos0 + first_row(w, tok0) - tok0
+        end = jnp.minimum(first + BLOCK_M, kv_end)
         hi = jnp.where(first < kv_end, lax.div(end + (block_kv - 1), block_kv), 0)
         return first, end, hi
 
@@ -171,7 +189,8 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
         def copy_item(j, n0):
             """Issue item ``j``'s K/V tiles, its ``t``-th into slot ``(n0 + t) % slots`` once both compute
             warpgroups have released that slot's previous tile."""
-            _, h, seq, _, _, num_kv, _, _ = item(j)
+            _, hq, seq, _, _, num_kv, *_ = item(j)
+            h = lax.div(hq, group)
 
             def fetch(t, slot, which: int, bars):
                 for b in range(blocks_per_tile):
@@ -199,28 +218,19 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
     @pl.when(wg < NUM_COMPUTE)
     def _compute_warpgroup():
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-        if num_rows < BLOCK_M:  # rows past R, never copied into: zeros, not uninitialised shared memory
-            # (later an earlier item's output rows; rows are independent, and theirs are dropped)
-            for b in range(q_buffers):
-                q_smem[b, wg] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), q_smem.dtype), plgpu.Layout.WGMMA)
-            plgpu.commit_smem()
-
         def q_buffer(j):
-            """Item ``j``'s Q tile of this warpgroup (buffer ``j % q_buffers``), its first R rows (what
-            the copies move) and the barrier its copy signals."""
+            """Item ``j``'s Q tile of this warpgroup (buffer ``j % q_buffers``) and the barrier its copy signals."""
             buf = lax.rem(j, q_buffers)
-            q_tile = q_smem.at[buf, wg]
-            q_rows = q_tile if num_rows == BLOCK_M else q_tile.at[pl.ds(0, num_rows)]
-            return q_tile, q_rows, q_bar.at[buf * NUM_COMPUTE + wg]
+            return q_smem.at[buf, wg], q_bar.at[buf * NUM_COMPUTE + wg]
 
         def load_q(j):
-            """Issue item ``j``'s Q tile of this warpgroup."""
-            tile, h, seq, *_ = item(j)
+            """Issue item ``j``'s Q tile of this warpgroup: 64 rows of its query head, in place."""
+            _, hq, seq, *_, tok0, _, _ = item(j)
 
             @pl.when(jnp.logical_and(j < my_items, seq >= 0))
             def _copy():
-                _, q_rows, landed = q_buffer(j)
-                plgpu.copy_gmem_to_smem(q_ref.at[h, tile, wg], q_rows, landed)
+                q_tile, landed = q_buffer(j)
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first_row(wg, tok0), BLOCK_M), hq], q_tile, landed)
 
         if q_buffers == 2:
             load_q(jnp.int32(0))
@@ -228,15 +238,16 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
         def compute_item(j, n0):
             """Item ``j``, its ``t``-th K/V tile in slot ``(n0 + t) % slots``; its output written over its Q
             tile and stored. With two Q buffers, item ``j + 1``'s Q is copied into the other meanwhile."""
-            tile, h, seq, pos0, kv_end, num_kv, tail, owner = item(j)
+            _, hq, seq, pos0, kv_end, num_kv, tail, owner, tok0, lo, hi_tok = item(j)
             # The buffer held item j - 1 (two buffers) or item j - 1 itself (one), whose output store has read it.
             load_q(j + 1 if q_buffers == 2 else j)
 
             @pl.when(seq >= 0)
             def _owned_tile():
-                first, end, hi = key_range(wg, pos0, kv_end)
-                n_full = jnp.minimum(lax.div(first + 1, block_kv), hi)  # tiles every row sees entirely
-                q_tile, q_rows, q_landed = q_buffer(j)
+                first, end, hi = key_range(wg, tok0, pos0, kv_end)
+                # Tiles every row sees entirely (none where the rows start before the sequence's first position).
+                n_full = jnp.clip(lax.div(first + 1, block_kv), 0, hi)
+                q_tile, q_landed = q_buffer(j)
                 plgpu.barrier_wait(q_landed)
 
                 def step(t, carry, masked: bool):
@@ -257,7 +268,7 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
                         if masked:
                             iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
                             key = t * block_kv + iota((BLOCK_M, block_kv), 1)
-                            last_key = jnp.minimum(first + lax.div(iota((BLOCK_M, block_kv), 0), group), end - 1)
+                            last_key = jnp.minimum(first + iota((BLOCK_M, block_kv), 0), end - 1)
                             s = jnp.where(key <= last_key, s, -jnp.inf)
                         # The scale is applied to the row maxima and inside exp2's argument, where the multiply
                         # and the subtraction fuse into one FMA a score (the maxima are the same: scale > 0).
@@ -332,7 +343,33 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
                 out = acc / lax.broadcast_in_dim(jnp.where(l_i > 0, l_i, 1.0), acc.shape, [0])
                 q_tile[...] = out.astype(q_smem.dtype)  # Q is done
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(q_rows, o_ref.at[h, tile, wg])
+                row0 = first_row(wg, tok0)
+                # Rows of the sequence go to the output in place: the tile in one box where all its rows are
+                # the sequence's, else by groups of 8 rows (a swizzled tile's TMA boxes start at multiples of 8),
+                # a group that also holds another sequence's rows to the sequence's slot of side_ref, from
+                # which XLA scatters its rows (side_rows).
+                # A warpgroup stores only the rows from its own first token (tok0 + 64 w) on: the rows of a box
+                # moved back to stay in q are another tile's (every row has one writer).
+                nominal = tok0 + wg * BLOCK_M
+                inside = jnp.logical_and(jnp.logical_and(row0 == nominal, row0 >= lo), row0 + BLOCK_M <= hi_tok)
+                pl.when(inside)(lambda: plgpu.copy_smem_to_gmem(q_tile, o_ref.at[pl.ds(row0, BLOCK_M), hq]))
+
+                @pl.when(jnp.logical_not(inside))
+                def _by_groups():
+                    for g in range(BLOCK_M // 8):
+                        row = pl.multiple_of(row0 + 8 * g, 8)
+                        mine = row >= nominal
+                        group_rows = q_tile.at[pl.ds(8 * g, 8)]
+                        at_lo = jnp.logical_and(row < lo, lo < row + 8)
+                        at_hi = jnp.logical_and(jnp.logical_and(jnp.logical_not(at_lo), row < hi_tok), hi_tok < row + 8)
+                        full = jnp.logical_and(row >= lo, row + 8 <= hi_tok)
+                        pl.when(jnp.logical_and(mine, full))(
+                            lambda: plgpu.copy_smem_to_gmem(group_rows, o_ref.at[pl.ds(row, 8), hq]))
+                        pl.when(jnp.logical_and(mine, at_lo))(
+                            lambda: plgpu.copy_smem_to_gmem(group_rows, side_ref.at[2 * seq, hq]))
+                        pl.when(jnp.logical_and(mine, at_hi))(
+                            lambda: plgpu.copy_smem_to_gmem(group_rows, side_ref.at[2 * seq + 1, hq]))
+
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer is free for the next Q copied into it
 
             return n0 + num_kv
@@ -341,21 +378,63 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
         plgpu.wait_smem_to_gmem(0)
 
 
-def launch_order(meta: jax.Array, num_kv_heads: int, interpret) -> jax.Array:
-    """The tile pairs in the order the programs take them (``meta`` from ``tile_layout``; rank ``r``
-    is pair ``order[r // Hkv]``, KV head ``r % Hkv``): the most keys first (longest processing time
-    first), unowned tiles last. A causal tile's work grows with its ``kv_end``; in tile order a
-    prefill's longest tiles ran in the last wave with most SMs idle: 1.29x this order's time over
+def pair_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int):
+    """The tile pairs of a ragged batch: a pair is ``2 * 64`` tokens of one sequence from a token
+    ``tok0`` that is a multiple of 8 (a TMA copy into a swizzled tile starts there), so a sequence
+    that starts between two multiples of 8 has its first pair start a few tokens of the sequence
+    before it (rows whose outputs are not stored); the padding tokens ``[cu[S], T)`` are sequence
+    ``S``, without keys, whose outputs are zeros. Sequence ``s``'s pairs are ``cu[s] // 128 + s ...``
+    (as :func:`jaxpaged.kernels.paged_attention_mgpu.tile_layout` numbers tiles, which bounds them by
+    ``cdiv(T, 128) + S + 1``). Returns ``meta i32[pairs, 6]`` = (sequence or -1 where unowned,
+    position of ``tok0`` in its sequence, ``kv_end``: one past the pair's last position, ``tok0``,
+    the sequence's tokens ``[lo, hi)``)."""
+    pair = NUM_COMPUTE * 64
+    num_seqs = kv_lens.shape[0] + 1
+    cu = jnp.concatenate([cu_q_lens, jnp.full((1,), num_tokens, jnp.int32)])
+    kv = jnp.concatenate([kv_lens, (num_tokens - cu_q_lens[-1:])])  # the padding: positions 0.. (no keys read)
+    num_pairs = pl.cdiv(num_tokens, pair) + num_seqs
+    starts = cu[:-1] // pair + jnp.arange(num_seqs, dtype=jnp.int32)
+    u = jnp.arange(num_pairs, dtype=jnp.int32)
+    seq = jnp.sum(starts[None, :] <= u[:, None], axis=1, dtype=jnp.int32) - 1  # starts[0] == 0
+    lo, hi = cu[seq], cu[seq + 1]
+    tok0 = lo // 8 * 8 + (u - starts[seq]) * pair
+    owned = (tok0 < hi) & (lo < hi)
+    pos0 = kv[seq] - (hi - lo) + (tok0 - lo)
+    kv_end = jnp.where(seq < num_seqs - 1, pos0 + jnp.minimum(tok0 + pair, hi) - tok0, 0)
+    return jnp.stack([jnp.where(owned, seq, -1), pos0, kv_end, tok0, lo, hi], axis=1).astype(jnp.int32)
+
+
+def side_rows(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
+    """The token each row of the kernel's side output holds (``num_tokens``: none). Sequence ``s``
+    (the padding ``s = S`` included) writes the group of 8 rows holding its first token to slot
+    ``2 s`` where that group also holds the sequence before's rows, and the group holding its last
+    token to slot ``2 s + 1`` where that group holds the next sequence's rows (and is not the one in
+    slot ``2 s``). Returns ``i32[2 (S + 1), 8]``."""
+    lo = cu_q_lens
+    hi = jnp.concatenate([cu_q_lens[1:], jnp.full((1,), num_tokens, jnp.int32)])
+    first, last = lo // 8 * 8, hi // 8 * 8
+    at_lo = lo % 8 != 0
+    used = jnp.stack([at_lo, (hi % 8 != 0) & ~(at_lo & (last == first))], axis=1)  # [S + 1, 2]
+    tok = jnp.stack([first, last], axis=1)[:, :, None] + jnp.arange(8, dtype=jnp.int32)  # [S + 1, 2, 8]
+    ok = used[:, :, None] & (tok >= lo[:, None, None]) & (tok < hi[:, None, None])
+    return jnp.where(ok, tok, num_tokens).reshape(-1, 8)
+
+
+def launch_order(meta: jax.Array, num_heads: int, interpret) -> jax.Array:
+    """The tile pairs in the order the programs take them (``meta`` from :func:`pair_layout`; rank
+    ``r`` is pair ``order[r // Hq]``, query head ``r % Hq``): the most keys first (longest processing
+    time first), unowned pairs last. A causal pair's work grows with its ``kv_end``; in pair order a
+    prefill's longest pairs ran in the last wave with most SMs idle: 1.29x this order's time over
     2,048 new tokens, 1.43x in a ragged step of mixed lengths and prefixes (H200, a program an item
     then, ``benchmarks/RESULTS.md``).
 
-    On the GPU, launches of at most one item per SM keep tile order (they all start at once, and
+    On the GPU, launches of at most one item per SM keep pair order (they all start at once, and
     the sort costs a few microseconds); the interpreter always sorts, so the CPU tests run the
     reordered launch. (Decode launches, on the one-warpgroup kernel, need no sort: the engine orders a
     step's rows longest context first, docs/DECISIONS.md.)"""
-    num_tiles = meta.shape[0]
-    if interpret is None and num_tiles * num_kv_heads <= num_cores():
-        return jnp.arange(num_tiles, dtype=jnp.int32)
+    num_pairs = meta.shape[0]
+    if interpret is None and num_pairs * num_heads <= num_cores():
+        return jnp.arange(num_pairs, dtype=jnp.int32)
     work = jnp.where(meta[:, 0] >= 0, meta[:, 2], -1)
     return jnp.argsort(-work, stable=True).astype(jnp.int32)
 
@@ -365,25 +444,19 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
                        block_kv: int, num_slots: int):
     """The prefill kernel after :func:`jaxpaged.kernels.paged_attention_mgpu.paged_attention_mgpu`'s
     validation; ``layer`` an ``i32[]``, ``interpret`` ``None`` or an ``InterpretGPUParams``."""
-    from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, _transforms, tile_layout, tile_rows
+    from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, _transforms
 
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[4]
     block_size = block_size_of(kv_pool)
     group = num_q_heads // num_kv_heads
-    block_q = BLOCK_M // group  # tokens a warpgroup
-    rows = tile_rows(block_q, group)
-    meta, tok0, ntok, starts = tile_layout(cu_q_lens, kv_lens, num_tokens, NUM_COMPUTE * block_q)
-    num_tiles = meta.shape[0]
-
-    # Queries as [Hkv, tiles, 2, R, D]: row r of warpgroup w is token w * block_q + r // G, head r % G.
-    r = jnp.arange(rows, dtype=jnp.int32)
-    row_tok = jnp.arange(NUM_COMPUTE, dtype=jnp.int32)[:, None] * block_q + r[None, :] // group  # [2, R]
-    row_ok = (r < block_q * group)[None, None, :] & (row_tok[None] < ntok[:, None, None])  # [tiles, 2, R]
-    tok = jnp.clip(tok0[:, None, None] + row_tok[None], 0, num_tokens - 1)
-    q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    q_tiles = q4[tok, :, jnp.broadcast_to(r % group, tok.shape), :]  # [tiles, 2, R, Hkv, D]
-    q_tiles = jnp.where(row_ok[..., None, None], q_tiles, jnp.zeros((), q.dtype)).transpose(3, 0, 1, 2, 4)
+    # The queries are read and the outputs written in place: TMA boxes of 64 rows from multiples of 8.
+    padded = max(-(-num_tokens // 8) * 8, NUM_COMPUTE * BLOCK_M)
+    if padded != num_tokens:  # (a copy, only of launches of under 128 tokens or not a multiple of 8)
+        q = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0)))
+    meta = pair_layout(cu_q_lens, kv_lens, padded)
+    num_pairs = meta.shape[0]
+    num_slots_side = 2 * (kv_lens.shape[0] + 1)
 
     dtype = kv_pool.dtype
     p_in_registers = interpret is None  # the interpreter's wgmma reads shared memory only
@@ -396,16 +469,16 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
     if not p_in_registers:
         scratch.append(plgpu.SMEM((NUM_COMPUTE, BLOCK_M, block_kv), dtype, transforms=_transforms(dtype)))
     per_tile = block_kv // block_size
-    num_items = num_tiles * num_kv_heads
+    num_items = num_pairs * num_q_heads
     # A program an SM, each looping over its items; in the interpreter a few, so that programs there
     # take several items too.
     num_programs = min(num_items, num_cores() if interpret is None else INTERPRET_PROGRAMS)
     kernel = plgpu.kernel(
-        functools.partial(_prefill_kernel, scale_log2=scale * LOG2E, group=group, block_q=block_q,
-                          block_kv=block_kv, block_size=block_size, num_slots=num_slots,
-                          p_in_registers=p_in_registers, num_items=num_items, num_programs=num_programs,
-                          q_buffers=q_buffers),
-        out_type=jax.ShapeDtypeStruct((num_kv_heads, num_tiles, NUM_COMPUTE, rows, head_dim), q.dtype),
+        functools.partial(_prefill_kernel, scale_log2=scale * LOG2E, group=group, block_kv=block_kv,
+                          block_size=block_size, num_slots=num_slots, p_in_registers=p_in_registers,
+                          num_items=num_items, num_programs=num_programs, q_buffers=q_buffers),
+        out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                  jax.ShapeDtypeStruct((num_slots_side, num_q_heads, 8, head_dim), q.dtype)),
         scratch_types=scratch + [
             plgpu.Barrier(num_arrivals=1, num_barriers=q_buffers * NUM_COMPUTE),
             plgpu.Barrier(num_arrivals=per_tile, num_barriers=num_slots),
@@ -422,22 +495,10 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
         compiler_params=plgpu.CompilerParams(approx_math=True),  # exp2 as ex2.approx.ftz: no denormal fix-up
         interpret=interpret,
     )
-    order = launch_order(meta, num_kv_heads, interpret)
-    o_tiles = kernel(jnp.reshape(layer, (1,)), order, meta, block_tables, q_tiles, kv_pool)
-
-    # Back to token order: token t is row ((t - cu[s]) % block_q) * G + g of warpgroup
-    # ((t - cu[s]) % (2 block_q)) // block_q of tile starts[s] + (t - cu[s]) // (2 block_q).
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    num_seqs = kv_lens.shape[0]
-    seq_t = jnp.clip(jnp.sum(cu_q_lens[None, :] <= t[:, None], axis=1, dtype=jnp.int32) - 1, 0, num_seqs - 1)
-    off = t - cu_q_lens[seq_t]
-    pair = NUM_COMPUTE * block_q
-    tile_t = jnp.clip(starts[seq_t] + off // pair, 0, num_tiles - 1)
-    wg_t = (off % pair) // block_q
-    row_t = jnp.clip((off % block_q) * group, 0, rows - group)
-    o = o_tiles.transpose(1, 2, 3, 0, 4)  # [tiles, 2, R, Hkv, D]
-    g = jnp.arange(group, dtype=jnp.int32)[None, :]
-    out = o[tile_t[:, None], wg_t[:, None], row_t[:, None] + g]  # [T, G, Hkv, D]
-    out = out.transpose(0, 2, 1, 3).reshape(num_tokens, num_q_heads, head_dim)
-    valid = t < cu_q_lens[num_seqs]
-    return jnp.where(valid[:, None, None], out, jnp.zeros((), out.dtype))
+    order = launch_order(meta, num_q_heads, interpret)
+    out, side = kernel(jnp.reshape(layer, (1,)), order, meta, block_tables, q, kv_pool)
+    # The rows of the groups of 8 that straddle a sequence boundary, each where it belongs.
+    rows = side_rows(cu_q_lens, padded).reshape(-1)
+    out = out.at[rows].set(side.transpose(0, 2, 1, 3).reshape(-1, num_q_heads, head_dim), mode="drop",
+                           unique_indices=False)
+    return out[:num_tokens]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu, tile_layout, token_layout
-from jaxpaged.kernels.paged_attention_mgpu_prefill import launch_order, program_items
+from jaxpaged.kernels.paged_attention_mgpu_prefill import launch_order, pair_layout, program_items, side_rows
 from jaxpaged.kernels.kv_write import pool_from_caches
 from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
 from test_paged_attention import run_case as triton_run_case
@@ -93,6 +93,10 @@ PREFILL = [
     # Three slots of 128 keys leave no room for a second Q buffer: the next item's Q is copied when
     # the item before it has stored its output (``prefill_q_buffers``).
     ([20, 3, 70], [150, 3, 70], 16, 4, 2, 64, jnp.float32, dict(block_kv=128, num_slots=3)),
+    # G=7 (Qwen2.5's); 192 tokens, a multiple of 8, read in place without a copy: the last pair's second
+    # warpgroup reads the last 64 rows of q (its first 56 rows another tile's, not stored); sequences
+    # starting and ending between multiples of 8, their shared groups of rows through the side output.
+    ([100, 13, 71, 3], [130, 13, 71, 40], 16, 7, 1, 64, jnp.float32, {}),
 ]
 
 
@@ -159,6 +163,32 @@ def test_tile_layout():
     lpt, tile_order = [4, 2, 0, 1, 3, 5, 6], list(range(7))
     for kv_heads, interpret, want in ((2, True, lpt), (2, None, tile_order), (1024, None, lpt)):
         np.testing.assert_array_equal(np.asarray(launch_order(meta, kv_heads, interpret)), want)
+
+
+def test_pair_layout_and_side_rows():
+    """Pairs of 128 tokens from each sequence's first token rounded down to a multiple of 8; the padding
+    tokens a sequence without keys; the side output's groups of 8 rows: each row of a group shared by two
+    sequences comes back to its own token, and no other."""
+    cu = jnp.array([0, 150, 153, 300], jnp.int32)
+    kv = jnp.array([150, 10, 400], jnp.int32)
+    meta = np.asarray(pair_layout(cu, kv, 304))
+    assert meta.shape == (3 + 4, 6)
+    owned = meta[meta[:, 0] >= 0]
+    np.testing.assert_array_equal(owned[:, 0], [0, 0, 1, 2, 2, 3])
+    np.testing.assert_array_equal(owned[:, 3], [0, 128, 144, 152, 280, 296])  # tok0
+    np.testing.assert_array_equal(owned[:, 1], [0, 128, 1, 252, 380, -4])  # the position of tok0
+    np.testing.assert_array_equal(owned[:, 2], [128, 150, 10, 380, 400, 0])  # kv_end (none for the padding)
+    np.testing.assert_array_equal(owned[:, 4:], [[0, 150], [0, 150], [150, 153], [153, 300], [153, 300], [300, 304]])
+    rows = np.asarray(side_rows(cu, 304))
+    assert rows.shape == (2 * 4, 8)
+    want = np.full((8, 8), 304)
+    want[1, :6] = np.arange(144, 150)  # sequence 0's last group [144, 152), which sequence 1 starts in
+    want[2, 6:] = [150, 151]
+    want[3, 0] = 152  # sequence 1 ends in the next group, which sequence 2 starts in
+    want[4, 1:] = np.arange(153, 160)
+    want[5, :4] = np.arange(296, 300)
+    want[6, 4:] = np.arange(300, 304)
+    np.testing.assert_array_equal(rows, want)
 
 
 def test_token_layout():
