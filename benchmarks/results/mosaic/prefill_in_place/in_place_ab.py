@@ -20,7 +20,9 @@ HQ, HKV, D, BS = 16, 8, 128, 16
 rows = []
 CASES = {"1k": ([1024], [0]), "2k": ([2048], [0]), "4k": ([4096], [0]), "8k": ([8192], [0]), "16k": ([16384], [0]),
          "ragged": ([1000, 37, 3000, 513, 1], [0, 500, 1024, 0, 77]),
-         "64x100": ([100] * 64, [100] * 64), "64x100+300": ([100] * 64, [400] * 64)}
+         "64x100": ([100] * 64, [100] * 64), "64x100+300": ([100] * 64, [400] * 64),
+         # a mixed step: 64 decode rows of 1,024 tokens of context and a 2,048-token chunk
+         "mixed": ([1] * 64 + [2048], [1024] * 64 + [2048])}
 names = sys.argv[1].split(",") if len(sys.argv) > 1 else ["2k", "4k", "8k", "16k", "ragged"]
 cases = [(n, *CASES[n]) for n in names]
 for name, qls, pres in cases:
