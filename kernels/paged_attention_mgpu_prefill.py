@@ -391,7 +391,9 @@ def pair_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int):
     pair = NUM_COMPUTE * 64
     num_seqs = kv_lens.shape[0] + 1
     cu = jnp.concatenate([cu_q_lens, jnp.full((1,), num_tokens, jnp.int32)])
-    kv = jnp.concatenate([kv_lens, (num_tokens - cu_q_lens[-1:])])  # the padding: positions 0.. (no keys read)
+    # The padding's positions are 0.. (as if it had only its own keys), so its warpgroups' first positions
+    # stay within 8 of 0 and their tile counts at 0; kv_end 0 below: no keys are read.
+    kv = jnp.concatenate([kv_lens, (num_tokens - cu_q_lens[-1:])])
     num_pairs = pl.cdiv(num_tokens, pair) + num_seqs
     starts = cu[:-1] // pair + jnp.arange(num_seqs, dtype=jnp.int32)
     u = jnp.arange(num_pairs, dtype=jnp.int32)
@@ -499,6 +501,5 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
     out, side = kernel(jnp.reshape(layer, (1,)), order, meta, block_tables, q, kv_pool)
     # The rows of the groups of 8 that straddle a sequence boundary, each where it belongs.
     rows = side_rows(cu_q_lens, padded).reshape(-1)
-    out = out.at[rows].set(side.transpose(0, 2, 1, 3).reshape(-1, num_q_heads, head_dim), mode="drop",
-                           unique_indices=False)
+    out = out.at[rows].set(side.transpose(0, 2, 1, 3).reshape(-1, num_q_heads, head_dim), mode="drop")
     return out[:num_tokens]
