@@ -252,22 +252,31 @@ def decode_sweep(args, ceiling: float, interpret: bool):
 def prefill_timing(args, interpret: bool):
     """One sequence's prefill (``--prefill`` new+prefix tokens), block size 16: Mosaic, Triton, and
     without a prefix cuDNN's flash attention (``jax.nn.dot_product_attention``) on the same tokens laid
-    out contiguously. Errors against the Triton kernel's output."""
+    out contiguously. Errors against the Triton kernel's output. With ``--prefill-kv`` an fp8 dtype, the
+    pool is that fp8 pool (block size 64, the engine's default for fp8), and ``mosaic_bf16`` times the
+    Mosaic kernel over the bf16 pool it was quantised from (what the same prefill costs over bf16)."""
     shapes = [(64, 0), (64, 32)] if args.tiny else [tuple(int(y) for y in x.split("+")) for x in args.prefill.split(",")]
+    fp8 = args.prefill_kv != "bfloat16"
     hq, hkv, d, bs = (4, 2, 64, 16) if args.tiny else (HQ, HKV, D, 16)
+    if fp8:
+        bs = 64
     for q_len, prefix in shapes:
         kv_len = q_len + prefix
         nb = math.ceil(kv_len / bs)
         num_blocks = nb + 64
         kq, kp = jax.random.split(jax.random.key(q_len * 3 + prefix))
         pool = jax.random.normal(kp, (1, num_blocks, bs, 2, hkv, d), jnp.bfloat16)
+        fns = kernels(interpret)
+        if fp8:  # the fp8 pool timed as "mosaic" and "triton"; the bf16 pool by the Mosaic kernel
+            pool_bf16, pool = pool, jax.jit(quantize_pool, static_argnums=1)(pool, jnp.dtype(args.prefill_kv))
+            fns["mosaic_bf16"] = lambda qq, _pool, *a: paged_attention_mgpu(qq, pool_bf16, *a, interpret=interpret)
         table = jnp.asarray(np.random.default_rng(q_len).permutation(num_blocks)[:nb].reshape(1, nb).astype(np.int32))
         q = jax.random.normal(kq, (q_len, hq, d), jnp.bfloat16)
         cu = jnp.array([0, q_len], jnp.int32)
         kv_lens = jnp.array([kv_len], jnp.int32)
         flops = prefill_flops(q_len, prefix) * hq * d // (HQ * D)
         row, outs = dict(q_len=q_len, prefix=prefix, GFLOP=flops / 1e9), {}
-        for name, fn in kernels(interpret).items():
+        for name, fn in fns.items():
             try:
                 outs[name] = jax.block_until_ready(fn(q, pool, 0, cu, kv_lens, table))
                 _, t = chain_time(lambda qq, cs, tb, fn=fn: fn(qq, cs[0], 0, cs[1], cs[2], tb),
@@ -275,9 +284,9 @@ def prefill_timing(args, interpret: bool):
                 row[name] = dict(time_us=t * 1e6, TFLOPs=flops / t / 1e12)
             except Exception as e:  # noqa: BLE001
                 row[name] = dict(error=failure(f"prefill {q_len}+{prefix} {name}", e))
-        if len(outs) == 2:
+        if "mosaic" in outs and "triton" in outs:
             row["mosaic_vs_triton_rel"] = rel_err(outs["mosaic"], outs["triton"])
-        if prefix == 0 and not interpret:
+        if prefix == 0 and not interpret and not fp8:
             pos = jnp.arange(kv_len)
             blk = table[0, pos // bs]
             kc, vc = pool[0, blk, pos % bs, 0][None], pool[0, blk, pos % bs, 1][None]  # [1, T, Hkv, D]
@@ -334,7 +343,10 @@ def print_table(ceiling: float):
         mc = f"{m['time_us'] / c['time_us']:.2f}" if "time_us" in m and "time_us" in c else "n/a"
         mt = f"{m['time_us'] / t['time_us']:.2f}" if "time_us" in m and "time_us" in t else "n/a"
         cs = f"{c['time_us']:9.1f}" if "time_us" in c else f"{'n/a':>9}"
-        log(f"{r['q_len']:>6}+{r['prefix']:<6} | {f(m)} || {f(t)} || {cs} | {mc} | {mt}")
+        b16 = r.get("mosaic_bf16", {})  # (--prefill-kv fp8: the Mosaic kernel over the bf16 pool)
+        bs = f" || mosaic over bf16 {b16['time_us']:9.1f} us, fp8/bf16 {m['time_us'] / b16['time_us']:.2f}" \
+            if "time_us" in b16 and "time_us" in m else ""
+        log(f"{r['q_len']:>6}+{r['prefix']:<6} | {f(m)} || {f(t)} || {cs} | {mc} | {mt}{bs}")
     log(f"errors: {len(RESULTS['errors'])}")
 
 
@@ -356,6 +368,8 @@ def main(argv=None):
     ap.add_argument("--prefill", default="1024+0,2048+0,4096+0,8192+0,16384+0,2048+2048,8192+8192",
                     help="prefill shapes, new+prefix tokens")
     ap.add_argument("--no-sweep", action="store_true", help="time only the default Mosaic configuration")
+    ap.add_argument("--prefill-kv", default="bfloat16", choices=("bfloat16", "float8_e4m3fn", "float8_e5m2"),
+                    help="the prefill timings' pool dtype (fp8: block size 64, and the bf16 pool timed beside it)")
     args = ap.parse_args(argv)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
