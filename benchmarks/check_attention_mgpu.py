@@ -254,7 +254,8 @@ def prefill_timing(args, interpret: bool):
     without a prefix cuDNN's flash attention (``jax.nn.dot_product_attention``) on the same tokens laid
     out contiguously. Errors against the Triton kernel's output. With ``--prefill-kv`` an fp8 dtype, the
     pool is that fp8 pool (block size 64, the engine's default for fp8), and ``mosaic_bf16`` times the
-    Mosaic kernel over the bf16 pool it was quantised from (what the same prefill costs over bf16)."""
+    Mosaic kernel over the bf16 pool it was quantised from (what the same prefill costs over bf16), and
+    ``mosaic_1wg`` the one-warpgroup kernel's prefill tiles over the fp8 pool."""
     shapes = [(64, 0), (64, 32)] if args.tiny else [tuple(int(y) for y in x.split("+")) for x in args.prefill.split(",")]
     fp8 = args.prefill_kv != "bfloat16"
     hq, hkv, d, bs = (4, 2, 64, 16) if args.tiny else (HQ, HKV, D, 16)
@@ -270,6 +271,8 @@ def prefill_timing(args, interpret: bool):
         if fp8:  # the fp8 pool timed as "mosaic" and "triton"; the bf16 pool by the Mosaic kernel
             pool_bf16, pool = pool, jax.jit(quantize_pool, static_argnums=1)(pool, jnp.dtype(args.prefill_kv))
             fns["mosaic_bf16"] = lambda qq, _pool, *a: paged_attention_mgpu(qq, pool_bf16, *a, interpret=interpret)
+            # the one-warpgroup kernel's prefill tiles (what fp8 prefill launches ran before the prefill kernel)
+            fns["mosaic_1wg"] = lambda *a: paged_attention_mgpu(*a, interpret=interpret, block_q=64 // (hq // hkv))
         table = jnp.asarray(np.random.default_rng(q_len).permutation(num_blocks)[:nb].reshape(1, nb).astype(np.int32))
         q = jax.random.normal(kq, (q_len, hq, d), jnp.bfloat16)
         cu = jnp.array([0, q_len], jnp.int32)
@@ -346,6 +349,9 @@ def print_table(ceiling: float):
         b16 = r.get("mosaic_bf16", {})  # (--prefill-kv fp8: the Mosaic kernel over the bf16 pool)
         bs = f" || mosaic over bf16 {b16['time_us']:9.1f} us, fp8/bf16 {m['time_us'] / b16['time_us']:.2f}" \
             if "time_us" in b16 and "time_us" in m else ""
+        one = r.get("mosaic_1wg", {})
+        bs += f" || one-warpgroup {one['time_us']:9.1f} us, mosaic/one-warpgroup {m['time_us'] / one['time_us']:.2f}" \
+            if "time_us" in one and "time_us" in m else ""
         log(f"{r['q_len']:>6}+{r['prefix']:<6} | {f(m)} || {f(t)} || {cs} | {mc} | {mt}{bs}")
     log(f"errors: {len(RESULTS['errors'])}")
 

@@ -78,7 +78,9 @@ issues the copies (1.3x faster than this kernel at 4k-16k tokens).
 
 fp8 pools: decode launches run ``paged_attention_mgpu_decode.py`` (keys on wgmma's M: a decode token's
 ``G`` query rows cost wgmma ``N = 8`` columns instead of 64 rows; 0.61x this kernel's time at batch 256,
-context 1,024, H200), prefill and mixed launches this one-warpgroup kernel. A KV tile is one pool block: TMA copies its keys
+context 1,024, H200), prefill and mixed launches the warp-specialised kernel where it fits (blocks of 64
+slots, two slots or more: ``paged_attention_mgpu_prefill.py``), else this one-warpgroup kernel, whose
+arithmetic they share. A KV tile is one pool block: TMA copies its keys
 (``[bs, D]``), its values' ``V^T`` (``D / bs`` boxes of the transposed slab, kernels/fp8.py) and its two
 scale rows into fp8 slots. Each step converts the keys to f16 in registers (exact: an fp8 value is an
 f16 value) and stores them in an f16 tile for ``Q K^T``; the queries are f16 too, each row first
@@ -278,17 +280,33 @@ def copy_fp8_block(kv_ref, layer, phys, h, slot, k8_smem, vt8_smem, scale_smem, 
     its keys as stored into ``k8_smem [slots, bs, D]``, its values' ``V^T`` (slab columns ``[j bs, (j+1)
     bs)`` are ``V^T``'s rows, kernels/fp8.py) into ``vt8_smem [slots, D, bs]``, and its K and V scale rows
     into ``scale_smem [slots, 2, >= bs]``; keys and K scales arrive on ``k_bar[slot]``, the rest on
-    ``v_bar[slot]``."""
-    block_size, head_dim = k8_smem.shape[1:]
-    plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, pl.ds(0, block_size), 0, h, :], k8_smem.at[slot], k_bar.at[slot])
-    plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, block_size, 0, h, pl.ds(0, block_size)],
-                            scale_smem.at[slot, 0, pl.ds(0, block_size)], k_bar.at[slot])
+    ``v_bar[slot]`` (:func:`fp8_block_copies` copies each)."""
+    copy_fp8_keys(kv_ref, layer, phys, h, slot, k8_smem, k_bar)
+    copy_fp8_scales(kv_ref, layer, phys, h, slot, scale_smem, 0, k_bar)
+    copy_fp8_values(kv_ref, layer, phys, h, slot, vt8_smem, v_bar)
+    copy_fp8_scales(kv_ref, layer, phys, h, slot, scale_smem, 1, v_bar)
+
+
+def copy_fp8_keys(kv_ref, layer, phys, h, slot, k8_smem, bars):
+    """One TMA copy: the keys of :func:`copy_fp8_block`, on ``bars[slot]``."""
+    block_size = k8_smem.shape[1]
+    plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, pl.ds(0, block_size), 0, h, :], k8_smem.at[slot], bars.at[slot])
+
+
+def copy_fp8_values(kv_ref, layer, phys, h, slot, vt8_smem, bars):
+    """``D / bs`` TMA copies: the ``V^T`` of :func:`copy_fp8_block`, on ``bars[slot]``."""
+    head_dim, block_size = vt8_smem.shape[1:]
     for j in range(head_dim // block_size):
         cols = pl.ds(j * block_size, block_size)
         plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, pl.ds(0, block_size), 1, h, cols], vt8_smem.at[slot, cols],
-                                v_bar.at[slot])
-    plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, block_size, 1, h, pl.ds(0, block_size)],
-                            scale_smem.at[slot, 1, pl.ds(0, block_size)], v_bar.at[slot])
+                                bars.at[slot])
+
+
+def copy_fp8_scales(kv_ref, layer, phys, h, slot, scale_smem, which: int, bars):
+    """One TMA copy: the K (``which`` 0) or V (1) scale row of :func:`copy_fp8_block`, on ``bars[slot]``."""
+    block_size = kv_ref.shape[2] - 1
+    plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, block_size, which, h, pl.ds(0, block_size)],
+                            scale_smem.at[slot, which, pl.ds(0, block_size)], bars.at[slot])
 
 
 def f16_queries(q32, scale_log2: float):
@@ -575,7 +593,7 @@ def _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, bl
     if prefill:
         from jaxpaged.kernels.paged_attention_mgpu_prefill import prefill_smem_bytes
 
-        need = prefill_smem_bytes(head_dim, block_kv, num_slots, kv_pool.dtype, p_in_smem=bool(interpret))
+        need = prefill_smem_bytes(head_dim, block_kv, num_slots, q.dtype, p_in_smem=bool(interpret), fp8=fp8)
     else:
         need = smem_bytes(head_dim, block_kv, num_slots, q.dtype, split=(num_splits or 1) > 1,
                           p_in_smem=bool(interpret), fp8=fp8)
@@ -618,14 +636,19 @@ def paged_attention_mgpu(
     """
     if decode is None:
         decode = q.ndim == 3 and q.shape[0] <= 2 * kv_lens.shape[0]
-    prefill = (not decode and block_q is None and num_splits in (None, 1)  # the warp-specialised kernel
-               and not is_fp8(kv_pool.dtype))  # (which reads bf16 pools)
+    prefill = not decode and block_q is None and num_splits in (None, 1)  # the warp-specialised kernel
     if prefill and interpret:
         from jaxpaged.kernels.paged_attention_mgpu_prefill import NUM_COMPUTE
 
         prefill = interpreter_threads() >= NUM_COMPUTE + 2  # (its docstring)
-    if block_kv is None:
-        block_kv = (prefill_kv_tile if prefill else kv_tile)(block_size_of(kv_pool)) if kv_pool.ndim == 6 else MIN_KV_TILE
+    if block_kv is None:  # (over fp8 one pool block: kv_tile)
+        tiles = prefill_kv_tile if prefill and not is_fp8(kv_pool.dtype) else kv_tile
+        block_kv = tiles(block_size_of(kv_pool)) if kv_pool.ndim == 6 else MIN_KV_TILE
+    if prefill and is_fp8(kv_pool.dtype) and q.ndim == 3:  # two slots or more, and f16 tiles beside the fp8
+        from jaxpaged.kernels.paged_attention_mgpu_prefill import prefill_smem_bytes  # slots (blocks of 128 at
+
+        prefill = num_slots >= 2 and (  # head_dim 128 do not fit): the prefill kernel's docstring
+            prefill_smem_bytes(q.shape[-1], block_kv, num_slots, q.dtype, False, fp8=True) <= SMEM_BYTES)
     _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, block_kv, num_slots, block_q,
               num_splits, prefill)
     if prefill:

@@ -58,8 +58,16 @@ copies, waits for them and then computes; this one is for launches with many new
     the memory warpgroup's ``wait_free``), which Mosaic GPU's profiler records per warpgroup when a
     launch sets ``profile_space`` (``benchmarks/results/mosaic/prefill_schedule/prefill_regions.py``).
 
-Scope: as the one-warpgroup kernel (bf16 pools on the GPU, float32 in interpret mode; head_dim 64 or
-128; block sizes 8-128; any ``G``), without split-K. TMA boxes also need ``T`` a multiple of 8 and at
+Over an fp8 pool (kernels/fp8.py; blocks of 64 slots, a KV tile each) the memory warpgroup copies each
+block as stored (keys with both scale rows, then ``V^T``), and each compute warpgroup does the
+one-warpgroup kernel's fp8 arithmetic for itself: its queries once an item, then each tile's keys and
+``V^T``, converted exactly to f16 tiles of its own (stale values zeroed as they are converted); the K
+scales multiply the scores' columns, the V scales over the row's largest multiply ``P``'s, and the
+output is kept in units of that largest scale, rescaled with the running maximum. Both scale rows
+arrive with the keys, so the whole softmax stays in its turn. Not yet timed on the GPU.
+
+Scope: as the one-warpgroup kernel (bf16 pools on the GPU, float32 in interpret mode, fp8 pools of block
+size 64 with two K/V slots or more; head_dim 64 or 128; block sizes 8-128; any ``G``), without split-K. TMA boxes also need ``T`` a multiple of 8 and at
 least 128 rows: other launches copy ``q`` into one that is (the engine's token counts are powers of
 two, so only its launches of under 128 tokens do). Decode launches stay on that kernel
 (:func:`jaxpaged.kernels.paged_attention_mgpu.paged_attention_mgpu` picks this one for the others; in
@@ -77,6 +85,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxpaged.kernels.fp8 import is_fp8
 from jaxpaged.kernels.kv_write import block_size_of
 from jaxpaged.kernels.shapes import num_cores
 
@@ -86,22 +95,30 @@ INTERPRET_PROGRAMS = 2  # programs of an interpreted launch (each takes several 
 
 
 def prefill_smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype, p_in_smem: bool,
-                       q_buffers: int = 1) -> int:
+                       q_buffers: int = 1, fp8: bool = False) -> int:
     """Shared memory of one program: ``q_buffers`` buffers of two Q (later output) tiles, ``num_slots``
-    K and V tiles, and in the interpreter the two warpgroups' P tiles."""
+    K and V tiles, and in the interpreter the two warpgroups' P tiles. Over an fp8 pool (``dtype`` the
+    queries'), the K/V slots are fp8 with their scale rows, and each compute warpgroup has an f16 K (then
+    V^T) tile and an f16 Q tile."""
+    from jaxpaged.kernels.paged_attention_mgpu import TMA_ALIGN
+
     rows = NUM_COMPUTE * 64
-    return (q_buffers * rows * head_dim + 2 * num_slots * block_kv * head_dim
-            + rows * block_kv * p_in_smem) * jnp.dtype(dtype).itemsize
+    tiles = q_buffers * rows * head_dim + rows * block_kv * p_in_smem
+    if not fp8:
+        return (tiles + 2 * num_slots * block_kv * head_dim) * jnp.dtype(dtype).itemsize
+    staged = num_slots * 2 * (block_kv * head_dim + max(block_kv, TMA_ALIGN))  # one byte an element
+    return (tiles + NUM_COMPUTE * (2 * block_kv + 64) * head_dim) * 2 + staged
 
 
-def prefill_q_buffers(head_dim: int, block_kv: int, num_slots: int, dtype) -> int:
+def prefill_q_buffers(head_dim: int, block_kv: int, num_slots: int, dtype, fp8: bool = False) -> int:
     """Two Q buffers (the next item's Q copied while this one computes) where a Hopper block's shared
     memory holds them beside the K/V slots, else one (the next item's Q copied when this one's output
     is stored): at head_dim 128, 3 slots of 128 keys or 2 of 192 leave room for one. The same count
     in the interpreter, so the CPU tests run the GPU's choice."""
     from jaxpaged.kernels.paged_attention_mgpu import SMEM_BYTES
 
-    return 2 if prefill_smem_bytes(head_dim, block_kv, num_slots, dtype, False, q_buffers=2) <= SMEM_BYTES else 1
+    need = prefill_smem_bytes(head_dim, block_kv, num_slots, dtype, False, q_buffers=2, fp8=fp8)
+    return 2 if need <= SMEM_BYTES else 1
 
 
 def program_items(num_items: int, num_programs: int, prog):
@@ -121,7 +138,7 @@ def program_items(num_items: int, num_programs: int, prog):
 
 def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, side_ref, q_smem, k_smem,
                     v_smem, *refs, scale_log2: float, group: int, block_kv: int, block_size: int, num_slots: int,
-                    p_in_registers: bool, num_items: int, num_programs: int, q_buffers: int):
+                    p_in_registers: bool, num_items: int, num_programs: int, q_buffers: int, fp8: bool = False):
     """One program of a persistent launch: work items (tile pair, query head) of ranks
     :func:`program_items` (a rank ``r`` is pair ``order_ref[r // Hq]``, query head ``r % Hq``, which
     reads KV head ``r % Hq // G``), warpgroup ``axis_index("wg")``. GMEM refs: ``meta_ref i32[pairs,
@@ -137,9 +154,19 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
     pair's last token on ``zeroed[w]``), ``schedule`` (the compute warpgroups' turns,
     two arrivals a phase). Every compute warpgroup waits for and releases every tile of an item, the
     ones past its keys too (their turns taken without reading them), so each barrier's phases, which
-    each thread counts for itself, stay in step over the items."""
-    from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, _MASKED
+    each thread counts for itself, stay in step over the items.
 
+    Over an fp8 pool (``fp8``; a KV tile is one pool block): ``k_smem [slots, bs, D]`` and ``v_smem
+    [slots, D, bs]`` hold the block's keys and ``V^T`` as stored, and after them come ``scale_smem
+    [slots, 2, >= bs]`` (its K and V scale rows, both on ``k_bar``: the softmax takes both), ``k16
+    f16[2, bs, D]``, ``vt16 f16[2, D, bs]`` and ``q16_smem f16[2, 64, D]`` (each compute warpgroup's keys,
+    ``V^T`` and queries in f16); each compute warpgroup converts the tiles for itself and zeroes its own
+    stale values, so ``zeroed`` is not used."""
+    from jaxpaged.kernels.paged_attention_mgpu import (BLOCK_M, _MASKED, _scales, copy_fp8_keys, copy_fp8_scales,
+                                                       copy_fp8_values, f16_queries)
+
+    if fp8:
+        scale_smem, k16, vt16, q16_smem, *refs = refs
     if p_in_registers:
         q_bar, k_bar, v_bar, k_free, v_free, zeroed, schedule = refs
         p_smem = None
@@ -193,6 +220,15 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
             h = lax.div(hq, group)
 
             def fetch(t, slot, which: int, bars):
+                if fp8:  # one pool block: its keys and both scale rows (the softmax uses both), or its V^T
+                    phys = tables_ref[seq, jnp.minimum(t, width - 1)]
+                    if which == 0:
+                        copy_fp8_keys(kv_ref, layer, phys, h, slot, k_smem, bars)
+                        for row in (0, 1):
+                            copy_fp8_scales(kv_ref, layer, phys, h, slot, scale_smem, row, bars)
+                    else:
+                        copy_fp8_values(kv_ref, layer, phys, h, slot, v_smem, bars)
+                    return
                 for b in range(blocks_per_tile):
                     blk = jnp.minimum(t * blocks_per_tile + b, width - 1)  # past the table: masked anyway
                     phys = tables_ref[seq, blk]
@@ -249,47 +285,90 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
                 n_full = jnp.clip(lax.div(first + 1, block_kv), 0, hi)
                 q_tile, q_landed = q_buffer(j)
                 plgpu.barrier_wait(q_landed)
+                q_op = q_tile
+                if fp8:  # Q in f16, each row times the power of two that brings its largest element near 2^14
+                    q16, q_unscale = f16_queries(plgpu.load(q_tile, layout=plgpu.Layout.WGMMA).astype(jnp.float32),
+                                                 scale_log2)
+                    q_op = q16_smem.at[wg]
+                    q_op[...] = q16
+                    plgpu.commit_smem()
+                iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
 
                 def step(t, carry, masked: bool):
-                    acc, m_i, l_i = carry
+                    acc, m_i, l_i, *c_i = carry  # over fp8 also the V scale acc is counted in
                     slot = lax.rem(n0 + t, num_slots)
                     with jax.named_scope("wait_k"):
                         plgpu.barrier_wait(k_bar.at[slot])
+                    k_op = k_smem.at[slot].transpose((1, 0))
+                    if fp8:  # the keys as stored, converted exactly to f16 in this warpgroup's tile
+                        k16.at[wg][...] = plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
+                        plgpu.commit_smem()  # visible to wgmma
+                        k_op = k16.at[wg].transpose((1, 0))
 
                     def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
+                        plgpu.wgmma(acc_ref, q_op, k_op)
                         rendezvous()  # the other warpgroup's turn on the tensor cores
                         return acc_ref[...]
 
                     with jax.named_scope("qk"):
                         s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, block_kv), jnp.float32))  # unscaled scores
-                    plgpu.barrier_arrive(k_free.at[wg * num_slots + slot])
+                    if not fp8:  # (over fp8 the slot's scale rows are read in the softmax: released after P V)
+                        plgpu.barrier_arrive(k_free.at[wg * num_slots + slot])
                     with jax.named_scope("softmax"):
+                        if fp8:  # in log2 units: each row's scale (the softmax's included), each key's K scale
+                            s = (s * lax.broadcast_in_dim(q_unscale, s.shape, [0])
+                                 * _scales(scale_smem.at[slot, 0], s.shape))
                         if masked:
-                            iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
                             key = t * block_kv + iota((BLOCK_M, block_kv), 1)
                             last_key = jnp.minimum(first + iota((BLOCK_M, block_kv), 0), end - 1)
-                            s = jnp.where(key <= last_key, s, -jnp.inf)
-                        # The scale is applied to the row maxima and inside exp2's argument, where the multiply
-                        # and the subtraction fuse into one FMA a score (the maxima are the same: scale > 0).
-                        m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
-                        alpha = jnp.exp2(m_i - m_new)
-                        p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                        l_new = l_i * alpha + p.sum(axis=1)
+                            visible = key <= last_key
+                            s = jnp.where(visible, s, -jnp.inf)
+                        if fp8:
+                            m_new = jnp.maximum(m_i, s.max(axis=1))
+                            alpha = jnp.exp2(m_i - m_new)
+                            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                            # P's columns times their V scales over the row's largest (powers of two: exact), so
+                            # P stays in [0, 1] for f16; acc is kept in units of that largest scale.
+                            v_scale = _scales(scale_smem.at[slot, 1], s.shape)
+                            if masked:
+                                v_scale = jnp.where(visible, v_scale, 0.0)  # (a stale scale may be NaN)
+                            v_max = v_scale.max(axis=1)
+                            c_new = jnp.where(v_max > 0, v_max, 1.0)
+                            l_new = l_i * alpha + p.sum(axis=1)
+                            p = p * v_scale * lax.broadcast_in_dim(1.0 / c_new, s.shape, [0])
+                            acc = acc * lax.broadcast_in_dim(alpha * c_i[0] / c_new, acc.shape, [0])
+                            c_new = [c_new]
+                        else:
+                            # The scale is applied to the row maxima and inside exp2's argument, where the
+                            # multiply and the subtraction fuse into one FMA a score (the maxima are the same:
+                            # scale > 0).
+                            m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
+                            alpha = jnp.exp2(m_i - m_new)
+                            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                            l_new = l_i * alpha + p.sum(axis=1)
+                            c_new = []
                         if p_in_registers:
-                            p16 = p.astype(v_smem.dtype)
-                            acc, l_new, m_new, p16 = lax.optimization_barrier((acc, l_new, m_new, p16))
+                            p16 = p.astype(jnp.float16 if fp8 else v_smem.dtype)
+                            acc, l_new, m_new, c_new, p16 = lax.optimization_barrier((acc, l_new, m_new, c_new, p16))
                     plgpu.barrier_arrive(schedule)  # done with the softmax
                     with jax.named_scope("wait_v"):
                         plgpu.barrier_wait(v_bar.at[slot])
-                    if masked:
+                    v_op = v_smem.at[slot]
+                    if fp8:  # V^T as stored, converted exactly to f16
+                        vt = plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
+                        if masked:  # stale values past kv_end (P = 0 there, but 0 * NaN = NaN)
+                            vt = jnp.where(t * block_kv + iota(vt.shape, 1) < kv_end, vt, jnp.zeros((), vt.dtype))
+                        vt16.at[wg][...] = vt
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(v_free.at[wg * num_slots + slot])  # (after the store that used it)
+                        v_op = vt16.at[wg].transpose((1, 0))
+                    elif masked:
                         last = jnp.logical_and(t == num_kv - 1, tail)
 
                         @pl.when(jnp.logical_and(last, wg == owner))
                         def _zero_stale_values():
-                            v_key = t * block_kv + plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0,
-                                                                          layout=plgpu.Layout.WGMMA)
+                            v_key = t * block_kv + iota((block_kv, head_dim), 0)
                             v_smem[slot] = jnp.where(v_key < kv_end, v_smem[slot], jnp.zeros((), v_smem.dtype))
                             plgpu.commit_smem()
                             plgpu.barrier_arrive(zeroed.at[owner])
@@ -304,7 +383,7 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
                         plgpu.commit_smem()
 
                     def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p_op, v_smem.at[slot])
+                        plgpu.wgmma(acc_ref, p_op, v_op)
                         if not p_in_registers:
                             return acc_ref[...]
 
@@ -313,18 +392,23 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
                             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                         else:  # (the interpreter does not run an accumulator initialised from registers)
                             acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
-                    plgpu.barrier_arrive(v_free.at[wg * num_slots + slot])
-                    return acc, m_new, l_new
+                    # Over fp8 the keys' slot is released here, after P V: the softmax read its scale rows, and
+                    # the interpreter may run those loads as late as P's use (released after the softmax, its race
+                    # detector saw the next tile's copy overwrite them). With one slot this order would deadlock
+                    # (the next keys wait for the partner's P V, which waits for this warpgroup's next Q K^T), so
+                    # fp8 launches take this kernel with two slots or more.
+                    plgpu.barrier_arrive((k_free if fp8 else v_free).at[wg * num_slots + slot])
+                    return acc, m_new, l_new, *c_new
 
                 rows = plgpu.Layout.WGMMA.reduce(1)
                 carry = (
                     plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), jnp.float32), plgpu.Layout.WGMMA),
                     plgpu.layout_cast(jnp.full((BLOCK_M,), _MASKED, jnp.float32), rows),
                     plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), rows),
-                )
+                ) + ((plgpu.layout_cast(jnp.ones((BLOCK_M,), jnp.float32), rows),) if fp8 else ())
                 pl.when(wg == 1)(rendezvous)  # warpgroup 1 starts a turn behind
                 carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-                acc, _, l_i = lax.fori_loop(n_full, hi, functools.partial(step, masked=True), carry)
+                acc, _, l_i, *c_i = lax.fori_loop(n_full, hi, functools.partial(step, masked=True), carry)
 
                 @pl.loop(hi, num_kv)
                 def _idle_steps(t):
@@ -337,10 +421,12 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
                     plgpu.barrier_wait(v_bar.at[slot])
                     plgpu.barrier_arrive(v_free.at[wg * num_slots + slot])
                     rendezvous()  # (the owner zeroes the last tile in its turn after this one)
-                    pl.when(jnp.logical_and(t == num_kv - 1, tail))(lambda: plgpu.barrier_wait(zeroed.at[owner]))
+                    if not fp8:  # (over fp8 each warpgroup zeroes its own copy)
+                        pl.when(jnp.logical_and(t == num_kv - 1, tail))(lambda: plgpu.barrier_wait(zeroed.at[owner]))
 
                 pl.when(wg == 0)(rendezvous)
-                out = acc / lax.broadcast_in_dim(jnp.where(l_i > 0, l_i, 1.0), acc.shape, [0])
+                l_i = jnp.where(l_i > 0, l_i, 1.0)
+                out = acc / lax.broadcast_in_dim(l_i / c_i[0] if fp8 else l_i, acc.shape, [0])
                 q_tile[...] = out.astype(q_smem.dtype)  # Q is done
                 plgpu.commit_smem()
                 row0 = first_row(wg, tok0)
@@ -445,8 +531,9 @@ def launch_order(meta: jax.Array, num_heads: int, interpret) -> jax.Array:
 def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, scale: float, interpret,
                        block_kv: int, num_slots: int):
     """The prefill kernel after :func:`jaxpaged.kernels.paged_attention_mgpu.paged_attention_mgpu`'s
-    validation; ``layer`` an ``i32[]``, ``interpret`` ``None`` or an ``InterpretGPUParams``."""
-    from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, _transforms
+    validation; ``layer`` an ``i32[]``, ``interpret`` ``None`` or an ``InterpretGPUParams``. Over an fp8
+    pool ``block_kv`` is its block size."""
+    from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, TMA_ALIGN, _transforms
 
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[4]
@@ -460,17 +547,25 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
     num_pairs = meta.shape[0]
     num_slots_side = 2 * (kv_lens.shape[0] + 1)
 
-    dtype = kv_pool.dtype
+    dtype = q.dtype  # the pool's, or bf16 over an fp8 pool
+    fp8 = is_fp8(kv_pool.dtype)
     p_in_registers = interpret is None  # the interpreter's wgmma reads shared memory only
-    q_buffers = prefill_q_buffers(head_dim, block_kv, num_slots, dtype)
-    scratch = [
-        plgpu.SMEM((q_buffers, NUM_COMPUTE, BLOCK_M, head_dim), dtype, transforms=_transforms(dtype)),
-        plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=_transforms(dtype)),
-        plgpu.SMEM((num_slots, block_kv, head_dim), dtype, transforms=_transforms(dtype)),
-    ]
+    q_buffers = prefill_q_buffers(head_dim, block_kv, num_slots, dtype, fp8)
+    tile = lambda shape, dt=dtype: plgpu.SMEM(shape, dt, transforms=_transforms(dt, shape[-1]))
+    scratch = [tile((q_buffers, NUM_COMPUTE, BLOCK_M, head_dim))]
+    if fp8:  # slots as stored (swizzled, untiled: TMA boxes at any row) and their scale rows; f16 tiles
+        staged = lambda shape: plgpu.SMEM(shape, kv_pool.dtype, transforms=(plgpu.SwizzleTransform(shape[-1]),))
+        f16 = jnp.float16
+        scratch += [staged((num_slots, block_kv, head_dim)), staged((num_slots, head_dim, block_kv)),
+                    plgpu.SMEM((num_slots, 2, max(block_kv, TMA_ALIGN)), kv_pool.dtype),  # rows TMA-aligned
+                    tile((NUM_COMPUTE, block_kv, head_dim), f16), tile((NUM_COMPUTE, head_dim, block_kv), f16),
+                    tile((NUM_COMPUTE, BLOCK_M, head_dim), f16)]
+        k_copies, v_copies = 3, head_dim // block_size  # keys and both scale rows; V^T's boxes
+    else:
+        scratch += [tile((num_slots, block_kv, head_dim)), tile((num_slots, block_kv, head_dim))]
+        k_copies = v_copies = block_kv // block_size
     if not p_in_registers:
-        scratch.append(plgpu.SMEM((NUM_COMPUTE, BLOCK_M, block_kv), dtype, transforms=_transforms(dtype)))
-    per_tile = block_kv // block_size
+        scratch.append(tile((NUM_COMPUTE, BLOCK_M, block_kv), jnp.float16 if fp8 else dtype))
     num_items = num_pairs * num_q_heads
     # A program an SM, each looping over its items; in the interpreter a few, so that programs there
     # take several items too.
@@ -478,13 +573,13 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
     kernel = plgpu.kernel(
         functools.partial(_prefill_kernel, scale_log2=scale * LOG2E, group=group, block_kv=block_kv,
                           block_size=block_size, num_slots=num_slots, p_in_registers=p_in_registers,
-                          num_items=num_items, num_programs=num_programs, q_buffers=q_buffers),
+                          num_items=num_items, num_programs=num_programs, q_buffers=q_buffers, fp8=fp8),
         out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                   jax.ShapeDtypeStruct((num_slots_side, num_q_heads, 8, head_dim), q.dtype)),
         scratch_types=scratch + [
             plgpu.Barrier(num_arrivals=1, num_barriers=q_buffers * NUM_COMPUTE),
-            plgpu.Barrier(num_arrivals=per_tile, num_barriers=num_slots),
-            plgpu.Barrier(num_arrivals=per_tile, num_barriers=num_slots),
+            plgpu.Barrier(num_arrivals=k_copies, num_barriers=num_slots),
+            plgpu.Barrier(num_arrivals=v_copies, num_barriers=num_slots),
             plgpu.Barrier(num_arrivals=1, num_barriers=NUM_COMPUTE * num_slots),
             plgpu.Barrier(num_arrivals=1, num_barriers=NUM_COMPUTE * num_slots),
             plgpu.Barrier(num_arrivals=1, num_barriers=NUM_COMPUTE),

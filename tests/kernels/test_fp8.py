@@ -299,18 +299,25 @@ def test_triton_lowering_addresses_fp8_pools_up_to_4_gib_with_32_bit_offsets(mon
 
 # The Mosaic GPU kernels over fp8 pools (their CPU interpreter): one pool block a KV tile (64 slots, the fp8
 # default; 128); decode (kernels/paged_attention_mgpu_decode.py) with split-K and without, and G = 7, whose
-# last token's rows are read from before its own (its R = 8 rows would pass the end of q); a prefill tile
-# (the one-warpgroup kernel) with a prefix hit and an empty sequence.
+# last token's rows are read from before its own (its R = 8 rows would pass the end of q); prefill launches
+# on the warp-specialised kernel (kernels/paged_attention_mgpu_prefill.py: each compute warpgroup converts
+# the tiles and zeroes its own stale values) with prefix hits, the causal diagonal inside a block, a
+# sequence's last key mid-block, G = 7, and the one-warpgroup kernel's prefill tiles.
 MOSAIC_CASES = [
     ([1, 1, 1, 1], [1, 63, 64, 300], 64, 4, 2, 128, E4M3, dict(num_splits=2)),  # split-K, slots reused
-    ([1, 20, 0, 5], [9, 100, 4, 5], 64, 4, 2, 64, E5M2, {}),  # prefill tiles (G=2: 32 tokens a tile)
+    ([1, 20, 0, 5], [9, 100, 4, 5], 64, 4, 2, 64, E5M2, dict(block_q=32)),  # one-warpgroup prefill tiles
     ([1, 1], [127, 300], 128, 8, 1, 128, E4M3, dict(num_splits=1)),  # MQA, blocks of 128
     ([1] * 5, [7, 64, 129, 300, 65], 64, 14, 2, 64, E4M3, dict(num_splits=1)),  # G = 7: the last rows read back
     ([1] * 3, [5, 64, 200], 64, 4, 1, 64, E5M2, dict(num_splits=1)),  # decode over e5m2: each tile's largest V scale
+    ([150, 1, 40], [150, 9, 300], 64, 4, 2, 64, E4M3, {}),  # warp-specialised: pairs, prefix, mid-block ends
+    ([100, 13, 3], [230, 13, 40], 64, 14, 2, 64, E5M2, {}),  # G = 7 over e5m2 (each tile's largest V scale)
+    ([129, 7], [200, 7], 128, 2, 2, 128, E4M3, {}),  # blocks of 128: the one-warpgroup kernel (shared memory)
+    ([40, 9], [100, 70], 64, 4, 2, 64, E4M3, dict(num_slots=1)),  # one slot: the one-warpgroup kernel
 ]
 
 
-@pytest.mark.parametrize("case", [0, 1, pytest.param(2, marks=pytest.mark.slow), 3, 4])
+@pytest.mark.parametrize("case", [0, 1, pytest.param(2, marks=pytest.mark.slow), 3, 4, 5, 6,
+                                  pytest.param(7, marks=pytest.mark.slow), 8])
 def test_mosaic_attention_over_an_fp8_pool_matches_the_reference(case):
     """Every slot nothing was written to is NaN, its scale too; the kernel converts the fp8 tiles to f16
     exactly and applies the scales to the scores' and probabilities' columns (module docstring)."""
@@ -327,6 +334,24 @@ def test_mosaic_attention_over_an_fp8_pool_matches_the_reference(case):
     assert np.all(np.isfinite(out)), "NaN or inf in the output (a stale slot or scale read?)"
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-3
     assert np.all(out[cu[-1]:] == 0)
+
+
+@pytest.mark.slow
+def test_mosaic_prefill_over_fp8_has_no_shared_memory_races():
+    """The interpreter's race detector over the warp-specialised kernel's fp8 path: the memory warpgroup
+    copies fp8 slots the two compute warpgroups each convert into tiles of their own."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu
+
+    rng = np.random.default_rng(9)
+    q, k, v, cu, kl, tables = random_batch(rng, [70, 1, 9], [100, 200, 70], 64, 4, 2, 64)
+    args = (jnp.asarray(q, jnp.bfloat16), fp8_pool(k, v, E4M3), 1, jnp.asarray(cu), jnp.asarray(kl), jnp.asarray(tables))
+    out = paged_attention_mgpu(*args, interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not gpu_interpret.get_races().races_found
+    ref = np.asarray(reference(*args), np.float32)
+    assert np.linalg.norm(np.asarray(out, np.float32) - ref) / np.linalg.norm(ref) < 2e-3
 
 
 def test_mosaic_decode_shifts_e4m3_v_scales_by_a_constant_across_their_whole_range():
@@ -365,6 +390,10 @@ def test_mosaic_kernel_over_fp8_lowers_for_hopper_and_refuses_what_it_cannot_rea
     pool = jax.ShapeDtypeStruct(pool_shape(3, 64, 64, 8, 128, E4M3), E4M3)
     fn = jax.jit(lambda *a: paged_attention_mgpu(a[0], a[1], 2, *a[2:]))
     text = fn.trace(q, pool, i32(5), i32(4), i32(4, 20)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "wgmma.mma_async" in text and "cp.async.bulk.tensor" in text
+    # a prefill launch: the warp-specialised kernel over the fp8 pool
+    text = fn.trace(q.update(shape=(256, 16, 128)), pool, i32(5), i32(4), i32(4, 20)).lower(
+        lowering_platforms=("cuda",)).as_text()
     assert "wgmma.mma_async" in text and "cp.async.bulk.tensor" in text
     small = jnp.zeros(pool_shape(1, 4, 16, 1, 64, E4M3), E4M3)
     meta = (jnp.asarray([0, 1], jnp.int32), jnp.asarray([3], jnp.int32), jnp.zeros((1, 1), jnp.int32))
