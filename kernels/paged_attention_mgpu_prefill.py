@@ -383,7 +383,8 @@ def pair_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int):
     ``tok0`` that is a multiple of 8 (a TMA copy into a swizzled tile starts there), so a sequence
     that starts between two multiples of 8 has its first pair start a few tokens of the sequence
     before it (rows whose outputs are not stored); the padding tokens ``[cu[S], T)`` are sequence
-    ``S``, without keys, whose outputs are zeros. Sequence ``s``'s pairs are ``cu[s] // 128 + s ...``
+    ``S``, without keys, whose outputs are zeros. A sequence of one new token owns no pair (its row is
+    computed by :func:`jaxpaged.kernels.paged_attention_mgpu.one_token_rows`). Sequence ``s``'s pairs are ``cu[s] // 128 + s ...``
     (as :func:`jaxpaged.kernels.paged_attention_mgpu.tile_layout` numbers tiles, which bounds them by
     ``cdiv(T, 128) + S + 1``). Returns ``meta i32[pairs, 6]`` = (sequence or -1 where unowned,
     position of ``tok0`` in its sequence, ``kv_end``: one past the pair's last position, ``tok0``,
@@ -400,7 +401,8 @@ def pair_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int):
     seq = jnp.sum(starts[None, :] <= u[:, None], axis=1, dtype=jnp.int32) - 1  # starts[0] == 0
     lo, hi = cu[seq], cu[seq + 1]
     tok0 = lo // 8 * 8 + (u - starts[seq]) * pair
-    owned = (tok0 < hi) & (lo < hi)
+    # A sequence of one new token is left to the decode tiles (one_token_rows); the padding is not.
+    owned = (tok0 < hi) & ((hi - lo > 1) | ((seq == num_seqs - 1) & (lo < hi)))
     pos0 = kv[seq] - (hi - lo) + (tok0 - lo)
     kv_end = jnp.where(seq < num_seqs - 1, pos0 + jnp.minimum(tok0 + pair, hi) - tok0, 0)
     return jnp.stack([jnp.where(owned, seq, -1), pos0, kv_end, tok0, lo, hi], axis=1).astype(jnp.int32)
@@ -411,12 +413,14 @@ def side_rows(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
     (the padding ``s = S`` included) writes the group of 8 rows holding its first token to slot
     ``2 s`` where that group also holds the sequence before's rows, and the group holding its last
     token to slot ``2 s + 1`` where that group holds the next sequence's rows (and is not the one in
-    slot ``2 s``). Returns ``i32[2 (S + 1), 8]``."""
+    slot ``2 s``); a sequence of one new token (no pair of its own, :func:`pair_layout`) writes neither.
+    Returns ``i32[2 (S + 1), 8]``."""
     lo = cu_q_lens
     hi = jnp.concatenate([cu_q_lens[1:], jnp.full((1,), num_tokens, jnp.int32)])
     first, last = lo // 8 * 8, hi // 8 * 8
-    at_lo = lo % 8 != 0
-    used = jnp.stack([at_lo, (hi % 8 != 0) & ~(at_lo & (last == first))], axis=1)  # [S + 1, 2]
+    has_pairs = (hi - lo != 1).at[-1].set(True)
+    at_lo = (lo % 8 != 0) & has_pairs
+    used = jnp.stack([at_lo, (hi % 8 != 0) & has_pairs & ~(at_lo & (last == first))], axis=1)  # [S + 1, 2]
     tok = jnp.stack([first, last], axis=1)[:, :, None] + jnp.arange(8, dtype=jnp.int32)  # [S + 1, 2, 8]
     ok = used[:, :, None] & (tok >= lo[:, None, None]) & (tok < hi[:, None, None])
     return jnp.where(ok, tok, num_tokens).reshape(-1, 8)
@@ -446,7 +450,7 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
                        block_kv: int, num_slots: int):
     """The prefill kernel after :func:`jaxpaged.kernels.paged_attention_mgpu.paged_attention_mgpu`'s
     validation; ``layer`` an ``i32[]``, ``interpret`` ``None`` or an ``InterpretGPUParams``."""
-    from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, _transforms
+    from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, _transforms, one_token_rows
 
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[4]
@@ -502,4 +506,8 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
     # The rows of the groups of 8 that straddle a sequence boundary, each where it belongs.
     rows = side_rows(cu_q_lens, padded).reshape(-1)
     out = out.at[rows].set(side.transpose(0, 2, 1, 3).reshape(-1, num_q_heads, head_dim), mode="drop")
+    # The sequences of one new token (the decode rows of a mixed step) come from the decode tiles.
+    one = one_token_rows(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, scale=scale, interpret=interpret)
+    one_tok = jnp.where(cu_q_lens[1:] - cu_q_lens[:-1] == 1, cu_q_lens[:-1], padded)
+    out = out.at[one_tok].set(one, mode="drop")
     return out[:num_tokens]
