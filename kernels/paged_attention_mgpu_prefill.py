@@ -503,11 +503,12 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
     )
     order = launch_order(meta, num_q_heads, interpret)
     out, side = kernel(jnp.reshape(layer, (1,)), order, meta, block_tables, q, kv_pool)
-    # The rows of the groups of 8 that straddle a sequence boundary, each where it belongs.
-    rows = side_rows(cu_q_lens, padded).reshape(-1)
-    out = out.at[rows].set(side.transpose(0, 2, 1, 3).reshape(-1, num_q_heads, head_dim), mode="drop")
     # The sequences of one new token (the decode rows of a mixed step) come from the decode tiles.
     one = one_token_rows(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, scale=scale, interpret=interpret)
+    # Those rows and the rows of the groups of 8 that straddle a sequence boundary, each where it belongs,
+    # in one scatter (``padded``: nowhere).
     one_tok = jnp.where(cu_q_lens[1:] - cu_q_lens[:-1] == 1, cu_q_lens[:-1], padded)
-    out = out.at[one_tok].set(one, mode="drop")
+    rows = jnp.concatenate([side_rows(cu_q_lens, padded).reshape(-1), one_tok])
+    values = jnp.concatenate([side.transpose(0, 2, 1, 3).reshape(-1, num_q_heads, head_dim), one])
+    out = out.at[rows].set(values, mode="drop")
     return out[:num_tokens]

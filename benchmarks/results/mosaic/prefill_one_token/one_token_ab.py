@@ -35,7 +35,7 @@ CASES = {
     "mixed255-7b": ("7b", [1] * 255 + [512], [4096] * 255 + [0]),
     "mixed255-0.5b": ("0.5b", [1] * 255 + [512], [4096] * 255 + [0]),
     # launches without decode rows: what the extra (empty) decode launch costs
-    "2k": ("qwen3", [2048], [0]), "16k": ("qwen3", [16384], [0]),
+    "128": ("qwen3", [128], [0]), "2k": ("qwen3", [2048], [0]), "16k": ("qwen3", [16384], [0]),
     "ragged": ("qwen3", [1000, 37, 3000, 513, 5], [0, 500, 1024, 0, 77]),
 }
 names = sys.argv[1].split(",") if len(sys.argv) > 1 else list(CASES)
