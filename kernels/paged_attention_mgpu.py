@@ -27,7 +27,8 @@ How the work is cut:
     registers. Padding tokens' programs write zeros (with split-K the merge masks them). A decode
     launch is then the kernel and the merge: relaying the queries into tiles first and the outputs
     back after had cost a batch-1 launch 3-6 us of XLA kernels around a 3-5 us attention kernel
-    (H200, 2026-12-03).
+    (H200, 2026-12-03). The same tiles, a tile a sequence, compute the sequences of one new token in a
+    prefill launch (:func:`one_token_rows`).
   * Prefill tiles (``block_q > 1``): sequence ``i`` owns tiles ``cu_q_lens[i] // block_q + i + j`` for
     ``j < cdiv(q_len_i, block_q)`` (the Triton kernel's numbering: ``cdiv(T, block_q) + S`` tiles bound
     it; unowned tiles exit at once). A few XLA ops outside the kernel turn ``cu_q_lens``/``kv_lens``

@@ -54,6 +54,11 @@ copies, waits for them and then computes; this one is for launches with many new
     turns for that tile). Keys are only ever selected away (``-inf`` scores), never multiplied.
   * Items are taken longest first (:func:`launch_order`): in pair order a causal prefill's longest
     pairs ran in the last wave.
+  * A sequence of one new token (a decode row of a mixed step) owns no pair: as an item a query head,
+    it would cost ``G`` warpgroups of 64 rows, one for each of a KV head's query heads, each reading all
+    its keys. A second launch computes those rows on the decode tiles, a KV head's ``G`` heads in one
+    (:func:`jaxpaged.kernels.paged_attention_mgpu.one_token_rows`), and the scatter that places the side
+    output's rows places them too.
   * Each phase of a step is a ``jax.named_scope`` (``wait_k``, ``qk``, ``softmax``, ``wait_v``, ``pv``;
     the memory warpgroup's ``wait_free``), which Mosaic GPU's profiler records per warpgroup when a
     launch sets ``profile_space`` (``benchmarks/results/mosaic/prefill_schedule/prefill_regions.py``).
