@@ -56,13 +56,15 @@ for name in names:
     Tp = 1 << (T - 1).bit_length()  # the engine's token buckets are powers of two
     q = jax.random.normal(kq, (Tp, HQ, D), jnp.bfloat16)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(qls)]).astype(np.int32)); kl = jnp.asarray(np.array(kvl, np.int32))
-    ref = np.asarray(paged_attention_reference(q.astype(jnp.float32), pool.astype(jnp.float32), 0, cu, kl, table))
+    ref = None  # the reference's scores are [T, Hq, max kv_len] in f32: skipped where that is over 4 GiB
+    if Tp * max(kvl) * HQ <= 2**30:
+        ref = np.asarray(paged_attention_reference(q.astype(jnp.float32), pool.astype(jnp.float32), 0, cu, kl, table))
     kw = dict(scale=D ** -0.5, interpret=None, block_kv=prefill_kv_tile(BS), num_slots=2)
     res = {}
     for vname, mod in VARIANTS:
         fn = lambda qq, cs, tb, mod=mod: mod.paged_prefill_mgpu(qq, cs[0], jnp.int32(0), cs[1], cs[2], tb, **kw)
         out = np.asarray(jax.block_until_ready(fn(q, (pool, cu, kl), table)), np.float32)
-        err = float(np.max(np.abs(out - ref)))
+        err = float("nan") if ref is None else float(np.max(np.abs(out - ref)))
         _, t = chain_time(fn, q, (pool, cu, kl), [table], 10, 8)
         f = jax.jit(lambda qq, fn=fn: fn(qq, (pool, cu, kl), table))
         tot, cnt, _ = traced(f, q, 20)
