@@ -27,7 +27,8 @@ How the work is cut:
     registers. Padding tokens' programs write zeros (with split-K the merge masks them). A decode
     launch is then the kernel and the merge: relaying the queries into tiles first and the outputs
     back after had cost a batch-1 launch 3-6 us of XLA kernels around a 3-5 us attention kernel
-    (H200, 2026-12-03).
+    (H200, 2026-12-03). The same tiles, a tile a sequence, compute the sequences of one new token in a
+    prefill launch (:func:`one_token_rows`).
   * Prefill tiles (``block_q > 1``): sequence ``i`` owns tiles ``cu_q_lens[i] // block_q + i + j`` for
     ``j < cdiv(q_len_i, block_q)`` (the Triton kernel's numbering: ``cdiv(T, block_q) + S`` tiles bound
     it; unowned tiles exit at once). A few XLA ops outside the kernel turn ``cu_q_lens``/``kv_lens``
@@ -251,6 +252,17 @@ def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> j
     return jnp.stack([jnp.where(seq < num_seqs, seq, -1), pos, pos + 1], axis=1).astype(jnp.int32)
 
 
+def one_token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array) -> jax.Array:
+    """A tile per *sequence*, owned where the sequence has exactly one new token (the decode rows of a
+    prefill launch: :func:`one_token_rows`). Returns ``meta i32[S, 4]`` = (the sequence, ``-1`` where
+    it has no or several new tokens; its token's position; that + 1; the token's index in ``q``)."""
+    num_seqs = kv_lens.shape[0]
+    one = cu_q_lens[1:] - cu_q_lens[:-1] == 1
+    pos = kv_lens - 1
+    seq = jnp.where(one, jnp.arange(num_seqs, dtype=jnp.int32), -1)
+    return jnp.stack([seq, pos, pos + 1, cu_q_lens[:-1]], axis=1).astype(jnp.int32)
+
+
 def split_range(kv_end, split, block_kv: int, num_splits: int):
     """KV tiles ``[lo, hi)`` that split ``split`` of a query tile needing keys ``[0, kv_end)`` reads:
     ``cdiv(num_kv, num_splits)`` consecutive tiles each (the last splits may be short or empty)."""
@@ -322,7 +334,7 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
                       k_smem=None, v_smem=None, kv_then_out=None, q_smem=None, q_plain=None, p_smem=None,
                       o32_smem=None, lse_smem=None, fp8_union=None, q16_smem=None,
                       scale_log2: float, group: int, block_kv: int, block_size: int, num_slots: int,
-                      num_splits: int, num_rows: int, token_order: bool):
+                      num_splits: int, num_rows: int, token_order: bool, by_sequence: bool = False):
     """One program: KV head ``axis_index("kv_head")``, query tile ``axis_index("tile")`` and, with
     ``num_splits > 1``, split ``axis_index("split")`` of its KV tiles (:func:`split_range`).
 
@@ -333,7 +345,9 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
     (its log-sum-exp, base 2). With ``token_order`` (decode: :func:`token_layout`'s tiles) ``q_ref`` is
     the queries where they are, ``[T Hq, D]`` (at least ``R`` rows), and the outputs ``o_ref [T Hq,
     D]``, or ``f32[P, T Hq, D]`` and ``lse_ref f32[P, T Hq, LSE_LANES]``: the rows ``(t Hkv + h) G``
-    to ``+ G`` of token ``t``'s tile for KV head ``h``.
+    to ``+ G`` of token ``t``'s tile for KV head ``h``. With ``by_sequence`` too (:func:`one_token_rows`),
+    ``meta_ref i32[S, 4]`` (:func:`one_token_layout`): tile ``i`` reads the queries of token
+    ``meta_ref[i, 3]`` and writes rows ``(i Hkv + h) G ...`` of outputs ``[S Hq, D]``.
 
     Shared memory (keyword refs): ``q_smem [64, D]`` swizzled for wgmma, its first ``R`` rows the
     tile's queries; ``k_smem/v_smem [slots, block_kv, D]``; barriers ``q_bar``, ``k_bar[slots]``,
@@ -367,8 +381,9 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
     kv_end = meta_ref[tile, 2]
     lo, hi = split_range(kv_end, split, block_kv, num_splits)
     if token_order:
-        row0 = (tile * kv_ref.shape[4] + h) * group  # the tile's first query row in q [T * Hq, D]
-        first = jnp.minimum(row0, q_ref.shape[0] - num_rows)  # ... and the first row of the R it reads
+        row0 = (tile * kv_ref.shape[4] + h) * group  # the tile's first output row
+        q_row0 = (meta_ref[tile, 3] * kv_ref.shape[4] + h) * group if by_sequence else row0  # its first query row
+        first = jnp.minimum(q_row0, q_ref.shape[0] - num_rows)  # ... and the first row of the R it reads
 
     @pl.when(jnp.logical_and(seq >= 0, lo < hi))  # an unowned tile, or an empty split: nothing to do
     def _owned_tile():
@@ -508,7 +523,7 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
         out = acc / lax.broadcast_in_dim(jnp.where(has, l_i, 1.0), acc.shape, [0])
         lse = None if num_splits == 1 else jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)) * LOG2E, -jnp.inf)
         if token_order:  # this token's G rows, in place
-            row_off = row0 - first
+            row_off = q_row0 - first
             if num_splits == 1:
                 q_plain[...] = out.astype(q_plain.dtype)  # Q is done (it is in registers, or in q_smem)
                 plgpu.commit_smem()
@@ -675,11 +690,30 @@ def paged_attention_mgpu(
                                  block_q=block_q, num_splits=num_splits)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_kv", "num_slots", "block_q", "num_splits"))
+def one_token_rows(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, scale: float, interpret) -> jax.Array:
+    """The outputs of the sequences that have one new token, ``[S, Hq, D]`` in sequence order (zeros
+    for the others), by the decode tiles: a program a (sequence, KV head) computes that token's ``G``
+    query heads in one wgmma tile, reading its queries in place. The prefill kernel
+    (``paged_attention_mgpu_prefill``) leaves such sequences (the decode rows of a mixed step) to this
+    launch: its items are a query head each, so a one-token sequence would cost it ``G`` programs'
+    arithmetic, one a head, for every KV head's keys. ``layer`` an ``i32[]``, the rest validated by
+    :func:`paged_attention_mgpu`; the decode launches' defaults (KV tile, slots, split-K over ``S``
+    tiles)."""
+    num_seqs, num_kv_heads = kv_lens.shape[0], kv_pool.shape[4]
+    block_kv = kv_tile(block_size_of(kv_pool))
+    num_splits = choose_splits(num_seqs, num_seqs, num_kv_heads, block_kv,
+                               block_tables.shape[1] * block_size_of(kv_pool), decode=True)
+    return _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, scale=scale, interpret=interpret,
+                                 block_kv=block_kv, num_slots=NUM_SLOTS, block_q=1, num_splits=num_splits,
+                                 by_sequence=True)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_kv", "num_slots", "block_q", "num_splits",
+                                             "by_sequence"))
 def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, scale, interpret, block_kv,
-                          num_slots, block_q, num_splits):
+                          num_slots, block_q, num_splits, by_sequence: bool = False):
     """:func:`paged_attention_mgpu` after validation; ``layer`` an ``i32[]`` operand (one compiled kernel
-    serves every layer of a step)."""
+    serves every layer of a step). ``by_sequence`` (with ``block_q == 1``): :func:`one_token_rows`."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[4]
     block_size = block_size_of(kv_pool)
@@ -690,12 +724,15 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
     token_order = block_q == 1
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     if token_order:  # the kernel reads the queries and writes the outputs in place (module docstring)
-        meta = token_layout(cu_q_lens, kv_lens, num_tokens)
+        if by_sequence:
+            meta = one_token_layout(cu_q_lens, kv_lens)
+        else:
+            meta = token_layout(cu_q_lens, kv_lens, num_tokens)
         q_in = q.reshape(num_tokens * num_q_heads, head_dim)
         if q_in.shape[0] < rows:  # a box of R rows must fit
             q_in = jnp.pad(q_in, ((0, rows - q_in.shape[0]), (0, 0)))
-        tile_t = t
-        out_rows = (num_tokens * num_q_heads,)
+        tile_t = jnp.arange(meta.shape[0], dtype=jnp.int32)
+        out_rows = (meta.shape[0] * num_q_heads,)
     else:
         meta, tok0, ntok, starts = tile_layout(cu_q_lens, kv_lens, num_tokens, block_q)
         # Queries in tile layout [tiles, Hkv, R, D]: row r of a tile is token r // G, head r % G of the group.
@@ -760,7 +797,7 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
     kernel = plgpu.kernel(
         functools.partial(_attention_kernel, scale_log2=scale * LOG2E, group=group, block_kv=block_kv,
                           block_size=block_size, num_slots=num_slots, num_splits=num_splits, num_rows=rows,
-                          token_order=token_order),
+                          token_order=token_order, by_sequence=by_sequence),
         out_type=out_type,
         scratch_types=scratch,
         grid=(num_kv_heads, meta.shape[0]) + ((num_splits,) if num_splits > 1 else ()),
@@ -774,6 +811,9 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         return x[(slice(None),) * lead + (tile_t[:, None, None], kv_head, row_t[:, None])]
 
     valid = t < cu_q_lens[kv_lens.shape[0]]  # padding tokens (clipped to a tile, maybe another token's)
+    num_out = num_tokens  # output rows: tokens, or with by_sequence sequences (their tiles' ownership says which)
+    if by_sequence:
+        num_out, valid = meta.shape[0], jnp.ones(meta.shape[0], bool)
     if num_splits > 1:
         # Splits that had no keys (and padding tokens, unowned tiles) wrote nothing: their memory is not read.
         o_parts, lse = out
@@ -781,15 +821,15 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         lo, hi = split_range(meta[None, tile_t, 2], split, block_kv, num_splits)  # [P, T]
         wrote = (lo < hi) & (meta[None, tile_t, 0] >= 0) & valid[None, :]
         if token_order:  # [P, T * Hq, D] and [P, T * Hq, LSE_LANES]: the merge reads rows as the Triton kernel's
-            o_parts = o_parts.reshape(num_splits, num_tokens, num_q_heads, head_dim)
-            lse = lse[..., 0].reshape(num_splits, num_tokens, num_q_heads)
+            o_parts = o_parts.reshape(num_splits, num_out, num_q_heads, head_dim)
+            lse = lse[..., 0].reshape(num_splits, num_out, num_q_heads)
             wrote = wrote[:, :, None]
         else:
             o_parts, lse, wrote = to_tokens(o_parts, 1), to_tokens(lse, 1), wrote[:, :, None, None]
         lse = jnp.where(wrote, lse, -jnp.inf)
         o_parts = jnp.where(wrote[..., None], o_parts, 0.0)
-        return merge_splits(o_parts, lse, q.dtype).reshape(num_tokens, num_q_heads, head_dim)  # zeros where none wrote
+        return merge_splits(o_parts, lse, q.dtype).reshape(num_out, num_q_heads, head_dim)  # zeros where none wrote
     if token_order:
-        return out.reshape(num_tokens, num_q_heads, head_dim)  # padding tokens: zeros, written by the kernel
+        return out.reshape(num_out, num_q_heads, head_dim)  # unowned tiles: zeros, written by the kernel
     out = to_tokens(out).reshape(num_tokens, num_q_heads, head_dim)
     return jnp.where(valid[:, None, None], out, jnp.zeros((), out.dtype))

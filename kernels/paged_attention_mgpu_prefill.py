@@ -54,6 +54,11 @@ copies, waits for them and then computes; this one is for launches with many new
     turns for that tile). Keys are only ever selected away (``-inf`` scores), never multiplied.
   * Items are taken longest first (:func:`launch_order`): in pair order a causal prefill's longest
     pairs ran in the last wave.
+  * A sequence of one new token (a decode row of a mixed step) owns no pair: as an item a query head,
+    it would cost ``G`` warpgroups of 64 rows, one for each of a KV head's query heads, each reading all
+    its keys. A second launch computes those rows on the decode tiles, a KV head's ``G`` heads in one
+    (:func:`jaxpaged.kernels.paged_attention_mgpu.one_token_rows`), and the scatter that places the side
+    output's rows places them too.
   * Each phase of a step is a ``jax.named_scope`` (``wait_k``, ``qk``, ``softmax``, ``wait_v``, ``pv``;
     the memory warpgroup's ``wait_free``), which Mosaic GPU's profiler records per warpgroup when a
     launch sets ``profile_space`` (``benchmarks/results/mosaic/prefill_schedule/prefill_regions.py``).
@@ -464,12 +469,14 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
         plgpu.wait_smem_to_gmem(0)
 
 
-def pair_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int):
+def pair_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, one_token_apart: bool = True):
     """The tile pairs of a ragged batch: a pair is ``2 * 64`` tokens of one sequence from a token
     ``tok0`` that is a multiple of 8 (a TMA copy into a swizzled tile starts there), so a sequence
     that starts between two multiples of 8 has its first pair start a few tokens of the sequence
     before it (rows whose outputs are not stored); the padding tokens ``[cu[S], T)`` are sequence
-    ``S``, without keys, whose outputs are zeros. Sequence ``s``'s pairs are ``cu[s] // 128 + s ...``
+    ``S``, without keys, whose outputs are zeros. With ``one_token_apart`` a sequence of one new token
+    owns no pair (its row is computed by :func:`jaxpaged.kernels.paged_attention_mgpu.one_token_rows`).
+    Sequence ``s``'s pairs are ``cu[s] // 128 + s ...``
     (as :func:`jaxpaged.kernels.paged_attention_mgpu.tile_layout` numbers tiles, which bounds them by
     ``cdiv(T, 128) + S + 1``). Returns ``meta i32[pairs, 6]`` = (sequence or -1 where unowned,
     position of ``tok0`` in its sequence, ``kv_end``: one past the pair's last position, ``tok0``,
@@ -486,23 +493,27 @@ def pair_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int):
     seq = jnp.sum(starts[None, :] <= u[:, None], axis=1, dtype=jnp.int32) - 1  # starts[0] == 0
     lo, hi = cu[seq], cu[seq + 1]
     tok0 = lo // 8 * 8 + (u - starts[seq]) * pair
-    owned = (tok0 < hi) & (lo < hi)
+    # A sequence of one new token is left to the decode tiles (one_token_rows); the padding is not.
+    owned = (tok0 < hi) & (((hi - lo > 1) if one_token_apart else (lo < hi)) | ((seq == num_seqs - 1) & (lo < hi)))
     pos0 = kv[seq] - (hi - lo) + (tok0 - lo)
     kv_end = jnp.where(seq < num_seqs - 1, pos0 + jnp.minimum(tok0 + pair, hi) - tok0, 0)
     return jnp.stack([jnp.where(owned, seq, -1), pos0, kv_end, tok0, lo, hi], axis=1).astype(jnp.int32)
 
 
-def side_rows(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
+def side_rows(cu_q_lens: jax.Array, num_tokens: int, one_token_apart: bool = True) -> jax.Array:
     """The token each row of the kernel's side output holds (``num_tokens``: none). Sequence ``s``
     (the padding ``s = S`` included) writes the group of 8 rows holding its first token to slot
     ``2 s`` where that group also holds the sequence before's rows, and the group holding its last
     token to slot ``2 s + 1`` where that group holds the next sequence's rows (and is not the one in
-    slot ``2 s``). Returns ``i32[2 (S + 1), 8]``."""
+    slot ``2 s``); with ``one_token_apart`` a sequence of one new token (no pair of its own,
+    :func:`pair_layout`) writes neither.
+    Returns ``i32[2 (S + 1), 8]``."""
     lo = cu_q_lens
     hi = jnp.concatenate([cu_q_lens[1:], jnp.full((1,), num_tokens, jnp.int32)])
     first, last = lo // 8 * 8, hi // 8 * 8
-    at_lo = lo % 8 != 0
-    used = jnp.stack([at_lo, (hi % 8 != 0) & ~(at_lo & (last == first))], axis=1)  # [S + 1, 2]
+    has_pairs = ((hi - lo != 1) if one_token_apart else jnp.ones(hi.shape, bool)).at[-1].set(True)
+    at_lo = (lo % 8 != 0) & has_pairs
+    used = jnp.stack([at_lo, (hi % 8 != 0) & has_pairs & ~(at_lo & (last == first))], axis=1)  # [S + 1, 2]
     tok = jnp.stack([first, last], axis=1)[:, :, None] + jnp.arange(8, dtype=jnp.int32)  # [S + 1, 2, 8]
     ok = used[:, :, None] & (tok >= lo[:, None, None]) & (tok < hi[:, None, None])
     return jnp.where(ok, tok, num_tokens).reshape(-1, 8)
@@ -533,7 +544,7 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
     """The prefill kernel after :func:`jaxpaged.kernels.paged_attention_mgpu.paged_attention_mgpu`'s
     validation; ``layer`` an ``i32[]``, ``interpret`` ``None`` or an ``InterpretGPUParams``. Over an fp8
     pool ``block_kv`` is its block size."""
-    from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, TMA_ALIGN, _transforms
+    from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, TMA_ALIGN, _transforms, one_token_rows
 
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[4]
@@ -543,7 +554,10 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
     padded = max(-(-num_tokens // 8) * 8, NUM_COMPUTE * BLOCK_M)
     if padded != num_tokens:  # (a copy, only of launches of under 128 tokens or not a multiple of 8)
         q = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0)))
-    meta = pair_layout(cu_q_lens, kv_lens, padded)
+    # Sequences of one new token go to the decode tiles (one_token_rows), except over fp8 (whose decode
+    # kernel has no tiles by sequence).
+    one_token_apart = not is_fp8(kv_pool.dtype)
+    meta = pair_layout(cu_q_lens, kv_lens, padded, one_token_apart)
     num_pairs = meta.shape[0]
     num_slots_side = 2 * (kv_lens.shape[0] + 1)
 
@@ -594,7 +608,14 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
     )
     order = launch_order(meta, num_q_heads, interpret)
     out, side = kernel(jnp.reshape(layer, (1,)), order, meta, block_tables, q, kv_pool)
-    # The rows of the groups of 8 that straddle a sequence boundary, each where it belongs.
-    rows = side_rows(cu_q_lens, padded).reshape(-1)
-    out = out.at[rows].set(side.transpose(0, 2, 1, 3).reshape(-1, num_q_heads, head_dim), mode="drop")
+    # The rows of the groups of 8 that straddle a sequence boundary and those of the sequences of one new
+    # token (the decode rows of a mixed step, from the decode tiles), each where it belongs, in one scatter
+    # (``padded``: nowhere).
+    rows = side_rows(cu_q_lens, padded, one_token_apart).reshape(-1)
+    values = side.transpose(0, 2, 1, 3).reshape(-1, num_q_heads, head_dim)
+    if one_token_apart:
+        one = one_token_rows(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, scale=scale, interpret=interpret)
+        rows = jnp.concatenate([rows, jnp.where(cu_q_lens[1:] - cu_q_lens[:-1] == 1, cu_q_lens[:-1], padded)])
+        values = jnp.concatenate([values, one])
+    out = out.at[rows].set(values, mode="drop")
     return out[:num_tokens]

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu, tile_layout, token_layout
+from jaxpaged.kernels.paged_attention_mgpu import one_token_layout, paged_attention_mgpu, tile_layout, token_layout
 from jaxpaged.kernels.paged_attention_mgpu_prefill import launch_order, pair_layout, program_items, side_rows
 from jaxpaged.kernels.kv_write import pool_from_caches
 from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
@@ -97,6 +97,10 @@ PREFILL = [
     # warpgroup reads the last 64 rows of q (its first 56 rows another tile's, not stored); sequences
     # starting and ending between multiples of 8, their shared groups of rows through the side output.
     ([100, 13, 71, 3], [130, 13, 71, 40], 16, 7, 1, 64, jnp.float32, {}),
+    # Decode rows of a mixed step (sequences of one new token), which the decode tiles compute, a KV head's
+    # G heads in one tile: one inside a group of 8 rows it shares with the sequences either side, one
+    # last before the padding; G=7 over two KV heads. The pairs' stores must leave their rows alone.
+    ([13, 1, 50, 1], [13, 90, 60, 200], 16, 14, 2, 64, jnp.bfloat16, {}),
 ]
 
 
@@ -189,13 +193,29 @@ def test_pair_layout_and_side_rows():
     want[5, :4] = np.arange(296, 300)
     want[6, 4:] = np.arange(300, 304)
     np.testing.assert_array_equal(rows, want)
+    # A sequence of one new token owns no pair and no side rows (its row comes from the decode tiles),
+    # though the group it sits in is shared with the sequences on either side; the padding keeps its own.
+    cu, kv = jnp.array([0, 13, 14, 30], jnp.int32), jnp.array([13, 50, 16], jnp.int32)
+    meta = np.asarray(pair_layout(cu, kv, 32))
+    np.testing.assert_array_equal(meta[meta[:, 0] >= 0][:, [0, 3]], [[0, 0], [2, 8], [3, 24]])
+    want = np.full((2 * 4, 8), 32)
+    want[1, :5] = np.arange(8, 13)
+    want[4, 6:] = [14, 15]
+    want[5, :6] = np.arange(24, 30)
+    want[6, 6:] = [30, 31]
+    np.testing.assert_array_equal(np.asarray(side_rows(cu, 32)), want)
 
 
 def test_token_layout():
-    """Decode launches have a tile per token: tile t is token t, padding tokens unowned."""
-    meta = np.asarray(token_layout(jnp.array([0, 1, 1, 3], jnp.int32), jnp.array([5, 2, 9], jnp.int32), 5))
+    """Decode launches have a tile per token: tile t is token t, padding tokens unowned. The decode rows of
+    a prefill launch have a tile per sequence, owned where it has one new token, which it names."""
+    cu, kv = jnp.array([0, 1, 1, 3], jnp.int32), jnp.array([5, 2, 9], jnp.int32)
+    meta = np.asarray(token_layout(cu, kv, 5))
     np.testing.assert_array_equal(meta[:3], [[0, 4, 5], [2, 7, 8], [2, 8, 9]])  # (sequence, position, kv_end)
     np.testing.assert_array_equal(meta[3:, 0], [-1, -1])
+    meta = np.asarray(one_token_layout(cu, kv))
+    np.testing.assert_array_equal(meta[:, 0], [0, -1, -1])
+    np.testing.assert_array_equal(meta[0], [0, 4, 5, 0])  # (sequence, position, kv_end, token)
 
 
 @pytest.mark.parametrize("num_seqs,kw", [(1, dict(num_splits=1)), (3, {})])

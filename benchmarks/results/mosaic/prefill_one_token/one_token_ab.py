@@ -1,0 +1,81 @@
+"""Decode rows in a prefill launch: the checkout's kernel (sequences of one new token computed by the
+decode tiles, a KV head's G query heads in one wgmma tile) against the in-place prefill kernel that
+computed them itself (an item a query head: G items of 64 rows for one token) and the kernel before that
+(tiles laid out by XLA, a KV head's G heads packed in a tile); one process, one GPU. Chained wall time,
+GPU busy time (the profiler's sum over the launch's kernels) and max error against the reference. Make
+the two earlier kernels first (git-excluded copies):
+
+    d=benchmarks/results/mosaic/prefill_one_token
+    git show a1feab8:kernels/paged_attention_mgpu_prefill.py > $d/prefill_tiles.py
+    git show 499c662:kernels/paged_attention_mgpu_prefill.py > $d/prefill_in_place.py
+    python3 $d/one_token_ab.py [case,...]    # of CASES; default all
+
+Shapes (Hq, Hkv, D): Qwen3-0.6B (16, 8, 128, G 2), Qwen2.5-7B (28, 4, 128, G 7), Qwen2.5-0.5B (14, 2, 64, G 7).
+"""
+import sys, warnings
+sys.path[:0] = ["benchmarks", "tools", "benchmarks/results/mosaic", "benchmarks/results/mosaic/prefill_one_token"]
+warnings.filterwarnings("ignore")
+import jax, jax.numpy as jnp, numpy as np
+from decode_profile import traced
+from bench_attention import chain_time
+import prefill_tiles, prefill_in_place
+from jaxpaged.kernels import paged_attention_mgpu_prefill as checkout
+from jaxpaged.kernels.paged_attention_mgpu import prefill_kv_tile
+from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
+
+BS = 16
+SHAPES = {"qwen3": (16, 8, 128), "7b": (28, 4, 128), "0.5b": (14, 2, 64)}
+# name: (shape, new tokens a sequence, cached tokens before them)
+CASES = {
+    # a mixed step: 64 decode rows of 1,024 tokens of context and a 2,048-token chunk
+    "mixed64": ("qwen3", [1] * 64 + [2048], [1024] * 64 + [0]),
+    "mixed64-7b": ("7b", [1] * 64 + [2048], [1024] * 64 + [0]),
+    # a server's step: 255 sequences decoding at 4k tokens of context, one 512-token prompt arriving
+    "mixed255": ("qwen3", [1] * 255 + [512], [4096] * 255 + [0]),
+    "mixed255-7b": ("7b", [1] * 255 + [512], [4096] * 255 + [0]),
+    "mixed255-0.5b": ("0.5b", [1] * 255 + [512], [4096] * 255 + [0]),
+    # launches without decode rows: what the extra (empty) decode launch costs
+    "128": ("qwen3", [128], [0]), "2k": ("qwen3", [2048], [0]), "16k": ("qwen3", [16384], [0]),
+    "ragged": ("qwen3", [1000, 37, 3000, 513, 5], [0, 500, 1024, 0, 77]),
+}
+names = sys.argv[1].split(",") if len(sys.argv) > 1 else list(CASES)
+VARIANTS = (("tiles", prefill_tiles), ("in_place", prefill_in_place), ("checkout", checkout))
+rows = []
+for name in names:
+    shape, qls, pres = CASES[name]
+    HQ, HKV, D = SHAPES[shape]
+    T = sum(qls); kvl = [a + b for a, b in zip(qls, pres)]
+    nbs = [-(-k // BS) for k in kvl]; width = max(nbs); blocks = sum(nbs) + 64
+    kq, kp = jax.random.split(jax.random.key(T))
+    pool = jax.random.normal(kp, (1, blocks, BS, 2, HKV, D), jnp.bfloat16)
+    perm = np.random.default_rng(T).permutation(blocks)
+    tb = np.zeros((len(qls), width), np.int32); o = 0
+    for i, n in enumerate(nbs):
+        tb[i, :n] = perm[o:o + n]; o += n
+    table = jnp.asarray(tb)
+    Tp = 1 << (T - 1).bit_length()  # the engine's token buckets are powers of two
+    q = jax.random.normal(kq, (Tp, HQ, D), jnp.bfloat16)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(qls)]).astype(np.int32)); kl = jnp.asarray(np.array(kvl, np.int32))
+    ref = None  # the reference's scores are [T, Hq, max kv_len] in f32: skipped where that is over 4 GiB
+    if Tp * max(kvl) * HQ <= 2**30:
+        ref = np.asarray(paged_attention_reference(q.astype(jnp.float32), pool.astype(jnp.float32), 0, cu, kl, table))
+    kw = dict(scale=D ** -0.5, interpret=None, block_kv=prefill_kv_tile(BS), num_slots=2)
+    res = {}
+    for vname, mod in VARIANTS:
+        fn = lambda qq, cs, tb, mod=mod: mod.paged_prefill_mgpu(qq, cs[0], jnp.int32(0), cs[1], cs[2], tb, **kw)
+        out = np.asarray(jax.block_until_ready(fn(q, (pool, cu, kl), table)), np.float32)
+        err = float("nan") if ref is None else float(np.max(np.abs(out - ref)))
+        _, t = chain_time(fn, q, (pool, cu, kl), [table], 10, 8)
+        f = jax.jit(lambda qq, fn=fn: fn(qq, (pool, cu, kl), table))
+        tot, cnt, _ = traced(f, q, 20)
+        res[vname] = (t * 1e6, sum(tot.values()), err)
+        print(f"== {name} {vname}: chained {t*1e6:.1f} us, busy {sum(tot.values()):.1f}, max err {err:.2e}", flush=True)
+        for k, v in tot.most_common(5):
+            print(f"   {v:8.2f} us x{cnt[k]:.1f} {k[:90]}", flush=True)
+    rows.append((name, res))
+    del pool
+print("\n| case | tiles chained / busy | in place chained / busy | checkout chained / busy | checkout / in place | checkout / tiles | max err (tiles, in place, checkout) |")
+for name, r in rows:
+    a, b, c = r["tiles"], r["in_place"], r["checkout"]
+    print(f"| {name} | {a[0]:.1f} / {a[1]:.1f} | {b[0]:.1f} / {b[1]:.1f} | {c[0]:.1f} / {c[1]:.1f} | "
+          f"{c[0]/b[0]:.3f} | {c[0]/a[0]:.3f} | {a[2]:.1e}, {b[2]:.1e}, {c[2]:.1e} |")
