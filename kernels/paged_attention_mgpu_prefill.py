@@ -58,7 +58,7 @@ copies, waits for them and then computes; this one is for launches with many new
     it would cost ``G`` warpgroups of 64 rows, one for each of a KV head's query heads, each reading all
     its keys. A second launch computes those rows on the decode tiles, a KV head's ``G`` heads in one
     (:func:`jaxpaged.kernels.paged_attention_mgpu.one_token_rows`), and the scatter that places the side
-    output's rows places them too.
+    output's rows places them too (not over fp8 pools, whose decode kernel has no tiles by sequence).
   * Each phase of a step is a ``jax.named_scope`` (``wait_k``, ``qk``, ``softmax``, ``wait_v``, ``pv``;
     the memory warpgroup's ``wait_free``), which Mosaic GPU's profiler records per warpgroup when a
     launch sets ``profile_space`` (``benchmarks/results/mosaic/prefill_schedule/prefill_regions.py``).
