@@ -695,17 +695,16 @@ def one_token_rows(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, scale
     for the others), by the decode tiles: a program a (sequence, KV head) computes that token's ``G``
     query heads in one wgmma tile, reading its queries in place. The prefill kernel
     (``paged_attention_mgpu_prefill``) leaves such sequences (the decode rows of a mixed step) to this
-    launch: its items are a query head each, so a one-token sequence would cost it ``G`` programs'
-    arithmetic, one a head, for every KV head's keys. ``layer`` an ``i32[]``, the rest validated by
-    :func:`paged_attention_mgpu`; the decode launches' defaults (KV tile, slots, split-K over ``S``
-    tiles)."""
-    num_seqs, num_kv_heads = kv_lens.shape[0], kv_pool.shape[4]
+    launch: its items are a query head each, so a one-token sequence cost it ``G`` programs'
+    arithmetic, one a head, for every KV head's keys (a step of 255 decode rows at 4k tokens and a
+    512-token prompt, Qwen2.5-7B's shapes: 3.3x the tiled kernel's time, 0.99x with this launch; H100,
+    ``benchmarks/RESULTS.md``). Unsplit: where a prefill launch has no such sequences every program exits
+    at once, and split-K's merge would be one more kernel (launches of 2,048 tokens and one sequence
+    took 1.07-1.16x the time with the decode launches' splits, 0.98x without). ``layer`` an ``i32[]``,
+    the rest validated by :func:`paged_attention_mgpu`; the decode launches' KV tile and slots."""
     block_kv = kv_tile(block_size_of(kv_pool))
-    num_splits = choose_splits(num_seqs, num_seqs, num_kv_heads, block_kv,
-                               block_tables.shape[1] * block_size_of(kv_pool), decode=True)
     return _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, scale=scale, interpret=interpret,
-                                 block_kv=block_kv, num_slots=NUM_SLOTS, block_q=1, num_splits=num_splits,
-                                 by_sequence=True)
+                                 block_kv=block_kv, num_slots=NUM_SLOTS, block_q=1, num_splits=1, by_sequence=True)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_kv", "num_slots", "block_q", "num_splits",
@@ -713,7 +712,7 @@ def one_token_rows(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, scale
 def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, scale, interpret, block_kv,
                           num_slots, block_q, num_splits, by_sequence: bool = False):
     """:func:`paged_attention_mgpu` after validation; ``layer`` an ``i32[]`` operand (one compiled kernel
-    serves every layer of a step). ``by_sequence`` (with ``block_q == 1``): :func:`one_token_rows`."""
+    serves every layer of a step). ``by_sequence`` (with ``block_q == 1``, unsplit): :func:`one_token_rows`."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[4]
     block_size = block_size_of(kv_pool)
@@ -811,9 +810,7 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         return x[(slice(None),) * lead + (tile_t[:, None, None], kv_head, row_t[:, None])]
 
     valid = t < cu_q_lens[kv_lens.shape[0]]  # padding tokens (clipped to a tile, maybe another token's)
-    num_out = num_tokens  # output rows: tokens, or with by_sequence sequences (their tiles' ownership says which)
-    if by_sequence:
-        num_out, valid = meta.shape[0], jnp.ones(meta.shape[0], bool)
+    num_out = meta.shape[0] if by_sequence else num_tokens  # output rows: tokens, or (by_sequence) sequences
     if num_splits > 1:
         # Splits that had no keys (and padding tokens, unowned tiles) wrote nothing: their memory is not read.
         o_parts, lse = out
