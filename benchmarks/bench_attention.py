@@ -120,6 +120,26 @@ def make_case(rng, q_lens, kv_lens, bs, hq, hkv, d, dtype, num_blocks):
             jnp.asarray(np.array(kv_lens, np.int32)), jnp.asarray(perm))
 
 
+def random_paged_batch(q_lens, prefixes, hq: int, hkv: int, d: int, bs: int, num_tokens: int):
+    """A bf16 batch for timing (no NaN): sequences of ``q_lens`` new tokens after ``prefixes`` cached
+    ones, their blocks in random order in a one-layer pool with 64 spare blocks, ``num_tokens`` query
+    rows (the rest padding); seeded by the token count. Returns ``(q, pool, cu_q_lens, kv_lens, tables)``."""
+    total = sum(q_lens)
+    kv_lens = [a + b for a, b in zip(q_lens, prefixes)]
+    nbs = [-(-k // bs) for k in kv_lens]
+    blocks = sum(nbs) + 64
+    kq, kp = jax.random.split(jax.random.key(total))
+    pool = jax.random.normal(kp, (1, blocks, bs, 2, hkv, d), jnp.bfloat16)
+    perm = np.random.default_rng(total).permutation(blocks)
+    tables, o = np.zeros((len(q_lens), max(nbs)), np.int32), 0
+    for i, n in enumerate(nbs):
+        tables[i, :n] = perm[o:o + n]
+        o += n
+    q = jax.random.normal(kq, (num_tokens, hq, d), jnp.bfloat16)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return q, pool, jnp.asarray(cu), jnp.asarray(np.array(kv_lens, np.int32)), jnp.asarray(tables)
+
+
 def correctness(rng, interpret):
     cases = [  # (q_lens, kv_lens, bs, hq, hkv, d, dtype)
         ([1, 1, 1, 37, 0, 5, 1], [1, 15, 16, 50, 9, 300, 1000], 16, 16, 8, 128, jnp.bfloat16),

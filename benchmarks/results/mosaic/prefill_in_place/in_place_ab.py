@@ -11,7 +11,7 @@ sys.path[:0] = ["benchmarks", "tools", "benchmarks/results/mosaic", "benchmarks/
 warnings.filterwarnings("ignore")
 import jax, jax.numpy as jnp, numpy as np
 from decode_profile import traced
-from bench_attention import chain_time, timed, _chain_simple
+from bench_attention import chain_time, timed, _chain_simple, random_paged_batch
 import prefill_before
 from jaxpaged.kernels import paged_attention_mgpu_prefill as after
 from jaxpaged.kernels.paged_attention_mgpu import prefill_kv_tile
@@ -26,17 +26,8 @@ CASES = {"1k": ([1024], [0]), "2k": ([2048], [0]), "4k": ([4096], [0]), "8k": ([
 names = sys.argv[1].split(",") if len(sys.argv) > 1 else ["2k", "4k", "8k", "16k", "ragged"]
 cases = [(n, *CASES[n]) for n in names]
 for name, qls, pres in cases:
-    T = sum(qls); kvl = [a + b for a, b in zip(qls, pres)]
-    nbs = [-(-k // BS) for k in kvl]; width = max(nbs); blocks = sum(nbs) + 64
-    kq, kp = jax.random.split(jax.random.key(T))
-    pool = jax.random.normal(kp, (1, blocks, BS, 2, HKV, D), jnp.bfloat16)
-    perm = np.random.default_rng(T).permutation(blocks)
-    tb = np.zeros((len(qls), width), np.int32); o = 0
-    for i, n in enumerate(nbs):
-        tb[i, :n] = perm[o:o + n]; o += n
-    table = jnp.asarray(tb)
-    q = jax.random.normal(kq, (-(-T // 8) * 8 + 8, HQ, D), jnp.bfloat16)  # padding tokens, a multiple of 8 in all
-    cu = jnp.asarray(np.concatenate([[0], np.cumsum(qls)]).astype(np.int32)); kl = jnp.asarray(np.array(kvl, np.int32))
+    T = sum(qls)  # padding tokens after them, a multiple of 8 in all
+    q, pool, cu, kl, table = random_paged_batch(qls, pres, HQ, HKV, D, BS, -(-T // 8) * 8 + 8)
     kw = dict(scale=D ** -0.5, interpret=None, block_kv=prefill_kv_tile(BS), num_slots=2)
     res = {}
     for vname, mod in (("before", prefill_before), ("after", after)):

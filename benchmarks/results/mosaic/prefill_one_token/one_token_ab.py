@@ -18,7 +18,7 @@ sys.path[:0] = ["benchmarks", "tools", "benchmarks/results/mosaic", "benchmarks/
 warnings.filterwarnings("ignore")
 import jax, jax.numpy as jnp, numpy as np
 from decode_profile import traced
-from bench_attention import chain_time
+from bench_attention import chain_time, random_paged_batch
 import prefill_tiles, prefill_in_place
 from jaxpaged.kernels import paged_attention_mgpu_prefill as checkout
 from jaxpaged.kernels.paged_attention_mgpu import prefill_kv_tile
@@ -46,18 +46,8 @@ rows = []
 for name in names:
     shape, qls, pres = CASES[name]
     HQ, HKV, D = SHAPES[shape]
-    T = sum(qls); kvl = [a + b for a, b in zip(qls, pres)]
-    nbs = [-(-k // BS) for k in kvl]; width = max(nbs); blocks = sum(nbs) + 64
-    kq, kp = jax.random.split(jax.random.key(T))
-    pool = jax.random.normal(kp, (1, blocks, BS, 2, HKV, D), jnp.bfloat16)
-    perm = np.random.default_rng(T).permutation(blocks)
-    tb = np.zeros((len(qls), width), np.int32); o = 0
-    for i, n in enumerate(nbs):
-        tb[i, :n] = perm[o:o + n]; o += n
-    table = jnp.asarray(tb)
-    Tp = 1 << (T - 1).bit_length()  # the engine's token buckets are powers of two
-    q = jax.random.normal(kq, (Tp, HQ, D), jnp.bfloat16)
-    cu = jnp.asarray(np.concatenate([[0], np.cumsum(qls)]).astype(np.int32)); kl = jnp.asarray(np.array(kvl, np.int32))
+    T = sum(qls)  # padded to a power of two, as the engine's token buckets are
+    q, pool, cu, kl, table = random_paged_batch(qls, pres, HQ, HKV, D, BS, 1 << (T - 1).bit_length())
     kw = dict(scale=D ** -0.5, interpret=None, block_kv=prefill_kv_tile(BS), num_slots=2)
     res = {}
     for vname, mod in VARIANTS:
