@@ -28,7 +28,7 @@ How the work is cut:
     launch is then the kernel and the merge: relaying the queries into tiles first and the outputs
     back after had cost a batch-1 launch 3-6 us of XLA kernels around a 3-5 us attention kernel
     (H200, 2026-12-03). The same tiles, a tile a sequence, compute the sequences of one new token in a
-    prefill launch (:func:`one_token_rows`).
+    prefill launch at GQA groups of 4 or more (:func:`one_token_rows`).
   * Prefill tiles (``block_q > 1``): sequence ``i`` owns tiles ``cu_q_lens[i] // block_q + i + j`` for
     ``j < cdiv(q_len_i, block_q)`` (the Triton kernel's numbering: ``cdiv(T, block_q) + S`` tiles bound
     it; unowned tiles exit at once). A few XLA ops outside the kernel turn ``cu_q_lens``/``kv_lens``
@@ -695,7 +695,7 @@ def one_token_rows(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, scale
     for the others), by the decode tiles: a program a (sequence, KV head) computes that token's ``G``
     query heads in one wgmma tile, reading its queries in place. The prefill kernel
     (``paged_attention_mgpu_prefill``) leaves such sequences (the decode rows of a mixed step) to this
-    launch: its items are a query head each, so a one-token sequence cost it ``G`` programs'
+    launch where ``G`` is at least its ``DECODE_TILES_MIN_GROUP``: its items are a query head each, so a one-token sequence cost it ``G`` programs'
     arithmetic, one a head, for every KV head's keys (a step of 255 decode rows at 4k tokens and a
     512-token prompt, Qwen2.5-7B's shapes: 3.3x the tiled kernel's time, 0.99x with this launch; H100,
     ``benchmarks/RESULTS.md``). Unsplit: where a prefill launch has no such sequences every program exits

@@ -54,11 +54,14 @@ copies, waits for them and then computes; this one is for launches with many new
     turns for that tile). Keys are only ever selected away (``-inf`` scores), never multiplied.
   * Items are taken longest first (:func:`launch_order`): in pair order a causal prefill's longest
     pairs ran in the last wave.
-  * A sequence of one new token (a decode row of a mixed step) owns no pair: as an item a query head,
-    it would cost ``G`` warpgroups of 64 rows, one for each of a KV head's query heads, each reading all
-    its keys. A second launch computes those rows on the decode tiles, a KV head's ``G`` heads in one
-    (:func:`jaxpaged.kernels.paged_attention_mgpu.one_token_rows`), and the scatter that places the side
-    output's rows places them too (not over fp8 pools, whose decode kernel has no tiles by sequence).
+  * Where ``G >= DECODE_TILES_MIN_GROUP``, a sequence of one new token (a decode row of a mixed step)
+    owns no pair: as an item a query head, it would cost ``G`` warpgroups of 64 rows, one for each of a
+    KV head's query heads, each reading all its keys. A second launch computes those rows on the decode
+    tiles, a KV head's ``G`` heads in one (:func:`jaxpaged.kernels.paged_attention_mgpu.one_token_rows`),
+    and the scatter that places the side output's rows places them too (not over fp8 pools, whose
+    decode kernel has no tiles by sequence). At smaller ``G`` the rows stay items of this launch: the
+    second launch, run by every prefill launch whether or not it has such rows, cost more than it saved
+    (:data:`DECODE_TILES_MIN_GROUP`).
   * Each phase of a step is a ``jax.named_scope`` (``wait_k``, ``qk``, ``softmax``, ``wait_v``, ``pv``;
     the memory warpgroup's ``wait_free``), which Mosaic GPU's profiler records per warpgroup when a
     launch sets ``profile_space`` (``benchmarks/results/mosaic/prefill_schedule/prefill_regions.py``).
@@ -99,6 +102,12 @@ from jaxpaged.kernels.shapes import num_cores
 NUM_COMPUTE = 2  # compute warpgroups a program; warpgroup NUM_COMPUTE issues the copies
 COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40  # per thread: 2 x 128 x 232 + 128 x 40 <= 64K registers
 INTERPRET_PROGRAMS = 2  # programs of an interpreted launch (each takes several items)
+# The smallest GQA group whose decode rows a prefill launch leaves to the decode tiles (one_token_rows).
+# At G=7 (Qwen2.5-7B's shapes) a step of 255 decode rows beside a 512-token prompt took 0.30x the time
+# with them; at G=2 (Qwen3-0.6B's) the nano-vllm workload ran at 1.00x with and without, and batch-1
+# TTFT at 32-token prompts 1.07x with (one more launch a layer in every prefill step; H100, 2026-12-05,
+# benchmarks/RESULTS.md). A decode row costs this launch G items, so 4 sits between the two.
+DECODE_TILES_MIN_GROUP = 4
 
 
 def prefill_smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype, p_in_smem: bool,
@@ -556,9 +565,9 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
     padded = max(-(-num_tokens // 8) * 8, NUM_COMPUTE * BLOCK_M)
     if padded != num_tokens:  # (a copy, only of launches of under 128 tokens or not a multiple of 8)
         q = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0)))
-    # Sequences of one new token go to the decode tiles (one_token_rows), except over fp8 (whose decode
-    # kernel has no tiles by sequence).
-    one_token_apart = not is_fp8(kv_pool.dtype)
+    # Sequences of one new token go to the decode tiles (one_token_rows) at large GQA groups, except over
+    # fp8 (whose decode kernel has no tiles by sequence).
+    one_token_apart = group >= DECODE_TILES_MIN_GROUP and not is_fp8(kv_pool.dtype)
     meta = pair_layout(cu_q_lens, kv_lens, padded, one_token_apart)
     num_pairs = meta.shape[0]
     num_slots_side = 2 * (kv_lens.shape[0] + 1)

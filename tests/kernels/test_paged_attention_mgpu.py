@@ -268,6 +268,24 @@ def test_lowers_for_hopper(bs, hq, hkv, d, kw):
     assert "mosaic_gpu" in text and "wgmma.mma_async" in text and "cp.async.bulk.tensor" in text
 
 
+@pytest.mark.parametrize("hq,hkv,launches", [(4, 2, 1), (14, 2, 2)])
+def test_decode_tiles_launch_only_at_large_groups(hq, hkv, launches):
+    """A prefill launch runs the decode tiles for its sequences of one new token (a second Mosaic GPU
+    kernel) only where the GQA group is at least DECODE_TILES_MIN_GROUP; below it the prefill kernel
+    computes those rows itself (the cases above check both give the reference's outputs)."""
+    from jaxpaged.kernels.paged_attention_mgpu_prefill import DECODE_TILES_MIN_GROUP
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("cross-lowering check for machines without a GPU")
+    assert (hq // hkv >= DECODE_TILES_MIN_GROUP) == (launches == 2)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    q = jax.ShapeDtypeStruct((256, hq, 64), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((2, 64, 16, 2, hkv, 64), jnp.bfloat16)
+    fn = jax.jit(lambda *a: paged_attention_mgpu(a[0], a[1], 1, *a[2:]))
+    text = fn.trace(q, pool, i32(5), i32(4), i32(4, 20)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("@mosaic_gpu_v2(") == launches
+
+
 def test_invalid_inputs_raise():
     q = jnp.ones((4, 8, 64), jnp.float32)
     pool = jnp.ones((2, 10, 16, 2, 4, 64), jnp.float32)  # [L, N, bs, 2, Hkv, D]
