@@ -66,6 +66,10 @@ MIXED = [
     ([2, 1, 17], [2, 100, 30], 16, 6, 2, 64, jnp.float32, dict(decode=True)),  # block_q=2: 6 of 8 rows
     ([1, 20, 0, 5], [9, 100, 4, 5], 16, 16, 2, 64, jnp.float32, dict(block_q=5)),  # 40-row tiles
     ([1, 3], [40, 200], 16, 4, 2, 64, jnp.float32, dict(num_splits=2)),  # split-K: padding tokens share a tile
+    # A prompt chunk after a cached prefix in a step padded as a many-slot engine pads it (as many
+    # sequences as tokens): T <= 2 S takes the decode tiles, a program a token and KV head, each
+    # token's keys ending at its own position.
+    ([30] + [0] * 31, [230] + [0] * 31, 16, 4, 2, 64, jnp.float32, {}),
 ]
 
 
