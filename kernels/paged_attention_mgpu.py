@@ -252,14 +252,18 @@ def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> j
     return jnp.stack([jnp.where(seq < num_seqs, seq, -1), pos, pos + 1], axis=1).astype(jnp.int32)
 
 
+def one_token_seqs(cu_q_lens: jax.Array) -> jax.Array:
+    """``bool[S]``: the sequences with exactly one new token (a mixed step's decode rows)."""
+    return cu_q_lens[1:] - cu_q_lens[:-1] == 1
+
+
 def one_token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array) -> jax.Array:
     """A tile per *sequence*, owned where the sequence has exactly one new token (the decode rows of a
     prefill launch: :func:`one_token_rows`). Returns ``meta i32[S, 4]`` = (the sequence, ``-1`` where
     it has no or several new tokens; its token's position; that + 1; the token's index in ``q``)."""
     num_seqs = kv_lens.shape[0]
-    one = cu_q_lens[1:] - cu_q_lens[:-1] == 1
     pos = kv_lens - 1
-    seq = jnp.where(one, jnp.arange(num_seqs, dtype=jnp.int32), -1)
+    seq = jnp.where(one_token_seqs(cu_q_lens), jnp.arange(num_seqs, dtype=jnp.int32), -1)
     return jnp.stack([seq, pos, pos + 1, cu_q_lens[:-1]], axis=1).astype(jnp.int32)
 
 
@@ -659,10 +663,12 @@ def paged_attention_mgpu(
     if block_kv is None:  # (over fp8 one pool block: kv_tile)
         tiles = prefill_kv_tile if prefill and not is_fp8(kv_pool.dtype) else kv_tile
         block_kv = tiles(block_size_of(kv_pool)) if kv_pool.ndim == 6 else MIN_KV_TILE
-    if prefill and is_fp8(kv_pool.dtype) and q.ndim == 3:  # two slots or more, and f16 tiles beside the fp8
-        from jaxpaged.kernels.paged_attention_mgpu_prefill import prefill_smem_bytes  # slots (blocks of 128 at
+    if prefill and is_fp8(kv_pool.dtype) and q.ndim == 3:
+        from jaxpaged.kernels.paged_attention_mgpu_prefill import prefill_smem_bytes
 
-        prefill = num_slots >= 2 and (  # head_dim 128 do not fit): the prefill kernel's docstring
+        # Over fp8 the prefill kernel needs two slots or more, and room for its f16 tiles beside the fp8
+        # slots (blocks of 128 at head_dim 128 have none): its docstring. Else the one-warpgroup kernel.
+        prefill = num_slots >= 2 and (
             prefill_smem_bytes(q.shape[-1], block_kv, num_slots, q.dtype, False, fp8=True) <= SMEM_BYTES)
     _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, block_kv, num_slots, block_q,
               num_splits, prefill)
@@ -695,13 +701,14 @@ def one_token_rows(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, scale
     for the others), by the decode tiles: a program a (sequence, KV head) computes that token's ``G``
     query heads in one wgmma tile, reading its queries in place. The prefill kernel
     (``paged_attention_mgpu_prefill``) leaves such sequences (the decode rows of a mixed step) to this
-    launch where ``G`` is at least its ``DECODE_TILES_MIN_GROUP``: its items are a query head each, so a one-token sequence cost it ``G`` programs'
-    arithmetic, one a head, for every KV head's keys (a step of 255 decode rows at 4k tokens and a
-    512-token prompt, Qwen2.5-7B's shapes: 3.3x the tiled kernel's time, 0.99x with this launch; H100,
-    ``benchmarks/RESULTS.md``). Unsplit: where a prefill launch has no such sequences every program exits
-    at once, and split-K's merge would be one more kernel (launches of 2,048 tokens and one sequence
-    took 1.07-1.16x the time with the decode launches' splits, 0.98x without). ``layer`` an ``i32[]``,
-    the rest validated by :func:`paged_attention_mgpu`; the decode launches' KV tile and slots."""
+    launch where ``G`` is at least its ``DECODE_TILES_MIN_GROUP``: its items are a query head each, so
+    a one-token sequence costs it ``G`` programs' arithmetic, one a head, for every KV head's keys (a
+    step of 255 decode rows at 4k tokens and a 512-token prompt, Qwen2.5-7B's shapes: 3.3x the tiled
+    kernel's time, 0.99x with this launch; H100, ``benchmarks/RESULTS.md``). Unsplit: where a prefill
+    launch has no such sequences every program exits at once, and split-K's merge would be one more
+    kernel (launches of 2,048 tokens and one sequence took 1.07-1.16x the time with the decode
+    launches' splits, 0.98x without). ``layer`` an ``i32[]``, the rest validated by
+    :func:`paged_attention_mgpu`; the decode launches' KV tile and slots."""
     block_kv = kv_tile(block_size_of(kv_pool))
     return _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, scale=scale, interpret=interpret,
                                  block_kv=block_kv, num_slots=NUM_SLOTS, block_q=1, num_splits=1, by_sequence=True)

@@ -555,7 +555,8 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
     """The prefill kernel after :func:`jaxpaged.kernels.paged_attention_mgpu.paged_attention_mgpu`'s
     validation; ``layer`` an ``i32[]``, ``interpret`` ``None`` or an ``InterpretGPUParams``. Over an fp8
     pool ``block_kv`` is its block size."""
-    from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, TMA_ALIGN, _transforms, one_token_rows
+    from jaxpaged.kernels.paged_attention_mgpu import (BLOCK_M, LOG2E, TMA_ALIGN, _transforms, one_token_rows,
+                                                       one_token_seqs)
 
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[4]
@@ -626,7 +627,7 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
     values = side.transpose(0, 2, 1, 3).reshape(-1, num_q_heads, head_dim)
     if one_token_apart:
         one = one_token_rows(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, scale=scale, interpret=interpret)
-        rows = jnp.concatenate([rows, jnp.where(cu_q_lens[1:] - cu_q_lens[:-1] == 1, cu_q_lens[:-1], padded)])
+        rows = jnp.concatenate([rows, jnp.where(one_token_seqs(cu_q_lens), cu_q_lens[:-1], padded)])
         values = jnp.concatenate([values, one])
     out = out.at[rows].set(values, mode="drop")
     return out[:num_tokens]
