@@ -208,7 +208,7 @@ def test_pair_layout_and_side_rows():
     want[5, :6] = np.arange(24, 30)
     want[6, 6:] = [30, 31]
     np.testing.assert_array_equal(np.asarray(side_rows(cu, 32)), want)
-    # Over fp8 pools the prefill kernel keeps such a sequence: its pair, and its row through the side output.
+    # Over fp8 pools and at G < 4 the prefill kernel keeps such a sequence: its pair, its row through the side output.
     meta = np.asarray(pair_layout(cu, kv, 32, one_token_apart=False))
     np.testing.assert_array_equal(meta[meta[:, 0] >= 0][:, [0, 3]], [[0, 0], [1, 8], [2, 8], [3, 24]])
     want[2, 5] = 13
