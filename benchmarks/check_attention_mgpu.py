@@ -124,7 +124,7 @@ def correctness(rng, tiny: bool, interpret: bool):
             ([1, 37, 0, 5, 1, 130], [1, 50, 9, 300, 1000, 200], 64, HQ, HKV, D, jnp.float8_e4m3fn),  # prefix hits
             ([1, 1, 200, 1], [63, 700, 1000, 129], 64, 8, 1, 64, jnp.float8_e5m2),  # MQA, D=64
             # a prompt chunk after a long cached prefix in a decode-shaped launch (T <= 2 S: a many-slot
-            # engine's step), G 2 and G 7 (tiles of 32 and 9 tokens), the last tile at the end of q
+            # engine's step), G 2 and G 7, the chunk's last tokens at the end of q
             ([100, 1, 1, 1] + [0] * 60, [2100, 300, 40, 1000] + [0] * 60, 16, HQ, HKV, D, jnp.bfloat16),
             ([1, 1, 61] + [0] * 29, [500, 70, 3000] + [0] * 29, 16, 28, 4, 128, jnp.bfloat16),
         ]
