@@ -9,35 +9,31 @@ this one is written for the backend Pallas develops for Hopper (Triton's is depr
 reach shared memory by the bulk tensor copy engine (TMA) and both matmuls run on wgmma.
 
 How the work is cut:
-  * A program owns one *query tile* of one sequence for one KV head: ``block_q`` consecutive new
-    tokens times the ``G = Hq // Hkv`` query heads that read that KV head, ``block_q * G <= 64`` rows:
-    Hopper's wgmma has a fixed M of 64 per warpgroup, so one program is one warpgroup, its matmuls
-    always 64 rows (those past ``block_q * G`` padding), and every K/V tile it loads serves all its
-    rows. ``block_q`` is ``64 // G`` for prefill and 1 for decode (:func:`choose_block_q`). Grid
-    ``(Hkv, tiles)``, the KV head fastest, so the programs of one query tile read neighbouring bytes of
-    each pool block.
-  * Decode tiles (``block_q == 1``, tile ``t`` is token ``t``: :func:`token_layout`) read their queries
-    and write their outputs in place. Token ``t``'s ``G`` heads of KV head ``h`` are rows
-    ``(t Hkv + h) G ...`` of ``q`` viewed as ``[T Hq, D]``; one TMA copy brings ``R = G`` rounded up to
-    8 rows from there (moved back near the end of ``q`` to stay in bounds; the extra rows are other
-    heads' queries, computed and dropped), and the program's ``G`` output rows go to the same rows of
-    the output, or with split-K of its ``[P, T Hq, D]`` partials (the Triton kernel's layout, so the
-    merge reads rows in token order). A swizzled tile, which wgmma reads, takes TMA copies only at rows
-    that are multiples of 8, so these rows pass through unswizzled tiles and wgmma takes Q from
-    registers. Padding tokens' programs write zeros (with split-K the merge masks them). A decode
-    launch is then the kernel and the merge: relaying the queries into tiles first and the outputs
-    back after had cost a batch-1 launch 3-6 us of XLA kernels around a 3-5 us attention kernel
-    (H200, 2026-12-03). The same tiles, a tile a sequence, compute the sequences of one new token in a
-    prefill launch at GQA groups of 4 or more (:func:`one_token_rows`).
-  * Prefill tiles (``block_q > 1``): sequence ``i`` owns tiles ``cu_q_lens[i] // block_q + i + j`` for
-    ``j < cdiv(q_len_i, block_q)`` (the Triton kernel's numbering: ``cdiv(T, block_q) + S`` tiles bound
-    it; unowned tiles exit at once). A few XLA ops outside the kernel turn ``cu_q_lens``/``kv_lens``
-    into each tile's sequence, first query position and key range (``i32[tiles, 3]``, read as scalars
-    by the kernel) and lay the queries out as ``[tiles, Hkv, R, D]`` (``R = block_q * G`` rounded up to
-    8), one contiguous TMA box per program (its padding rows zero); the output comes back in the same
-    layout and a gather puts it in token order (padding tokens zero). A tile's ``G`` heads of
-    ``block_q`` tokens are not one rectangular box of ``q``, and a ragged tile's store would overwrite
-    the next sequence's rows; against a prefill tile's arithmetic the relayout is small.
+  * A program owns one *query tile* of one sequence for one KV head: up to ``block_q = 64 // G``
+    consecutive new tokens times the ``G = Hq // Hkv`` query heads that read that KV head, at most 64
+    rows: Hopper's wgmma has a fixed M of 64 per warpgroup, so one program is one warpgroup, its
+    matmuls always 64 rows (those past its tokens' padding), and every K/V tile it loads serves all its
+    rows. Grid ``(Hkv, tiles)``, the KV head fastest, so the programs of one query tile read
+    neighbouring bytes of each pool block. Sequence ``i`` owns tiles ``cu_q_lens[i] // block_q + i + j``
+    for ``j < cdiv(q_len_i, block_q)`` (the Triton kernel's numbering: ``cdiv(T, block_q) + S`` tiles
+    bound it; unowned tiles exit at once), and the padding tokens are tiled the same way, as one more
+    sequence whose tiles write zeros (:func:`tile_layout`). A decode sequence is one tile of one token;
+    a prompt chunk is ``cdiv(q_len, block_q)`` tiles whatever the launch's shapes: a step of a
+    many-slot engine pads to as many sequences as tokens, so its launches of up to 512 tokens are
+    decode-shaped, prompt chunks after long cached prefixes included, and a tile of one token would
+    read the whole prefix once a token.
+  * Queries and outputs stay where they are: a tile's rows are one box of ``q`` viewed as ``[T, Hq,
+    D]`` (its tokens, heads ``[h G, (h + 1) G)``), one TMA copy into shared memory, moved back near the
+    end of ``q`` to stay in bounds (the other tokens' rows are computed and dropped); the outputs leave
+    a token's ``G`` rows at a time (a ragged tile's box would overwrite the next sequence's rows), to
+    the output or with split-K to its ``[P, T, Hq, D]`` partials, which the merge reads in token
+    order. The box lands in a ``[tokens, G, D]`` view of a shared-memory tile that wgmma reads as
+    ``[64, D]`` rows from registers (a swizzled tile takes TMA copies only at rows that are multiples
+    of 8, so these rows are unswizzled). Relaying the queries into tiles first and the outputs back
+    after (XLA gathers) had cost a batch-1 decode launch 3-6 us around a 3-5 us attention kernel
+    (H200, 2026-12-03). The interpreter keeps a union's views apart, so there each token's rows come
+    by a copy of their own. The same tiles, a tile a sequence, compute the sequences of one new token
+    in a prefill launch at GQA groups of 4 or more (:func:`one_token_rows`).
   * KV tiles of ``block_kv`` tokens (default ``max(64, block_size)``): ``block_kv / block_size`` pool
     blocks, each one TMA copy of its ``[block_size, D]`` keys (``pool[layer, id, :, 0, h, :]``, rows
     strided by ``2 * Hkv * D``) and one of its values into a shared-memory slot, the physical block ids
@@ -72,7 +68,7 @@ values' tile is N-major, 32-bit wgmma operands must be K-major). fp8 pools (kern
 bf16 queries, one pool block a KV tile (block size 64 or 128): see below. ``head_dim`` 64 or 128;
 block sizes 8 to 128 (powers of two);
 ``G <= 64``. One warpgroup per program (a decode tile fills ``G`` of its 64 rows), whole blocks
-copied for the last tile. Launches that are neither decode nor given ``block_q``/``num_splits``
+copied for the last KV tile. Launches that are neither decode nor given ``block_q``/``num_splits``
 (prefill, chunked prefill, mixed steps) run the warp-specialised kernel of
 ``paged_attention_mgpu_prefill.py`` instead: two compute warpgroups share each K/V tile and a third
 issues the copies (1.3x faster than this kernel at 4k-16k tokens).
@@ -180,16 +176,6 @@ def smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype, split: bool 
     return tiles * jnp.dtype(dtype).itemsize + staged + (BLOCK_M * head_dim + BLOCK_M) * 4 * split
 
 
-def choose_block_q(num_tokens: int, num_seqs: int, group: int, decode: bool | None = None) -> int:
-    """Tokens per query tile. Prefill: ``64 // G`` (a tile fills the 64 rows of one wgmma). Decode
-    (``decode``, or with ``None`` the padded shapes: ``T <= 2 S``, the Triton kernel's test): 1, a tile
-    per token, whose queries and outputs the kernel reads and writes in place, ``R = G`` rounded up to 8
-    rows of them (the wgmma still computes 64 rows: decode is bound by the K/V reads)."""
-    if decode is None:
-        decode = num_tokens <= 2 * num_seqs
-    return 1 if decode else BLOCK_M // group
-
-
 def choose_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, block_kv: int, max_context: int,
                   decode: bool) -> int:
     """Split-K factor: 1 for prefill (its query tiles fill the GPU); for decode launches
@@ -208,11 +194,6 @@ def choose_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, block_kv: i
     return splits
 
 
-def tile_rows(block_q: int, group: int) -> int:
-    """Query rows a tile moves: ``block_q * G`` rounded up to a multiple of 8 (shared-memory tiling)."""
-    return -(-block_q * group // 8) * 8
-
-
 def _transforms(dtype, cols: int | None = None):
     """Tiling and swizzle of a shared-memory tile of ``dtype``: 8 rows x one 128-byte swizzle row, or for a
     tile of ``cols`` narrower than that (an fp8 tile of 64 columns), one row."""
@@ -221,28 +202,35 @@ def _transforms(dtype, cols: int | None = None):
 
 
 def tile_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, block_q: int):
-    """The query tiles of a ragged batch (module docstring): for each of ``cdiv(T, block_q) + S`` tiles,
-    its sequence (``-1``: unowned), the token index of its first row, its number of tokens, the
-    absolute position of its first token and ``kv_end`` (one past its last token's position: the keys
-    it needs). Returns ``(meta i32[tiles, 3] = (seq, first position, kv_end), tok0, ntok, starts)``
-    where ``starts i32[S]`` is each sequence's first tile."""
+    """The query tiles of a ragged batch (module docstring): sequence ``i`` owns tiles ``cu_q_lens[i] //
+    block_q + i + j`` for ``j < cdiv(q_len_i, block_q)``, and the padding tokens after the last sequence
+    are tiled the same way, as one more sequence (its tiles only write zeros). ``cdiv(T, block_q) + S``
+    tiles bound them; the others are unowned. Returns ``meta i32[tiles, 4]`` = (the tile's sequence,
+    ``-1`` for padding and unowned tiles; the position of its first token; ``kv_end``, that + its number
+    of tokens: one past its last token's position, the keys it needs; the index of its first token in
+    ``q``), and ``tile_of i32[T]``, each token's tile."""
     num_seqs = kv_lens.shape[0]
     num_tiles = pl.cdiv(num_tokens, block_q) + num_seqs
-    starts = cu_q_lens[:-1] // block_q + jnp.arange(num_seqs, dtype=jnp.int32)
+    cu = jnp.concatenate([cu_q_lens.astype(jnp.int32), jnp.full((1,), num_tokens, jnp.int32)])
+    # the padding tokens as sequence S, at positions 0, 1, ...: a kv_len of their count
+    kv = jnp.concatenate([kv_lens.astype(jnp.int32), (num_tokens - cu_q_lens[num_seqs:]).astype(jnp.int32)])
+    starts = cu[:-1] // block_q + jnp.arange(num_seqs + 1, dtype=jnp.int32)
     u = jnp.arange(num_tiles, dtype=jnp.int32)
     seq = jnp.sum(starts[None, :] <= u[:, None], axis=1, dtype=jnp.int32) - 1  # starts[0] == 0
     j = u - starts[seq]
-    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    q_len = cu[seq + 1] - cu[seq]
     ntok = jnp.clip(q_len - j * block_q, 0, block_q)
-    owned = ntok > 0
-    pos0 = kv_lens[seq] - q_len + j * block_q
-    meta = jnp.stack([jnp.where(owned, seq, -1), pos0, pos0 + ntok], axis=1).astype(jnp.int32)
-    return meta, cu_q_lens[seq] + j * block_q, ntok, starts
+    pos0 = kv[seq] - q_len + j * block_q
+    owned = (ntok > 0) & (seq < num_seqs)
+    meta = jnp.stack([jnp.where(owned, seq, -1), pos0, pos0 + ntok, cu[seq] + j * block_q], axis=1)
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_t = jnp.sum(cu[None, 1:] <= t[:, None], axis=1, dtype=jnp.int32)  # pseudo-sequences ending at or before t
+    return meta.astype(jnp.int32), starts[seq_t] + (t - cu[seq_t]) // block_q
 
 
 def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> jax.Array:
-    """The query tiles of one token each (``block_q == 1``, what decode launches use): tile ``t`` is token
-    ``t``. Returns ``meta i32[T, 3]`` = (its sequence, ``-1`` for padding tokens; its position; its
+    """The query tiles of one token each (the fp8 decode kernel's, ``paged_attention_mgpu_decode``): tile
+    ``t`` is token ``t``. Returns ``meta i32[T, 3]`` = (its sequence, ``-1`` for padding tokens; its position; its
     position + 1, the ``kv_end`` of :func:`tile_layout`)."""
     num_seqs = kv_lens.shape[0]
     t = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -335,33 +323,31 @@ def f16_queries(q32, scale_log2: float):
 
 
 def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref=None, *, q_bar, k_bar, v_bar,
-                      k_smem=None, v_smem=None, kv_then_out=None, q_smem=None, q_plain=None, p_smem=None,
-                      o32_smem=None, lse_smem=None, fp8_union=None, q16_smem=None,
-                      scale_log2: float, group: int, block_kv: int, block_size: int, num_slots: int,
-                      num_splits: int, num_rows: int, token_order: bool, by_sequence: bool = False):
-    """One program: KV head ``axis_index("kv_head")``, query tile ``axis_index("tile")`` and, with
+                      q_plain, k_smem=None, v_smem=None, kv_then_out=None, q_smem=None, p_smem=None,
+                      fp8_union=None, q16_smem=None, scale_log2: float, group: int, block_kv: int,
+                      block_size: int, num_slots: int, num_splits: int, box: int, by_sequence: bool = False):
+    """One program: KV head ``h = axis_index("kv_head")``, query tile ``axis_index("tile")`` and, with
     ``num_splits > 1``, split ``axis_index("split")`` of its KV tiles (:func:`split_range`).
 
-    Refs (GMEM): ``layer_ref i32[1]``, ``meta_ref i32[tiles, 3]`` (:func:`tile_layout`),
-    ``tables_ref i32[S, W]``, ``q_ref [tiles, Hkv, R, D]`` (``R = num_rows <= 64`` rows a tile),
-    ``kv_ref [L, N, bs, 2, Hkv, D]``; outputs ``o_ref [tiles, Hkv, R, D]``, or with splits ``o_ref
-    f32[P, tiles, Hkv, R, D]`` (each split's normalised partial) and ``lse_ref f32[P, tiles, Hkv, R]``
-    (its log-sum-exp, base 2). With ``token_order`` (decode: :func:`token_layout`'s tiles) ``q_ref`` is
-    the queries where they are, ``[T Hq, D]`` (at least ``R`` rows), and the outputs ``o_ref [T Hq,
-    D]``, or ``f32[P, T Hq, D]`` and ``lse_ref f32[P, T Hq, LSE_LANES]``: the rows ``(t Hkv + h) G``
-    to ``+ G`` of token ``t``'s tile for KV head ``h``. With ``by_sequence`` too (:func:`one_token_rows`),
-    ``meta_ref i32[S, 4]`` (:func:`one_token_layout`): tile ``i`` reads the queries of token
-    ``meta_ref[i, 3]`` and writes rows ``(i Hkv + h) G ...`` of outputs ``[S Hq, D]``.
+    Refs (GMEM): ``layer_ref i32[1]``, ``meta_ref i32[tiles, 4]`` (:func:`tile_layout`),
+    ``tables_ref i32[S, W]``, the queries where they are, ``q_ref [T, Hq, D]``, ``kv_ref [L, N, bs, 2,
+    Hkv, D]``; outputs ``o_ref [T, Hq, D]``, or with splits ``o_ref f32[P, T, Hq, D]`` (each split's
+    normalised partial) and ``lse_ref f32[P, T, Hq, LSE_LANES]`` (its log-sum-exp, base 2, in each
+    lane). The tile's queries come in one TMA box of ``box`` tokens times heads ``[h G, (h + 1) G)``,
+    from its first token (moved back near the end of ``q`` to stay in bounds; the other tokens' rows
+    are computed and dropped); its outputs leave a token at a time. With ``by_sequence``
+    (:func:`one_token_rows`), ``meta_ref i32[S, 4]`` (:func:`one_token_layout`) and ``box`` 1: tile ``i``
+    reads the queries of token ``meta_ref[i, 3]`` and writes row ``i`` of outputs ``[S, Hq, D]``.
+    A tile without a sequence but with tokens (padding tokens; by sequence, the sequences of several
+    new tokens) writes zeros there (with splits nothing: the merge masks it).
 
-    Shared memory (keyword refs): ``q_smem [64, D]`` swizzled for wgmma, its first ``R`` rows the
-    tile's queries; ``k_smem/v_smem [slots, block_kv, D]``; barriers ``q_bar``, ``k_bar[slots]``,
-    ``v_bar[slots]``. With ``token_order``, ``q_plain [64, D]`` without swizzle (a swizzled tile takes
-    TMA copies only at rows that are multiples of 8): the queries land there, wgmma reads them from
-    registers (on the GPU ``q_smem`` is then absent), and the output leaves from there. In the
-    interpreter (its wgmma reads shared memory only) ``p_smem [64, block_kv]`` for ``P``; on the GPU
-    ``P`` goes from registers. With splits ``o32_smem f32[64, D]`` and ``lse_smem`` (``f32[64]``, or
-    unswizzled with ``token_order``, ``f32[64, LSE_LANES]``), which with ``token_order`` come as
-    ``kv_then_out``, sharing the K/V slots' memory; without splits the output reuses the queries' tile.
+    Shared memory (keyword refs): ``q_plain [64, D]`` unswizzled (a swizzled tile takes TMA copies only
+    at rows that are multiples of 8): the queries land there, wgmma reads them from registers, and the
+    output leaves from there; ``k_smem/v_smem [slots, block_kv, D]``; barriers ``q_bar``,
+    ``k_bar[slots]``, ``v_bar[slots]``. With splits ``kv_then_out`` (or the third part of
+    ``fp8_union``): the slots, then ``o32_smem f32[64, D]`` and ``lse_smem f32[64, LSE_LANES]`` in the
+    same memory. In the interpreter (its wgmma reads shared memory only) ``q_smem [64, D]`` and
+    ``p_smem [64, block_kv]``, swizzled, for ``Q`` and ``P``.
 
     An fp8 pool (``fp8_union`` given; one pool block a KV tile; module docstring): the slots are
     ``k8_smem [slots, block_kv, D]`` (keys as stored), ``vt8_smem [slots, D, block_kv]`` (values
@@ -370,11 +356,14 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
     (``V^T``) share one piece of memory, the keys converted for ``Q K^T``, then the values for ``P V``;
     in the interpreter ``q16_smem`` holds the f16 queries and ``p_smem`` is f16.
     """
+    o32_smem = lse_smem = None
     if kv_then_out is not None:  # one piece of shared memory: the K/V slots, then the split's output
         (k_smem, v_smem), (o32_smem, lse_smem) = kv_then_out
     fp8 = fp8_union is not None
     if fp8:  # one piece: the fp8 slots and the f16 K tile; the f16 V^T tile; [the split's output]
-        (k_smem, k8_smem, vt8_smem, scale_smem), (v_smem,) = fp8_union
+        (k_smem, k8_smem, vt8_smem, scale_smem), (v_smem,), *out_part = fp8_union
+        if out_part:
+            (o32_smem, lse_smem), = out_part
     split = lax.axis_index("split") if num_splits > 1 else 0
     head_dim = k_smem.shape[-1]
     width = tables_ref.shape[1]
@@ -382,17 +371,33 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
     h = lax.axis_index("kv_head")
     tile = lax.axis_index("tile")
     seq = meta_ref[tile, 0]
+    pos0 = meta_ref[tile, 1]
     kv_end = meta_ref[tile, 2]
+    tok0 = meta_ref[tile, 3]
+    ntok = kv_end - pos0
     lo, hi = split_range(kv_end, split, block_kv, num_splits)
-    if token_order:
-        row0 = (tile * kv_ref.shape[4] + h) * group  # the tile's first output row
-        q_row0 = (meta_ref[tile, 3] * kv_ref.shape[4] + h) * group if by_sequence else row0  # its first query row
-        first = jnp.minimum(q_row0, q_ref.shape[0] - num_rows)  # ... and the first row of the R it reads
+    out0 = tile if by_sequence else tok0  # the output row of its first token
+    heads = pl.ds(h * group, group)
+    if q_smem is None:  # the GPU: one piece of memory, as [tokens, G, D] and as rows [>= 64, D]
+        (q_tokens,), (q_rows,) = q_plain
+    else:  # the interpreter, which keeps a union's parts apart: rows only, a copy a token
+        q_tokens, q_rows = None, q_plain
+    if q_rows.shape[0] > BLOCK_M:
+        q_rows = q_rows.at[pl.ds(0, BLOCK_M)]
+    first = jnp.minimum(tok0, q_ref.shape[0] - box)  # the first token of the box it reads
+    off = tok0 - first  # ... where its own tokens start
+
+    def store_rows(src, dst, lead=()):
+        """The tile's tokens' ``G`` rows of ``src`` (shared memory, rows in box order) to ``dst``."""
+        def one(j, carry):
+            plgpu.copy_smem_to_gmem(src.at[pl.ds((off + j) * group, group)], dst.at[(*lead, out0 + j, heads)])
+            return carry
+
+        lax.fori_loop(0, ntok, one, 0)
 
     @pl.when(jnp.logical_and(seq >= 0, lo < hi))  # an unowned tile, or an empty split: nothing to do
     def _owned_tile():
         layer = layer_ref[0]
-        pos0 = meta_ref[tile, 1]
         n_full = jnp.clip(lax.div(pos0 + 1, block_kv), lo, hi)  # tiles every row sees entirely end here
 
         def fetch(t, slot):
@@ -410,22 +415,19 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
                 plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, :, 1, h, :], v_smem.at[slot, rows],
                                         v_bar.at[slot])
 
-        if token_order:  # this token's G heads of KV head h and the rows after them (before them, at the end)
-            # Rows past R stay stale: each row's softmax is its own, and only the token's G rows are stored.
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first, num_rows)], q_plain.at[pl.ds(0, num_rows)], q_bar)
+        # The box's tokens, heads [h G, (h + 1) G) of each, as rows t G + g. Rows past box G stay stale: each
+        # row's softmax is its own, and only the tile's tokens' rows are stored.
+        if q_tokens is not None:
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first, box), heads], q_tokens.at[pl.ds(0, box)], q_bar)
         else:
-            if num_rows < BLOCK_M:  # rows past R: zeros, not stale shared memory (their outputs are dropped)
-                q_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), q_smem.dtype), plgpu.Layout.WGMMA)
-                plgpu.commit_smem()  # before the TMA writes the first R rows
-            plgpu.copy_gmem_to_smem(q_ref.at[tile, h], q_smem.at[pl.ds(0, num_rows)], q_bar)
+            for j in range(box):
+                plgpu.copy_gmem_to_smem(q_ref.at[first + j, heads], q_rows.at[pl.ds(j * group, group)], q_bar)
         fetch(lo, 0)  # the range is not empty; tile lo + i goes to slot i
         for i in range(1, num_slots):
             pl.when(lo + i < hi)(functools.partial(fetch, lo + i, i))
 
         plgpu.barrier_wait(q_bar)
-        q_op = q_smem
-        if token_order or fp8:  # wgmma's A operand from registers
-            q_op = plgpu.load(q_plain if token_order else q_smem, layout=plgpu.Layout.WGMMA)
+        q_op = plgpu.load(q_rows, layout=plgpu.Layout.WGMMA)  # wgmma's A operand from registers
         q_unscale = scale_log2  # what multiplies Q K^T: the softmax scale (base 2), over fp8 each row's own
         if fp8:  # Q in f16, each row times the power of two that brings its largest element near 2^14
             q_op, q_unscale = f16_queries(q_op.astype(jnp.float32), scale_log2)
@@ -433,7 +435,7 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
                 q16_smem[...] = q_op
                 plgpu.commit_smem()
                 q_op = q16_smem
-        elif token_order and q_smem is not None:  # the interpreter: through a swizzled tile
+        elif q_smem is not None:  # the interpreter: through a swizzled tile
             q_smem[...] = q_op
             plgpu.commit_smem()
             q_op = q_smem
@@ -462,10 +464,10 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
             plgpu.barrier_wait(v_bar.at[slot])
             if masked:
                 key = t * block_kv + wgmma_iota((BLOCK_M, block_kv), 1)
-                if token_order:  # one token: every row sees keys up to its position (other rows are dropped)
-                    last_key = kv_end - 1
-                else:  # row r is token r // G of the tile; padding rows see what the last token sees, at most
-                    last_key = jnp.minimum(pos0 + lax.div(wgmma_iota((BLOCK_M, block_kv), 0), group), kv_end - 1)
+                # row r is token r // G of the box, at position pos0 - off + r // G; rows past the tile's
+                # tokens see what its last token sees, at most (their outputs are dropped)
+                row_tok = lax.div(wgmma_iota((BLOCK_M, block_kv), 0), group)
+                last_key = jnp.minimum(pos0 - off + row_tok, kv_end - 1)
                 visible = key <= last_key
                 s = jnp.where(visible, s, -jnp.inf)
             # Values at or past kv_end may be stale NaN: zeroed (P = 0 there, but 0 * NaN = NaN).
@@ -526,36 +528,24 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
         has = l_i > 0
         out = acc / lax.broadcast_in_dim(jnp.where(has, l_i, 1.0), acc.shape, [0])
         lse = None if num_splits == 1 else jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)) * LOG2E, -jnp.inf)
-        if token_order:  # this token's G rows, in place
-            row_off = q_row0 - first
-            if num_splits == 1:
-                q_plain[...] = out.astype(q_plain.dtype)  # Q is done (it is in registers, or in q_smem)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(q_plain.at[pl.ds(row_off, group)], o_ref.at[pl.ds(row0, group)])
-            else:  # the fp32 partial and its log-sum-exp, in LSE_LANES lanes (TMA leaves at 128-byte rows)
-                o32_smem[...] = out
-                lse_smem[...] = lax.broadcast_in_dim(lse, lse_smem.shape, [0])
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o32_smem.at[pl.ds(row_off, group)], o_ref.at[split, pl.ds(row0, group)])
-                plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(row_off, group)], lse_ref.at[split, pl.ds(row0, group)])
-        elif num_splits == 1:
-            q_smem[...] = out.astype(q_smem.dtype)  # Q is done
+        if num_splits == 1:
+            q_rows[...] = out.astype(q_rows.dtype)  # Q is done (it is in registers, or in q_smem)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(0, num_rows)], o_ref.at[tile, h])
-        else:  # the partial in fp32 and its log-sum-exp; merge_splits (XLA) combines the splits
+            store_rows(q_rows, o_ref)
+        else:  # the fp32 partial and its log-sum-exp, in LSE_LANES lanes (TMA leaves at 128-byte rows)
             o32_smem[...] = out
-            lse_smem[...] = lse
+            lse_smem[...] = lax.broadcast_in_dim(lse, lse_smem.shape, [0])
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o32_smem.at[pl.ds(0, num_rows)], o_ref.at[split, tile, h])
-            plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, num_rows)], lse_ref.at[split, tile, h])
+            store_rows(o32_smem, o_ref, (split,))
+            store_rows(lse_smem, lse_ref, (split,))
         plgpu.wait_smem_to_gmem(0)
 
-    if token_order and num_splits == 1:
-        @pl.when(seq < 0)  # a padding token: zeros (with splits, the merge masks what no split wrote)
-        def _padding_token():
-            q_plain[...] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), q_plain.dtype), plgpu.Layout.WGMMA)
+    if num_splits == 1:
+        @pl.when(jnp.logical_and(seq < 0, ntok > 0))  # padding tokens (by sequence, other sequences): zeros
+        def _zeros():
+            q_rows[...] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), q_rows.dtype), plgpu.Layout.WGMMA)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_plain.at[pl.ds(0, group)], o_ref.at[pl.ds(row0, group)])
+            store_rows(q_rows, o_ref)
             plgpu.wait_smem_to_gmem(0)
 
 
@@ -646,8 +636,8 @@ def paged_attention_mgpu(
       interpret: ``True`` (or a ``plgpu.InterpretGPUParams``) runs Mosaic GPU's CPU interpreter.
       block_kv: keys per inner step (a multiple of 64 and of the block size, <= 256); default
         :func:`kv_tile` (:func:`prefill_kv_tile` on the prefill kernel). num_slots: KV tiles in flight
-        (1-4). block_q: tokens per query tile (at most ``64 // G``; 1: the in-place decode tiles);
-        default :func:`choose_block_q` from the shapes, or from ``decode`` if given.
+        (1-4). block_q: tokens per query tile, at most and by default ``64 // G`` (over an fp8 pool
+        a decode launch, or ``block_q`` 1, runs ``paged_attention_mgpu_decode``: a token a tile).
         num_splits: programs sharing a query tile's keys (split-K, a power of two <= 32); default
         :func:`choose_splits`. All for tuning: any value gives the same result (to rounding).
     Returns ``[T, Hq, D]`` in ``q.dtype``; zeros for padding tokens.
@@ -678,12 +668,13 @@ def paged_attention_mgpu(
         return paged_prefill_mgpu(q, kv_pool, jnp.asarray(layer, jnp.int32), cu_q_lens, kv_lens, block_tables,
                                   scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
                                   interpret=_interpret_params(interpret), block_kv=block_kv, num_slots=num_slots)
+    fp8_decode = is_fp8(kv_pool.dtype) and (block_q == 1 or (block_q is None and decode))
     if block_q is None:
-        block_q = choose_block_q(q.shape[0], kv_lens.shape[0], q.shape[1] // kv_pool.shape[4], decode)
+        block_q = BLOCK_M // (q.shape[1] // kv_pool.shape[4])
     if num_splits is None:
         num_splits = choose_splits(q.shape[0], kv_lens.shape[0], kv_pool.shape[4], block_kv,
                                    block_tables.shape[1] * block_size_of(kv_pool), decode)
-    if block_q == 1 and is_fp8(kv_pool.dtype):  # decode over fp8: keys on wgmma's M (its module docstring)
+    if fp8_decode:  # decode over fp8: keys on wgmma's M, a token a program (its module docstring)
         from jaxpaged.kernels.paged_attention_mgpu_decode import paged_decode_fp8_mgpu
 
         return paged_decode_fp8_mgpu(q, kv_pool, jnp.asarray(layer, jnp.int32), cu_q_lens, kv_lens, block_tables,
@@ -724,116 +715,72 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
     num_kv_heads = kv_pool.shape[4]
     block_size = block_size_of(kv_pool)
     group = num_q_heads // num_kv_heads
-    rows = tile_rows(block_q, group)
     if scale is None:
         scale = head_dim**-0.5
-    token_order = block_q == 1
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    if token_order:  # the kernel reads the queries and writes the outputs in place (module docstring)
-        if by_sequence:
-            meta = one_token_layout(cu_q_lens, kv_lens)
-        else:
-            meta = token_layout(cu_q_lens, kv_lens, num_tokens)
-        q_in = q.reshape(num_tokens * num_q_heads, head_dim)
-        if q_in.shape[0] < rows:  # a box of R rows must fit
-            q_in = jnp.pad(q_in, ((0, rows - q_in.shape[0]), (0, 0)))
-        tile_t = jnp.arange(meta.shape[0], dtype=jnp.int32)
-        out_rows = (meta.shape[0] * num_q_heads,)
+    if by_sequence:
+        meta = one_token_layout(cu_q_lens, kv_lens)
+        tile_of = jnp.arange(meta.shape[0], dtype=jnp.int32)
     else:
-        meta, tok0, ntok, starts = tile_layout(cu_q_lens, kv_lens, num_tokens, block_q)
-        # Queries in tile layout [tiles, Hkv, R, D]: row r of a tile is token r // G, head r % G of the group.
-        r = jnp.arange(rows, dtype=jnp.int32)
-        row_tok, row_head = r // group, r % group
-        row_ok = row_tok[None, :] < ntok[:, None]  # [tiles, R]; false for unowned tiles and padding rows
-        tok = jnp.clip(tok0[:, None] + row_tok[None, :], 0, num_tokens - 1)
-        q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-        q_in = q4[tok, :, jnp.broadcast_to(row_head, tok.shape), :]  # [tiles, R, Hkv, D]
-        q_in = jnp.where(row_ok[:, :, None, None], q_in, jnp.zeros((), q.dtype)).transpose(0, 2, 1, 3)
-        # Token t of sequence s is row ((t - cu[s]) % block_q) * G + g of tile starts[s] + (t - cu[s]) // block_q.
-        num_seqs = kv_lens.shape[0]
-        seq_t = jnp.clip(jnp.sum(cu_q_lens[None, :] <= t[:, None], axis=1, dtype=jnp.int32) - 1, 0, num_seqs - 1)
-        off = t - cu_q_lens[seq_t]
-        tile_t = jnp.clip(starts[seq_t] + off // block_q, 0, meta.shape[0] - 1)
-        row_t = jnp.clip((off % block_q) * group, 0, rows - group)[:, None] + jnp.arange(group, dtype=jnp.int32)
-        out_rows = (meta.shape[0], num_kv_heads, rows)
+        meta, tile_of = tile_layout(cu_q_lens, kv_lens, num_tokens, block_q)
+    num_out = meta.shape[0] if by_sequence else num_tokens  # output rows: tokens, or (by_sequence) sequences
 
     dtype = q.dtype  # the pool's, or bf16 over an fp8 pool (validated): the output tile reuses the queries'
     fp8 = is_fp8(kv_pool.dtype)
-    if fp8 and token_order:
-        raise ValueError("decode tiles over an fp8 pool run paged_attention_mgpu_decode (paged_attention_mgpu picks it)")
     tile = lambda shape, dt=dtype: plgpu.SMEM(shape, dt, transforms=_transforms(dt, shape[-1]))
     slots = (num_slots, block_kv, head_dim)
     # Copies a KV tile's barrier waits for: one a pool block; of an fp8 block, its keys or its D / block_size
     # boxes of values, and a scale row.
     k_copies, v_copies = fp8_block_copies(head_dim, block_size) if fp8 else (block_kv // block_size,) * 2
-    scratch = dict(q_bar=plgpu.Barrier(num_arrivals=1),
+    box = min(block_q, num_tokens)  # tokens a tile's query copy brings
+    rows = (pl.cdiv(BLOCK_M, group), group, head_dim)  # its queries: token t's heads at rows t G + g
+    scratch = dict(q_bar=plgpu.Barrier(num_arrivals=1 if interpret is None else box),
                    k_bar=plgpu.Barrier(num_arrivals=k_copies, num_barriers=num_slots),
-                   v_bar=plgpu.Barrier(num_arrivals=v_copies, num_barriers=num_slots))
-    if token_order:  # unswizzled: TMA copies in and out at any row
-        scratch["q_plain"] = plgpu.SMEM((BLOCK_M, head_dim), dtype)
-    if interpret is not None or not token_order:
+                   v_bar=plgpu.Barrier(num_arrivals=v_copies, num_barriers=num_slots),
+                   q_plain=plgpu.SMEM((rows[0] * group, head_dim), dtype))  # unswizzled
+    if interpret is None:  # the same memory as [tokens, G, D], where one TMA box lands (module docstring)
+        scratch["q_plain"] = plgpu.RefUnion((plgpu.SMEM(rows, dtype),), (scratch["q_plain"],))
+    if interpret is not None:  # the interpreter's wgmma reads shared memory only: Q and P through swizzled tiles
         scratch["q_smem"] = tile((BLOCK_M, head_dim))
-    if interpret is not None:  # P through shared memory: the interpreter's wgmma reads shared memory only
         scratch["p_smem"] = tile((BLOCK_M, block_kv), jnp.float16 if fp8 else dtype)
         if fp8:
             scratch["q16_smem"] = tile((BLOCK_M, head_dim), jnp.float16)
     split_out = (plgpu.SMEM((BLOCK_M, head_dim), jnp.float32), plgpu.SMEM((BLOCK_M, LSE_LANES), jnp.float32))
     if num_splits == 1:
-        out_type = jax.ShapeDtypeStruct((*out_rows, head_dim), q.dtype)
+        out_type = jax.ShapeDtypeStruct((num_out, num_q_heads, head_dim), q.dtype)
     else:
-        lse_lanes = (LSE_LANES,) if token_order else ()
-        out_type = (jax.ShapeDtypeStruct((num_splits, *out_rows, head_dim), jnp.float32),
-                    jax.ShapeDtypeStruct((num_splits, *out_rows, *lse_lanes), jnp.float32))
-        if not token_order:
-            scratch.update(o32_smem=tile((BLOCK_M, head_dim), jnp.float32), lse_smem=plgpu.SMEM((BLOCK_M,), jnp.float32))
-    # With token_order and splits, the output after the last K/V tile lives in the slots' memory (80 KiB a
-    # program, not 120). Over an fp8 pool (query tiles of several tokens) the f16 V^T tile shares the f16 K
-    # tile's memory.
-    shared_out = (split_out,) if token_order and num_splits > 1 else ()
+        out_type = (jax.ShapeDtypeStruct((num_splits, num_out, num_q_heads, head_dim), jnp.float32),
+                    jax.ShapeDtypeStruct((num_splits, num_out, num_q_heads, LSE_LANES), jnp.float32))
+    # With splits, the output after the last K/V tile lives in the slots' memory (80 KiB a program, not
+    # 120). Over an fp8 pool the f16 V^T tile shares the f16 K tile's memory.
+    shared_out = (split_out,) if num_splits > 1 else ()
     if fp8:  # fp8 slots as stored (swizzled, untiled: TMA boxes at any row), one f16 K and one V^T tile
         staged = lambda shape: plgpu.SMEM(shape, kv_pool.dtype, transforms=(plgpu.SwizzleTransform(shape[-1]),))
         scale_rows = plgpu.SMEM((num_slots, 2, max(block_kv, TMA_ALIGN)), kv_pool.dtype)  # rows TMA-aligned
         k_group = (tile((block_kv, head_dim), jnp.float16), staged(slots), staged((num_slots, head_dim, block_kv)),
                    scale_rows)
-        scratch["fp8_union"] = plgpu.RefUnion(k_group, (tile((head_dim, block_kv), jnp.float16),))
+        scratch["fp8_union"] = plgpu.RefUnion(k_group, (tile((head_dim, block_kv), jnp.float16),), *shared_out)
     elif shared_out:
         scratch["kv_then_out"] = plgpu.RefUnion((tile(slots), tile(slots)), *shared_out)
     else:
         scratch["k_smem"], scratch["v_smem"] = tile(slots), tile(slots)
     kernel = plgpu.kernel(
         functools.partial(_attention_kernel, scale_log2=scale * LOG2E, group=group, block_kv=block_kv,
-                          block_size=block_size, num_slots=num_slots, num_splits=num_splits, num_rows=rows,
-                          token_order=token_order, by_sequence=by_sequence),
+                          block_size=block_size, num_slots=num_slots, num_splits=num_splits,
+                          box=box, by_sequence=by_sequence),
         out_type=out_type,
         scratch_types=scratch,
         grid=(num_kv_heads, meta.shape[0]) + ((num_splits,) if num_splits > 1 else ()),
         grid_names=("kv_head", "tile") + (("split",) if num_splits > 1 else ()),
         interpret=interpret,
     )
-    out = kernel(jnp.reshape(layer, (1,)), meta, block_tables, q_in, kv_pool)
-
-    def to_tokens(x, lead: int = 0):  # tile layout [lead.., tiles, Hkv, R, ...] -> [lead.., T, Hkv, G, ...]
-        kv_head = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
-        return x[(slice(None),) * lead + (tile_t[:, None, None], kv_head, row_t[:, None])]
-
-    valid = t < cu_q_lens[kv_lens.shape[0]]  # padding tokens (clipped to a tile, maybe another token's)
-    num_out = meta.shape[0] if by_sequence else num_tokens  # output rows: tokens, or (by_sequence) sequences
-    if num_splits > 1:
-        # Splits that had no keys (and padding tokens, unowned tiles) wrote nothing: their memory is not read.
-        o_parts, lse = out
-        split = jnp.arange(num_splits, dtype=jnp.int32)[:, None]
-        lo, hi = split_range(meta[None, tile_t, 2], split, block_kv, num_splits)  # [P, T]
-        wrote = (lo < hi) & (meta[None, tile_t, 0] >= 0) & valid[None, :]
-        if token_order:  # [P, T * Hq, D] and [P, T * Hq, LSE_LANES]: the merge reads rows as the Triton kernel's
-            o_parts = o_parts.reshape(num_splits, num_out, num_q_heads, head_dim)
-            lse = lse[..., 0].reshape(num_splits, num_out, num_q_heads)
-            wrote = wrote[:, :, None]
-        else:
-            o_parts, lse, wrote = to_tokens(o_parts, 1), to_tokens(lse, 1), wrote[:, :, None, None]
-        lse = jnp.where(wrote, lse, -jnp.inf)
-        o_parts = jnp.where(wrote[..., None], o_parts, 0.0)
-        return merge_splits(o_parts, lse, q.dtype).reshape(num_out, num_q_heads, head_dim)  # zeros where none wrote
-    if token_order:
-        return out.reshape(num_out, num_q_heads, head_dim)  # unowned tiles: zeros, written by the kernel
-    out = to_tokens(out).reshape(num_tokens, num_q_heads, head_dim)
-    return jnp.where(valid[:, None, None], out, jnp.zeros((), out.dtype))
+    out = kernel(jnp.reshape(layer, (1,)), meta, block_tables, q, kv_pool)
+    if num_splits == 1:
+        return out  # padding tokens (and, by_sequence, the other sequences): zeros, written by the kernel
+    # Splits that had no keys, padding tokens and unowned tiles wrote nothing: their memory is not read.
+    o_parts, lse = out
+    split = jnp.arange(num_splits, dtype=jnp.int32)[:, None]
+    lo, hi = split_range(meta[None, tile_of, 2], split, block_kv, num_splits)  # [P, T]
+    wrote = ((lo < hi) & (meta[None, tile_of, 0] >= 0))[:, :, None]
+    lse = jnp.where(wrote, lse[..., 0], -jnp.inf)
+    o_parts = jnp.where(wrote[..., None], o_parts, 0.0)
+    return merge_splits(o_parts, lse, q.dtype)  # zeros where none wrote

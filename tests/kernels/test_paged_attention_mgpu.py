@@ -63,12 +63,12 @@ MIXED = [
     ([1, 20, 0, 5], [9, 100, 4, 5], 16, 16, 2, 64, jnp.float32, {}),  # G=8: block_q=8, 20 tokens = 3 tiles
     ([70, 1, 3], [70, 130, 67], 64, 2, 2, 64, jnp.bfloat16, {}),  # G=1: block_q=64, causal within 70 tokens
     ([2, 1, 17], [2, 100, 30], 16, 6, 2, 64, jnp.float32, {}),  # G=3: block_q=21, 63 rows used
-    ([2, 1, 17], [2, 100, 30], 16, 6, 2, 64, jnp.float32, dict(decode=True)),  # block_q=2: 6 of 8 rows
+    ([2, 1, 17], [2, 100, 30], 16, 6, 2, 64, jnp.float32, dict(decode=True)),  # the same tiles, split-K
     ([1, 20, 0, 5], [9, 100, 4, 5], 16, 16, 2, 64, jnp.float32, dict(block_q=5)),  # 40-row tiles
     ([1, 3], [40, 200], 16, 4, 2, 64, jnp.float32, dict(num_splits=2)),  # split-K: padding tokens share a tile
     # A prompt chunk after a cached prefix in a step padded as a many-slot engine pads it (as many
-    # sequences as tokens): T <= 2 S takes the decode tiles, a program a token and KV head, each
-    # token's keys ending at its own position.
+    # sequences as tokens): T <= 2 S takes the decode configuration (split-K), and the chunk's 30
+    # tokens are still one tile, each token's keys ending at its own position.
     ([30] + [0] * 31, [230] + [0] * 31, 16, 4, 2, 64, jnp.float32, {}),
 ]
 
@@ -154,18 +154,20 @@ def test_program_items(num_items, num_programs):
 
 
 def test_tile_layout():
-    """Tiles of 4 tokens: sequence i's first tile is cu[i] // 4 + i; an empty sequence owns none."""
+    """Tiles of 4 tokens: sequence i's first tile is cu[i] // 4 + i; an empty sequence owns none; the
+    padding tokens are tiled as one more sequence, whose tiles have no sequence but have tokens."""
     cu = jnp.array([0, 1, 7, 7, 9], jnp.int32)
     kv = jnp.array([5, 6, 3, 12], jnp.int32)
-    meta, tok0, ntok, starts = tile_layout(cu, kv, 11, 4)
-    np.testing.assert_array_equal(np.asarray(starts), [0, 1, 3, 4])
-    assert meta.shape == (3 + 4, 3)
-    seq, pos0, kv_end = np.asarray(meta).T
+    meta, tile_of = tile_layout(cu, kv, 11, 4)
+    assert meta.shape == (3 + 4, 4)
+    seq, pos0, kv_end, tok0 = np.asarray(meta).T
     np.testing.assert_array_equal(seq, [0, 1, 1, -1, 3, -1, -1])
-    np.testing.assert_array_equal(np.asarray(ntok)[[0, 1, 2, 4]], [1, 4, 2, 2])
-    np.testing.assert_array_equal(np.asarray(tok0)[[0, 1, 2, 4]], [0, 1, 5, 7])
+    np.testing.assert_array_equal((kv_end - pos0)[[0, 1, 2, 4, 6]], [1, 4, 2, 2, 2])  # its tokens
+    np.testing.assert_array_equal((kv_end - pos0)[[3, 5]], [0, 0])  # unowned
+    np.testing.assert_array_equal(tok0[[0, 1, 2, 4, 6]], [0, 1, 5, 7, 9])
     np.testing.assert_array_equal(pos0[[0, 1, 2, 4]], [4, 0, 4, 10])
     np.testing.assert_array_equal(kv_end[[0, 1, 2, 4]], [5, 4, 6, 12])
+    np.testing.assert_array_equal(np.asarray(tile_of), [0, 1, 1, 1, 1, 2, 2, 4, 4, 6, 6])
     # The prefill kernel's programs start with the tiles that read the most keys; ties keep tile order,
     # unowned tiles last (always in the interpreter; on a GPU for launches of more programs than SMs).
     lpt, tile_order = [4, 2, 0, 1, 3, 5, 6], list(range(7))
@@ -227,13 +229,17 @@ def test_token_layout():
     np.testing.assert_array_equal(meta[0], [0, 4, 5, 0])  # (sequence, position, kv_end, token)
 
 
-@pytest.mark.parametrize("num_seqs,kw", [(1, dict(num_splits=1)), (3, {})])
-def test_decode_at_the_end_of_the_queries(num_seqs, kw):
-    """No padding tokens and 4 query heads (G 2): the last tokens' 8-row boxes move back to stay inside
-    ``q`` (one token: fewer rows than a box, so ``q`` is padded), and their outputs are written in place
-    from the rows they sit at in the box: unsplit (one token), and split, partials and log-sum-exps."""
-    rng = np.random.default_rng(5 + num_seqs)
-    q, k, v, cu, kl, tables = random_batch(rng, [1] * num_seqs, [37, 80, 1][:num_seqs], 16, 4, 2, 64, pad_tokens=0)
+@pytest.mark.parametrize("q_lens,kv_lens,kw", [
+    ([1], [37], dict(num_splits=1)), ([1, 1, 1], [37, 80, 1], {}),
+    ([1, 37, 1, 1], [9, 137, 70, 2], dict(decode=True)), ([1, 37, 1, 1], [9, 137, 70, 2], dict(num_splits=1)),
+])
+def test_tiles_at_the_end_of_the_queries(q_lens, kv_lens, kw):
+    """No padding tokens and 4 query heads (G 2): a tile's box (32 tokens, or all of ``q`` where it is
+    shorter) moves back to stay inside ``q`` (the 37-token sequence's second tile, 5 tokens, reads
+    tokens 8-39 and sits at rows 50-59), and the outputs are written in place from the rows they sit
+    at in the box: unsplit, and split, partials and log-sum-exps."""
+    rng = np.random.default_rng(len(q_lens) + len(kw))
+    q, k, v, cu, kl, tables = random_batch(rng, q_lens, kv_lens, 16, 4, 2, 64, pad_tokens=0)
     layer = pool_from_caches(jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32))
     args = (jnp.asarray(q, jnp.float32), layer, 0, jnp.asarray(cu), jnp.asarray(kl), jnp.asarray(tables))
     np.testing.assert_allclose(np.asarray(paged_attention_mgpu(*args, interpret=True, **kw)),
