@@ -22,18 +22,19 @@ How the work is cut:
     many-slot engine pads to as many sequences as tokens, so its launches of up to 512 tokens are
     decode-shaped, prompt chunks after long cached prefixes included, and a tile of one token would
     read the whole prefix once a token.
-  * Queries and outputs stay where they are: a tile's rows are one box of ``q`` viewed as ``[T, Hq,
-    D]`` (its tokens, heads ``[h G, (h + 1) G)``), one TMA copy into shared memory, moved back near the
-    end of ``q`` to stay in bounds (the other tokens' rows are computed and dropped); the outputs leave
-    a token's ``G`` rows at a time (a ragged tile's box would overwrite the next sequence's rows), to
-    the output or with split-K to its ``[P, T, Hq, D]`` partials, which the merge reads in token
-    order. The box lands in a ``[tokens, G, D]`` view of a shared-memory tile that wgmma reads as
-    ``[64, D]`` rows from registers (a swizzled tile takes TMA copies only at rows that are multiples
-    of 8, so these rows are unswizzled). Relaying the queries into tiles first and the outputs back
-    after (XLA gathers) had cost a batch-1 decode launch 3-6 us around a 3-5 us attention kernel
-    (H200, 2026-12-03). The interpreter keeps a union's views apart, so there each token's rows come
-    by a copy of their own. The same tiles, a tile a sequence, compute the sequences of one new token
-    in a prefill launch at GQA groups of 4 or more (:func:`one_token_rows`).
+  * Queries and outputs stay where they are: token ``j`` of a tile arrives by its own TMA copy of
+    ``q[tok0 + j, hG:(h + 1)G]`` into rows ``[j G, (j + 1) G)`` of a ``[64, D]`` shared-memory tile,
+    on a barrier of its own (a decode tile issues and waits for one copy; copies that arrive on one
+    barrier would need a static count), and wgmma reads the rows from registers (a swizzled tile
+    takes TMA copies only at rows that are multiples of 8, so these rows are unswizzled). Rows past
+    the tile's tokens stay stale: each row's softmax is its own, and only the tile's rows are stored.
+    The outputs leave a token's ``G`` rows at a time, to the output or with split-K to its ``[P, T,
+    Hq, D]`` partials, which the merge reads in token order. Relaying the queries into tiles first and
+    the outputs back after (XLA gathers) had cost a batch-1 decode launch 3-6 us around a 3-5 us
+    attention kernel (H200, 2026-12-03). One TMA box of the tile's tokens into a ``[tokens, G, D]``
+    view of the rows lowered and compiled but read the wrong queries on the GPU (H100, 2026-12-06).
+    The same tiles, a tile a sequence, compute the sequences of one new token in a prefill launch at
+    GQA groups of 4 or more (:func:`one_token_rows`).
   * KV tiles of ``block_kv`` tokens (default ``max(64, block_size)``): ``block_kv / block_size`` pool
     blocks, each one TMA copy of its ``[block_size, D]`` keys (``pool[layer, id, :, 0, h, :]``, rows
     strided by ``2 * Hkv * D``) and one of its values into a shared-memory slot, the physical block ids
@@ -333,17 +334,17 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
     ``tables_ref i32[S, W]``, the queries where they are, ``q_ref [T, Hq, D]``, ``kv_ref [L, N, bs, 2,
     Hkv, D]``; outputs ``o_ref [T, Hq, D]``, or with splits ``o_ref f32[P, T, Hq, D]`` (each split's
     normalised partial) and ``lse_ref f32[P, T, Hq, LSE_LANES]`` (its log-sum-exp, base 2, in each
-    lane). The tile's queries come in one TMA box of ``box`` tokens times heads ``[h G, (h + 1) G)``,
-    from its first token (moved back near the end of ``q`` to stay in bounds; the other tokens' rows
-    are computed and dropped); its outputs leave a token at a time. With ``by_sequence``
+    lane). Token ``j < ntok`` of the tile comes by its own TMA copy (heads ``[h G, (h + 1) G)``) into rows
+    ``[j G, (j + 1) G)``, on barrier ``q_bar[j]``; its outputs leave a token at a time; ``box`` bounds a
+    tile's tokens. With ``by_sequence``
     (:func:`one_token_rows`), ``meta_ref i32[S, 4]`` (:func:`one_token_layout`) and ``box`` 1: tile ``i``
     reads the queries of token ``meta_ref[i, 3]`` and writes row ``i`` of outputs ``[S, Hq, D]``.
     A tile without a sequence but with tokens (padding tokens; by sequence, the sequences of several
     new tokens) writes zeros there (with splits nothing: the merge masks it).
 
-    Shared memory (keyword refs): ``q_plain [64, D]`` unswizzled (a swizzled tile takes TMA copies only
-    at rows that are multiples of 8): the queries land there, wgmma reads them from registers, and the
-    output leaves from there; ``k_smem/v_smem [slots, block_kv, D]``; barriers ``q_bar``,
+    Shared memory (keyword refs): ``q_plain [64, D]`` unswizzled (a swizzled tile takes TMA copies
+    only at rows that are multiples of 8): the queries land there, wgmma reads them from registers, and
+    the output leaves from there; ``k_smem/v_smem [slots, block_kv, D]``; barriers ``q_bar[box]``,
     ``k_bar[slots]``, ``v_bar[slots]``. With splits ``kv_then_out`` (or the third part of
     ``fp8_union``): the slots, then ``o32_smem f32[64, D]`` and ``lse_smem f32[64, LSE_LANES]`` in the
     same memory. In the interpreter (its wgmma reads shared memory only) ``q_smem [64, D]`` and
@@ -378,19 +379,10 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
     lo, hi = split_range(kv_end, split, block_kv, num_splits)
     out0 = tile if by_sequence else tok0  # the output row of its first token
     heads = pl.ds(h * group, group)
-    if q_smem is None:  # the GPU: one piece of memory, as [tokens, G, D] and as rows [>= 64, D]
-        (q_tokens,), (q_rows,) = q_plain
-    else:  # the interpreter, which keeps a union's parts apart: rows only, a copy a token
-        q_tokens, q_rows = None, q_plain
-    if q_rows.shape[0] > BLOCK_M:
-        q_rows = q_rows.at[pl.ds(0, BLOCK_M)]
-    first = jnp.minimum(tok0, q_ref.shape[0] - box)  # the first token of the box it reads
-    off = tok0 - first  # ... where its own tokens start
-
     def store_rows(src, dst, lead=()):
-        """The tile's tokens' ``G`` rows of ``src`` (shared memory, rows in box order) to ``dst``."""
+        """The tile's tokens' ``G`` rows of ``src`` (shared memory, token ``j`` at rows ``j G``) to ``dst``."""
         def one(j, carry):
-            plgpu.copy_smem_to_gmem(src.at[pl.ds((off + j) * group, group)], dst.at[(*lead, out0 + j, heads)])
+            plgpu.copy_smem_to_gmem(src.at[pl.ds(j * group, group)], dst.at[(*lead, out0 + j, heads)])
             return carry
 
         lax.fori_loop(0, ntok, one, 0)
@@ -415,19 +407,22 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
                 plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, :, 1, h, :], v_smem.at[slot, rows],
                                         v_bar.at[slot])
 
-        # The box's tokens, heads [h G, (h + 1) G) of each, as rows t G + g. Rows past box G stay stale: each
-        # row's softmax is its own, and only the tile's tokens' rows are stored.
-        if q_tokens is not None:
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first, box), heads], q_tokens.at[pl.ds(0, box)], q_bar)
-        else:
-            for j in range(box):
-                plgpu.copy_gmem_to_smem(q_ref.at[first + j, heads], q_rows.at[pl.ds(j * group, group)], q_bar)
+        def copy_token(j):
+            """Token ``j`` of the tile, heads [h G, (h + 1) G), to rows [j G, (j + 1) G), on ``q_bar[j]``."""
+            plgpu.copy_gmem_to_smem(q_ref.at[tok0 + j, heads], q_plain.at[pl.ds(j * group, group)], q_bar.at[j])
+
+        # Rows past the tile's tokens stay stale: each row's softmax is its own, and only its rows are stored.
+        copy_token(0)
+        for j in range(1, box):
+            pl.when(j < ntok)(functools.partial(copy_token, j))
         fetch(lo, 0)  # the range is not empty; tile lo + i goes to slot i
         for i in range(1, num_slots):
             pl.when(lo + i < hi)(functools.partial(fetch, lo + i, i))
 
-        plgpu.barrier_wait(q_bar)
-        q_op = plgpu.load(q_rows, layout=plgpu.Layout.WGMMA)  # wgmma's A operand from registers
+        plgpu.barrier_wait(q_bar.at[0])
+        for j in range(1, box):
+            pl.when(j < ntok)(functools.partial(plgpu.barrier_wait, q_bar.at[j]))
+        q_op = plgpu.load(q_plain, layout=plgpu.Layout.WGMMA)  # wgmma's A operand from registers
         q_unscale = scale_log2  # what multiplies Q K^T: the softmax scale (base 2), over fp8 each row's own
         if fp8:  # Q in f16, each row times the power of two that brings its largest element near 2^14
             q_op, q_unscale = f16_queries(q_op.astype(jnp.float32), scale_log2)
@@ -464,10 +459,10 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
             plgpu.barrier_wait(v_bar.at[slot])
             if masked:
                 key = t * block_kv + wgmma_iota((BLOCK_M, block_kv), 1)
-                # row r is token r // G of the box, at position pos0 - off + r // G; rows past the tile's
-                # tokens see what its last token sees, at most (their outputs are dropped)
+                # row r is token r // G of the tile, at position pos0 + r // G; rows past its tokens see
+                # what its last token sees, at most (their outputs are dropped)
                 row_tok = lax.div(wgmma_iota((BLOCK_M, block_kv), 0), group)
-                last_key = jnp.minimum(pos0 - off + row_tok, kv_end - 1)
+                last_key = jnp.minimum(pos0 + row_tok, kv_end - 1)
                 visible = key <= last_key
                 s = jnp.where(visible, s, -jnp.inf)
             # Values at or past kv_end may be stale NaN: zeroed (P = 0 there, but 0 * NaN = NaN).
@@ -529,9 +524,9 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
         out = acc / lax.broadcast_in_dim(jnp.where(has, l_i, 1.0), acc.shape, [0])
         lse = None if num_splits == 1 else jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)) * LOG2E, -jnp.inf)
         if num_splits == 1:
-            q_rows[...] = out.astype(q_rows.dtype)  # Q is done (it is in registers, or in q_smem)
+            q_plain[...] = out.astype(q_plain.dtype)  # Q is done (it is in registers, or in q_smem)
             plgpu.commit_smem()
-            store_rows(q_rows, o_ref)
+            store_rows(q_plain, o_ref)
         else:  # the fp32 partial and its log-sum-exp, in LSE_LANES lanes (TMA leaves at 128-byte rows)
             o32_smem[...] = out
             lse_smem[...] = lax.broadcast_in_dim(lse, lse_smem.shape, [0])
@@ -543,9 +538,9 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
     if num_splits == 1:
         @pl.when(jnp.logical_and(seq < 0, ntok > 0))  # padding tokens (by sequence, other sequences): zeros
         def _zeros():
-            q_rows[...] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), q_rows.dtype), plgpu.Layout.WGMMA)
+            q_plain[...] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), q_plain.dtype), plgpu.Layout.WGMMA)
             plgpu.commit_smem()
-            store_rows(q_rows, o_ref)
+            store_rows(q_plain, o_ref)
             plgpu.wait_smem_to_gmem(0)
 
 
@@ -731,14 +726,11 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
     # Copies a KV tile's barrier waits for: one a pool block; of an fp8 block, its keys or its D / block_size
     # boxes of values, and a scale row.
     k_copies, v_copies = fp8_block_copies(head_dim, block_size) if fp8 else (block_kv // block_size,) * 2
-    box = min(block_q, num_tokens)  # tokens a tile's query copy brings
-    rows = (pl.cdiv(BLOCK_M, group), group, head_dim)  # its queries: token t's heads at rows t G + g
-    scratch = dict(q_bar=plgpu.Barrier(num_arrivals=1 if interpret is None else box),
+    box = min(block_q, num_tokens)  # a tile's tokens, at most
+    scratch = dict(q_bar=plgpu.Barrier(num_arrivals=1, num_barriers=box),
                    k_bar=plgpu.Barrier(num_arrivals=k_copies, num_barriers=num_slots),
                    v_bar=plgpu.Barrier(num_arrivals=v_copies, num_barriers=num_slots),
-                   q_plain=plgpu.SMEM((rows[0] * group, head_dim), dtype))  # unswizzled
-    if interpret is None:  # the same memory as [tokens, G, D], where one TMA box lands (module docstring)
-        scratch["q_plain"] = plgpu.RefUnion((plgpu.SMEM(rows, dtype),), (scratch["q_plain"],))
+                   q_plain=plgpu.SMEM((BLOCK_M, head_dim), dtype))  # unswizzled (validated: box G <= 64)
     if interpret is not None:  # the interpreter's wgmma reads shared memory only: Q and P through swizzled tiles
         scratch["q_smem"] = tile((BLOCK_M, head_dim))
         scratch["p_smem"] = tile((BLOCK_M, block_kv), jnp.float16 if fp8 else dtype)
