@@ -233,11 +233,11 @@ def test_token_layout():
     ([1], [37], dict(num_splits=1)), ([1, 1, 1], [37, 80, 1], {}),
     ([1, 37, 1, 1], [9, 137, 70, 2], dict(decode=True)), ([1, 37, 1, 1], [9, 137, 70, 2], dict(num_splits=1)),
 ])
-def test_tiles_at_the_end_of_the_queries(q_lens, kv_lens, kw):
-    """No padding tokens and 4 query heads (G 2): a tile's box (32 tokens, or all of ``q`` where it is
-    shorter) moves back to stay inside ``q`` (the 37-token sequence's second tile, 5 tokens, reads
-    tokens 8-39 and sits at rows 50-59), and the outputs are written in place from the rows they sit
-    at in the box: unsplit, and split, partials and log-sum-exps."""
+def test_tiles_of_several_tokens_read_and_write_in_place(q_lens, kv_lens, kw):
+    """No padding tokens and 4 query heads (G 2): tiles of up to 32 tokens, in decode-shaped launches
+    too. The 37-token sequence's second tile (5 tokens) copies only its own tokens, ending at the last
+    row of ``q``; its other rows stay stale (NaN-free here, but never stored), and each token's outputs
+    are written in place: unsplit, and split, partials and log-sum-exps."""
     rng = np.random.default_rng(len(q_lens) + len(kw))
     q, k, v, cu, kl, tables = random_batch(rng, q_lens, kv_lens, 16, 4, 2, 64, pad_tokens=0)
     layer = pool_from_caches(jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32))
