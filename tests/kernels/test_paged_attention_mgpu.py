@@ -236,9 +236,8 @@ def test_token_layout():
 def test_tiles_of_several_tokens_read_and_write_in_place(q_lens, kv_lens, kw):
     """No padding tokens and 4 query heads (G 2): tiles of up to 32 tokens, in decode-shaped launches
     too. The 37-token sequence's second tile (5 tokens) copies only its own tokens, ending at the last
-    row of ``q``; its other rows are never written (NaN: the interpreter's uninitialised memory) nor stored,
-    and each token's outputs
-    are written in place: unsplit, and split, partials and log-sum-exps."""
+    row of ``q``; its other rows are never written (NaN: the interpreter's uninitialised memory) nor
+    stored, and each token's outputs are written in place: unsplit, and split, partials and log-sum-exps."""
     rng = np.random.default_rng(len(q_lens) + len(kw))
     q, k, v, cu, kl, tables = random_batch(rng, q_lens, kv_lens, 16, 4, 2, 64, pad_tokens=0)
     layer = pool_from_caches(jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32))
