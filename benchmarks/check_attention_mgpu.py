@@ -127,6 +127,7 @@ def correctness(rng, tiny: bool, interpret: bool):
             # engine's step), G 2 and G 7, the chunk's last tokens at the end of q
             ([100, 1, 1, 1] + [0] * 60, [2100, 300, 40, 1000] + [0] * 60, 16, HQ, HKV, D, jnp.bfloat16),
             ([1, 1, 61] + [0] * 29, [500, 70, 3000] + [0] * 29, 16, 28, 4, 128, jnp.bfloat16),
+            ([40] + [1] * 31, [140] + [300] * 31, 16, 8, 8, 64, jnp.bfloat16),  # G 1: tiles of 32 tokens
         ]
     for q_lens, kv_lens, bs, hq, hkv, d, dtype in cases:
         name = f"q{str(q_lens)[:24]} kv{str(list(map(int, kv_lens)))[:30]} bs{bs} hq{hq} hkv{hkv} d{d}"

@@ -10,7 +10,7 @@ reach shared memory by the bulk tensor copy engine (TMA) and both matmuls run on
 
 How the work is cut:
   * A program owns one *query tile* of one sequence for one KV head: up to ``block_q = 64 // G``
-    consecutive new tokens times the ``G = Hq // Hkv`` query heads that read that KV head, at most 64
+    consecutive new tokens (32 at most: a token a barrier, :data:`MAX_TILE_TOKENS`) times the ``G = Hq // Hkv`` query heads that read that KV head, at most 64
     rows: Hopper's wgmma has a fixed M of 64 per warpgroup, so one program is one warpgroup, its
     matmuls always 64 rows (those past its tokens' padding), and every K/V tile it loads serves all its
     rows. Grid ``(Hkv, tiles)``, the KV head fastest, so the programs of one query tile read
@@ -120,6 +120,7 @@ from jaxpaged.kernels.split_k import MAX_SPLITS, decode_splits, merge_splits
 
 LOG2E = math.log2(math.e)
 BLOCK_M = 64  # query rows of a program: Hopper wgmma's M per warpgroup
+MAX_TILE_TOKENS = 32  # a query tile's tokens at most: one barrier each, and Mosaic GPU initialises 32 a group
 MIN_KV_TILE = 64  # keys per inner step at least (wgmma K of P @ V: one 128-byte swizzle row of bf16)
 MAX_KV_TILE = 256  # wgmma's largest N (S = Q K^T)
 NUM_SLOTS = 2  # KV tiles in flight by default (double buffering)
@@ -127,7 +128,7 @@ PREFILL_KV_TILE = 128  # keys per inner step of the prefill kernel (64 measured 
 TMA_ALIGN = 128  # bytes: a TMA copy's shared-memory address is a multiple of this
 SWIZZLE = 128  # bytes: shared-memory swizzle of every tile (rows of 64 bf16 / 32 fp32 elements)
 SMEM_BYTES = 227 * 1024  # an H100/H200 block's shared memory
-LSE_LANES = 32  # a decode program's log-sum-exp, copied to each lane of a 128-byte row: TMA copies out of
+LSE_LANES = 32  # a split program's log-sum-exp, copied to each lane of a 128-byte row: TMA copies out of
 # shared memory from 128-byte aligned addresses, and a program's rows start at any row of its tile
 _MASKED = -1e30  # initial running max: finite, so a fully masked row gives exp2(-inf) = 0, never NaN
 HEAD_DIMS = (64, 128)
@@ -169,8 +170,8 @@ def smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype, split: bool 
                p_in_smem: bool = False, fp8: bool = False) -> int:
     """Shared memory of one program, at most: the Q (later output) tile, ``num_slots`` K and V tiles (of an
     fp8 pool: ``num_slots`` fp8 tiles and their scales, and one f16 tile, K's then V^T's),
-    with split-K the fp32 partial and its log-sum-exp (decode launches put those in the slots' memory),
-    and in the interpreter P (barriers aside)."""
+    with split-K the fp32 partial and its log-sum-exp (an upper bound: the kernel puts those in the
+    slots' memory), and in the interpreter P (barriers aside)."""
     kv_tiles = 1 if fp8 else 2 * num_slots
     tiles = (BLOCK_M * head_dim + kv_tiles * block_kv * head_dim + BLOCK_M * block_kv * p_in_smem)
     staged = num_slots * 2 * (block_kv * head_dim + max(block_kv, TMA_ALIGN)) if fp8 else 0  # one byte an element
@@ -590,8 +591,10 @@ def _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, interpret, bl
                          f"at most {MAX_KV_TILE}")
     if not 1 <= num_slots <= 4:
         raise ValueError(f"num_slots must be in [1, 4], got {num_slots}")
-    if block_q is not None and not 1 <= block_q * (num_q_heads // num_kv_heads) <= BLOCK_M:
-        raise ValueError(f"block_q={block_q} tokens x G={num_q_heads // num_kv_heads} heads must be 1..{BLOCK_M} rows")
+    if block_q is not None and not (1 <= block_q * (num_q_heads // num_kv_heads) <= BLOCK_M
+                                    and block_q <= MAX_TILE_TOKENS):
+        raise ValueError(f"block_q={block_q} tokens x G={num_q_heads // num_kv_heads} heads must be 1..{BLOCK_M} rows, "
+                         f"and at most {MAX_TILE_TOKENS} tokens")
     if num_splits is not None and not (is_pow2(num_splits) and num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits must be a power of two <= {MAX_SPLITS}, got {num_splits!r}")
     if prefill:
@@ -631,7 +634,7 @@ def paged_attention_mgpu(
       interpret: ``True`` (or a ``plgpu.InterpretGPUParams``) runs Mosaic GPU's CPU interpreter.
       block_kv: keys per inner step (a multiple of 64 and of the block size, <= 256); default
         :func:`kv_tile` (:func:`prefill_kv_tile` on the prefill kernel). num_slots: KV tiles in flight
-        (1-4). block_q: tokens per query tile, at most and by default ``64 // G`` (over an fp8 pool
+        (1-4). block_q: tokens per query tile, at most and by default ``min(64 // G, 32)`` (over an fp8 pool
         a decode launch, or ``block_q`` 1, runs ``paged_attention_mgpu_decode``: a token a tile).
         num_splits: programs sharing a query tile's keys (split-K, a power of two <= 32); default
         :func:`choose_splits`. All for tuning: any value gives the same result (to rounding).
@@ -665,7 +668,7 @@ def paged_attention_mgpu(
                                   interpret=_interpret_params(interpret), block_kv=block_kv, num_slots=num_slots)
     fp8_decode = is_fp8(kv_pool.dtype) and (block_q == 1 or (block_q is None and decode))
     if block_q is None:
-        block_q = BLOCK_M // (q.shape[1] // kv_pool.shape[4])
+        block_q = min(BLOCK_M // (q.shape[1] // kv_pool.shape[4]), MAX_TILE_TOKENS)
     if num_splits is None:
         num_splits = choose_splits(q.shape[0], kv_lens.shape[0], kv_pool.shape[4], block_kv,
                                    block_tables.shape[1] * block_size_of(kv_pool), decode)

@@ -31,8 +31,8 @@ def decode_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, block_k: in
 
 def merge_splits(o: jax.Array, lse: jax.Array, dtype) -> jax.Array:
     """Merges split-K partials ``o f32[P, *rows, D]`` and ``lse f32[P, *rows]`` (base 2; ``-inf`` for a
-    split with no keys) -> ``[*rows, D]`` in ``dtype``. ``rows``: the Triton kernel's ``(T, Hq)``, the
-    Mosaic GPU kernel's ``(Hkv, tiles, R)``."""
+    split with no keys) -> ``[*rows, D]`` in ``dtype``. ``rows``: ``(T, Hq)``, the Triton and Mosaic GPU
+    kernels' (the fp8 decode kernel's after a gather of its columns)."""
     lse_max = jnp.max(lse, axis=0)
     lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
     w = jnp.exp2(lse - lse_max[None])  # 0 for empty splits

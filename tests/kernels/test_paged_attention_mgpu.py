@@ -57,11 +57,11 @@ def test_decode_ragged_context_lengths(case):
 
 # Prefill and mixed ragged batches: several query tiles per sequence, the causal diagonal across KV
 # tiles, prefix hits, empty sequences, G not a power of two; the prefill tiles (block_q = 64 // G
-# tokens) and, forced, decode-sized ones.
+# tokens, 32 at most) and, forced, decode-sized ones.
 MIXED = [
     # (q_lens, kv_lens, bs, hq, hkv, d, dtype, kernel kwargs)
     ([1, 20, 0, 5], [9, 100, 4, 5], 16, 16, 2, 64, jnp.float32, {}),  # G=8: block_q=8, 20 tokens = 3 tiles
-    ([70, 1, 3], [70, 130, 67], 64, 2, 2, 64, jnp.bfloat16, {}),  # G=1: block_q=64, causal within 70 tokens
+    ([70, 1, 3], [70, 130, 67], 64, 2, 2, 64, jnp.bfloat16, {}),  # G=1: block_q=32 (a barrier a token), causal within 70 tokens
     ([2, 1, 17], [2, 100, 30], 16, 6, 2, 64, jnp.float32, {}),  # G=3: block_q=21, 63 rows used
     ([2, 1, 17], [2, 100, 30], 16, 6, 2, 64, jnp.float32, dict(decode=True)),  # the same tiles, split-K
     ([1, 20, 0, 5], [9, 100, 4, 5], 16, 16, 2, 64, jnp.float32, dict(block_q=5)),  # 40-row tiles
@@ -262,6 +262,7 @@ def test_no_shared_memory_races():
 @pytest.mark.parametrize("bs,hq,hkv,d,kw", [
     (16, 16, 8, 128, {}), (32, 4, 2, 64, dict(block_kv=128, num_slots=3)), (16, 16, 8, 128, dict(num_splits=8)),
     (16, 16, 8, 128, dict(block_q=4)),  # a prefill launch on the one-warpgroup kernel
+    (16, 8, 8, 64, dict(decode=True)),  # G = 1: tiles of 32 tokens, 32 barriers (Mosaic GPU's most a group)
     pytest.param(64, 6, 2, 64, {}, marks=pytest.mark.slow), pytest.param(8, 8, 1, 128, {}, marks=pytest.mark.slow),
 ])
 def test_lowers_for_hopper(bs, hq, hkv, d, kw):
