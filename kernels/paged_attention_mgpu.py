@@ -10,11 +10,12 @@ reach shared memory by the bulk tensor copy engine (TMA) and both matmuls run on
 
 How the work is cut:
   * A program owns one *query tile* of one sequence for one KV head: up to ``block_q = 64 // G``
-    consecutive new tokens (32 at most: a token a barrier, :data:`MAX_TILE_TOKENS`) times the ``G = Hq // Hkv`` query heads that read that KV head, at most 64
-    rows: Hopper's wgmma has a fixed M of 64 per warpgroup, so one program is one warpgroup, its
-    matmuls always 64 rows (those past its tokens' padding), and every K/V tile it loads serves all its
-    rows. Grid ``(Hkv, tiles)``, the KV head fastest, so the programs of one query tile read
-    neighbouring bytes of each pool block. Sequence ``i`` owns tiles ``cu_q_lens[i] // block_q + i + j``
+    consecutive new tokens (32 at most: a barrier a token, :data:`MAX_TILE_TOKENS`) times the
+    ``G = Hq // Hkv`` query heads that read that KV head, at most 64 rows: Hopper's wgmma has a
+    fixed M of 64 per warpgroup, so one program is one warpgroup, its matmuls always 64 rows (those
+    past its tokens' padding), and every K/V tile it loads serves all its rows. Grid ``(Hkv, tiles)``,
+    the KV head fastest, so the programs of one query tile read neighbouring bytes of each pool block.
+    Sequence ``i`` owns tiles ``cu_q_lens[i] // block_q + i + j``
     for ``j < cdiv(q_len_i, block_q)`` (the Triton kernel's numbering: ``cdiv(T, block_q) + S`` tiles
     bound it; unowned tiles exit at once), and the padding tokens are tiled the same way, as one more
     sequence whose tiles write zeros (:func:`tile_layout`). A decode sequence is one tile of one token;
@@ -327,7 +328,8 @@ def f16_queries(q32, scale_log2: float):
 def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref=None, *, q_bar, k_bar, v_bar,
                       q_plain, k_smem=None, v_smem=None, kv_then_out=None, q_smem=None, p_smem=None,
                       fp8_union=None, q16_smem=None, scale_log2: float, group: int, block_kv: int,
-                      block_size: int, num_slots: int, num_splits: int, box: int, by_sequence: bool = False):
+                      block_size: int, num_slots: int, num_splits: int, max_tokens: int,
+                      by_sequence: bool = False):
     """One program: KV head ``h = axis_index("kv_head")``, query tile ``axis_index("tile")`` and, with
     ``num_splits > 1``, split ``axis_index("split")`` of its KV tiles (:func:`split_range`).
 
@@ -335,17 +337,17 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
     ``tables_ref i32[S, W]``, the queries where they are, ``q_ref [T, Hq, D]``, ``kv_ref [L, N, bs, 2,
     Hkv, D]``; outputs ``o_ref [T, Hq, D]``, or with splits ``o_ref f32[P, T, Hq, D]`` (each split's
     normalised partial) and ``lse_ref f32[P, T, Hq, LSE_LANES]`` (its log-sum-exp, base 2, in each
-    lane). Token ``j < ntok`` of the tile comes by its own TMA copy (heads ``[h G, (h + 1) G)``) into rows
-    ``[j G, (j + 1) G)``, on barrier ``q_bar[j]``; its outputs leave a token at a time; ``box`` bounds a
-    tile's tokens. With ``by_sequence``
-    (:func:`one_token_rows`), ``meta_ref i32[S, 4]`` (:func:`one_token_layout`) and ``box`` 1: tile ``i``
-    reads the queries of token ``meta_ref[i, 3]`` and writes row ``i`` of outputs ``[S, Hq, D]``.
+    lane). Token ``j < ntok`` of the tile comes by its own TMA copy (heads ``[h G, (h + 1) G)``) into
+    rows ``[j G, (j + 1) G)``, on barrier ``q_bar[j]``; its outputs leave a token at a time;
+    ``max_tokens`` bounds a tile's tokens. With ``by_sequence`` (:func:`one_token_rows`), ``meta_ref
+    i32[S, 4]`` (:func:`one_token_layout`) and ``max_tokens`` 1: tile ``i`` reads the queries of token
+    ``meta_ref[i, 3]`` and writes row ``i`` of outputs ``[S, Hq, D]``.
     A tile without a sequence but with tokens (padding tokens; by sequence, the sequences of several
     new tokens) writes zeros there (with splits nothing: the merge masks it).
 
     Shared memory (keyword refs): ``q_plain [64, D]`` unswizzled (a swizzled tile takes TMA copies
     only at rows that are multiples of 8): the queries land there, wgmma reads them from registers, and
-    the output leaves from there; ``k_smem/v_smem [slots, block_kv, D]``; barriers ``q_bar[box]``,
+    the output leaves from there; ``k_smem/v_smem [slots, block_kv, D]``; barriers ``q_bar[max_tokens]``,
     ``k_bar[slots]``, ``v_bar[slots]``. With splits ``kv_then_out`` (or the third part of
     ``fp8_union``): the slots, then ``o32_smem f32[64, D]`` and ``lse_smem f32[64, LSE_LANES]`` in the
     same memory. In the interpreter (its wgmma reads shared memory only) ``q_smem [64, D]`` and
@@ -414,14 +416,14 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
 
         # Rows past the tile's tokens stay stale: each row's softmax is its own, and only its rows are stored.
         copy_token(0)
-        for j in range(1, box):
+        for j in range(1, max_tokens):
             pl.when(j < ntok)(functools.partial(copy_token, j))
         fetch(lo, 0)  # the range is not empty; tile lo + i goes to slot i
         for i in range(1, num_slots):
             pl.when(lo + i < hi)(functools.partial(fetch, lo + i, i))
 
         plgpu.barrier_wait(q_bar.at[0])
-        for j in range(1, box):
+        for j in range(1, max_tokens):
             pl.when(j < ntok)(functools.partial(plgpu.barrier_wait, q_bar.at[j]))
         q_op = plgpu.load(q_plain, layout=plgpu.Layout.WGMMA)  # wgmma's A operand from registers
         q_unscale = scale_log2  # what multiplies Q K^T: the softmax scale (base 2), over fp8 each row's own
@@ -729,11 +731,11 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
     # Copies a KV tile's barrier waits for: one a pool block; of an fp8 block, its keys or its D / block_size
     # boxes of values, and a scale row.
     k_copies, v_copies = fp8_block_copies(head_dim, block_size) if fp8 else (block_kv // block_size,) * 2
-    box = min(block_q, num_tokens)  # a tile's tokens, at most
-    scratch = dict(q_bar=plgpu.Barrier(num_arrivals=1, num_barriers=box),
+    max_tokens = min(block_q, num_tokens)  # a tile's tokens, at most
+    scratch = dict(q_bar=plgpu.Barrier(num_arrivals=1, num_barriers=max_tokens),
                    k_bar=plgpu.Barrier(num_arrivals=k_copies, num_barriers=num_slots),
                    v_bar=plgpu.Barrier(num_arrivals=v_copies, num_barriers=num_slots),
-                   q_plain=plgpu.SMEM((BLOCK_M, head_dim), dtype))  # unswizzled (validated: box G <= 64)
+                   q_plain=plgpu.SMEM((BLOCK_M, head_dim), dtype))  # unswizzled (validated: max_tokens G <= 64)
     if interpret is not None:  # the interpreter's wgmma reads shared memory only: Q and P through swizzled tiles
         scratch["q_smem"] = tile((BLOCK_M, head_dim))
         scratch["p_smem"] = tile((BLOCK_M, block_kv), jnp.float16 if fp8 else dtype)
@@ -761,7 +763,7 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
     kernel = plgpu.kernel(
         functools.partial(_attention_kernel, scale_log2=scale * LOG2E, group=group, block_kv=block_kv,
                           block_size=block_size, num_slots=num_slots, num_splits=num_splits,
-                          box=box, by_sequence=by_sequence),
+                          max_tokens=max_tokens, by_sequence=by_sequence),
         out_type=out_type,
         scratch_types=scratch,
         grid=(num_kv_heads, meta.shape[0]) + ((num_splits,) if num_splits > 1 else ()),

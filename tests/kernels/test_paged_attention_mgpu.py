@@ -61,7 +61,7 @@ def test_decode_ragged_context_lengths(case):
 MIXED = [
     # (q_lens, kv_lens, bs, hq, hkv, d, dtype, kernel kwargs)
     ([1, 20, 0, 5], [9, 100, 4, 5], 16, 16, 2, 64, jnp.float32, {}),  # G=8: block_q=8, 20 tokens = 3 tiles
-    ([70, 1, 3], [70, 130, 67], 64, 2, 2, 64, jnp.bfloat16, {}),  # G=1: block_q=32 (a barrier a token), causal within 70 tokens
+    ([70, 1, 3], [70, 130, 67], 64, 2, 2, 64, jnp.bfloat16, {}),  # G=1: block_q=32, causal within 70 tokens
     ([2, 1, 17], [2, 100, 30], 16, 6, 2, 64, jnp.float32, {}),  # G=3: block_q=21, 63 rows used
     ([2, 1, 17], [2, 100, 30], 16, 6, 2, 64, jnp.float32, dict(decode=True)),  # the same tiles, split-K
     ([1, 20, 0, 5], [9, 100, 4, 5], 16, 16, 2, 64, jnp.float32, dict(block_q=5)),  # 40-row tiles
