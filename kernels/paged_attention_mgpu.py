@@ -15,10 +15,10 @@ How the work is cut:
     fixed M of 64 per warpgroup, so one program is one warpgroup, its matmuls always 64 rows (those
     past its tokens' padding), and every K/V tile it loads serves all its rows. Grid ``(Hkv, tiles)``,
     the KV head fastest, so the programs of one query tile read neighbouring bytes of each pool block.
-    Sequence ``i`` owns tiles ``cu_q_lens[i] // block_q + i + j``
-    for ``j < cdiv(q_len_i, block_q)`` (the Triton kernel's numbering: ``cdiv(T, block_q) + S`` tiles
-    bound it; unowned tiles exit at once), and the padding tokens are tiled the same way, as one more
-    sequence whose tiles write zeros (:func:`tile_layout`). A decode sequence is one tile of one token;
+    Sequence ``i`` owns tiles ``cu_q_lens[i] // block_q + i + j`` for ``j < cdiv(q_len_i, block_q)``
+    (the Triton kernel's numbering: ``cdiv(T, block_q) + S`` tiles bound it; unowned tiles exit at
+    once), and the padding tokens are tiled the same way, as one more sequence whose tiles write zeros
+    (:func:`tile_layout`). A decode sequence is one tile of one token;
     a prompt chunk is ``cdiv(q_len, block_q)`` tiles whatever the launch's shapes: a step of a
     many-slot engine pads to as many sequences as tokens, so its launches of up to 512 tokens are
     decode-shaped, prompt chunks after long cached prefixes included, and a tile of one token would
