@@ -382,6 +382,7 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
     lo, hi = split_range(kv_end, split, block_kv, num_splits)
     out0 = tile if by_sequence else tok0  # the output row of its first token
     heads = pl.ds(h * group, group)
+
     def store_rows(src, dst, lead=()):
         """The tile's tokens' ``G`` rows of ``src`` (shared memory, token ``j`` at rows ``j G``) to ``dst``."""
         def one(j, carry):
