@@ -70,10 +70,11 @@ values' tile is N-major, 32-bit wgmma operands must be K-major). fp8 pools (kern
 bf16 queries, one pool block a KV tile (block size 64 or 128): see below. ``head_dim`` 64 or 128;
 block sizes 8 to 128 (powers of two);
 ``G <= 64``. One warpgroup per program (a decode tile fills ``G`` of its 64 rows), whole blocks
-copied for the last KV tile. Launches that are neither decode nor given ``block_q``/``num_splits``
-(prefill, chunked prefill, mixed steps) run the warp-specialised kernel of
-``paged_attention_mgpu_prefill.py`` instead: two compute warpgroups share each K/V tile and a third
-issues the copies (1.3x faster than this kernel at 4k-16k tokens).
+copied for the last KV tile. Launches that are neither decode (at most two tokens a sequence, or
+over a bf16 pool at most ``SMALL_LAUNCH_TOKENS``) nor given ``block_q``/``num_splits`` (prefill,
+chunked prefill, mixed steps) run the warp-specialised kernel of ``paged_attention_mgpu_prefill.py``
+instead: two compute warpgroups share each K/V tile and a third issues the copies (1.3x faster than
+this kernel at 4k-16k tokens).
 
 fp8 pools: decode launches run ``paged_attention_mgpu_decode.py`` (keys on wgmma's M: a decode token's
 ``G`` query rows cost wgmma ``N = 8`` columns instead of 64 rows; 0.61x this kernel's time at batch 256,
@@ -122,6 +123,9 @@ from jaxpaged.kernels.split_k import MAX_SPLITS, decode_splits, merge_splits
 LOG2E = math.log2(math.e)
 BLOCK_M = 64  # query rows of a program: Hopper wgmma's M per warpgroup
 MAX_TILE_TOKENS = 32  # a query tile's tokens at most: one barrier each, and Mosaic GPU initialises 32 a group
+# Launches of at most this many tokens run the query tiles with split-K even where they are not decode-shaped
+# (a short prompt alone, a chat turn after its cached history): see paged_attention_mgpu's docstring.
+SMALL_LAUNCH_TOKENS = 128
 MIN_KV_TILE = 64  # keys per inner step at least (wgmma K of P @ V: one 128-byte swizzle row of bf16)
 MAX_KV_TILE = 256  # wgmma's largest N (S = Q K^T)
 NUM_SLOTS = 2  # KV tiles in flight by default (double buffering)
@@ -641,11 +645,23 @@ def paged_attention_mgpu(
         a decode launch, or ``block_q`` 1, runs ``paged_attention_mgpu_decode``: a token a tile).
         num_splits: programs sharing a query tile's keys (split-K, a power of two <= 32); default
         :func:`choose_splits`. All for tuning: any value gives the same result (to rounding).
+      decode: the decode configuration (the query tiles, split-K by :func:`choose_splits`; over fp8 the
+        decode kernel) or, ``False``, the prefill kernel; by default decode where the launch has at most
+        two tokens a sequence or at most ``SMALL_LAUNCH_TOKENS`` tokens. A short launch that is not
+        decode-shaped (a 32-token prompt alone, padded to 8 sequences; not over fp8, whose decode
+        kernel computes a token a program) ran the prefill kernel before:
+        its copies around the kernel (queries into 128 rows, the side output's scatter, the output's
+        copy back) cost as much as the kernel, and its few programs read a cached prefix unsplit.
+        There the tiles with split-K took 0.57 / 0.62x the prefill kernel's time after 4,096 cached
+        tokens (32 / 128 new tokens), 0.42x at ``G`` = 7, and 0.95-1.00x without (0.62 at ``G`` = 7);
+        at 512 tokens 1.04x after the prefix and 1.47x without, so they stop at 128 (chained, H100,
+        2026-12-06, benchmarks/RESULTS.md).
     Returns ``[T, Hq, D]`` in ``q.dtype``; zeros for padding tokens.
     Raises ValueError for what the kernel does not support (module docstring, "Scope").
     """
     if decode is None:
-        decode = q.ndim == 3 and q.shape[0] <= 2 * kv_lens.shape[0]
+        small = q.shape[0] <= SMALL_LAUNCH_TOKENS and not is_fp8(kv_pool.dtype)  # (fp8: a token a program)
+        decode = q.ndim == 3 and (q.shape[0] <= 2 * kv_lens.shape[0] or small)
     prefill = not decode and block_q is None and num_splits in (None, 1)  # the warp-specialised kernel
     if prefill and interpret:
         from jaxpaged.kernels.paged_attention_mgpu_prefill import NUM_COMPUTE

@@ -80,31 +80,32 @@ def test_prefill_and_mixed_batches(case):
     run_case(20 + case, *shapes, **kw)
 
 
-# The warp-specialised prefill kernel (what a non-decode launch runs by default): tile pairs whose
+# The warp-specialised prefill kernel (what a launch of more than SMALL_LAUNCH_TOKENS that is not
+# decode-shaped runs by default; ``decode=False`` asks for it at any size): tile pairs whose
 # second warpgroup owns no token, one token or a full tile; the pair's last key in the middle of a
 # KV tile (stale values zeroed by the owning warpgroup while the other waits) or at its end; prefix
 # hits; a first warpgroup whose keys end a tile early; KV tiles of 64 and 128 keys over 1-3 slots.
 # The interpreter launches two programs, each taking several items in turn (the GPU: one an SM).
 PREFILL = [
     # (q_lens, kv_lens, bs, hq, hkv, d, dtype, kernel kwargs)
-    ([70, 33, 64], [70, 100, 64], 16, 4, 2, 64, jnp.bfloat16, {}),  # G=2: pairs of 64 tokens
-    ([150, 1, 40], [150, 9, 300], 16, 4, 2, 64, jnp.float32, dict(block_kv=128, num_slots=3)),
-    ([129, 7], [200, 7], 32, 2, 2, 128, jnp.bfloat16, dict(num_slots=1)),  # G=1: pairs of 128 tokens
-    ([20, 3], [84, 3], 8, 6, 2, 64, jnp.float32, dict(block_kv=64)),  # G=3: 21 tokens a warpgroup
+    ([70, 33, 64], [70, 100, 64], 16, 4, 2, 64, jnp.bfloat16, dict(decode=False)),  # G=2: pairs of 64 tokens
+    ([150, 1, 40], [150, 9, 300], 16, 4, 2, 64, jnp.float32, dict(block_kv=128, num_slots=3, decode=False)),
+    ([129, 7], [200, 7], 32, 2, 2, 128, jnp.bfloat16, dict(num_slots=1, decode=False)),  # G=1: pairs of 128 tokens
+    ([20, 3], [84, 3], 8, 6, 2, 64, jnp.float32, dict(block_kv=64, decode=False)),  # G=3: 21 tokens a warpgroup
     # After a 96-token prefix, the first warpgroup's keys end a KV tile before the second's: it keeps
     # taking its turns on the tensor cores (``schedule`` barrier) for that tile without reading it.
-    ([64, 50], [160, 96], 16, 4, 2, 64, jnp.bfloat16, dict(block_kv=64)),
+    ([64, 50], [160, 96], 16, 4, 2, 64, jnp.bfloat16, dict(block_kv=64, decode=False)),
     # Three slots of 128 keys leave no room for a second Q buffer: the next item's Q is copied when
     # the item before it has stored its output (``prefill_q_buffers``).
-    ([20, 3, 70], [150, 3, 70], 16, 4, 2, 64, jnp.float32, dict(block_kv=128, num_slots=3)),
+    ([20, 3, 70], [150, 3, 70], 16, 4, 2, 64, jnp.float32, dict(block_kv=128, num_slots=3, decode=False)),
     # G=7 (Qwen2.5's); 192 tokens, a multiple of 8, read in place without a copy: the last pair's second
     # warpgroup reads the last 64 rows of q (its first 56 rows another tile's, not stored); sequences
     # starting and ending between multiples of 8, their shared groups of rows through the side output.
-    ([100, 13, 71, 3], [130, 13, 71, 40], 16, 7, 1, 64, jnp.float32, {}),
+    ([100, 13, 71, 3], [130, 13, 71, 40], 16, 7, 1, 64, jnp.float32, dict(decode=False)),
     # Decode rows of a mixed step (sequences of one new token), which the decode tiles compute, a KV head's
     # G heads in one tile: one inside a group of 8 rows it shares with the sequences either side, one
     # last before the padding; G=7 over two KV heads. The pairs' stores must leave their rows alone.
-    ([13, 1, 50, 1], [13, 90, 60, 200], 16, 14, 2, 64, jnp.bfloat16, {}),
+    ([13, 1, 50, 1], [13, 90, 60, 200], 16, 14, 2, 64, jnp.bfloat16, dict(decode=False)),
 ]
 
 
@@ -131,8 +132,31 @@ def test_prefill_launches_need_interpreter_threads(monkeypatch):
     for threads, expected in ((4, [q.shape]), (2, [])):
         monkeypatch.setattr(mgpu, "interpreter_threads", lambda threads=threads: threads)
         calls.clear()
-        out = paged_attention_mgpu(*args, interpret=True)
+        out = paged_attention_mgpu(*args, interpret=True, decode=False)
         assert calls == expected and out.shape == q.shape
+
+
+@pytest.mark.parametrize("num_tokens,fp8,prefill", [(128, False, False), (129, False, True), (128, True, True)])
+def test_short_launches_run_the_tiles_with_split_k(monkeypatch, num_tokens, fp8, prefill):
+    """A launch of more than two tokens a sequence runs the prefill kernel only past SMALL_LAUNCH_TOKENS
+    tokens over a bf16 pool; a shorter one (a short prompt alone, after a cached prefix) runs the query
+    tiles with the decode launches' split-K (over fp8, whose decode kernel computes a token a program, the
+    prefill kernel still)."""
+    from jaxpaged.kernels import paged_attention_mgpu as mgpu
+    from jaxpaged.kernels import paged_attention_mgpu_prefill as ws
+
+    assert mgpu.SMALL_LAUNCH_TOKENS == 128
+    calls = []
+    monkeypatch.setattr(ws, "paged_prefill_mgpu", lambda q, *a, **k: calls.append(q.shape) or jnp.zeros_like(q))
+    monkeypatch.setattr(mgpu, "_paged_attention_mgpu", lambda *a, **k: calls.append(k["num_splits"]) or a[0])
+    dtype = jnp.float8_e4m3fn if fp8 else jnp.float32
+    q = jnp.ones((num_tokens, 4, 64), jnp.bfloat16 if fp8 else jnp.float32)
+    pool = jnp.zeros((1, 80, 65 if fp8 else 16, 2, 2, 64), dtype)  # (an fp8 block: 64 slots + its scale row)
+    args = (q, pool, 0, jnp.array([0, 30, 30, 30, 30], jnp.int32), jnp.array([4000, 0, 0, 0], jnp.int32),
+            jnp.zeros((4, 80), jnp.int32))
+    mgpu.paged_attention_mgpu(*args, interpret=True)
+    assert calls == ([q.shape] if prefill else [mgpu.choose_splits(num_tokens, 4, 2, 64, 80 * 16, decode=True)])
+    assert prefill or calls[0] > 1  # 8 programs unsplit: the cached prefix is split
 
 
 def test_only_padding_and_empty_sequences():
@@ -255,7 +279,7 @@ def test_no_shared_memory_races():
     params = plgpu.InterpretGPUParams(detect_races=True)
     run_case(3, [1, 1, 9], [1, 200, 70], 16, 4, 2, 64, jnp.float32, interpret=params, decode=True)
     assert not gpu_interpret.get_races().races_found
-    run_case(4, [40, 1, 9], [100, 200, 70], 16, 4, 2, 64, jnp.float32, interpret=params)  # the prefill kernel
+    run_case(4, [40, 1, 9], [100, 200, 70], 16, 4, 2, 64, jnp.float32, interpret=params, decode=False)  # prefill kernel
     assert not gpu_interpret.get_races().races_found
 
 
