@@ -78,6 +78,21 @@ def chain_time(call, q, consts, tables, reps, chain):
     return c, t / chain
 
 
+def time_variants(fns: dict, q, pool, cu_q_lens, kv_lens, table, reps: int = 5, chain: int = 8, where: str = ""):
+    """Each ``fns[name](q, pool, layer, cu_q_lens, kv_lens, table)`` over one batch: its output (fp32 numpy)
+    and its chained time (:func:`chain_time`, us). A variant that fails is reported (``where`` names the
+    case) and left out. Returns ``(times_us, outputs)``, dicts by name."""
+    times, outs = {}, {}
+    for name, fn in fns.items():
+        f = lambda qq, cs, tb, fn=fn: fn(qq, cs[0], 0, cs[1], cs[2], tb)
+        try:
+            outs[name] = np.asarray(jax.block_until_ready(jax.jit(f)(q, (pool, cu_q_lens, kv_lens), table)), np.float32)
+            times[name] = chain_time(f, q, (pool, cu_q_lens, kv_lens), [table], reps, chain)[1] * 1e6
+        except Exception as e:  # noqa: BLE001
+            print("FAILED", where, name, type(e).__name__, str(e)[:300], flush=True)
+    return times, outs
+
+
 def reference_hi(*args):
     """The reference with full fp32 matmuls (XLA's GPU default for fp32 dots is TF32)."""
     with jax.default_matmul_precision("highest"):

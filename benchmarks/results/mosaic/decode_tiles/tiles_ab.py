@@ -13,8 +13,8 @@ Run from the repository root: python3 benchmarks/results/mosaic/decode_tiles/til
 import sys, warnings, importlib.util
 sys.path[:0] = ["benchmarks"]
 warnings.filterwarnings("ignore")
-import jax, jax.numpy as jnp, numpy as np
-from bench_attention import chain_time, random_paged_batch
+import numpy as np
+from bench_attention import random_paged_batch, time_variants
 from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu
 from jaxpaged.kernels.paged_attention import paged_attention as triton
 
@@ -40,17 +40,8 @@ rows = []
 for fam in fams:
     for q_lens, prefixes, T in FAMILIES[fam]:
         q, pool, cu, kl, table = random_paged_batch(q_lens, prefixes, HQ, HKV, D, 16, T)
-        res, outs = {}, {}
-        names = [n for n in VARIANTS if not (fam == "decode" and n == "prefill_kernel")]
-        for name in names:
-            fn = VARIANTS[name]
-            f = lambda qq, cs, tb, fn=fn: fn(qq, cs[0], 0, cs[1], cs[2], tb)
-            try:
-                outs[name] = np.asarray(jax.block_until_ready(jax.jit(f)(q, (pool, cu, kl), table)), np.float32)
-                _, t = chain_time(f, q, (pool, cu, kl), [table], 5, 8)
-                res[name] = t * 1e6
-            except Exception as e:  # noqa: BLE001
-                print("FAILED", fam, name, type(e).__name__, str(e)[:300], flush=True)
+        fns = {n: fn for n, fn in VARIANTS.items() if not (fam == "decode" and n == "prefill_kernel")}
+        res, outs = time_variants(fns, q, pool, cu, kl, table, where=fam)
         ref = outs["triton"]
         diffs = {k: float(np.max(np.abs(v - ref))) for k, v in outs.items()}
         label = f"{len(q_lens)}x{prefixes[0] + 1}" if fam == "decode" else f"{q_lens[0]} + {prefixes[0]} (S {len(q_lens)})"

@@ -18,7 +18,7 @@ import sys, warnings
 sys.path[:0] = ["benchmarks"]
 warnings.filterwarnings("ignore")
 import jax, numpy as np
-from bench_attention import chain_time, random_paged_batch
+from bench_attention import random_paged_batch, time_variants
 from jaxpaged.kernels.paged_attention_mgpu import MAX_TILE_TOKENS, paged_attention_mgpu
 from jaxpaged.kernels.paged_attention import paged_attention as triton
 from jaxpaged.kernels.fp8 import quantize_pool
@@ -57,15 +57,7 @@ for shape in (sys.argv[1].split(",") if len(sys.argv) > 1 else list(SHAPES)):
         q, pool, cu, kl, table = random_paged_batch(q_lens, prefixes, hq, hkv, d, bs, T)
         if shape == "g2fp8":
             pool = jax.jit(quantize_pool, static_argnums=1)(pool, jax.numpy.dtype("float8_e4m3fn"))
-        res, outs = {}, {}
-        for name, fn in fns.items():
-            f = lambda qq, cs, tb, fn=fn: fn(qq, cs[0], 0, cs[1], cs[2], tb)
-            try:
-                outs[name] = np.asarray(jax.block_until_ready(jax.jit(f)(q, (pool, cu, kl), table)), np.float32)
-                _, t = chain_time(f, q, (pool, cu, kl), [table], 5, 8)
-                res[name] = t * 1e6
-            except Exception as e:  # noqa: BLE001
-                print("FAILED", shape, fam, name, type(e).__name__, str(e)[:300], flush=True)
+        res, outs = time_variants(fns, q, pool, cu, kl, table, where=f"{shape} {fam}")
         ref = outs.get("triton")
         diffs = {k: float(np.max(np.abs(v - ref))) for k, v in outs.items()} if ref is not None else {}
         label = f"{shape} {fam} T {T} prefix {prefixes[0]} S {len(q_lens)}"
