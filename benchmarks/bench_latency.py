@@ -16,13 +16,21 @@ request's output tokens are timestamped after each step.
   ``n - 1`` gaps, one per decode step it took part in. TPOT: per request,
   ``(finished_time - first_token_time) / (tokens - 1)``.
 
+Backends compared (``--backend triton,mosaic``): an engine each in this process, compiled first, then
+measured in turn run by run on the same prompts, each row with its TTFT and ITL p50 as a ratio to the
+first backend's, and the share of requests whose greedy tokens equal the first backend's. Process to
+process, batch-1 ITL of one configuration moved by up to a quarter on an H100 (1.00-1.24 ms), more than
+the differences measured; runs in turn in one process share whatever made that.
+
     python benchmarks/bench_latency.py --out $OUT
+    python benchmarks/bench_latency.py --backend triton,mosaic --batches 1 --prompts 32 --out $OUT
     python benchmarks/bench_latency.py --model tiny --batches 1,2 --prompts 8,24 --max-tokens 4 --out /tmp/l
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -123,7 +131,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="measured runs per configuration (default: enough for >= 30 TTFT samples, at least 3)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--backend", default="auto",
+                    help="attention backend; a comma list (e.g. triton,mosaic) builds an engine each and measures "
+                         "them in turn on the same prompts, run by run, with the ratios to the first")
     ap.add_argument("--sync-scheduling", dest="async_scheduling", action="store_false",
                     help="read each step's tokens back before dispatching the next (default: async)")
     ap.add_argument("--max-num-seqs", type=int, default=None,
@@ -135,6 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.max_num_seqs is not None and args.max_num_seqs < max(int(x) for x in args.batches.split(",")):
         raise SystemExit(f"--max-num-seqs {args.max_num_seqs} is smaller than the largest batch")
+    backends = args.backend.split(",")
+    if len(set(backends)) != len(backends):
+        raise SystemExit(f"--backend names a backend twice: {args.backend}")
     batches = [int(x) for x in args.batches.split(",")]
     prompt_lens = [int(x) for x in args.prompts.split(",")]
 
@@ -149,54 +162,85 @@ def main(argv: list[str] | None = None) -> dict:
     config = EngineConfig(block_size=bs, num_blocks=max(batches) * (max_model_len // bs) + 1,
                           max_num_seqs=args.max_num_seqs or max(batches),
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=max_model_len, attention_backend=args.backend,
-                          async_scheduling=args.async_scheduling)
-    engine = LLMEngine(params, config)
+                          max_model_len=max_model_len, async_scheduling=args.async_scheduling)
+    engines = {b: LLMEngine(params, dataclasses.replace(config, attention_backend=b)) for b in backends}
+    names = [e.runner.attention_backend for e in engines.values()]  # as resolved ("auto" -> what it picked)
+    if len(set(names)) != len(names):
+        raise SystemExit(f"--backend {args.backend} resolves to {','.join(names)}: name each backend once")
     setup_s = time.perf_counter() - t_load
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rng = np.random.default_rng(0)
     vocab = min(params.config.vocab_size, 10_000)
 
-    rows = []
+    rows, agreement = [], {}
     for length in prompt_lens:
         for batch in batches:
-            c0, s0 = engine.runner.compile_seconds, engine.runner.num_compiled_shapes
-            t0 = time.perf_counter()
-            for _ in range(engine.runner.step_executables):  # compiles its shapes, every copy of them
-                run_batch(engine, rng.integers(0, vocab, (batch, length)).tolist(), sp)
-            first_wall = time.perf_counter() - t0
+            first = {}
+            for name, engine in engines.items():
+                c0, s0 = engine.runner.compile_seconds, engine.runner.num_compiled_shapes
+                t0 = time.perf_counter()
+                for _ in range(engine.runner.step_executables):  # compiles its shapes, every copy of them
+                    run_batch(engine, rng.integers(0, vocab, (batch, length)).tolist(), sp)
+                first[name] = dict(compile_s=engine.runner.compile_seconds - c0,
+                                   new_shapes=engine.runner.num_compiled_shapes - s0,
+                                   first_run_s=time.perf_counter() - t0,
+                                   executables=engine.runner.num_compiled_executables)
             freeze_long_lived_heap()  # as LLMEngine.warmup does: no full GC walking the compiled steps mid-run
-            compile_s, shapes = engine.runner.compile_seconds - c0, engine.runner.num_compiled_shapes - s0
-            s1 = engine.runner.num_compiled_executables
-            runs = [run_batch(engine, rng.integers(0, vocab, (batch, length)).tolist(), sp)
-                    for _ in range(repeats_for(batch, args.repeats))]
-            row = dict(batch=batch, prompt_len=length, compile_s=compile_s, new_shapes=shapes,
-                       first_run_s=first_wall, recompiles_while_measuring=engine.runner.num_compiled_executables - s1,
-                       **summarise(runs), raw=runs)
-            rows.append(row)
-            print(f"batch {batch:3d} prompt {length:5d}: TTFT p50 {row['ttft_p50_ms']:.2f} ms, "
-                  f"ITL p50 {row['itl_p50_ms'] if row['itl_p50_ms'] is not None else float('nan'):.2f} ms "
-                  f"(compile {compile_s:.1f} s, {shapes} shapes)", flush=True)
+            runs = {name: [] for name in engines}
+            for _ in range(repeats_for(batch, args.repeats)):  # the backends in turn, on the same prompts
+                prompts = rng.integers(0, vocab, (batch, length)).tolist()
+                for name, engine in engines.items():
+                    runs[name].append(run_batch(engine, prompts, sp))
+            for name, engine in engines.items():
+                f = first[name]
+                row = dict(batch=batch, prompt_len=length, backend=engine.runner.attention_backend,
+                           compile_s=f["compile_s"], new_shapes=f["new_shapes"], first_run_s=f["first_run_s"],
+                           recompiles_while_measuring=engine.runner.num_compiled_executables - f["executables"],
+                           **summarise(runs[name]), raw=runs[name])
+                rows.append(row)
+                print(f"{row['backend'] + ': ' if len(engines) > 1 else ''}batch {batch:3d} prompt {length:5d}: "
+                      f"TTFT p50 {row['ttft_p50_ms']:.2f} ms, "
+                      f"ITL p50 {row['itl_p50_ms'] if row['itl_p50_ms'] is not None else float('nan'):.2f} ms "
+                      f"(compile {row['compile_s']:.1f} s, {row['new_shapes']} shapes)", flush=True)
+            ref = runs[backends[0]]
+            for name in backends[1:]:  # greedy tokens equal to the first backend's, request by request
+                pairs = [(a, b) for ra, rb in zip(ref, runs[name]) for a, b in zip(ra["token_ids"], rb["token_ids"])]
+                agreement.setdefault(name, []).extend(a == b for a, b in pairs)
 
+    engine = engines[backends[0]]
     result = dict(model=args.model, device=str(jax.devices()[0]), jax=jax.__version__,
                   backend=engine.runner.attention_backend, args=vars(args), setup_s=setup_s,
                   max_num_seqs=engine.config.max_num_seqs,
-                  compile_s_total=engine.runner.compile_seconds, compiled_shapes=engine.runner.num_compiled_shapes,
-                  rows=rows)
+                  compile_s_total=sum(e.runner.compile_seconds for e in engines.values()),
+                  compiled_shapes=sum(e.runner.num_compiled_shapes for e in engines.values()), rows=rows)
+    several = len(engines) > 1
+    if several:
+        result["backends"] = names
+        result["greedy_agreement"] = {engines[n].runner.attention_backend: sum(v) / len(v)
+                                      for n, v in agreement.items()}
     with open(os.path.join(args.out, "latency.json"), "w") as f:
         json.dump(result, f, indent=1)
 
     f2 = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    print(f"\nlatency: model {args.model}, {result['device']}, backend {result['backend']}, greedy, "
-          f"{args.max_tokens} output tokens, runs per row: {[r['runs'] for r in rows]}; compile {result['compile_s_total']:.1f} s "
-          f"total ({result['compiled_shapes']} shapes), setup {setup_s:.1f} s")
-    print(f"{'batch':>5s} {'prompt':>6s} {'TTFT p50':>9s} {'TTFT p90':>9s} {'ITL p50':>8s} {'ITL p90':>8s} "
-          f"{'TPOT p50':>9s} {'out tok/s':>9s} {'compile s':>9s}")
+    in_turn = " (in turn, on the same prompts)" if several else ""
+    print(f"\nlatency: model {args.model}, {result['device']}, backend {'/'.join(names)}{in_turn}, greedy, "
+          f"{args.max_tokens} output tokens, runs per row: {[r['runs'] for r in rows]}; "
+          f"compile {result['compile_s_total']:.1f} s total ({result['compiled_shapes']} shapes), setup {setup_s:.1f} s")
+    print(f"{'backend ' if several else ''}{'batch':>5s} {'prompt':>6s} {'TTFT p50':>9s} {'TTFT p90':>9s} "
+          f"{'ITL p50':>8s} {'ITL p90':>8s} {'TPOT p50':>9s} {'out tok/s':>9s} {'compile s':>9s}"
+          f"{'  TTFT / ITL p50 vs ' + result['backend'] if several else ''}")
+    base = {(r["batch"], r["prompt_len"]): r for r in rows if r["backend"] == result["backend"]}
+    ratio = lambda a, b: "-" if a is None or not b else f"{a / b:.2f}"  # noqa: E731
     for r in rows:
         warn = "  (recompiled while measuring)" if r["recompiles_while_measuring"] else ""
-        print(f"{r['batch']:5d} {r['prompt_len']:6d} {f2(r['ttft_p50_ms']):>9s} {f2(r['ttft_p90_ms']):>9s} "
-              f"{f2(r['itl_p50_ms']):>8s} {f2(r['itl_p90_ms']):>8s} {f2(r['tpot_p50_ms']):>9s} "
-              f"{r['out_tok_per_s']:9.0f} {r['compile_s']:9.1f}{warn}")
+        b = base[(r["batch"], r["prompt_len"])]
+        vs = f"  {ratio(r['ttft_p50_ms'], b['ttft_p50_ms'])} / {ratio(r['itl_p50_ms'], b['itl_p50_ms'])}"
+        print(f"{r['backend'] + ' ' if several else ''}{r['batch']:5d} {r['prompt_len']:6d} "
+              f"{f2(r['ttft_p50_ms']):>9s} {f2(r['ttft_p90_ms']):>9s} {f2(r['itl_p50_ms']):>8s} "
+              f"{f2(r['itl_p90_ms']):>8s} {f2(r['tpot_p50_ms']):>9s} {r['out_tok_per_s']:9.0f} "
+              f"{r['compile_s']:9.1f}{vs if several else ''}{warn}")
+    for name, frac in result.get("greedy_agreement", {}).items():
+        print(f"greedy tokens equal to {result['backend']}'s: {name} {frac:.1%} of requests")
     print("(times in ms; TTFT includes queueing behind the other requests of the batch)")
     return result
 

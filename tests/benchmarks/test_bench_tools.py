@@ -91,6 +91,25 @@ def test_bench_latency_tiny(tmp_path, capsys):
         mod.main(["--model", "tiny", "--batches", "1,3", "--max-num-seqs", "2", "--out", str(tmp_path)])
 
 
+def test_bench_latency_backends_in_turn(tmp_path, capsys):
+    """Two backends in one process: a row each per configuration, measured on the same prompts run by
+    run, their greedy tokens compared request by request (the reference and the Triton kernel agree on the
+    tiny float32 model), and the same backend named twice refused."""
+    mod = load("bench_latency")
+    result = mod.main(["--model", "tiny", "--backend", "reference,triton", "--batches", "2", "--prompts", "8",
+                       "--max-tokens", "3", "--repeats", "2", "--out", str(tmp_path)])
+    rows = result["rows"]
+    assert result["backends"] == ["reference", "triton"] and [r["backend"] for r in rows] == result["backends"]
+    ref, tri = rows
+    assert ref["runs"] == tri["runs"] == 2 and ref["recompiles_while_measuring"] == tri["recompiles_while_measuring"] == 0
+    assert [r["token_ids"] for r in ref["raw"]] == [r["token_ids"] for r in tri["raw"]]
+    assert result["greedy_agreement"] == {"triton": 1.0}
+    out = capsys.readouterr().out
+    assert "TTFT / ITL p50 vs reference" in out and "greedy tokens equal to reference's: triton 100.0%" in out
+    with pytest.raises(SystemExit, match="twice"):
+        mod.main(["--model", "tiny", "--backend", "triton,triton", "--out", str(tmp_path)])
+
+
 def test_bench_latency_tokens_equal_llm_generate():
     """The latency loop's tokens are the engine's: the same greedy requests through ``LLM.generate``."""
     from jaxpaged import LLM, EngineConfig, LLMEngine, SamplingParams
