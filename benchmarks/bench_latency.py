@@ -18,9 +18,11 @@ request's output tokens are timestamped after each step.
 
 Backends compared (``--backend triton,mosaic``): an engine each in this process, compiled first, then
 measured in turn run by run on the same prompts, each row with its TTFT and ITL p50 as a ratio to the
-first backend's, and the share of requests whose greedy tokens equal the first backend's. Process to
-process, batch-1 ITL of one configuration moved by up to a quarter on an H100 (1.00-1.24 ms), more than
-the differences measured; runs in turn in one process share whatever made that.
+first backend's, and the share of requests whose greedy tokens equal the first backend's. Before each
+of its runs an engine settles (``LLMEngine.settle``: one throwaway request, its traces undone), so what
+the other engine's run left (a CUDA graph to re-record where a buffer moved, cold caches) is not timed.
+Process to process, batch-1 ITL of one configuration moved by up to a quarter on an H100 (1.00-1.24
+ms), more than the differences measured; runs in turn in one process share whatever made that.
 
     python benchmarks/bench_latency.py --out $OUT
     python benchmarks/bench_latency.py --backend triton,mosaic --batches 1 --prompts 32 --out $OUT
@@ -190,6 +192,8 @@ def main(argv: list[str] | None = None) -> dict:
             for _ in range(repeats_for(batch, args.repeats)):  # the backends in turn, on the same prompts
                 prompts = rng.integers(0, vocab, (batch, length)).tolist()
                 for name, engine in engines.items():
+                    if len(engines) > 1:  # a throwaway request first, its traces undone: LLMEngine.settle
+                        engine.settle(1)
                     runs[name].append(run_batch(engine, prompts, sp))
             for name, engine in engines.items():
                 f = first[name]
