@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.max_num_seqs is not None and args.max_num_seqs < max(int(x) for x in args.batches.split(",")):
         raise SystemExit(f"--max-num-seqs {args.max_num_seqs} is smaller than the largest batch")
     backends = args.backend.split(",")
+    several = len(backends) > 1
     if len(set(backends)) != len(backends):
         raise SystemExit(f"--backend names a backend twice: {args.backend}")
     batches = [int(x) for x in args.batches.split(",")]
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
             for _ in range(repeats_for(batch, args.repeats)):  # the backends in turn, on the same prompts
                 prompts = rng.integers(0, vocab, (batch, length)).tolist()
                 for name, engine in engines.items():
-                    if len(engines) > 1:  # a throwaway request first, its traces undone: LLMEngine.settle
+                    if several:  # a throwaway request first, its traces undone: LLMEngine.settle
                         engine.settle(1)
                     runs[name].append(run_batch(engine, prompts, sp))
             for name, engine in engines.items():
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
                            recompiles_while_measuring=engine.runner.num_compiled_executables - f["executables"],
                            **summarise(runs[name]), raw=runs[name])
                 rows.append(row)
-                print(f"{row['backend'] + ': ' if len(engines) > 1 else ''}batch {batch:3d} prompt {length:5d}: "
+                print(f"{row['backend'] + ': ' if several else ''}batch {batch:3d} prompt {length:5d}: "
                       f"TTFT p50 {row['ttft_p50_ms']:.2f} ms, "
                       f"ITL p50 {row['itl_p50_ms'] if row['itl_p50_ms'] is not None else float('nan'):.2f} ms "
                       f"(compile {row['compile_s']:.1f} s, {row['new_shapes']} shapes)", flush=True)
@@ -217,11 +218,9 @@ def main(argv: list[str] | None = None) -> dict:
                   max_num_seqs=engine.config.max_num_seqs,
                   compile_s_total=sum(e.runner.compile_seconds for e in engines.values()),
                   compiled_shapes=sum(e.runner.num_compiled_shapes for e in engines.values()), rows=rows)
-    several = len(engines) > 1
     if several:
         result["backends"] = names
-        result["greedy_agreement"] = {engines[n].runner.attention_backend: sum(v) / len(v)
-                                      for n, v in agreement.items()}
+        result["greedy_agreement"] = {names[backends.index(n)]: sum(v) / len(v) for n, v in agreement.items()}
     with open(os.path.join(args.out, "latency.json"), "w") as f:
         json.dump(result, f, indent=1)
 

@@ -647,12 +647,11 @@ def paged_attention_mgpu(
         :func:`choose_splits`. All for tuning: any value gives the same result (to rounding).
       decode: the decode configuration (the query tiles, split-K by :func:`choose_splits`; over fp8 the
         decode kernel) or, ``False``, the prefill kernel; by default decode where the launch has at most
-        two tokens a sequence or at most ``SMALL_LAUNCH_TOKENS`` tokens. A short launch that is not
-        decode-shaped (a 32-token prompt alone, padded to 8 sequences; not over fp8, whose decode
-        kernel computes a token a program) ran the prefill kernel before:
-        its copies around the kernel (queries into 128 rows, the side output's scatter, the output's
-        copy back) cost as much as the kernel, and its few programs read a cached prefix unsplit.
-        There the tiles with split-K took 0.57 / 0.62x the prefill kernel's time after 4,096 cached
+        two tokens a sequence or at most ``SMALL_LAUNCH_TOKENS`` tokens (not over fp8, whose decode
+        kernel computes a token a program). On the prefill kernel a short launch that is not
+        decode-shaped (a 32-token prompt alone, padded to 8 sequences) pays the copies around it
+        (queries into 128 rows, the side output's scatter, the output's copy back), and its few
+        programs read a cached prefix unsplit. There the tiles with split-K took 0.57 / 0.62x the prefill kernel's time after 4,096 cached
         tokens (32 / 128 new tokens), 0.42x at ``G`` = 7, and 0.95-1.00x without (0.62 at ``G`` = 7);
         at 512 tokens 1.04x after the prefix and 1.47x without, so they stop at 128 (chained, H100,
         2026-12-06, benchmarks/RESULTS.md).
