@@ -215,7 +215,7 @@ def _decode_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_re
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_smem, o_ref.at[split, tile, h])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, tile, h])
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     if num_splits == 1:
         @pl.when(seq < 0)  # a padding token: zeros (with splits, the merge masks what no split wrote)
@@ -223,7 +223,7 @@ def _decode_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_re
             q_plain[...] = plgpu.layout_cast(jnp.zeros(q_plain.shape, q_plain.dtype), wgmma)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_plain.at[pl.ds(0, group)], o_ref.at[pl.ds(row0, group)])
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_slots", "num_splits"))

@@ -477,7 +477,7 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
             return n0 + num_kv
 
         lax.fori_loop(0, my_items, compute_item, jnp.int32(0))
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def pair_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, one_token_apart: bool = True):
