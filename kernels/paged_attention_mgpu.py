@@ -271,27 +271,6 @@ def split_range(kv_end, split, block_kv: int, num_splits: int):
     return lo, jnp.minimum(num_kv, lo + per)
 
 
-def first_tile_blocks(meta: jax.Array, block_tables: jax.Array, block_kv: int, block_size: int,
-                      num_splits: int) -> jax.Array:
-    """The pool blocks of each program's first KV tile (tile ``lo`` of :func:`split_range`), ``i32[tiles,
-    num_splits, block_kv // block_size]``, gathered once a step by XLA (every layer's launch has the
-    same tables).
-
-    Why: a program reads its tile's row of ``meta`` first; its sequence, and so its table row, is known
-    only after that load. Gathered here, the first tile's block ids arrive beside the metadata, and its
-    TMA copies wait for one load from memory instead of two in a row. A program of a short context
-    (one or two KV tiles) spends most of its time on that path. Unowned tiles and empty splits get
-    some block (their programs exit before copying).
-    """
-    blocks_per_tile = max(1, block_kv // block_size)
-    split = jnp.arange(num_splits, dtype=jnp.int32)[None, :]
-    lo, _ = split_range(meta[:, 2:3], split, block_kv, num_splits)  # [tiles, P]
-    cols = lo[..., None] * blocks_per_tile + jnp.arange(blocks_per_tile, dtype=jnp.int32)
-    cols = jnp.clip(cols, 0, block_tables.shape[1] - 1)
-    seq = jnp.maximum(meta[:, 0], 0)[:, None, None]
-    return block_tables[seq, cols].astype(jnp.int32)
-
-
 def _scales(scale_row, shape, key_axis: int = 1):
     """A KV tile's per-token scales (``scale_row``: at least ``shape[key_axis]`` fp8 powers of two in shared
     memory, kernels/fp8.py) in f32, broadcast over the other axis of its ``shape`` (WGMMA layout) scores:
@@ -350,8 +329,7 @@ def f16_queries(q32, scale_log2: float):
     return q16, jnp.exp2(e - 14.0) * scale_log2
 
 
-def _attention_kernel(layer_ref, meta_ref, first_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref=None, *, q_bar, k_bar,
-                      v_bar,
+def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref=None, *, q_bar, k_bar, v_bar,
                       q_plain, k_smem=None, v_smem=None, kv_then_out=None, q_smem=None, p_smem=None,
                       fp8_union=None, q16_smem=None, scale_log2: float, group: int, block_kv: int,
                       block_size: int, num_slots: int, num_splits: int, max_tokens: int,
@@ -359,8 +337,8 @@ def _attention_kernel(layer_ref, meta_ref, first_ref, tables_ref, q_ref, kv_ref,
     """One program: KV head ``h = axis_index("kv_head")``, query tile ``axis_index("tile")`` and, with
     ``num_splits > 1``, split ``axis_index("split")`` of its KV tiles (:func:`split_range`).
 
-    Refs (GMEM): ``layer_ref i32[1]``, ``meta_ref i32[tiles, 4]`` (:func:`tile_layout`), ``first_ref
-    i32[tiles, P, blocks_per_tile]`` (:func:`first_tile_blocks`), ``tables_ref i32[S, W]``, the queries where they are, ``q_ref [T, Hq, D]``, ``kv_ref [L, N, bs, 2,
+    Refs (GMEM): ``layer_ref i32[1]``, ``meta_ref i32[tiles, 4]`` (:func:`tile_layout`),
+    ``tables_ref i32[S, W]``, the queries where they are, ``q_ref [T, Hq, D]``, ``kv_ref [L, N, bs, 2,
     Hkv, D]``; outputs ``o_ref [T, Hq, D]``, or with splits ``o_ref f32[P, T, Hq, D]`` (each split's
     normalised partial) and ``lse_ref f32[P, T, Hq, LSE_LANES]`` (its log-sum-exp, base 2, in each
     lane). Token ``j < ntok`` of the tile comes by its own TMA copy (heads ``[h G, (h + 1) G)``) into
@@ -408,8 +386,6 @@ def _attention_kernel(layer_ref, meta_ref, first_ref, tables_ref, q_ref, kv_ref,
     lo, hi = split_range(kv_end, split, block_kv, num_splits)
     out0 = tile if by_sequence else tok0  # the output row of its first token
     heads = pl.ds(h * group, group)
-    # The pool blocks of the first KV tile, read beside meta_ref (not after it, through seq).
-    first = [first_ref[tile, split, b] for b in range(first_ref.shape[2])]
 
     def store_rows(src, dst, lead=()):
         """The tile's tokens' ``G`` rows of ``src`` (shared memory, token ``j`` at rows ``j G``) to ``dst``."""
@@ -424,16 +400,15 @@ def _attention_kernel(layer_ref, meta_ref, first_ref, tables_ref, q_ref, kv_ref,
         layer = layer_ref[0]
         n_full = jnp.clip(lax.div(pos0 + 1, block_kv), lo, hi)  # tiles every row sees entirely end here
 
-        def fetch(t, slot, blocks=None):
-            """Issues the TMA copies of KV tile ``t`` into ``slot``: one per pool block, K and V; the
-            blocks' ids from the table, or ``blocks`` (tile ``lo``'s, from ``first_ref``)."""
+        def fetch(t, slot):
+            """Issues the TMA copies of KV tile ``t`` into ``slot``: one per pool block, K and V."""
             if fp8:  # one block: its keys, its values' D / block_size boxes of V^T rows, its two scale rows
-                phys = blocks[0] if blocks else tables_ref[seq, jnp.minimum(t, width - 1)]
-                copy_fp8_block(kv_ref, layer, phys, h, slot, k8_smem, vt8_smem, scale_smem, k_bar, v_bar)
+                copy_fp8_block(kv_ref, layer, tables_ref[seq, jnp.minimum(t, width - 1)], h, slot, k8_smem, vt8_smem,
+                               scale_smem, k_bar, v_bar)
                 return
             for b in range(blocks_per_tile):
                 blk = jnp.minimum(t * blocks_per_tile + b, width - 1)  # past the table: masked anyway
-                phys = blocks[b] if blocks else tables_ref[seq, blk]
+                phys = tables_ref[seq, blk]
                 rows = pl.ds(b * block_size, block_size)
                 plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, :, 0, h, :], k_smem.at[slot, rows],
                                         k_bar.at[slot])
@@ -448,7 +423,7 @@ def _attention_kernel(layer_ref, meta_ref, first_ref, tables_ref, q_ref, kv_ref,
         copy_token(0)
         for j in range(1, max_tokens):
             pl.when(j < ntok)(functools.partial(copy_token, j))
-        fetch(lo, 0, first)  # the range is not empty; tile lo + i goes to slot i
+        fetch(lo, 0)  # the range is not empty; tile lo + i goes to slot i
         for i in range(1, num_slots):
             pl.when(lo + i < hi)(functools.partial(fetch, lo + i, i))
 
@@ -764,7 +739,6 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
     else:
         meta, tile_of = tile_layout(cu_q_lens, kv_lens, num_tokens, block_q)
     num_out = meta.shape[0] if by_sequence else num_tokens  # output rows: tokens, or (by_sequence) sequences
-    first = first_tile_blocks(meta, block_tables, block_kv, block_size, num_splits)
 
     dtype = q.dtype  # the pool's, or bf16 over an fp8 pool (validated): the output tile reuses the queries'
     fp8 = is_fp8(kv_pool.dtype)
@@ -812,7 +786,7 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         grid_names=("kv_head", "tile") + (("split",) if num_splits > 1 else ()),
         interpret=interpret,
     )
-    out = kernel(jnp.reshape(layer, (1,)), meta, first, block_tables, q, kv_pool)
+    out = kernel(jnp.reshape(layer, (1,)), meta, block_tables, q, kv_pool)
     if num_splits == 1:
         return out  # padding tokens (and, by_sequence, the other sequences): zeros, written by the kernel
     # Splits that had no keys, padding tokens and unowned tiles wrote nothing: their memory is not read.

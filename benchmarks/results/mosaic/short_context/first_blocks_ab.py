@@ -1,6 +1,7 @@
-"""The first KV tile's block ids gathered with the tile metadata (the working tree:
-``first_tile_blocks``) against read from the block table after the metadata (the kernel before:
-`git show HEAD~1:kernels/paged_attention_mgpu.py > .gpu/mgpu_before.py`), and the Triton kernel;
+"""The first KV tile's block ids gathered with the tile metadata (``first_tile_blocks``, the kernel with
+`first_blocks.patch` applied, as the working tree) against read from the block table after the
+metadata (the kernel without it: `cp kernels/paged_attention_mgpu.py .gpu/mgpu_before.py`, then `git
+apply benchmarks/results/mosaic/short_context/first_blocks.patch`), and the Triton kernel;
 decode, one token a sequence, chained wall time (8 launches a jit, ``bench_attention.time_variants``),
 Hq 16 / Hkv 8 / D 128, block 16, each case twice in alternating order; whether the two Mosaic
 variants' outputs are bitwise equal and the largest difference from Triton's. ``+w``: the block tables
