@@ -45,16 +45,20 @@ def log(*a):
 
 
 def timed(make_fn, args, reps):
-    """Compiles ``make_fn`` on ``args``; returns (compile_s, median seconds of one call).
-
-    Calls are dispatched back to back in groups of 4 and synchronised once per group, so host dispatch
-    overlaps device work; the median over ``reps`` groups. Large arrays must be passed in ``args``
-    (a closure would embed them in the executable as constants).
+    """Compiles ``make_fn`` on ``args``; returns (compile_s, median seconds of one call) (:func:`time_calls`).
+    Large arrays must be passed in ``args`` (a closure would embed them in the executable as constants).
     """
     fn = jax.jit(make_fn)
     t = time.perf_counter()
     jax.block_until_ready(fn(*args))
     compile_s = time.perf_counter() - t
+    return compile_s, time_calls(fn, args, reps)
+
+
+def time_calls(fn, args, reps):
+    """Median seconds of one call of the compiled ``fn(*args)``: calls dispatched back to back in groups
+    of 4 and synchronised once per group, so host dispatch overlaps device work; the median over
+    ``reps`` groups (after one untimed call)."""
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(reps):
@@ -62,11 +66,11 @@ def timed(make_fn, args, reps):
         outs = [fn(*args) for _ in range(4)]
         jax.block_until_ready(outs)
         times.append((time.perf_counter() - t) / 4)
-    return compile_s, float(np.median(times))
+    return float(np.median(times))
 
 
-def chain_time(call, q, consts, tables, reps, chain):
-    """Median seconds of one ``call(q, consts, tables_i)``; ``chain`` calls per jit, each call's output
+def chained(call, chain):
+    """``run(q, consts, *tables)``: ``chain`` calls of ``call(q, consts, tables_i)``, each call's output
     feeding the next call's queries (no hoisting), block tables rotated."""
 
     def run(q, consts, *tabs):
@@ -74,23 +78,43 @@ def chain_time(call, q, consts, tables, reps, chain):
             q = call(q, consts, tabs[i % len(tabs)])
         return q
 
-    c, t = timed(run, (q, consts, *tables), reps)
+    return run
+
+
+def chain_time(call, q, consts, tables, reps, chain):
+    """Median seconds of one ``call(q, consts, tables_i)`` (:func:`chained`, ``chain`` calls per jit)."""
+    c, t = timed(chained(call, chain), (q, consts, *tables), reps)
     return c, t / chain
 
 
-def time_variants(fns: dict, q, pool, cu_q_lens, kv_lens, table, reps: int = 5, chain: int = 8, where: str = ""):
+def time_variants(fns: dict, q, pool, cu_q_lens, kv_lens, table, reps: int = 5, chain: int = 8, where: str = "",
+                  rounds: int = 1, each_round: dict | None = None):
     """Each ``fns[name](q, pool, layer, cu_q_lens, kv_lens, table)`` over one batch: its output (fp32 numpy)
-    and its chained time (:func:`chain_time`, us). A variant that fails is reported (``where`` names the
-    case) and left out. Returns ``(times_us, outputs)``, dicts by name."""
-    times, outs = {}, {}
+    and its chained time (:func:`chained`, us). Each variant is compiled once, then timed ``rounds``
+    times, the variants in turn, every other round in reverse order (so drift on the machine does not
+    favour the one timed first); the time is the mean over the rounds, and ``each_round[name]`` (when
+    given) gets the list of them. A variant that fails is reported (``where`` names the case) and left
+    out. Returns ``(times_us, outputs)``, dicts by name."""
+    consts = (pool, cu_q_lens, kv_lens)
+    compiled, outs = {}, {}
     for name, fn in fns.items():
         f = lambda qq, cs, tb, fn=fn: fn(qq, cs[0], 0, cs[1], cs[2], tb)
         try:
-            outs[name] = np.asarray(jax.block_until_ready(jax.jit(f)(q, (pool, cu_q_lens, kv_lens), table)), np.float32)
-            times[name] = chain_time(f, q, (pool, cu_q_lens, kv_lens), [table], reps, chain)[1] * 1e6
+            outs[name] = np.asarray(jax.block_until_ready(jax.jit(f)(q, consts, table)), np.float32)
+            compiled[name] = jax.jit(chained(f, chain))
+            jax.block_until_ready(compiled[name](q, consts, table))
         except Exception as e:  # noqa: BLE001
             print("FAILED", where, name, type(e).__name__, str(e)[:300], flush=True)
-    return times, outs
+            outs.pop(name, None)
+            compiled.pop(name, None)
+    per = {name: [] for name in compiled}
+    names = list(compiled)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            per[name].append(time_calls(compiled[name], (q, consts, table), reps) / chain * 1e6)
+    if each_round is not None:
+        each_round.update(per)
+    return {name: float(np.mean(v)) for name, v in per.items()}, outs
 
 
 def reference_hi(*args):

@@ -259,3 +259,26 @@ def test_throughput_tiny(tmp_path, capsys):
     assert len(r["step_end_s"]) >= max(sp.max_tokens for sp in sps) and "hf_subset" not in result
     assert json.loads((tmp_path / "throughput.json").read_text())["ours_full"]["output_tokens"] == r["output_tokens"]
     assert "jaxpaged " in capsys.readouterr().out
+
+
+def test_time_variants_rounds(capsys):
+    """Kernel A/Bs compile each variant once and time the variants in turn over several rounds: every
+    variant gets one time a round (the mean returned), its output from one call, and a variant that
+    fails is reported and left out while the others are timed."""
+    mod = load("bench_attention")
+    from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
+
+    def broken(*args):
+        raise ValueError("unsupported here")
+
+    q, pool, cu, kl, table = mod.random_paged_batch([1, 3], [15, 40], 4, 2, 64, 16, 8)
+    fns = {"reference": paged_attention_reference, "again": lambda *a: paged_attention_reference(*a),
+           "broken": broken}
+    each: dict = {}
+    times, outs = mod.time_variants(fns, q, pool, cu, kl, table, reps=1, chain=2, where="tiny", rounds=3,
+                                    each_round=each)
+    assert set(times) == set(outs) == set(each) == {"reference", "again"}
+    assert all(len(v) == 3 and all(t > 0 for t in v) for v in each.values())
+    assert times["again"] == pytest.approx(sum(each["again"]) / 3)
+    assert outs["reference"].shape == (8, 4, 64) and (outs["reference"] == outs["again"]).all()
+    assert "FAILED tiny broken ValueError unsupported here" in capsys.readouterr().out
