@@ -53,6 +53,20 @@ def traced(step, x, n: int):
     return tot, cnt, x
 
 
+def decode_batch(b: int, ctx: int):
+    """``b`` sequences of one new token at context ``ctx``: random bf16 K/V in a one-layer pool (16 spare
+    blocks), the blocks in random order; seeded by ``b * ctx``. Returns ``(q, pool, cu_q_lens, kv_lens,
+    block_tables)``."""
+    nb = ctx // BS
+    kk, kv_, kq = jax.random.split(jax.random.key(b * ctx), 3)
+    blocks = b * nb + 16
+    pool = pool_from_caches(jax.random.normal(kk, (blocks, BS, HKV, D), jnp.bfloat16),
+                            jax.random.normal(kv_, (blocks, BS, HKV, D), jnp.bfloat16))
+    table = jnp.asarray(np.random.default_rng(0).permutation(blocks)[:b * nb].reshape(b, nb).astype(np.int32))
+    q = jax.random.normal(kq, (b, HQ, D), jnp.bfloat16)
+    return q, pool, jnp.arange(b + 1, dtype=jnp.int32), jnp.full((b,), ctx, jnp.int32), table
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8,64")
@@ -63,16 +77,9 @@ def main(argv=None):
     summary = []
     for b in (int(x) for x in args.batches.split(",")):
         for ctx in (int(x) for x in args.ctxs.split(",")):
-            nb = ctx // BS
             kv_bytes = b * ctx * HKV * D * 2 * 2
-            kk, kv_, kq = jax.random.split(jax.random.key(b * ctx), 3)
-            blocks = b * nb + 16
-            pool = pool_from_caches(jax.random.normal(kk, (blocks, BS, HKV, D), jnp.bfloat16),
-                                    jax.random.normal(kv_, (blocks, BS, HKV, D), jnp.bfloat16))
-            table = jnp.asarray(np.random.default_rng(0).permutation(blocks)[:b * nb].reshape(b, nb).astype(np.int32))
-            q = jax.random.normal(kq, (b, HQ, D), jnp.bfloat16)
-            cu = jnp.arange(b + 1, dtype=jnp.int32)
-            kl = jnp.full((b,), ctx, jnp.int32)
+            kk = jax.random.split(jax.random.key(b * ctx), 3)[0]
+            q, pool, cu, kl, table = decode_batch(b, ctx)
             flat = jax.random.normal(kk, (kv_bytes // 2,), jnp.bfloat16)  # XLA's read of the same bytes
             read = jax.jit(lambda acc, x: acc + jnp.sum(x, dtype=jnp.float32))
             tot, _, _ = traced(lambda acc: read(acc, flat), jnp.float32(0), N)

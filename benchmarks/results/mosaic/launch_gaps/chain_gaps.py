@@ -18,16 +18,14 @@ import tempfile
 import time
 import warnings
 
-sys.path[:0] = ["benchmarks", "tools"]
+sys.path[:0] = ["benchmarks", "tools", "benchmarks/results/mosaic"]
 warnings.filterwarnings("ignore")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from bench_attention import hbm_read_ceiling, timed  # noqa: E402
+from decode_profile import decode_batch  # noqa: E402
 from profile_step import copy_kind, find_trace_file, load_trace, normalise_kernel_name  # noqa: E402
 
-from jaxpaged.kernels.kv_write import pool_from_caches  # noqa: E402
 from jaxpaged.kernels.paged_attention import paged_attention  # noqa: E402
 from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu  # noqa: E402
 
@@ -79,16 +77,8 @@ def main(argv=None):
     rows = []
     for shape in args.shapes.split(","):
         b, ctx = (int(v) for v in shape.split("x"))
-        nb = ctx // BS
         kv_bytes = b * ctx * HKV * D * 2 * 2
-        kk, kv_, kq = jax.random.split(jax.random.key(b * ctx), 3)
-        blocks = b * nb + 16
-        pool = pool_from_caches(jax.random.normal(kk, (blocks, BS, HKV, D), jnp.bfloat16),
-                                jax.random.normal(kv_, (blocks, BS, HKV, D), jnp.bfloat16))
-        table = jnp.asarray(np.random.default_rng(0).permutation(blocks)[:b * nb].reshape(b, nb).astype(np.int32))
-        q = jax.random.normal(kq, (b, HQ, D), jnp.bfloat16)
-        cu = jnp.arange(b + 1, dtype=jnp.int32)
-        kl = jnp.full((b,), ctx, jnp.int32)
+        q, pool, cu, kl, table = decode_batch(b, ctx)  # (decode_profile.py's batch)
         for name, fn in (("mosaic", paged_attention_mgpu), ("triton", paged_attention)):
             def chain(q, pool, cu, kl, tb, fn=fn):
                 for _ in range(CHAIN):
