@@ -1,0 +1,114 @@
+"""Programmatic dependent launch (PDL) for the Mosaic attention kernels: each kernel body started by
+``plgpu.griddepcontrol_wait()`` (Mosaic GPU then marks the kernel ``uses_pdl`` and XLA launches it so
+that it may start, and set up its barriers, while the kernel before it finishes) against the kernels
+as they are, and Triton's (whose launches XLA already makes PDL launches on Hopper:
+``xla_gpu_enable_pdl``). The variant is a shim: ``plgpu.kernel`` of the three kernel modules wraps
+each body while that variant traces, so the kernels' code is unchanged.
+
+Decode, one token a sequence, 8 launches a jit, each output the next launch's queries: the chained
+wall time (``bench_attention.time_calls``, the variants in turn over two rounds, alternating order)
+and, from a trace of 10 jits, the GPU span of a jit per launch and the median idle gap before each
+attention kernel (``launch_gaps/chain_gaps.py``'s parsing). Run from the repository root:
+
+    python3 benchmarks/results/mosaic/pdl/pdl_ab.py [--shapes 1x64,1x1024,8x1024,64x64,64x1024,256x64]
+"""
+import argparse
+import statistics
+import sys
+import warnings
+
+sys.path[:0] = ["benchmarks", "tools", "benchmarks/results/mosaic", "benchmarks/results/mosaic/launch_gaps"]
+warnings.filterwarnings("ignore")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from bench_attention import chained, time_calls  # noqa: E402
+from chain_gaps import jit_spans, trace_jits  # noqa: E402
+from decode_profile import decode_batch  # noqa: E402
+from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
+
+from jaxpaged.kernels import paged_attention_mgpu as mgpu  # noqa: E402
+from jaxpaged.kernels import paged_attention_mgpu_decode as mgpu_decode  # noqa: E402
+from jaxpaged.kernels import paged_attention_mgpu_prefill as mgpu_prefill  # noqa: E402
+from jaxpaged.kernels.paged_attention import paged_attention as triton  # noqa: E402
+
+MODULES = (mgpu, mgpu_decode, mgpu_prefill)
+CHAIN = 8
+
+
+class WithPdl:
+    """``plgpu`` whose ``kernel`` starts every body with ``griddepcontrol_wait``."""
+
+    def __getattr__(self, name):
+        return getattr(plgpu, name)
+
+    @staticmethod
+    def kernel(body, **kw):
+        def waits_first(*args, **kwargs):
+            plgpu.griddepcontrol_wait()
+            return body(*args, **kwargs)
+
+        return plgpu.kernel(waits_first, **kw)
+
+
+def clear_traces():
+    for f in (mgpu._paged_attention_mgpu, mgpu_decode.paged_decode_fp8_mgpu, mgpu_prefill.paged_prefill_mgpu):
+        f.clear_cache()
+
+
+def with_pdl(*a):
+    saved = [m.plgpu for m in MODULES]
+    clear_traces()
+    for m in MODULES:
+        m.plgpu = WithPdl()
+    try:
+        return mgpu.paged_attention_mgpu(*a)
+    finally:
+        for m, p in zip(MODULES, saved):
+            m.plgpu = p
+        clear_traces()
+
+
+VARIANTS = {"mosaic": lambda *a: mgpu.paged_attention_mgpu(*a), "mosaic_pdl": with_pdl, "triton": lambda *a: triton(*a)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="1x64,1x1024,8x1024,64x64,64x1024,256x64")
+    ap.add_argument("--reps", type=int, default=9)
+    args = ap.parse_args(argv)
+    rows = []
+    for shape in args.shapes.split(","):
+        b, ctx = (int(v) for v in shape.split("x"))
+        q, pool, cu, kl, table = decode_batch(b, ctx)
+        consts = (pool, cu, kl)
+        compiled, outs = {}, {}
+        for name, fn in VARIANTS.items():
+            f = lambda qq, cs, tb, fn=fn: fn(qq, cs[0], 0, cs[1], cs[2], tb)
+            outs[name] = np.asarray(jax.jit(f)(q, consts, table), np.float32)
+            compiled[name] = jax.jit(chained(f, CHAIN))
+            jax.block_until_ready(compiled[name](q, consts, table))
+        walls = {name: [] for name in compiled}
+        for r in range(2):
+            for name in (list(compiled) if r == 0 else list(compiled)[::-1]):
+                walls[name].append(time_calls(compiled[name], (q, consts, table), args.reps) / CHAIN * 1e6)
+        row = {}
+        for name, fn in compiled.items():
+            gpu, _ = trace_jits(fn, (q, consts, table), 10)
+            spans = jit_spans(gpu)
+            span = statistics.median((max(e["ts"] + e["dur"] for e in s) - s[0]["ts"]) / CHAIN for s in spans)
+            row[name] = (float(np.mean(walls[name])), span)
+        same = bool(np.array_equal(outs["mosaic"], outs["mosaic_pdl"]))
+        rows.append((shape, row, same))
+        print(shape, {k: f"wall {w:.1f} ({walls[k][0]:.1f}/{walls[k][1]:.1f}) span {s:.1f}" for k, (w, s) in row.items()},
+              "bitwise", same, flush=True)
+        del pool
+    print("\n| decode B x ctx | Mosaic wall / span | with PDL wall / span | Triton wall / span | PDL / without (span) | bitwise |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for shape, r, same in rows:
+        print(f"| {shape} | {r['mosaic'][0]:.1f} / {r['mosaic'][1]:.1f} | {r['mosaic_pdl'][0]:.1f} / {r['mosaic_pdl'][1]:.1f} | "
+              f"{r['triton'][0]:.1f} / {r['triton'][1]:.1f} | {r['mosaic_pdl'][1] / r['mosaic'][1]:.2f} | {same} |")
+
+
+if __name__ == "__main__":
+    main()
