@@ -223,8 +223,10 @@ def main(argv: list[str] | None = None) -> dict:
     if several:
         result["backends"] = names
         result["greedy_agreement"] = {names[backends.index(n)]: sum(v) / len(v) for n, v in agreement.items()}
-    with open(os.path.join(args.out, "latency.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    with open(os.path.join(args.out, "latency.json"), "w") as f:  # (runs without the per-token lists: megabytes)
+        saved = [dict(r, raw=[{k: v for k, v in run.items() if k not in ("token_ids", "itl", "tpot")} for run in r["raw"]])
+                 for r in rows]
+        json.dump(dict(result, rows=saved), f, indent=1)
 
     f2 = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     in_turn = " (in turn, on the same prompts)" if several else ""
