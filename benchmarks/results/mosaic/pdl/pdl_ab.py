@@ -13,6 +13,7 @@ attention kernel (``launch_gaps/chain_gaps.py``'s parsing). Run from the reposit
     python3 benchmarks/results/mosaic/pdl/pdl_ab.py [--shapes 1x64,1x1024,8x1024,64x64,64x1024,256x64]
 """
 import argparse
+import contextlib
 import statistics
 import sys
 import warnings
@@ -37,13 +38,17 @@ CHAIN = 8
 
 
 class WithPdl:
-    """``plgpu`` whose ``kernel`` starts every body with ``griddepcontrol_wait``."""
+    """``plgpu`` whose ``kernel`` starts every body with ``griddepcontrol_wait`` (on the GPU; the
+    interpreter has no rule for it)."""
 
     def __getattr__(self, name):
         return getattr(plgpu, name)
 
     @staticmethod
     def kernel(body, **kw):
+        if kw.get("interpret") is not None:
+            return plgpu.kernel(body, **kw)
+
         def waits_first(*args, **kwargs):
             plgpu.griddepcontrol_wait()
             return body(*args, **kwargs)
@@ -52,21 +57,29 @@ class WithPdl:
 
 
 def clear_traces():
+    """Forgets the kernels' jitted wrappers' traces, so each variant traces its own kernels."""
     for f in (mgpu._paged_attention_mgpu, mgpu_decode.paged_decode_fp8_mgpu, mgpu_prefill.paged_prefill_mgpu):
         f.clear_cache()
 
 
-def with_pdl(*a):
+@contextlib.contextmanager
+def pdl_kernels():
+    """Everything traced inside gets the Mosaic kernels as PDL launches."""
     saved = [m.plgpu for m in MODULES]
     clear_traces()
     for m in MODULES:
         m.plgpu = WithPdl()
     try:
-        return mgpu.paged_attention_mgpu(*a)
+        yield
     finally:
         for m, p in zip(MODULES, saved):
             m.plgpu = p
         clear_traces()
+
+
+def with_pdl(*a):
+    with pdl_kernels():
+        return mgpu.paged_attention_mgpu(*a)
 
 
 VARIANTS = {"mosaic": lambda *a: mgpu.paged_attention_mgpu(*a), "mosaic_pdl": with_pdl, "triton": lambda *a: triton(*a)}
