@@ -32,6 +32,7 @@ from jaxpaged.kernels import paged_attention_mgpu as mgpu  # noqa: E402
 from jaxpaged.kernels import paged_attention_mgpu_decode as mgpu_decode  # noqa: E402
 from jaxpaged.kernels import paged_attention_mgpu_prefill as mgpu_prefill  # noqa: E402
 from jaxpaged.kernels.paged_attention import paged_attention as triton  # noqa: E402
+from jaxpaged.models import paged_forward, qwen  # noqa: E402
 
 MODULES = (mgpu, mgpu_decode, mgpu_prefill)
 CHAIN = 8
@@ -57,8 +58,10 @@ class WithPdl:
 
 
 def clear_traces():
-    """Forgets the kernels' jitted wrappers' traces, so each variant traces its own kernels."""
-    for f in (mgpu._paged_attention_mgpu, mgpu_decode.paged_decode_fp8_mgpu, mgpu_prefill.paged_prefill_mgpu):
+    """Forgets the traces of the kernels' jitted wrappers and of the model's jitted layer (which holds
+    them, and which engines of one backend share), so each variant traces its own kernels."""
+    for f in (mgpu._paged_attention_mgpu, mgpu_decode.paged_decode_fp8_mgpu, mgpu_prefill.paged_prefill_mgpu,
+              qwen.decoder_layer, paged_forward._forward):
         f.clear_cache()
 
 
