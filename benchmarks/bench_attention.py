@@ -88,15 +88,17 @@ def chain_time(call, q, consts, tables, reps, chain):
 
 
 def time_variants(fns: dict, q, pool, cu_q_lens, kv_lens, table, reps: int = 5, chain: int = 8, where: str = "",
-                  rounds: int = 1, each_round: dict | None = None):
+                  rounds: int = 1, each_round: dict | None = None, compiled: dict | None = None):
     """Each ``fns[name](q, pool, layer, cu_q_lens, kv_lens, table)`` over one batch: its output (fp32 numpy)
     and its chained time (:func:`chained`, us). Each variant is compiled once, then timed ``rounds``
     times, the variants in turn, every other round in reverse order (so drift on the machine does not
     favour the one timed first); the time is the mean over the rounds, and ``each_round[name]`` (when
-    given) gets the list of them. A variant that fails is reported (``where`` names the case) and left
-    out. Returns ``(times_us, outputs)``, dicts by name."""
+    given) gets the list of them, ``compiled[name]`` the chained jit, called as ``(q, (pool, cu_q_lens,
+    kv_lens), table)`` (to trace it, say). A variant that fails is reported (``where`` names the case)
+    and left out. Returns ``(times_us, outputs)``, dicts by name."""
     consts = (pool, cu_q_lens, kv_lens)
-    compiled, outs = {}, {}
+    compiled = {} if compiled is None else compiled
+    outs = {}
     for name, fn in fns.items():
         f = lambda qq, cs, tb, fn=fn: fn(qq, cs[0], 0, cs[1], cs[2], tb)
         try:

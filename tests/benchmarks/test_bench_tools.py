@@ -274,10 +274,11 @@ def test_time_variants_rounds(capsys):
     q, pool, cu, kl, table = mod.random_paged_batch([1, 3], [15, 40], 4, 2, 64, 16, 8)
     fns = {"reference": paged_attention_reference, "again": lambda *a: paged_attention_reference(*a),
            "broken": broken}
-    each: dict = {}
+    each, compiled = {}, {}
     times, outs = mod.time_variants(fns, q, pool, cu, kl, table, reps=1, chain=2, where="tiny", rounds=3,
-                                    each_round=each)
-    assert set(times) == set(outs) == set(each) == {"reference", "again"}
+                                    each_round=each, compiled=compiled)
+    assert set(times) == set(outs) == set(each) == set(compiled) == {"reference", "again"}
+    assert compiled["again"](q, (pool, cu, kl), table).shape == q.shape  # the chained jit, for a trace
     assert all(len(v) == 3 and all(t > 0 for t in v) for v in each.values())
     assert times["again"] == pytest.approx(sum(each["again"]) / 3)
     assert outs["reference"].shape == (8, 4, 64) and (outs["reference"] == outs["again"]).all()

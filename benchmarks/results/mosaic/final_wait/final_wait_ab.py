@@ -15,27 +15,23 @@ Run from the repository root: python3 benchmarks/results/mosaic/final_wait/final
 import sys
 import warnings
 
-sys.path[:0] = ["benchmarks"]
+sys.path[:0] = ["benchmarks", "benchmarks/results/mosaic"]
 warnings.filterwarnings("ignore")
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_attention import random_paged_batch, time_variants  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
+from kernel_shims import PlgpuShim, patched_plgpu  # noqa: E402
+
 from jaxpaged.kernels import paged_attention_mgpu as mgpu  # noqa: E402
-from jaxpaged.kernels import paged_attention_mgpu_decode as mgpu_decode  # noqa: E402
-from jaxpaged.kernels import paged_attention_mgpu_prefill as mgpu_prefill  # noqa: E402
 from jaxpaged.kernels.paged_attention import paged_attention as triton  # noqa: E402
 
 HQ, HKV, D = 16, 8, 128
-MODULES = (mgpu, mgpu_decode, mgpu_prefill)
 
 
-class FullWait:
+class FullWait(PlgpuShim):
     """``plgpu`` with every ``wait_smem_to_gmem`` a wait for the writes too."""
-
-    def __getattr__(self, name):
-        return getattr(plgpu, name)
 
     @staticmethod
     def wait_smem_to_gmem(n, wait_read_only=False):
@@ -43,23 +39,9 @@ class FullWait:
 
 
 def full_wait(*a, **kw):
-    """The kernel as before: traced with the shim in place of ``plgpu``."""
-    saved = [m.plgpu for m in MODULES]
-    clear_traces()
-    for m in MODULES:
-        m.plgpu = FullWait()
-    try:
+    """The kernels as before: traced with the shim in place of ``plgpu``."""
+    with patched_plgpu(FullWait()):
         return mgpu.paged_attention_mgpu(*a, **kw)
-    finally:
-        for m, p in zip(MODULES, saved):
-            m.plgpu = p
-        clear_traces()
-
-
-def clear_traces():
-    """Forgets the kernels' jitted wrappers' traces, so each variant traces its own kernel."""
-    for f in (mgpu._paged_attention_mgpu, mgpu_decode.paged_decode_fp8_mgpu, mgpu_prefill.paged_prefill_mgpu):
-        f.clear_cache()
 
 
 VARIANTS = {"full_wait": full_wait, "read_only_wait": lambda *a: mgpu.paged_attention_mgpu(*a),

@@ -6,14 +6,13 @@ as they are, and Triton's (whose launches XLA already makes PDL launches on Hopp
 each body while that variant traces, so the kernels' code is unchanged.
 
 Decode, one token a sequence, 8 launches a jit, each output the next launch's queries: the chained
-wall time (``bench_attention.time_calls``, the variants in turn over two rounds, alternating order)
-and, from a trace of 10 jits, the GPU span of a jit per launch and the median idle gap before each
-attention kernel (``launch_gaps/chain_gaps.py``'s parsing). Run from the repository root:
+wall time (``bench_attention.time_variants``: each compiled once, two rounds in alternating order)
+and, from a trace of 10 jits, the GPU span of a jit per launch (``launch_gaps/chain_gaps.py``'s
+parsing). Run from the repository root:
 
     python3 benchmarks/results/mosaic/pdl/pdl_ab.py [--shapes 1x64,1x1024,8x1024,64x64,64x1024,256x64]
 """
 import argparse
-import contextlib
 import statistics
 import sys
 import warnings
@@ -21,29 +20,22 @@ import warnings
 sys.path[:0] = ["benchmarks", "tools", "benchmarks/results/mosaic", "benchmarks/results/mosaic/launch_gaps"]
 warnings.filterwarnings("ignore")
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_attention import chained, time_calls  # noqa: E402
+from bench_attention import time_variants  # noqa: E402
 from chain_gaps import jit_spans, trace_jits  # noqa: E402
 from decode_profile import decode_batch  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
+from kernel_shims import PlgpuShim, patched_plgpu  # noqa: E402
 
 from jaxpaged.kernels import paged_attention_mgpu as mgpu  # noqa: E402
-from jaxpaged.kernels import paged_attention_mgpu_decode as mgpu_decode  # noqa: E402
-from jaxpaged.kernels import paged_attention_mgpu_prefill as mgpu_prefill  # noqa: E402
 from jaxpaged.kernels.paged_attention import paged_attention as triton  # noqa: E402
-from jaxpaged.models import paged_forward, qwen  # noqa: E402
 
-MODULES = (mgpu, mgpu_decode, mgpu_prefill)
 CHAIN = 8
 
 
-class WithPdl:
+class WithPdl(PlgpuShim):
     """``plgpu`` whose ``kernel`` starts every body with ``griddepcontrol_wait`` (on the GPU; the
     interpreter has no rule for it)."""
-
-    def __getattr__(self, name):
-        return getattr(plgpu, name)
 
     @staticmethod
     def kernel(body, **kw):
@@ -57,27 +49,9 @@ class WithPdl:
         return plgpu.kernel(waits_first, **kw)
 
 
-def clear_traces():
-    """Forgets the traces of the kernels' jitted wrappers and of the model's jitted layer (which holds
-    them, and which engines of one backend share), so each variant traces its own kernels."""
-    for f in (mgpu._paged_attention_mgpu, mgpu_decode.paged_decode_fp8_mgpu, mgpu_prefill.paged_prefill_mgpu,
-              qwen.decoder_layer, paged_forward._forward):
-        f.clear_cache()
-
-
-@contextlib.contextmanager
 def pdl_kernels():
     """Everything traced inside gets the Mosaic kernels as PDL launches."""
-    saved = [m.plgpu for m in MODULES]
-    clear_traces()
-    for m in MODULES:
-        m.plgpu = WithPdl()
-    try:
-        yield
-    finally:
-        for m, p in zip(MODULES, saved):
-            m.plgpu = p
-        clear_traces()
+    return patched_plgpu(WithPdl())
 
 
 def with_pdl(*a):
@@ -97,23 +71,15 @@ def main(argv=None):
     for shape in args.shapes.split(","):
         b, ctx = (int(v) for v in shape.split("x"))
         q, pool, cu, kl, table = decode_batch(b, ctx)
-        consts = (pool, cu, kl)
-        compiled, outs = {}, {}
-        for name, fn in VARIANTS.items():
-            f = lambda qq, cs, tb, fn=fn: fn(qq, cs[0], 0, cs[1], cs[2], tb)
-            outs[name] = np.asarray(jax.jit(f)(q, consts, table), np.float32)
-            compiled[name] = jax.jit(chained(f, CHAIN))
-            jax.block_until_ready(compiled[name](q, consts, table))
-        walls = {name: [] for name in compiled}
-        for r in range(2):
-            for name in (list(compiled) if r == 0 else list(compiled)[::-1]):
-                walls[name].append(time_calls(compiled[name], (q, consts, table), args.reps) / CHAIN * 1e6)
+        walls, compiled = {}, {}
+        means, outs = time_variants(VARIANTS, q, pool, cu, kl, table, reps=args.reps, chain=CHAIN, where=shape,
+                                    rounds=2, each_round=walls, compiled=compiled)
         row = {}
         for name, fn in compiled.items():
-            gpu, _ = trace_jits(fn, (q, consts, table), 10)
+            gpu, _ = trace_jits(fn, (q, (pool, cu, kl), table), 10)
             spans = jit_spans(gpu)
             span = statistics.median((max(e["ts"] + e["dur"] for e in s) - s[0]["ts"]) / CHAIN for s in spans)
-            row[name] = (float(np.mean(walls[name])), span)
+            row[name] = (means[name], span)
         same = bool(np.array_equal(outs["mosaic"], outs["mosaic_pdl"]))
         rows.append((shape, row, same))
         print(shape, {k: f"wall {w:.1f} ({walls[k][0]:.1f}/{walls[k][1]:.1f}) span {s:.1f}" for k, (w, s) in row.items()},
