@@ -332,8 +332,7 @@ def f16_queries(q32, scale_log2: float):
 def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref=None, *, q_bar, k_bar, v_bar,
                       q_plain, k_smem=None, v_smem=None, kv_then_out=None, q_smem=None, p_smem=None,
                       fp8_union=None, q16_smem=None, scale_log2: float, group: int, block_kv: int,
-                      block_size: int, num_slots: int, num_splits: int, max_tokens: int,
-                      by_sequence: bool = False):
+                      block_size: int, num_slots: int, num_splits: int, by_sequence: bool = False):
     """One program: KV head ``h = axis_index("kv_head")``, query tile ``axis_index("tile")`` and, with
     ``num_splits > 1``, split ``axis_index("split")`` of its KV tiles (:func:`split_range`).
 
@@ -342,16 +341,16 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
     Hkv, D]``; outputs ``o_ref [T, Hq, D]``, or with splits ``o_ref f32[P, T, Hq, D]`` (each split's
     normalised partial) and ``lse_ref f32[P, T, Hq, LSE_LANES]`` (its log-sum-exp, base 2, in each
     lane). Token ``j < ntok`` of the tile comes by its own TMA copy (heads ``[h G, (h + 1) G)``) into
-    rows ``[j G, (j + 1) G)``, on barrier ``q_bar[j]``; its outputs leave a token at a time;
-    ``max_tokens`` bounds a tile's tokens. With ``by_sequence`` (:func:`one_token_rows`), ``meta_ref
-    i32[S, 4]`` (:func:`one_token_layout`) and ``max_tokens`` 1: tile ``i`` reads the queries of token
+    rows ``[j G, (j + 1) G)``, on barrier ``q_bar[j]`` (one a token of the largest tile); its outputs
+    leave a token at a time. With ``by_sequence`` (:func:`one_token_rows`), ``meta_ref
+    i32[S, 4]`` (:func:`one_token_layout`) and tiles of one token: tile ``i`` reads the queries of token
     ``meta_ref[i, 3]`` and writes row ``i`` of outputs ``[S, Hq, D]``.
     A tile without a sequence but with tokens (padding tokens; by sequence, the sequences of several
     new tokens) writes zeros there (with splits nothing: the merge masks it).
 
     Shared memory (keyword refs): ``q_plain [64, D]`` unswizzled (a swizzled tile takes TMA copies
     only at rows that are multiples of 8): the queries land there, wgmma reads them from registers, and
-    the output leaves from there; ``k_smem/v_smem [slots, block_kv, D]``; barriers ``q_bar[max_tokens]``,
+    the output leaves from there; ``k_smem/v_smem [slots, block_kv, D]``; barriers ``q_bar[tokens]``,
     ``k_bar[slots]``, ``v_bar[slots]``. With splits ``kv_then_out`` (or the third part of
     ``fp8_union``): the slots, then ``o32_smem f32[64, D]`` and ``lse_smem f32[64, LSE_LANES]`` in the
     same memory. In the interpreter (its wgmma reads shared memory only) ``q_smem [64, D]`` and
@@ -420,16 +419,18 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
             plgpu.copy_gmem_to_smem(q_ref.at[tok0 + j, heads], q_plain.at[pl.ds(j * group, group)], q_bar.at[j])
 
         # Rows past the tile's tokens stay stale: each row's softmax is its own, and only its rows are stored.
+        # The tile's other tokens by loops to ntok: unrolled to the largest tile under conditions (31
+        # twice at G = 2), a decode tile of one token paid for them all (0.88x the time with the loops
+        # at batch 256, context 64; 0.86-0.89x at batch 1 and 32-128-token prompts; H100,
+        # benchmarks/RESULTS.md).
         copy_token(0)
-        for j in range(1, max_tokens):
-            pl.when(j < ntok)(functools.partial(copy_token, j))
+        pl.loop(1, ntok)(copy_token)
         fetch(lo, 0)  # the range is not empty; tile lo + i goes to slot i
         for i in range(1, num_slots):
             pl.when(lo + i < hi)(functools.partial(fetch, lo + i, i))
 
         plgpu.barrier_wait(q_bar.at[0])
-        for j in range(1, max_tokens):
-            pl.when(j < ntok)(functools.partial(plgpu.barrier_wait, q_bar.at[j]))
+        pl.loop(1, ntok)(lambda j: plgpu.barrier_wait(q_bar.at[j]))
         q_op = plgpu.load(q_plain, layout=plgpu.Layout.WGMMA)  # wgmma's A operand from registers
         q_unscale = scale_log2  # what multiplies Q K^T: the softmax scale (base 2), over fp8 each row's own
         if fp8:  # Q in f16, each row times the power of two that brings its largest element near 2^14
@@ -779,7 +780,7 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
     kernel = plgpu.kernel(
         functools.partial(_attention_kernel, scale_log2=scale * LOG2E, group=group, block_kv=block_kv,
                           block_size=block_size, num_slots=num_slots, num_splits=num_splits,
-                          max_tokens=max_tokens, by_sequence=by_sequence),
+                          by_sequence=by_sequence),
         out_type=out_type,
         scratch_types=scratch,
         grid=(num_kv_heads, meta.shape[0]) + ((num_splits,) if num_splits > 1 else ()),
