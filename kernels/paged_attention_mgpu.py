@@ -93,6 +93,10 @@ that largest scale multiplies the row of ``P V``. The Triton kernel's f16 path d
 arithmetic. The slots are copied untiled with the TMA's swizzle only: a tiled copy needs the pool's
 row axis (``bs + 1`` rows, the scale row included) to be a multiple of 8.
 
+In a profile the kernels are ``<name>_mosaic_gpu_kernel``: ``paged_attention_tiles`` (this module's
+query tiles: decode and short launches), ``one_token_rows`` (the decode rows of a prefill launch),
+``paged_prefill`` (the warp-specialised kernel) and ``paged_decode_fp8``.
+
 Interpret mode (``interpret=True``) runs Mosaic GPU's CPU interpreter
 (``plgpu.InterpretGPUParams``), which simulates shared memory, TMA copies, barriers and wgmma
 (uninitialised shared memory reads as NaN, out-of-bounds reads raise, barrier phases are checked,
@@ -786,6 +790,7 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         grid=(num_kv_heads, meta.shape[0]) + ((num_splits,) if num_splits > 1 else ()),
         grid_names=("kv_head", "tile") + (("split",) if num_splits > 1 else ()),
         interpret=interpret,
+        kernel_name="one_token_rows" if by_sequence else "paged_attention_tiles",  # (profiles name it)
     )
     out = kernel(jnp.reshape(layer, (1,)), meta, block_tables, q, kv_pool)
     if num_splits == 1:

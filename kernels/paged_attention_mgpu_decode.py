@@ -273,6 +273,7 @@ def paged_decode_fp8_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         grid=(num_kv_heads, num_tokens) + ((num_splits,) if num_splits > 1 else ()),
         grid_names=("kv_head", "tile") + (("split",) if num_splits > 1 else ()),
         interpret=interpret,
+        kernel_name="paged_decode_fp8",  # (profiles name it)
     )
     out = kernel(jnp.reshape(layer, (1,)), meta, block_tables, q_in, kv_pool)
     if num_splits == 1:

@@ -617,6 +617,7 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),  # exp2 as ex2.approx.ftz: no denormal fix-up
         interpret=interpret,
+        kernel_name="paged_prefill",  # (profiles name it)
     )
     order = launch_order(meta, num_q_heads, interpret)
     out, side = kernel(jnp.reshape(layer, (1,)), order, meta, block_tables, q, kv_pool)

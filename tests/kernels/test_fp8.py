@@ -381,6 +381,8 @@ def test_mosaic_decode_shifts_e4m3_v_scales_by_a_constant_across_their_whole_ran
 
 
 def test_mosaic_kernel_over_fp8_lowers_for_hopper_and_refuses_what_it_cannot_read():
+    from test_paged_attention_mgpu import kernel_names
+
     from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu
 
     if jax.default_backend() != "cpu":
@@ -391,10 +393,12 @@ def test_mosaic_kernel_over_fp8_lowers_for_hopper_and_refuses_what_it_cannot_rea
     fn = jax.jit(lambda *a: paged_attention_mgpu(a[0], a[1], 2, *a[2:]))
     text = fn.trace(q, pool, i32(5), i32(4), i32(4, 20)).lower(lowering_platforms=("cuda",)).as_text()
     assert "wgmma.mma_async" in text and "cp.async.bulk.tensor" in text
+    assert kernel_names(text) == ["paged_decode_fp8"]
     # a prefill launch: the warp-specialised kernel over the fp8 pool
     text = fn.trace(q.update(shape=(256, 16, 128)), pool, i32(5), i32(4), i32(4, 20)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "wgmma.mma_async" in text and "cp.async.bulk.tensor" in text
+    assert kernel_names(text) == ["paged_prefill"]
     small = jnp.zeros(pool_shape(1, 4, 16, 1, 64, E4M3), E4M3)
     meta = (jnp.asarray([0, 1], jnp.int32), jnp.asarray([3], jnp.int32), jnp.zeros((1, 1), jnp.int32))
     with pytest.raises(ValueError, match="one block a KV tile"):

@@ -10,6 +10,8 @@ for sm_90a on the CPU; compiling and running on a GPU: ``benchmarks/check_attent
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -301,6 +303,14 @@ def test_lowers_for_hopper(bs, hq, hkv, d, kw):
     fn = jax.jit(lambda *a: paged_attention_mgpu(a[0], a[1], 2, *a[2:], **kw))
     text = fn.trace(q, pool, i32(5), i32(4), i32(4, 20)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "wgmma.mma_async" in text and "cp.async.bulk.tensor" in text
+    assert kernel_names(text) == ["paged_attention_tiles"]
+
+
+def kernel_names(lowered_text: str) -> list[str]:
+    """The Mosaic GPU kernels of a lowered jit, by the names a profile shows them under (each
+    ``<name>_mosaic_gpu_kernel``), in launch order (the serialised module's ``<name>_mosaic_gpu``
+    symbols; ``stable_mosaic_gpu`` is its dialect's version attribute)."""
+    return re.findall(r"\\00(?!stable_)(\w+)_mosaic_gpu\\00", lowered_text)
 
 
 @pytest.mark.parametrize("hq,hkv,launches", [(4, 2, 1), (14, 2, 2)])
@@ -317,6 +327,7 @@ def test_decode_tiles_launch_only_at_large_groups(hq, hkv, launches):
     fn = jax.jit(lambda *a: paged_attention_mgpu(a[0], a[1], 1, *a[2:]))
     text = fn.trace(q, pool, i32(5), i32(4), i32(4, 20)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("@mosaic_gpu_v2(") == launches
+    assert kernel_names(text) == ["paged_prefill", "one_token_rows"][:launches]
 
 
 def test_invalid_inputs_raise():
