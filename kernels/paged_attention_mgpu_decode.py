@@ -226,6 +226,19 @@ def _decode_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_re
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def query_rows(q: jax.Array, num_kv_heads: int) -> tuple[int, int, jax.Array]:
+    """A program's queries as wgmma's ``N`` columns: ``G``, ``R`` (``G`` rounded up to 8) and the
+    queries as rows ``[T Hq, D]``, padded to at least ``R`` rows (a program reads ``R`` rows from its
+    first, moved back near the end where needed)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    group = num_q_heads // num_kv_heads
+    rows = -(-group // 8) * 8
+    q_in = q.reshape(num_tokens * num_q_heads, head_dim)
+    if q_in.shape[0] < rows:
+        q_in = jnp.pad(q_in, ((0, rows - q_in.shape[0]), (0, 0)))
+    return group, rows, q_in
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_slots", "num_splits"))
 def paged_decode_fp8_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, scale: float, interpret,
                           num_slots: int, num_splits: int):
@@ -236,12 +249,8 @@ def paged_decode_fp8_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[4]
     block_size = block_size_of(kv_pool)
-    group = num_q_heads // num_kv_heads
-    rows = -(-group // 8) * 8
+    group, rows, q_in = query_rows(q, num_kv_heads)
     meta = token_layout(cu_q_lens, kv_lens, num_tokens)
-    q_in = q.reshape(num_tokens * num_q_heads, head_dim)
-    if q_in.shape[0] < rows:
-        q_in = jnp.pad(q_in, ((0, rows - q_in.shape[0]), (0, 0)))
     fp8 = kv_pool.dtype
     staged = lambda shape: plgpu.SMEM(shape, fp8, transforms=(plgpu.SwizzleTransform(shape[-1]),))  # noqa: E731
     k_copies, v_copies = fp8_block_copies(head_dim, block_size)

@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxpaged.kernels.kv_write import block_size_of
+from jaxpaged.kernels.paged_attention_mgpu_decode import query_rows
 from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, _MASKED, _interpret_params, _transforms, token_layout
 
 
@@ -156,12 +157,8 @@ def _decode(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, interpret, b
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[4]
     assert q.dtype == kv_pool.dtype == jnp.bfloat16 and block_kv % max(64, block_size_of(kv_pool)) == 0
-    group = num_q_heads // num_kv_heads
-    rows = -(-group // 8) * 8
+    group, rows, q_in = query_rows(q, num_kv_heads)
     meta = token_layout(cu_q_lens, kv_lens, num_tokens)
-    q_in = q.reshape(num_tokens * num_q_heads, head_dim)
-    if q_in.shape[0] < rows:
-        q_in = jnp.pad(q_in, ((0, rows - q_in.shape[0]), (0, 0)))
     dt = q.dtype
     scratch = dict(
         q_bar=plgpu.Barrier(num_arrivals=1),
