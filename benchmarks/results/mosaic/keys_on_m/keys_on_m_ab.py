@@ -16,7 +16,7 @@ from bench_attention import random_paged_batch, time_variants  # noqa: E402
 from decode_bf16 import paged_decode_bf16_mgpu  # noqa: E402
 
 from jaxpaged.kernels.paged_attention import paged_attention as triton  # noqa: E402
-from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu  # noqa: E402
+from jaxpaged.kernels.paged_attention_mgpu import choose_splits, kv_tile, paged_attention_mgpu  # noqa: E402
 
 VARIANTS = {"tiles": lambda *a: paged_attention_mgpu(*a), "keys_on_m": lambda *a: paged_decode_bf16_mgpu(*a),
             "triton": lambda *a: triton(*a)}
@@ -26,8 +26,9 @@ CASES = [  # (sequences, context, Hq, Hkv)
 ]
 rows = []
 for b, ctx, hq, hkv in CASES:
-    label = f"{b} x {ctx}, G {hq // hkv}"
     q, pool, cu, kl, table = random_paged_batch([1] * b, [ctx - 1] * b, hq, hkv, 128, 16, b)
+    splits = choose_splits(b, b, hkv, kv_tile(16), table.shape[1] * 16, True)  # the tiles' (keys on M: 1)
+    label = f"{b} x {ctx}, G {hq // hkv} (tiles' splits {splits})"
     each: dict = {}
     t, outs = time_variants(VARIANTS, q, pool, cu, kl, table, rounds=2, each_round=each, where=label)
     diff = float(np.max(np.abs(outs["keys_on_m"] - outs["tiles"]))) if "keys_on_m" in outs else float("nan")
