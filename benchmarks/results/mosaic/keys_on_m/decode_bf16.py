@@ -193,8 +193,9 @@ if __name__ == "__main__":  # on a CPU: the interpreter against the reference, t
                                             ([1, 1, 1], [5, 130, 300], 16, 28, 4, 128),
                                             ([1, 1], [64, 129], 64, 8, 8, 64),
                                             ([1, 1, 1], [1, 17, 100], 8, 4, 4, 64)]:
-        run_case(0, q_lens, kv_lens, bs, hq, hkv, d, jnp.bfloat16, kernel=paged_decode_bf16_mgpu)
-        print("matches the reference:", q_lens, kv_lens, f"bs{bs} hq{hq} hkv{hkv} d{d}", flush=True)
+        for slots in (2, 1):
+            run_case(0, q_lens, kv_lens, bs, hq, hkv, d, jnp.bfloat16, kernel=paged_decode_bf16_mgpu, num_slots=slots)
+            print("matches the reference:", q_lens, kv_lens, f"bs{bs} hq{hq} hkv{hkv} d{d} slots {slots}", flush=True)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     fn = jax.jit(lambda *a: paged_decode_bf16_mgpu(a[0], a[1], 2, *a[2:]))
     text = fn.trace(jax.ShapeDtypeStruct((4, 16, 128), jnp.bfloat16),
