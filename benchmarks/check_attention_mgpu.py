@@ -61,23 +61,25 @@ def failure(where: str, e: BaseException) -> str:
     return msg
 
 
-def kernels(interpret: bool, sweep: bool = False):
-    """name -> callable(q, pool, layer, cu, kv_lens, tables); ``sweep`` adds Mosaic tuning variants."""
+def kernels(interpret: bool, sweep: bool = False, uniform_decode: bool = False):
+    """name -> callable(q, pool, layer, cu, kv_lens, tables); ``sweep`` adds Mosaic tuning variants;
+    ``uniform_decode``: a launch of at most one token a sequence, told to Mosaic as an engine tells it."""
     fns = {
-        "mosaic": lambda *a: paged_attention_mgpu(*a, interpret=interpret),
+        "mosaic": lambda *a: paged_attention_mgpu(*a, interpret=interpret, uniform_decode=uniform_decode),
         "triton": lambda *a: paged_attention(*a, interpret=interpret),
     }
     if sweep:
         for kw in (dict(num_slots=3), dict(num_slots=4), dict(block_kv=128), dict(block_kv=128, num_slots=3)):
             name = "mosaic_" + ",".join(f"{k}={v}" for k, v in kw.items())
-            fns[name] = lambda *a, kw=kw: paged_attention_mgpu(*a, interpret=interpret, **kw)
+            fns[name] = lambda *a, kw=kw: paged_attention_mgpu(*a, interpret=interpret, uniform_decode=uniform_decode,
+                                                               **kw)
     return fns
 
 
-def compare(name: str, args, interpret: bool, dtype_name: str):
+def compare(name: str, args, interpret: bool, dtype_name: str, uniform_decode: bool = False):
     ref = np.asarray(reference_hi(*args), np.float32)
     rec, outs = dict(case=name, dtype=dtype_name), {}
-    for kname, fn in kernels(interpret).items():
+    for kname, fn in kernels(interpret, uniform_decode=uniform_decode).items():
         try:
             t0 = time.perf_counter()
             out = np.asarray(jax.block_until_ready(fn(*args)), np.float32)
@@ -138,7 +140,7 @@ def correctness(rng, tiny: bool, interpret: bool):
                 args = (q.astype(jnp.bfloat16), jax.jit(quantize_pool, static_argnums=1)(pool, dtype), *meta)
             else:
                 args = make_case(rng, q_lens, kv_lens, bs, hq, hkv, d, dtype, num_blocks=num_blocks)
-            compare(name, args, interpret, jnp.dtype(dtype).name)
+            compare(name, args, interpret, jnp.dtype(dtype).name, uniform_decode=max(q_lens) <= 1)
         except Exception as e:  # noqa: BLE001
             failure(f"case {name}", e)
     if not tiny:
@@ -187,7 +189,7 @@ def decode_timing(args, ceiling: float, interpret: bool):
         kv_lens = jnp.full((b,), ctx, jnp.int32)
         ref = reference_hi(q, pool, 0, cu, kv_lens, tables[0])
         row = dict(batch=b, ctx=ctx, block_size=bs, hq=hq, hkv=hkv, d=d, kv_MB=kv_bytes / 1e6, rotations=rot)
-        for name, fn in kernels(interpret, sweep=not args.tiny and not args.no_sweep).items():
+        for name, fn in kernels(interpret, sweep=not args.tiny and not args.no_sweep, uniform_decode=True).items():
             try:
                 t0 = time.perf_counter()
                 out = jax.block_until_ready(fn(q, pool, 0, cu, kv_lens, tables[0]))
@@ -223,7 +225,7 @@ def decode_sweep(args, ceiling: float, interpret: bool):
     pool_blocks = need + 1024
     pool = jax.random.normal(jax.random.key(7), (1, pool_blocks, bs, 2, hkv, d), jnp.bfloat16)
     log(f"decode sweep pool {pool.nbytes / 2**30:.1f} GiB")
-    fns = kernels(interpret)
+    fns = kernels(interpret, uniform_decode=True)
     for b in batches:
         for ctx in ctxs:
             if (b, ctx) not in fits:

@@ -635,6 +635,7 @@ def paged_attention_mgpu(
     block_q: int | None = None,
     decode: bool | None = None,
     num_splits: int | None = None,
+    uniform_decode: bool = False,
 ) -> jax.Array:
     """Ragged paged attention (decode, prefill, prefill with a cached prefix) with Mosaic GPU.
 
@@ -660,9 +661,18 @@ def paged_attention_mgpu(
         tokens (32 / 128 new tokens), 0.42x at ``G`` = 7, and 0.95-1.00x without (0.62 at ``G`` = 7);
         at 512 tokens 1.04x after the prefix and 1.47x without, so they stop at 128 (chained, H100,
         2026-12-06, benchmarks/RESULTS.md).
+      uniform_decode: the caller knows that no sequence has more than one new token (an engine's decode
+        step). Over bf16 such a launch runs ``paged_attention_mgpu_decode`` (keys on wgmma's M, a
+        program a token): 0.86-0.99x the query tiles' time at 1-256 sequences, contexts 64-1,024, and
+        in the engine (Qwen3-0.6B shapes) ITL 0.92x at batch 256 (H100, 2026-12-06,
+        benchmarks/RESULTS.md). Not inferred from shapes: an engine pads a short prompt's step to as
+        many sequences as tokens too, and there a program a token would read the prompt's cached
+        prefix once a token.
     Returns ``[T, Hq, D]`` in ``q.dtype``; zeros for padding tokens.
     Raises ValueError for what the kernel does not support (module docstring, "Scope").
     """
+    if uniform_decode:
+        decode = True
     if decode is None:
         small = q.shape[0] <= SMALL_LAUNCH_TOKENS and not is_fp8(kv_pool.dtype)  # (fp8: a token a program)
         decode = q.ndim == 3 and (q.shape[0] <= 2 * kv_lens.shape[0] or small)
@@ -689,19 +699,23 @@ def paged_attention_mgpu(
         return paged_prefill_mgpu(q, kv_pool, jnp.asarray(layer, jnp.int32), cu_q_lens, kv_lens, block_tables,
                                   scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
                                   interpret=_interpret_params(interpret), block_kv=block_kv, num_slots=num_slots)
-    fp8_decode = is_fp8(kv_pool.dtype) and (block_q == 1 or (block_q is None and decode))
+    # Keys on wgmma's M, a token a program (paged_attention_mgpu_decode): decode over fp8, and over bf16
+    # a uniform decode launch (a decode step: its shapes cannot tell it from a short prompt's, on which
+    # a program a token would read a cached prefix once a token).
+    keys_on_m = (is_fp8(kv_pool.dtype) and (block_q == 1 or (block_q is None and decode))) or (
+        block_q is None and uniform_decode and kv_pool.dtype == jnp.bfloat16)
     if block_q is None:
         block_q = min(BLOCK_M // (q.shape[1] // kv_pool.shape[4]), MAX_TILE_TOKENS)
     if num_splits is None:
         num_splits = choose_splits(q.shape[0], kv_lens.shape[0], kv_pool.shape[4], block_kv,
                                    block_tables.shape[1] * block_size_of(kv_pool), decode)
-    if fp8_decode:  # decode over fp8: keys on wgmma's M, a token a program (its module docstring)
-        from jaxpaged.kernels.paged_attention_mgpu_decode import paged_decode_fp8_mgpu
+    if keys_on_m:
+        from jaxpaged.kernels.paged_attention_mgpu_decode import paged_decode_mgpu
 
-        return paged_decode_fp8_mgpu(q, kv_pool, jnp.asarray(layer, jnp.int32), cu_q_lens, kv_lens, block_tables,
-                                     scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
-                                     interpret=_interpret_params(interpret), num_slots=num_slots,
-                                     num_splits=num_splits)
+        return paged_decode_mgpu(q, kv_pool, jnp.asarray(layer, jnp.int32), cu_q_lens, kv_lens, block_tables,
+                                 scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
+                                 interpret=_interpret_params(interpret), block_kv=block_kv, num_slots=num_slots,
+                                 num_splits=num_splits)
     return _paged_attention_mgpu(q, kv_pool, jnp.asarray(layer, jnp.int32), cu_q_lens, kv_lens, block_tables,
                                  scale=None if scale is None else float(scale),
                                  interpret=_interpret_params(interpret), block_kv=block_kv, num_slots=num_slots,

@@ -1,51 +1,63 @@
-"""Decode attention over fp8 pools on Mosaic GPU, keys on wgmma's M: ``S^T = K Q^T``, ``O^T += V^T P^T``.
+"""Decode attention on Mosaic GPU with keys on wgmma's M: ``S^T = K Q^T``, ``O^T += V^T P^T``, over bf16
+and fp8 pools.
 
 A decode step has ``G = Hq // Hkv`` query rows per KV head and token (2 at Qwen3-0.6B's shapes).
-:mod:`jaxpaged.kernels.paged_attention_mgpu` puts query rows on wgmma's M, which is 64 per warpgroup:
-both matmuls and the softmax between them compute 64 rows for ``G`` useful ones, and over an fp8 pool
-that work, not the halved reads, sets the time (measured: benchmarks/RESULTS.md, fp8 section). Here the
+:mod:`jaxpaged.kernels.paged_attention_mgpu`'s query tiles put query rows on wgmma's M, which is 64 per
+warpgroup: both matmuls and the softmax between them compute 64 rows for ``G`` useful ones. Here the
 products are transposed: the KV tile is the ``M`` operand (its 64 keys, or ``V^T``'s ``D`` rows) and the
 queries are wgmma's ``N = R`` (``G`` rounded up to 8), so a KV tile costs ``64 x R`` scores instead of
-``64 x 64``, and the fp8 tiles, converted to f16 in registers, feed wgmma from registers (the
-interpreter, whose wgmma reads shared memory only, goes through shared-memory tiles).
+``64 x 64`` and a program needs fewer registers. Over fp8 pools that arithmetic, not the halved reads,
+had set the query tiles' time (0.61x their time at batch 256, context 1,024, H200); over bf16 pools a
+decode launch took 0.86-0.99x their time, batch 1-256, contexts 64-1,024 (H100; benchmarks/RESULTS.md).
 
 One program: token ``t`` (grid axis ``tile``), KV head ``h`` and, with split-K, split ``p`` of its KV
-tiles (:func:`jaxpaged.kernels.paged_attention_mgpu.split_range`). A KV tile is one pool block of 64
-or 128 slots; its copies are those of the one-warpgroup kernel (keys, ``V^T`` in ``D / bs`` boxes, two
-scale rows). Per tile:
+tiles (:func:`jaxpaged.kernels.paged_attention_mgpu.split_range`). Its copies are the query tiles':
 
-  * ``S^T [bs, R] = K Q^T``: keys converted exactly to f16, queries scaled per row into f16's range
-    (each row's own power of two, undone on its score column, as the one-warpgroup kernel does);
-    the K scales multiply the score rows (one per key), keys at or past ``kv_end`` are ``-inf``;
+  * bf16: a KV tile is ``block_kv`` keys (64, or one pool block if larger), ``block_kv / bs`` pool
+    blocks, each one TMA copy of its keys and one of its values into a K and a V slot. ``K`` is wgmma's
+    A operand straight from shared memory, ``V^T`` the V slot read transposed;
+  * fp8: a KV tile is one pool block of 64 or 128 slots: its keys, its values' ``V^T`` in ``D / bs``
+    boxes and its two scale rows. Keys and ``V^T`` are converted exactly to f16 in registers and feed
+    wgmma from there (the interpreter, whose wgmma reads shared memory only, goes through shared-memory
+    tiles); the queries are scaled per row into f16's range (each row's own power of two, undone on its
+    score column, as the query tiles do); the K scales multiply the score rows (one per key).
+
+Per KV tile:
+
+  * ``S^T [block_kv, R] = K Q^T``; keys at or past ``kv_end`` are ``-inf``;
   * the online softmax runs down the columns (a column is a query row): running max and rescale; the
     running sum stays one partial sum per key row, added up over the keys once after the last tile
     (one cross-warp reduction a tile fewer);
-  * ``P^T``'s rows times their V scale and a constant power of two (:func:`v_shift`; over e5m2, over
-    the tile's largest V scale instead), rounded to f16, stored in a shared-memory tile that wgmma
-    reads as its ``N`` operand;
-  * ``O^T [D, R] += V^T P^T``, the power of two undone at the end; values at or past ``kv_end`` are
-    zeroed before (stale slots may hold NaN, and ``0 x NaN`` is NaN). ``V^T`` is read and converted
-    after ``S^T``'s wgmma completes: converted during it, both tiles' f16 registers are live at once;
-    every shared-memory read of a slot waits on that slot's barrier first (the V scales too: read
-    early, they were stale where many programs share the GPU, which the interpreter, whose copies
-    land at once, cannot show).
+  * ``P^T`` (over fp8: its rows times their V scale and a constant power of two, :func:`v_shift`; over
+    e5m2, over the tile's largest V scale instead) rounded to the operands' 16-bit type, stored in a
+    shared-memory tile that wgmma reads as its ``N`` operand;
+  * ``O^T [D, R] += V^T P^T`` (the power of two undone at the end); values at or past ``kv_end`` are
+    zeroed first (stale slots may hold NaN, and ``0 x NaN`` is NaN): over bf16 in the V slot, over fp8
+    in registers. The fp8 ``V^T`` is read and converted after ``S^T``'s wgmma completes: converted during
+    it, both tiles' f16 registers are live at once; every shared-memory read of a slot waits on that
+    slot's barrier first (the V scales too: read early, they were stale where many programs share the
+    GPU, which the interpreter, whose copies land at once, cannot show).
 
-Per tile this is one cross-warp reduction (e5m2) or two (e4m3) fewer than dividing by the tile's
+Over fp8 this is one cross-warp reduction (e5m2) or two (e4m3) a tile fewer than dividing by the tile's
 largest V scale and summing each tile's probabilities, and at 144 registers a thread three programs
 share a multiprocessor (benchmarks/RESULTS.md, fp8 section, has the variants measured: converting ``V^T``
 during the first wgmma, or issuing the next copy as soon as the slot is read, take 148-172 registers
 and lose at batch 256).
 
-Shared memory: the queries, then their f16 form share one ``[64, D]`` piece; the keys' fp8 slots, after
-the last tile, the output's swizzled tile; with two slots (the default) a program takes 54 KiB.
+Shared memory: the queries, then their 16-bit swizzled form (the copy lands in unswizzled rows: copied
+straight into the swizzled tile, Mosaic GPU's layout inference found no layouts for the kernel) share
+one ``[64, D]`` piece; the K slots, after the last tile, the output's swizzled tile. With two slots (the
+default) a program takes 81 KiB over bf16 at ``D`` 128 (two a multiprocessor; one slot, 49 KiB, was
+faster at contexts up to 128 and slower from 256 on, and the engine's block tables are as wide as its
+longest context) and 54 KiB over fp8.
 
-The output is written in place, as the one-warpgroup kernel's: ``O^T`` is stored transposed into a
-swizzled ``[64, D]`` tile (a transposed store into unswizzled memory does not lower), read back row-major
-into the queries' unswizzled rows, and the token's ``G`` rows go to ``o [T Hq, D]`` (a padding token's
-program writes zeros). With split-K the programs write fp32 ``O^T`` partials and log-sum-exps, which
-XLA merges into ``[T, Hq, D]``. Same arithmetic as the one-warpgroup
-kernel, to the order of the f32 sums (its V scaling is by another power of two, so P rounds to the same
-f16 wherever both stay within f16's normal range).
+The output is written in place, as the query tiles': ``O^T`` is stored transposed into a swizzled ``[64,
+D]`` tile (a transposed store into unswizzled memory does not lower), read back row-major into the
+queries' unswizzled rows, and the token's ``G`` rows go to ``o [T Hq, D]`` (a padding token's program
+writes zeros). With split-K the programs write fp32 ``O^T`` partials and log-sum-exps, which XLA merges
+into ``[T, Hq, D]``. Same arithmetic as the query tiles, to the order of the f32 sums (over fp8 their V
+scaling is by another power of two, so P rounds to the same f16 wherever both stay within f16's normal
+range).
 """
 
 from __future__ import annotations
@@ -58,7 +70,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxpaged.kernels.fp8 import exponent_range
+from jaxpaged.kernels.fp8 import exponent_range, is_fp8
 from jaxpaged.kernels.kv_write import block_size_of
 from jaxpaged.kernels.paged_attention_mgpu import (BLOCK_M, LOG2E, TMA_ALIGN, _MASKED, _scales,
                                                    _transforms, copy_fp8_block, f16_queries, fp8_block_copies,
@@ -78,7 +90,7 @@ def v_shift(dtype) -> int | None:
 
 
 def _tile(shape, dtype):
-    """A shared-memory tile wgmma reads (the one-warpgroup kernel's tiling and swizzle)."""
+    """A shared-memory tile wgmma reads (the query tiles' tiling and swizzle)."""
     return plgpu.SMEM(shape, dtype, transforms=_transforms(dtype, shape[-1]))
 
 
@@ -88,23 +100,29 @@ def _column(vec_smem, n):
 
 
 def _decode_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref=None, *, q_bar, k_bar, v_bar,
-                   q_union, qs_smem, k_union, vt8, scales, pt16, lse_smem=None, k16=None, vt16=None,
-                   scale_log2: float, group: int, rows: int, num_slots: int, num_splits: int, v_shift: int | None):
-    """Refs: ``q_ref [T Hq (+ pad), D]`` bf16, ``kv_ref [L, N, bs + 1, 2, Hkv, D]`` fp8; ``o_ref [T Hq, D]``
-    bf16, or ``f32[P, T, Hkv, D, R]`` and ``lse_ref f32[P, T, Hkv, R]``. Columns ``c`` of a program's
-    output are query rows ``first + c`` of ``q`` (``first``: the tile's first row, moved back near the
-    end of ``q`` so that ``R`` rows fit; its ``G`` rows start at column ``row0 - first``)."""
-    q_plain, q16, out_smem = q_union  # one piece of memory: the queries, then f16 queries, then the output
-    k8, o_tile = k_union  # the keys' slots, then (after the last tile) the output
+                   q_union, k_union, v_slots, pt_smem, qs_smem=None, scales=None, lse_smem=None, k16=None,
+                   vt16=None, scale_log2: float, group: int, rows: int, block_kv: int, num_slots: int,
+                   num_splits: int, v_shift: int | None):
+    """Refs: ``q_ref [T Hq (+ pad), D]`` bf16; ``kv_ref [L, N, bs, 2, Hkv, D]`` bf16 (``v_slots``: V tiles
+    ``[slots, block_kv, D]``) or ``[L, N, bs + 1, 2, Hkv, D]`` fp8 (``scales`` given; ``v_slots``: ``V^T``
+    tiles ``[slots, D, bs]``); ``o_ref [T Hq, D]`` bf16, or ``f32[P, T, Hkv, D, R]`` and ``lse_ref
+    f32[P, T, Hkv, R]``. Columns ``c`` of a program's output are query rows ``first + c`` of ``q``
+    (``first``: the token's first row, moved back near the end of ``q`` so that ``R`` rows fit; its ``G``
+    rows start at column ``row0 - first``)."""
+    fp8 = scales is not None
+    q_plain, q_op16, out_smem = q_union  # one piece of memory: the queries, then their 16-bit tile, then the output
+    k_slots, o_tile = k_union  # the keys' slots, then (after the last tile) the output
     wgmma = plgpu.Layout.WGMMA
-    block_size, head_dim = k8.shape[1:]
+    head_dim = k_slots.shape[-1]
+    block_size = kv_ref.shape[2] - (1 if fp8 else 0)  # (an fp8 block's last row holds its scales)
+    blocks_per_tile = block_kv // block_size
     width = tables_ref.shape[1]
     split = lax.axis_index("split") if num_splits > 1 else 0
     h = lax.axis_index("kv_head")
     tile = lax.axis_index("tile")
     seq = meta_ref[tile, 0]
     kv_end = meta_ref[tile, 2]
-    lo, hi = split_range(kv_end, split, block_size, num_splits)
+    lo, hi = split_range(kv_end, split, block_kv, num_splits)
     row0 = (tile * kv_ref.shape[4] + h) * group
     first = jnp.minimum(row0, q_ref.shape[0] - rows)
 
@@ -113,71 +131,90 @@ def _decode_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_re
         layer = layer_ref[0]
 
         def fetch(t, slot):
-            copy_fp8_block(kv_ref, layer, tables_ref[seq, jnp.minimum(t, width - 1)], h, slot, k8, vt8, scales,
-                           k_bar, v_bar)
+            if fp8:
+                copy_fp8_block(kv_ref, layer, tables_ref[seq, jnp.minimum(t, width - 1)], h, slot, k_slots, v_slots,
+                               scales, k_bar, v_bar)
+                return
+            for b in range(blocks_per_tile):
+                phys = tables_ref[seq, jnp.minimum(t * blocks_per_tile + b, width - 1)]  # past the table: masked
+                part = pl.ds(b * block_size, block_size)
+                plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, :, 0, h, :], k_slots.at[slot, part], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, :, 1, h, :], v_slots.at[slot, part], v_bar.at[slot])
 
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(first, rows)], q_plain.at[pl.ds(0, rows)], q_bar)
         fetch(lo, 0)
         for i in range(1, num_slots):
             pl.when(lo + i < hi)(functools.partial(fetch, lo + i, i))
 
-        # Queries: each row times the power of two that brings its largest element near 2^14, in f16;
-        # the inverse (times the softmax scale, base 2) multiplies that row's score column.
+        # The queries as wgmma's N operand. Over fp8, each row times the power of two that brings its
+        # largest element near 2^14, in f16; the inverse (times the softmax scale, base 2) multiplies
+        # that row's score column.
         plgpu.barrier_wait(q_bar)
-        q32 = plgpu.load(q_plain, layout=wgmma).astype(jnp.float32)  # rows past R: stale, never used
-        plgpu.commit_smem()  # (a warpgroup barrier: every warp has read q_plain before q16 overwrites it)
-        q16[...], qs_smem[...] = f16_queries(q32, scale_log2)
+        q_rows = plgpu.load(q_plain, layout=wgmma)  # rows past R: stale, never used
+        plgpu.commit_smem()  # (a warpgroup barrier: every warp has read q_plain before q_op16 overwrites it)
+        if fp8:
+            q_op16[...], qs_smem[...] = f16_queries(q_rows.astype(jnp.float32), scale_log2)
+        else:
+            q_op16[...] = q_rows
         plgpu.commit_smem()
-        q_op = q16.at[pl.ds(0, rows)].transpose((1, 0))  # [D, R]: wgmma's N operand
-        q_unscale = _column(qs_smem, rows)
+        q_op = q_op16.at[pl.ds(0, rows)].transpose((1, 0))  # [D, R]
+        q_unscale = _column(qs_smem, rows) if fp8 else None
         iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=wgmma)
+        shape = (block_kv, rows)
 
         def step(t, carry, masked: bool):
             acc, m_i, l_i = carry
             slot = lax.rem(t - lo, num_slots)
             plgpu.barrier_wait(k_bar.at[slot])
-            k_op = plgpu.load(k8.at[slot], layout=wgmma).astype(jnp.float16)  # [bs, D]
-            if k16 is not None:  # the interpreter's wgmma reads shared memory only
-                k16[...] = k_op
-                plgpu.commit_smem()
-                k_op = k16
-
-            shape = (block_size, rows)
+            k_op = k_slots.at[slot]
+            if fp8:
+                k_op = plgpu.load(k_op, layout=wgmma).astype(jnp.float16)  # [bs, D]
+                if k16 is not None:  # the interpreter's wgmma reads shared memory only
+                    k16[...] = k_op
+                    plgpu.commit_smem()
+                    k_op = k16
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, k_op, q_op)
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))  # S^T: a row per key
-            plgpu.barrier_wait(v_bar.at[slot])  # V^T and the V scales
-            vt = plgpu.load(vt8.at[slot], layout=wgmma).astype(jnp.float16)  # [D, bs]
-            vs = _scales(scales.at[slot, 1], shape, key_axis=0)
-            s = s * _scales(scales.at[slot, 0], shape, key_axis=0)
-            s = s * lax.broadcast_in_dim(q_unscale, shape, [1])
+            plgpu.barrier_wait(v_bar.at[slot])  # the values (over fp8, V^T and the V scales)
+            live = t * block_kv + iota(shape, 0) < kv_end if masked else None
+            if fp8:
+                vt = plgpu.load(v_slots.at[slot], layout=wgmma).astype(jnp.float16)  # [D, bs]
+                vs = _scales(scales.at[slot, 1], shape, key_axis=0)
+                s = s * _scales(scales.at[slot, 0], shape, key_axis=0)
+                s = s * lax.broadcast_in_dim(q_unscale, shape, [1])
+                if masked:
+                    vt = jnp.where(t * block_kv + iota(vt.shape, 1) < kv_end, vt, jnp.zeros((), vt.dtype))
+                    vs = jnp.where(live, vs, 0.0)  # (a stale scale may be NaN)
+            else:
+                s = s * scale_log2
+                if masked:
+                    v_key = t * block_kv + iota((block_kv, head_dim), 0)
+                    v_slots[slot] = jnp.where(v_key < kv_end, v_slots[slot], jnp.zeros((), v_slots.dtype))
+                vt = v_slots.at[slot].transpose((1, 0))  # [D, block_kv]
             if masked:
-                vt = jnp.where(t * block_size + iota(vt.shape, 1) < kv_end, vt, jnp.zeros((), vt.dtype))
-                live = t * block_size + iota(shape, 0) < kv_end
                 s = jnp.where(live, s, -jnp.inf)
-                vs = jnp.where(live, vs, 0.0)  # (a stale scale may be NaN)
             m_new = jnp.maximum(m_i, s.max(axis=0))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, shape, [1]))
             l_new = l_i * lax.broadcast_in_dim(alpha, shape, [1]) + p  # summed over the keys after the last tile
-            if v_shift is not None:
+            if fp8 and v_shift is not None:
                 p = p * (vs * float(2.0 ** v_shift))
-            else:
+            elif fp8:
                 v_max = vs.max(axis=0)  # the tile's largest V scale, in every column
                 v_max = jnp.where(v_max > 0, v_max, 1.0)
                 p = p * vs * lax.broadcast_in_dim(1.0 / v_max, shape, [1])
-            pt16.transpose((1, 0))[...] = p.astype(jnp.float16)  # P^T [bs, R] into the [R, bs] tile
+            pt_smem.transpose((1, 0))[...] = p.astype(pt_smem.dtype)  # P^T [block_kv, R] into the [R, block_kv] tile
             if vt16 is not None:
                 vt16[...] = vt
                 vt = vt16
-            plgpu.commit_smem()  # P^T (and V^T in the interpreter) visible to wgmma
-            p_op = pt16.transpose((1, 0))  # [bs, R]
+            plgpu.commit_smem()  # P^T (and the zeroed values, or V^T in the interpreter) visible to wgmma
 
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, vt, p_op)
+                plgpu.wgmma(acc_ref, vt, pt_smem.transpose((1, 0)))
                 return acc_ref[...]
 
             o = pl.run_scoped(pv, plgpu.ACC((head_dim, rows), jnp.float32))
@@ -187,19 +224,17 @@ def _decode_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_re
                 fetch(t + num_slots, slot)
 
             wide = lambda x: lax.broadcast_in_dim(x, acc.shape, [1])  # noqa: E731
-            acc = acc * wide(alpha) + (o if v_shift is not None else o * wide(v_max))
+            acc = acc * wide(alpha) + (o * wide(v_max) if fp8 and v_shift is None else o)
             return acc, m_new, l_new
 
-        cols = wgmma.reduce(0)
         carry = (plgpu.layout_cast(jnp.zeros((head_dim, rows), jnp.float32), wgmma),
-                 plgpu.layout_cast(jnp.full((rows,), _MASKED, jnp.float32), cols),
-                 plgpu.layout_cast(jnp.zeros((block_size, rows), jnp.float32), wgmma))
-        pos0 = meta_ref[tile, 1]
-        n_full = jnp.clip(lax.div(pos0 + 1, block_size), lo, hi)
+                 plgpu.layout_cast(jnp.full((rows,), _MASKED, jnp.float32), wgmma.reduce(0)),
+                 plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma))
+        n_full = jnp.clip(lax.div(meta_ref[tile, 1] + 1, block_kv), lo, hi)
         carry = lax.fori_loop(lo, n_full, functools.partial(step, masked=False), carry)
         acc, m_i, l_i = lax.fori_loop(n_full, hi, functools.partial(step, masked=True), carry)
         l_i = l_i.sum(axis=0)
-        if v_shift is not None:
+        if fp8 and v_shift is not None:
             acc = acc * float(2.0 ** -v_shift)
         has = l_i > 0
         out = acc / lax.broadcast_in_dim(jnp.where(has, l_i, 1.0), acc.shape, [1])
@@ -239,35 +274,42 @@ def query_rows(q: jax.Array, num_kv_heads: int) -> tuple[int, int, jax.Array]:
     return group, rows, q_in
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_slots", "num_splits"))
-def paged_decode_fp8_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, scale: float, interpret,
-                          num_slots: int, num_splits: int):
-    """Decode attention (one query tile a token) over an fp8 pool; arguments as
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_kv", "num_slots", "num_splits"))
+def paged_decode_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, scale: float, interpret,
+                      block_kv: int, num_slots: int, num_splits: int):
+    """Decode attention, a program a token and KV head (and split), over a bf16 or fp8 pool; arguments as
     :func:`jaxpaged.kernels.paged_attention_mgpu.paged_attention_mgpu` after its validation (``layer`` an
-    ``i32[]``, ``interpret`` ``None`` or ``InterpretGPUParams``). Returns ``[T, Hq, D]`` bf16, padding
-    tokens zero."""
+    ``i32[]``, ``interpret`` ``None`` or ``InterpretGPUParams``; over fp8 ``block_kv`` is the block size).
+    Returns ``[T, Hq, D]`` bf16, padding tokens zero."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[4]
-    block_size = block_size_of(kv_pool)
+    fp8 = is_fp8(kv_pool.dtype)
+    assert not fp8 or block_kv == block_size_of(kv_pool), "over fp8 a KV tile is one pool block"
     group, rows, q_in = query_rows(q, num_kv_heads)
     meta = token_layout(cu_q_lens, kv_lens, num_tokens)
-    fp8 = kv_pool.dtype
-    staged = lambda shape: plgpu.SMEM(shape, fp8, transforms=(plgpu.SwizzleTransform(shape[-1]),))  # noqa: E731
-    k_copies, v_copies = fp8_block_copies(head_dim, block_size)
+    op16 = jnp.float16 if fp8 else q.dtype  # the operands wgmma reads
+    if fp8:
+        staged = lambda shape: plgpu.SMEM(shape, kv_pool.dtype, transforms=(plgpu.SwizzleTransform(shape[-1]),))  # noqa: E731
+        k_copies, v_copies = fp8_block_copies(head_dim, block_kv)
+        k_slots, v_slots = staged((num_slots, block_kv, head_dim)), staged((num_slots, head_dim, block_kv))
+    else:
+        k_copies = v_copies = block_kv // block_size_of(kv_pool)
+        k_slots, v_slots = _tile((num_slots, block_kv, head_dim), q.dtype), _tile((num_slots, block_kv, head_dim), q.dtype)
     scratch = dict(
         q_bar=plgpu.Barrier(num_arrivals=1),
         k_bar=plgpu.Barrier(num_arrivals=k_copies, num_barriers=num_slots),
         v_bar=plgpu.Barrier(num_arrivals=v_copies, num_barriers=num_slots),
-        q_union=plgpu.RefUnion(plgpu.SMEM((BLOCK_M, head_dim), q.dtype), _tile((BLOCK_M, head_dim), jnp.float16),
+        q_union=plgpu.RefUnion(plgpu.SMEM((BLOCK_M, head_dim), q.dtype), _tile((BLOCK_M, head_dim), op16),
                                plgpu.SMEM((head_dim, rows), jnp.float32)),
-        qs_smem=plgpu.SMEM((BLOCK_M,), jnp.float32),
-        k_union=plgpu.RefUnion(staged((num_slots, block_size, head_dim)), _tile((BLOCK_M, head_dim), q.dtype)),
-        vt8=staged((num_slots, head_dim, block_size)),
-        scales=plgpu.SMEM((num_slots, 2, max(block_size, TMA_ALIGN)), fp8),
-        pt16=_tile((rows, block_size), jnp.float16),
+        k_union=plgpu.RefUnion(k_slots, _tile((BLOCK_M, head_dim), q.dtype)),
+        v_slots=v_slots,
+        pt_smem=_tile((rows, block_kv), op16),
     )
-    if interpret is not None:
-        scratch.update(k16=_tile((block_size, head_dim), jnp.float16), vt16=_tile((head_dim, block_size), jnp.float16))
+    if fp8:
+        scratch.update(qs_smem=plgpu.SMEM((BLOCK_M,), jnp.float32),
+                       scales=plgpu.SMEM((num_slots, 2, max(block_kv, TMA_ALIGN)), kv_pool.dtype))
+        if interpret is not None:
+            scratch.update(k16=_tile((block_kv, head_dim), jnp.float16), vt16=_tile((head_dim, block_kv), jnp.float16))
     if num_splits == 1:
         out_type = jax.ShapeDtypeStruct((num_tokens * num_q_heads, head_dim), q.dtype)
     else:
@@ -275,14 +317,15 @@ def paged_decode_fp8_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         out_type = (jax.ShapeDtypeStruct((num_splits, num_tokens, num_kv_heads, head_dim, rows), jnp.float32),
                     jax.ShapeDtypeStruct((num_splits, num_tokens, num_kv_heads, rows), jnp.float32))
     kernel = plgpu.kernel(
-        functools.partial(_decode_kernel, scale_log2=scale * LOG2E, group=group, rows=rows, num_slots=num_slots,
-                          num_splits=num_splits, v_shift=v_shift(fp8)),
+        functools.partial(_decode_kernel, scale_log2=scale * LOG2E, group=group, rows=rows, block_kv=block_kv,
+                          num_slots=num_slots, num_splits=num_splits,
+                          v_shift=v_shift(kv_pool.dtype) if fp8 else None),
         out_type=out_type,
         scratch_types=scratch,
         grid=(num_kv_heads, num_tokens) + ((num_splits,) if num_splits > 1 else ()),
         grid_names=("kv_head", "tile") + (("split",) if num_splits > 1 else ()),
         interpret=interpret,
-        kernel_name="paged_decode_fp8",  # (profiles name it)
+        kernel_name="paged_decode_fp8" if fp8 else "paged_decode",  # (profiles name it)
     )
     out = kernel(jnp.reshape(layer, (1,)), meta, block_tables, q_in, kv_pool)
     if num_splits == 1:
@@ -301,7 +344,7 @@ def paged_decode_fp8_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
     owned = meta[:, 0] >= 0
     o_parts, lse = out
     split = jnp.arange(num_splits, dtype=jnp.int32)[:, None]
-    lo, hi = split_range(meta[None, :, 2], split, block_size, num_splits)
+    lo, hi = split_range(meta[None, :, 2], split, block_kv, num_splits)
     wrote = ((lo < hi) & owned[None, :])[:, :, None, None]  # [P, T, 1, 1]
     lse = jnp.take_along_axis(lse, jnp.broadcast_to(col, lse.shape[:1] + col.shape), axis=-1)  # [P, T, Hkv, G]
     lse = jnp.where(wrote, lse, -jnp.inf).reshape(num_splits, num_tokens, num_q_heads)

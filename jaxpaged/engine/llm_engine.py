@@ -150,6 +150,9 @@ class LLMEngine:
         # so its tables are padded per step instead (None), and a new width compiles on first use.
         self._max_width = bucket(-(-self.max_model_len // config.block_size), 1)
         self._table_width = self._max_width if self.runner.attention_backend in KERNEL_BACKENDS else None
+        # Decode steps as steps of their own where the attention kernel reads them so: Mosaic GPU over a
+        # bf16 pool, whose decode steps run a kernel of their own (paged_attention_mgpu's uniform_decode).
+        self._uniform_decode = self.runner.attention_backend == "mosaic" and jnp.dtype(self.kv_dtype) == jnp.bfloat16
         if jax.default_backend() == "gpu":
             # The warm-up's executables are read from disk while the pool's memory is mapped (~2 s for
             # 93 GiB on the H200); the pool is still made before anything else can allocate.
@@ -370,7 +373,8 @@ class LLMEngine:
         return build_step_inputs(scheduled, self.kv.tables, self.config.block_size, width=self._table_width,
                                  max_seqs=self.config.max_num_seqs, prev_rows=self._pending_rows,
                                  eos_token_ids=self.params.config.eos_token_id,
-                                 maybe_features=self._num_feature_requests > 0, min_tokens=self.min_token_bucket)
+                                 maybe_features=self._num_feature_requests > 0, min_tokens=self.min_token_bucket,
+                                 uniform_decode=self._uniform_decode)
 
     def _take_free_tokens(self) -> jax.Array | None:
         """A read-back token buffer for the next step's output, never the one the step reads its
@@ -522,14 +526,17 @@ class LLMEngine:
                             jax.ShapeDtypeStruct((rows,), jnp.int32))
 
     def _warmup_steps(self) -> list:
-        """The padded inputs of every step ``warmup`` compiles: each token bucket, each sampler variant."""
+        """The padded inputs of every step ``warmup`` compiles: each token bucket, each sampler variant,
+        and where the engine marks decode steps (``uniform_decode``) each bucket a decode step can fill."""
         sizes, t = [], self.min_token_bucket
         s_max = bucket(self.config.max_num_seqs, MIN_SEQS)
         while t < bucket(self.config.max_num_batched_tokens, self.min_token_bucket) * 2:
             sizes.append(t)
             t *= 2
-        return [padding_step_inputs(t_pad, min(t_pad, s_max), self._table_width or self._max_width, mode)
-                for t_pad in sizes for mode in SAMPLING_MODES]
+        decode = (False, True) if self._uniform_decode else (False,)
+        return [padding_step_inputs(t_pad, min(t_pad, s_max), self._table_width or self._max_width, mode, uniform)
+                for t_pad in sizes for mode in SAMPLING_MODES for uniform in decode
+                if not uniform or t_pad <= bucket(self.config.max_num_seqs, self.min_token_bucket)]
 
     def settle(self, num_requests: int = SETTLE_REQUESTS) -> None:
         """Runs ``num_requests`` throwaway one-token requests through the whole loop, then puts back

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import os
 import time
 from pathlib import Path
@@ -74,7 +75,9 @@ def make_step_fn(graphdef: nnx.GraphDef, attention_fn: Callable, write_kv_fn: Ca
                  ops: ModelOps = DEFAULT_OPS, batch_invariant: bool = False) -> Callable:
     """The pure step function (not jitted): used by ``ModelRunner`` and by HLO inspection tests.
     ``ops``: the model's matmul / RMSNorm (``models.ops.get_model_ops``); ``batch_invariant``:
-    fixed-order sums in the sampler."""
+    fixed-order sums in the sampler. A ``uniform_decode`` step (``StepInputs``) tells ``attention_fn``
+    so (its ``uniform_decode=True``; only the Mosaic GPU kernel reads it)."""
+    decode_attention_fn = functools.partial(attention_fn, uniform_decode=True)  # (one object: jit's cache key)
 
     def step(state: nnx.State, kv_pool: KVPool, inputs: StepInputs,
              prev_tokens: jax.Array) -> tuple[jax.Array, KVPool]:
@@ -86,7 +89,8 @@ def make_step_fn(graphdef: nnx.GraphDef, attention_fn: Callable, write_kv_fn: Ca
         prev = prev_tokens[jnp.maximum(inputs.prev_index, 0)]
         token_ids = jnp.where(inputs.prev_index >= 0, prev, inputs.token_ids)
         hidden, kv_pool = model(token_ids, inputs.positions, kv_pool, inputs.meta,
-                                attention_fn=attention_fn, write_kv_fn=write_kv_fn, ops=ops)
+                                attention_fn=decode_attention_fn if inputs.uniform_decode else attention_fn,
+                                write_kv_fn=write_kv_fn, ops=ops)
         # Logits at the sampled positions, then the sampler (plus penalties / logprobs in their variants).
         tokens, aux = sample_step(hidden, lambda h: model.compute_logits(h, ops), inputs, token_ids, batch_invariant)
         out = jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens)

@@ -49,6 +49,8 @@ class StepInputs:
     temperature, top_p: ``f32[S]``; top_k: ``i32[S]``; seeds: ``u32[S]``; counters: ``i32[S]`` tokens
     generated so far (the per-request PRNG stream position).
     sampling_mode: static, the sampler variant the step needs (``sampling.sampling_mode``).
+    uniform_decode: static, every sequence has one new token (a decode step), marked where the
+    attention backend reads it (``build_step_inputs``).
     extras / features: the inputs and static description of penalties, min_p, min_tokens and logprobs
     (``sampling/features.py``); ``None`` / ``NO_FEATURES`` in a step that uses none of them.
     packed: on the host, the int32 buffer the arrays are views of (``build_step_inputs``), sent to the
@@ -66,6 +68,7 @@ class StepInputs:
     seeds: jax.Array
     counters: jax.Array
     sampling_mode: str = dataclasses.field(default="random", metadata=dict(static=True))
+    uniform_decode: bool = dataclasses.field(default=False, metadata=dict(static=True))
     extras: FeatureInputs | None = None
     features: SamplerFeatures = dataclasses.field(default=NO_FEATURES, metadata=dict(static=True))
     packed: np.ndarray | None = None  # host side: the arrays above as views of this one buffer (``pack``)
@@ -146,7 +149,8 @@ def longest_first(scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence,
 def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables, block_size: int, *,
                       width: int | None = None, max_seqs: int | None = None,
                       prev_rows: dict[Sequence, int] | None = None, eos_token_ids=(),
-                      maybe_features: bool = True, min_tokens: int = MIN_TOKENS) -> StepInputs:
+                      maybe_features: bool = True, min_tokens: int = MIN_TOKENS,
+                      uniform_decode: bool = False) -> StepInputs:
     """Numpy arrays for ``scheduled`` (host side, no per-token Python loops), padded to buckets.
 
     ``tables``: the KV manager's block tables; each scheduled sequence's row is gathered.
@@ -161,6 +165,8 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
     tokens min_tokens masks (with each request's stop_token_ids). ``maybe_features=False``: the caller
     knows no request uses penalties / min_p / min_tokens / logprobs (skips even looking).
     ``min_tokens``: the smallest padded token count (``StepTuning.min_token_bucket``).
+    ``uniform_decode``: mark a step of one new token a sequence as such (its ``uniform_decode``: a
+    compiled variant of its own, for an attention backend that reads it; vLLM's "uniform decode" batch).
 
     The arrays are views of one int32 buffer (:func:`input_buffer`), kept on the result
     (its ``packed`` field) so ``pack`` sends it without copying;
@@ -229,7 +235,8 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
     # (the feature variants' extra arrays are not in the buffer: pack() lays those out anew)
     return StepInputs(token_ids=token_ids, positions=positions, meta=meta, prev_index=prev_index,
                       logits_indices=logits_indices, temperature=temperature, top_k=top_k, top_p=top_p,
-                      seeds=seeds, counters=counters, sampling_mode=mode, extras=extras, features=features,
+                      seeds=seeds, counters=counters, sampling_mode=mode,
+                      uniform_decode=uniform_decode and decode_only and num_seqs > 0, extras=extras, features=features,
                       packed=buf if extras is None else None)
 
 
@@ -245,8 +252,9 @@ def build_chunk_step(chunks: list[tuple[list[int], int, list[int]]], block_size:
     return build_step_inputs(scheduled, tables, block_size, width=width)
 
 
-def padding_step_inputs(num_tokens: int, num_seqs: int, width: int, mode: str = "random") -> StepInputs:
-    """A step of the given padded shape and sampler variant with no real token (ahead-of-time compilation)."""
+def padding_step_inputs(num_tokens: int, num_seqs: int, width: int, mode: str = "random",
+                        uniform_decode: bool = False) -> StepInputs:
+    """A step of the given padded shape and variants with no real token (ahead-of-time compilation)."""
     z = lambda n, dt=np.int32: np.zeros(n, dt)  # noqa: E731
     meta = AttentionMetadata(slot_mapping=np.full(num_tokens, -1, np.int32), cu_q_lens=z(num_seqs + 1),
                              kv_lens=z(num_seqs), block_tables=np.zeros((num_seqs, width), np.int32))
@@ -254,20 +262,22 @@ def padding_step_inputs(num_tokens: int, num_seqs: int, width: int, mode: str = 
                       prev_index=np.full(num_tokens, -1, np.int32), logits_indices=z(num_seqs),
                       temperature=z(num_seqs, np.float32), top_k=np.full(num_seqs, -1, np.int32),
                       top_p=np.ones(num_seqs, np.float32), seeds=z(num_seqs, np.uint32), counters=z(num_seqs),
-                      sampling_mode=mode)
+                      sampling_mode=mode, uniform_decode=uniform_decode)
 
 
 # ---- the packed form: one host-to-device copy per step ------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class StepLayout:
-    """Static description of a packed step: ``T`` tokens, ``S`` sequences, block-table width ``W``."""
+    """Static description of a packed step: ``T`` tokens, ``S`` sequences, block-table width ``W``, the
+    variants (``StepInputs``' static fields)."""
 
     num_tokens: int
     num_seqs: int
     width: int
     sampling_mode: str
     features: SamplerFeatures = NO_FEATURES  # penalties / min_p / logprobs variant (sampling/features.py)
+    uniform_decode: bool = False
 
     def fields(self) -> tuple[tuple[str, tuple[int, ...], np.dtype], ...]:
         """``(name, shape, dtype)`` in buffer order: ``batch.input_fields``, then the features' arrays."""
@@ -294,7 +304,7 @@ def pack(inputs: StepInputs) -> tuple[np.ndarray, StepLayout]:
     not write to a step's input arrays once it has handed them to ``runner.step`` (none does; jax
     copies a numpy argument today, but need not)."""
     t, (s, w) = inputs.token_ids.shape[0], inputs.meta.block_tables.shape
-    layout = StepLayout(t, s, w, inputs.sampling_mode, inputs.features)
+    layout = StepLayout(t, s, w, inputs.sampling_mode, inputs.features, inputs.uniform_decode)
     if inputs.packed is not None:
         return inputs.packed, layout
     fields = layout.fields()
@@ -319,7 +329,8 @@ def unpack(buffer: jax.Array, layout: StepLayout) -> StepInputs:
     extras = None
     if layout.features:
         extras = FeatureInputs(**{f.name: out.pop(f.name) for f in dataclasses.fields(FeatureInputs)})
-    return StepInputs(meta=meta, sampling_mode=layout.sampling_mode, extras=extras, features=layout.features, **out)
+    return StepInputs(meta=meta, sampling_mode=layout.sampling_mode, uniform_decode=layout.uniform_decode,
+                      extras=extras, features=layout.features, **out)
 
 
 def to_step_memory(*arrays: jax.Array) -> tuple[jax.Array, ...]:

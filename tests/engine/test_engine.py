@@ -249,11 +249,12 @@ def test_pallas_backend_engine_matches_hf_and_warmup_covers_all_shapes(qwen3):
 
 @pytest.mark.slow  # (Mosaic GPU's interpreter: ~15 s on a CPU)
 def test_mosaic_backend_engine_matches_the_reference_backend():
-    """The engine on the Mosaic GPU kernel (its interpreter on CPU) over an fp8 pool (blocks of 64, bf16
-    weights: the configuration the kernel runs on Hopper besides bf16 pools; the kernel reads head_dim
+    """The engine on the Mosaic GPU kernel (its interpreter on CPU) over a bf16 pool and an fp8 pool
+    (blocks of 64; bf16 weights: the configurations the kernel runs on Hopper; the kernel reads head_dim
     64/128, so a random model of the tiny shapes at head_dim 64): the jnp reference backend's greedy
-    tokens over the same pool through prefill and decode steps; a configuration it cannot run is
-    refused before anything is built. (The kernel over bf16 and float32 pools: its own tests.)"""
+    tokens over the same pool through prefill and decode steps (over bf16 the decode step a uniform
+    decode step, the decode kernel's); a configuration it cannot run is refused before anything is
+    built. (The kernel over float32 pools: its own tests.)"""
     from jaxpaged.models.checkpoint import random_params
     from jaxpaged.models.config import QwenConfig
     from jaxpaged.models.tiny import tiny_config
@@ -261,14 +262,18 @@ def test_mosaic_backend_engine_matches_the_reference_backend():
     params = random_params(QwenConfig.from_dict({**tiny_config("qwen3", 512), "head_dim": 64}), "bfloat16")
     prompts = [[5, 77, 300, 2, 9, 41, 41, 8, 100], [400, 12]]
     sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)  # a prefill step, then a decode step
-    tokens = {}
-    for name in ("reference", "mosaic"):
-        cfg = EngineConfig(kv_cache_dtype="fp8", num_blocks=8, max_model_len=64, max_num_batched_tokens=32,
-                           attention_backend=name)
-        engine = LLMEngine(params, cfg)
-        assert engine.config.block_size == 64
-        tokens[name] = [o.outputs[0].token_ids for o in run_to_completion(engine, prompts, sp)]
-    assert tokens["mosaic"] == tokens["reference"]
+    for kv_dtype in ("auto", "fp8"):
+        tokens = {}
+        for name in ("reference", "mosaic"):
+            cfg = EngineConfig(kv_cache_dtype=kv_dtype, num_blocks=8, block_size=64, max_model_len=64,
+                               max_num_batched_tokens=32, attention_backend=name)
+            engine = LLMEngine(params, cfg)
+            before = set(engine.runner._shapes_seen)  # (a runner, and what it compiled, outlives its engine)
+            tokens[name] = [o.outputs[0].token_ids for o in run_to_completion(engine, prompts, sp)]
+            marks = name == "mosaic" and kv_dtype == "auto"
+            assert engine._uniform_decode == marks
+            assert any(key[0].uniform_decode for key in engine.runner._shapes_seen - before) == marks
+        assert tokens["mosaic"] == tokens["reference"], kv_dtype
     with pytest.raises(ValueError, match="attention_backend='mosaic'.*batch_invariant"):
         LLMEngine(params, dataclasses.replace(cfg, batch_invariant=True))
     with pytest.raises(ValueError, match="attention_backend='mosaic'.*fp8 pool.*block_size"):

@@ -148,7 +148,7 @@ def test_built_inputs_are_their_own_packed_buffer():
     inputs without the buffer), for a mixed prefill + decode step with padded tokens and rows."""
     import dataclasses
 
-    from jaxpaged.engine.step_inputs import pack
+    from jaxpaged.engine.step_inputs import pack, unpack
 
     params = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False)
     engine = LLMEngine(params, EngineConfig(block_size=8, num_blocks=64, max_model_len=64, max_num_seqs=4,
@@ -170,6 +170,16 @@ def test_built_inputs_are_their_own_packed_buffer():
         for name in ("cu_q_lens", "kv_lens", "block_tables", "slot_mapping"):
             view = getattr(inputs.meta, name)
             assert (view.__array_interface__["data"][0] - fast.__array_interface__["data"][0]) % 256 == 0, name
+    # A decode step is marked uniform where asked (a compiled variant of its own: its layout says so, and
+    # unpacking keeps it); this mixed step never is.
+    assert not build_step_inputs(scheduled, engine.kv.tables, 8, uniform_decode=True).uniform_decode
+    engine.step()
+    decode = engine.scheduler.schedule()
+    assert [n for _, n in decode] == [1, 1]
+    assert not build_step_inputs(decode, engine.kv.tables, 8).uniform_decode
+    inputs = build_step_inputs(decode, engine.kv.tables, 8, max_seqs=4, uniform_decode=True)
+    packed, layout = pack(inputs)
+    assert inputs.uniform_decode and layout.uniform_decode and unpack(packed, layout).uniform_decode
 
 
 def test_step_copies_alternate_and_give_the_same_tokens():

@@ -360,7 +360,7 @@ def test_mosaic_decode_shifts_e4m3_v_scales_by_a_constant_across_their_whole_ran
     neither overflow f16 (P V-scale 2^7 <= 2^15) nor lose the small rows."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from jaxpaged.kernels.paged_attention_mgpu_decode import paged_decode_fp8_mgpu, v_shift
+    from jaxpaged.kernels.paged_attention_mgpu_decode import paged_decode_mgpu, v_shift
 
     assert v_shift(E4M3) == 7 and v_shift(E5M2) is None
     lo, hi = exponent_range(E4M3)
@@ -372,8 +372,9 @@ def test_mosaic_decode_shifts_e4m3_v_scales_by_a_constant_across_their_whole_ran
     v = v * 448.0 * 2.0 ** e
     args = (jnp.asarray(q * 20, jnp.bfloat16), fp8_pool(k, v, E4M3), 1, jnp.asarray(cu), jnp.asarray(kl),
             jnp.asarray(tables))
-    out = np.asarray(paged_decode_fp8_mgpu(*args[:2], jnp.int32(1), *args[3:], scale=64 ** -0.5,
-                                           interpret=plgpu.InterpretGPUParams(), num_slots=2, num_splits=1), np.float32)
+    out = np.asarray(paged_decode_mgpu(*args[:2], jnp.int32(1), *args[3:], scale=64 ** -0.5,
+                                       interpret=plgpu.InterpretGPUParams(), block_kv=64, num_slots=2, num_splits=1),
+                     np.float32)
     ref = np.asarray(paged_attention_reference(*args), np.float32)
     assert np.all(np.isfinite(out)), "f16 overflow (P times a V scale past 65,504?)"
     for t in range(2):  # each sequence against its own size (the first one's outputs are ~2^-20 of the second's)

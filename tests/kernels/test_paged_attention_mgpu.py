@@ -36,14 +36,16 @@ def run_case(seed, q_lens, kv_lens, bs, hq, hkv, d, dtype, interpret=True, **kw)
 # refilled, its barrier's phase flipping), over GQA/MQA/MHA, head dims 64/128, block sizes 8-64, both
 # dtypes, and the tuning arguments (KV tile size, slots in flight, split-K). By default a decode
 # launch this small is split (``choose_splits``: 32 splits here, most of them empty for the short
-# contexts); ``num_splits=1`` is the unsplit kernel.
+# contexts); ``num_splits=1`` is the unsplit kernel. ``uniform_decode``: the decode kernel with keys on
+# wgmma's M (``paged_attention_mgpu_decode``) over bf16 pools, the query tiles otherwise.
 DECODE = [
     # (bs, hq, hkv, d, dtype, kernel kwargs)
     (16, 4, 2, 64, jnp.float32, {}),  # GQA G=2, 4 blocks per KV tile, split by default
-    (8, 4, 1, 128, jnp.bfloat16, dict(num_slots=3, num_splits=1)),  # MQA, 8 blocks per KV tile
-    (64, 2, 2, 64, jnp.bfloat16, {}),  # MHA, one block per KV tile
+    (8, 4, 1, 128, jnp.bfloat16, dict(num_slots=3, num_splits=1, uniform_decode=True)),  # MQA, 8 blocks a KV tile
+    (64, 2, 2, 64, jnp.bfloat16, dict(uniform_decode=True)),  # MHA, one block per KV tile, split
     (32, 8, 2, 128, jnp.float32, dict(block_kv=128, num_slots=1, num_splits=2)),  # G=4, D=128
     (16, 4, 2, 64, jnp.bfloat16, dict(num_splits=1)),  # case 0 unsplit
+    (16, 14, 2, 128, jnp.bfloat16, dict(uniform_decode=True, num_splits=2)),  # G=7 (Qwen2.5's): R = 8 columns
 ]
 
 SLOW_DECODE, SLOW_MIXED = {2, 4}, {2, 4}  # a quick subset (``-m "not slow"``) still covers every feature
@@ -289,21 +291,25 @@ def test_no_shared_memory_races():
     (16, 16, 8, 128, {}), (32, 4, 2, 64, dict(block_kv=128, num_slots=3)), (16, 16, 8, 128, dict(num_splits=8)),
     (16, 16, 8, 128, dict(block_q=4)),  # a prefill launch on the one-warpgroup kernel
     (16, 8, 8, 64, dict(decode=True)),  # G = 1: tiles of 32 tokens, 32 barriers (Mosaic GPU's most a group)
+    (16, 16, 8, 128, dict(uniform_decode=True)),  # the decode kernel, keys on M (unsplit: 4 tokens of 8 heads)
+    (16, 14, 2, 128, dict(uniform_decode=True, num_splits=8)),  # G = 7, split
     pytest.param(64, 6, 2, 64, {}, marks=pytest.mark.slow), pytest.param(8, 8, 1, 128, {}, marks=pytest.mark.slow),
 ])
 def test_lowers_for_hopper(bs, hq, hkv, d, kw):
     """The whole Pallas -> Mosaic GPU lowering for sm_90a (what jax assumes with no GPU attached): the
-    kernel's layouts, TMA slices and wgmma shapes are accepted. PTX compilation and running it need
-    the GPU (benchmarks/check_attention_mgpu.py)."""
+    kernel's layouts, TMA slices and wgmma shapes are accepted, and a launch runs the kernel it should
+    (the decode kernel where told ``uniform_decode``, the query tiles else). PTX compilation and
+    running it need the GPU (benchmarks/check_attention_mgpu.py)."""
     if jax.default_backend() != "cpu":
         pytest.skip("cross-lowering check for machines without a GPU")
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    q = jax.ShapeDtypeStruct((4 if kw.get("num_splits") else 40, hq, d), jnp.bfloat16)  # splits: decode
+    decode = bool(kw.get("num_splits") or kw.get("uniform_decode"))
+    q = jax.ShapeDtypeStruct((4 if decode else 40, hq, d), jnp.bfloat16)
     pool = jax.ShapeDtypeStruct((3, 64, bs, 2, hkv, d), jnp.bfloat16)
     fn = jax.jit(lambda *a: paged_attention_mgpu(a[0], a[1], 2, *a[2:], **kw))
     text = fn.trace(q, pool, i32(5), i32(4), i32(4, 20)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "wgmma.mma_async" in text and "cp.async.bulk.tensor" in text
-    assert kernel_names(text) == ["paged_attention_tiles"]
+    assert kernel_names(text) == ["paged_decode" if kw.get("uniform_decode") else "paged_attention_tiles"]
 
 
 def kernel_names(lowered_text: str) -> list[str]:

@@ -1,7 +1,8 @@
-"""Decode over bf16 pools with keys on wgmma's M (``decode_bf16.py``, an experiment: unsplit, a program a
-token and KV head) against the query tiles the engine runs (``paged_attention_mgpu``, split-K by its
-rule) and Triton; one token a sequence, block 16, chained wall time (``bench_attention.time_variants``:
-each compiled once, two rounds in alternating order), the largest difference from the tiles' output.
+"""Decode over bf16 pools with keys on wgmma's M (``paged_decode_mgpu``, unsplit here, two K/V slots or
+one) against the query tiles (``paged_attention_mgpu`` without ``uniform_decode``, split-K by its rule)
+and Triton; one token a sequence, block 16, chained wall time (``bench_attention.time_variants``: each
+compiled once, two rounds in alternating order), the largest difference from the tiles' output. (It
+first ran, at 74bf793, on the same kernel as an experiment of its own beside this script.)
 
 Run from the repository root: python3 benchmarks/results/mosaic/keys_on_m/keys_on_m_ab.py
 """
@@ -13,14 +14,14 @@ sys.path[:0] = ["benchmarks", os.path.dirname(os.path.abspath(__file__))]
 warnings.filterwarnings("ignore")
 import numpy as np  # noqa: E402
 from bench_attention import random_paged_batch, time_variants  # noqa: E402
-from decode_bf16 import paged_decode_bf16_mgpu  # noqa: E402
 
 from jaxpaged.kernels.paged_attention import paged_attention as triton  # noqa: E402
 from jaxpaged.kernels.paged_attention_mgpu import choose_splits, kv_tile, paged_attention_mgpu  # noqa: E402
 
-VARIANTS = {"tiles": lambda *a: paged_attention_mgpu(*a), "keys_on_m": lambda *a: paged_decode_bf16_mgpu(*a),
+VARIANTS = {"tiles": lambda *a: paged_attention_mgpu(*a),
+            "keys_on_m": lambda *a: paged_attention_mgpu(*a, uniform_decode=True, num_splits=1),
             # one K/V slot: about 49 KiB of shared memory a program, four a multiprocessor (two slots: 81 KiB, two)
-            "keys_on_m_1slot": lambda *a: paged_decode_bf16_mgpu(*a, num_slots=1),
+            "keys_on_m_1slot": lambda *a: paged_attention_mgpu(*a, uniform_decode=True, num_splits=1, num_slots=1),
             "triton": lambda *a: triton(*a)}
 CASES = [  # (sequences, context, Hq, Hkv)
     (256, 64, 16, 8), (64, 64, 16, 8), (1, 64, 16, 8), (256, 128, 16, 8), (256, 256, 16, 8),
