@@ -1,11 +1,15 @@
 # Decode over bf16 pools on the keys-on-M decode kernel (what an engine's decode step runs since it
 # marks the step uniform_decode): the GPU check, the decode launches against the read ceiling and Triton,
 # then the engine against Triton (nano-vllm's workload; ITL at batch 1 / 64 / 256), in one call.
-# Run from the repository root: bash benchmarks/results/mosaic/keys_on_m/run.sh
+# Run from the repository root: bash benchmarks/results/mosaic/keys_on_m/run.sh check|kernel|engine (or several)
 export PYTHONUNBUFFERED=1
 F='W0000|I0000|W12|E12|DeprecationWarning|cuda_event|warnings.warn|^WARNING'
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/gpu.txt
-case "$1" in
+for part in "$@"; do
+case "$part" in
+check)
+  timeout 150 python3 benchmarks/check_attention_mgpu.py --only check --out $OUT 2>&1 | grep -v -E "$F" > $OUT/check.log
+  grep -a -E "errors|mosaic_ok.: False" $OUT/check.log | cut -c1-300 | tail -5 ;;
 kernel)
   timeout 400 python3 benchmarks/check_attention_mgpu.py --only check,decode,sweep --no-sweep --reps 5 --out $OUT 2>&1 \
     | grep -v -E "$F" > $OUT/check.log
@@ -21,3 +25,4 @@ engine)
     --out $OUT/latency 2>&1 | grep -v -E "$F" > $OUT/latency.log
   tail -12 $OUT/latency.log ;;
 esac
+done
