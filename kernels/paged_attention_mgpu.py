@@ -76,9 +76,12 @@ chunked prefill, mixed steps) run the warp-specialised kernel of ``paged_attenti
 instead: two compute warpgroups share each K/V tile and a third issues the copies (1.3x faster than
 this kernel at 4k-16k tokens).
 
-fp8 pools: decode launches run ``paged_attention_mgpu_decode.py`` (keys on wgmma's M: a decode token's
-``G`` query rows cost wgmma ``N = 8`` columns instead of 64 rows; 0.61x this kernel's time at batch 256,
-context 1,024, H200), prefill and mixed launches the warp-specialised kernel where it fits (blocks of 64
+Decode steps (``uniform_decode``: the caller says no sequence has more than one new token; over fp8
+pools every decode launch) run ``paged_attention_mgpu_decode.py`` instead: keys on wgmma's M, so a
+decode token's ``G`` query rows cost wgmma ``N = 8`` columns instead of 64 rows (over fp8 0.61x this
+kernel's time at batch 256, context 1,024, H200; over bf16 0.86-0.99x at 1-256 sequences, H100).
+
+fp8 pools: prefill and mixed launches the warp-specialised kernel where it fits (blocks of 64
 slots, two slots or more: ``paged_attention_mgpu_prefill.py``), else this one-warpgroup kernel, whose
 arithmetic they share. A KV tile is one pool block: TMA copies its keys
 (``[bs, D]``), its values' ``V^T`` (``D / bs`` boxes of the transposed slab, kernels/fp8.py) and its two
@@ -95,7 +98,8 @@ row axis (``bs + 1`` rows, the scale row included) to be a multiple of 8.
 
 In a profile the kernels are ``<name>_mosaic_gpu_kernel``: ``paged_attention_tiles`` (this module's
 query tiles: decode and short launches), ``one_token_rows`` (the decode rows of a prefill launch),
-``paged_prefill`` (the warp-specialised kernel) and ``paged_decode_fp8``.
+``paged_prefill`` (the warp-specialised kernel), ``paged_decode`` and ``paged_decode_fp8`` (the decode
+kernel over bf16 and fp8 pools).
 
 Interpret mode (``interpret=True``) runs Mosaic GPU's CPU interpreter
 (``plgpu.InterpretGPUParams``), which simulates shared memory, TMA copies, barriers and wgmma

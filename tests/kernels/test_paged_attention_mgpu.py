@@ -70,10 +70,10 @@ MIXED = [
     ([2, 1, 17], [2, 100, 30], 16, 6, 2, 64, jnp.float32, dict(decode=True)),  # the same tiles, split-K
     ([1, 20, 0, 5], [9, 100, 4, 5], 16, 16, 2, 64, jnp.float32, dict(block_q=5)),  # 40-row tiles
     ([1, 3], [40, 200], 16, 4, 2, 64, jnp.float32, dict(num_splits=2)),  # split-K: padding tokens share a tile
-    # A prompt chunk after a cached prefix in a step padded as a many-slot engine pads it (as many
+    # A prompt chunk after a cached prefix in a step padded as a many-slot engine pads it (about as many
     # sequences as tokens): T <= 2 S takes the decode configuration (split-K), and the chunk's 30
     # tokens are still one tile, each token's keys ending at its own position.
-    ([30] + [0] * 31, [230] + [0] * 31, 16, 4, 2, 64, jnp.float32, {}),
+    ([30] + [0] * 16, [230] + [0] * 16, 16, 4, 2, 64, jnp.float32, {}),
 ]
 
 
