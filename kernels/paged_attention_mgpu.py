@@ -668,8 +668,8 @@ def paged_attention_mgpu(
       uniform_decode: the caller knows that no sequence has more than one new token (an engine's decode
         step). Over bf16 such a launch runs ``paged_attention_mgpu_decode`` (keys on wgmma's M, a
         program a token): 0.86-0.99x the query tiles' time at 1-256 sequences, contexts 64-1,024, and
-        in the engine (Qwen3-0.6B shapes) ITL 0.92x at batch 256 (H100, 2026-12-06,
-        benchmarks/RESULTS.md). Not inferred from shapes: an engine pads a short prompt's step to as
+        in the engine (Qwen3-0.6B shapes) 0.92x the tiles' ITL at batch 256, 0.97x Triton's (H100,
+        2026-12-06, benchmarks/RESULTS.md). Not inferred from shapes: an engine pads a short prompt's step to as
         many sequences as tokens too, and there a program a token would read the prompt's cached
         prefix once a token.
     Returns ``[T, Hq, D]`` in ``q.dtype``; zeros for padding tokens.
