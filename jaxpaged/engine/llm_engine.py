@@ -527,16 +527,17 @@ class LLMEngine:
 
     def _warmup_steps(self) -> list:
         """The padded inputs of every step ``warmup`` compiles: each token bucket, each sampler variant,
-        and where the engine marks decode steps (``uniform_decode``) each bucket a decode step can fill."""
+        and where the engine marks decode steps (``uniform_decode``) each bucket a decode step can fill
+        (a step of one token is always one: that bucket has no other variant)."""
         sizes, t = [], self.min_token_bucket
         s_max = bucket(self.config.max_num_seqs, MIN_SEQS)
         while t < bucket(self.config.max_num_batched_tokens, self.min_token_bucket) * 2:
             sizes.append(t)
             t *= 2
-        decode = (False, True) if self._uniform_decode else (False,)
+        decode_buckets = bucket(self.config.max_num_seqs, self.min_token_bucket) if self._uniform_decode else 0
         return [padding_step_inputs(t_pad, min(t_pad, s_max), self._table_width or self._max_width, mode, uniform)
-                for t_pad in sizes for mode in SAMPLING_MODES for uniform in decode
-                if not uniform or t_pad <= bucket(self.config.max_num_seqs, self.min_token_bucket)]
+                for t_pad in sizes for mode in SAMPLING_MODES for uniform in (False, True)
+                if (uniform and t_pad <= decode_buckets) or (not uniform and not (t_pad == 1 and decode_buckets))]
 
     def settle(self, num_requests: int = SETTLE_REQUESTS) -> None:
         """Runs ``num_requests`` throwaway one-token requests through the whole loop, then puts back

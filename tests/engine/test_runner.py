@@ -180,6 +180,12 @@ def test_built_inputs_are_their_own_packed_buffer():
     inputs = build_step_inputs(decode, engine.kv.tables, 8, max_seqs=4, uniform_decode=True)
     packed, layout = pack(inputs)
     assert inputs.uniform_decode and layout.uniform_decode and unpack(packed, layout).uniform_decode
+    # An engine that marks decode steps (Mosaic over bf16 on a GPU) warms up both variants of each bucket
+    # a decode step can fill (up to max_num_seqs = 4), one-token steps as decode steps only.
+    engine._uniform_decode, engine.min_token_bucket = True, 1
+    warmed = [(w.token_ids.shape[0], w.uniform_decode) for w in engine._warmup_steps() if w.sampling_mode == "random"]
+    assert warmed[:5] == [(1, True), (2, False), (2, True), (4, False), (4, True)]
+    assert warmed[5:] == [(8 << i, False) for i in range(len(warmed) - 5)] and len(warmed) > 5
 
 
 def test_step_copies_alternate_and_give_the_same_tokens():
