@@ -9,6 +9,10 @@ enough for >= 30 first tokens, at least 3), each with fresh random prompts (so t
 hits). All requests of a run arrive at once; the engine is stepped here and every
 request's output tokens are timestamped after each step.
 
+``--prefix-len P``: each run's prompts start with one fresh shared prefix of ``P`` tokens, which a
+one-token request (not timed) puts in the prefix cache first; the prompts' own tokens (``--prompts``)
+then follow a cached prefix (the step of a turn in a conversation), and TTFT is that step's.
+
 * TTFT: from ``add_request`` to the first generated token (``RequestOutput.metrics``: ``arrival_time``,
   ``first_token_time``), queueing and chunked prefill included.
 * ITL: the gaps between consecutive output tokens of a request (all gaps of all requests), so a decode
@@ -26,6 +30,8 @@ ms), more than the differences measured; runs in turn in one process share whate
 
     python benchmarks/bench_latency.py --out $OUT
     python benchmarks/bench_latency.py --backend triton,mosaic --batches 1 --prompts 32 --out $OUT
+    python benchmarks/bench_latency.py --backend mosaic,triton --kv-cache-dtype fp8 --batches 1 --prompts 32,256 \
+        --prefix-len 4096 --max-num-seqs 256 --max-tokens 16 --out $OUT
     python benchmarks/bench_latency.py --model tiny --batches 1,2 --prompts 8,24 --max-tokens 4 --out /tmp/l
 """
 
@@ -98,7 +104,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], sp: SamplingParams) -
             tpot.append((m.finished_time - m.first_token_time) / (n - 1))
     out_tokens = sum(len(outs[r].outputs[0].token_ids) for r in rids)
     return dict(ttft=ttft, itl=gaps, tpot=tpot, wall=wall, steps=steps, decode_steps=decode_steps,
-                output_tokens=out_tokens, token_ids=[list(outs[r].outputs[0].token_ids) for r in rids])
+                output_tokens=out_tokens, cached_tokens=sum(outs[r].num_cached_tokens for r in rids), token_ids=[list(outs[r].outputs[0].token_ids) for r in rids])
 
 
 MIN_TTFT_SAMPLES = 30
@@ -120,7 +126,8 @@ def summarise(runs: list[dict]) -> dict:
                 itl_p50_ms=ms(percentile(itl, 50)), itl_p90_ms=ms(percentile(itl, 90)),
                 tpot_p50_ms=ms(percentile(tpot, 50)),
                 out_tok_per_s=sum(r["output_tokens"] for r in runs) / sum(r["wall"] for r in runs),
-                steps_per_run=sum(r["steps"] for r in runs) / len(runs), runs=len(runs))
+                steps_per_run=sum(r["steps"] for r in runs) / len(runs), runs=len(runs),
+                cached_per_request=sum(r["cached_tokens"] for r in runs) / sum(len(r["ttft"]) for r in runs))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -131,7 +138,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     ap.add_argument("--repeats", type=int, default=None,
                     help="measured runs per configuration (default: enough for >= 30 TTFT samples, at least 3)")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--prefix-len", type=int, default=0,
+                    help="tokens of a shared prefix cached before each run (0: none; module docstring)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig(kv_cache_dtype=...): auto, fp8, ...")
+    ap.add_argument("--block-size", type=int, default=None, help="default: the engine's (16; 64 for fp8 KV)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--backend", default="auto",
                     help="attention backend; a comma list (e.g. triton,mosaic) builds an engine each and measures "
@@ -157,12 +167,14 @@ def main(argv: list[str] | None = None) -> dict:
     os.makedirs(args.out, exist_ok=True)
     t_load = time.perf_counter()
     params = load_params(args.model)
-    bs = args.block_size
-    max_model_len = -(-(max(prompt_lens) + args.max_tokens) // bs) * bs
+    config = EngineConfig(block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype)
+    bs = config.resolved_block_size(params.config.head_dim)
+    longest = args.prefix_len + max(prompt_lens) + args.max_tokens
+    max_model_len = -(-longest // bs) * bs
     if max_model_len > params.config.max_position_embeddings:
-        raise SystemExit(f"prompt + max_tokens ({max(prompt_lens) + args.max_tokens}) exceeds the model's "
+        raise SystemExit(f"prefix + prompt + max_tokens ({longest}) exceeds the model's "
                          f"{params.config.max_position_embeddings} positions: use shorter --prompts")
-    config = EngineConfig(block_size=bs, num_blocks=max(batches) * (max_model_len // bs) + 1,
+    config = dataclasses.replace(config, block_size=bs, num_blocks=max(batches) * (max_model_len // bs) + 1,
                           max_num_seqs=args.max_num_seqs or max(batches),
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=max_model_len, async_scheduling=args.async_scheduling)
@@ -175,6 +187,16 @@ def main(argv: list[str] | None = None) -> dict:
     rng = np.random.default_rng(0)
     vocab = min(params.config.vocab_size, 10_000)
 
+    def new_prompts(batch: int, length: int) -> list[list[int]]:
+        """Fresh random prompts, each after one fresh shared prefix of ``--prefix-len`` tokens."""
+        prefix = rng.integers(0, vocab, args.prefix_len).tolist()
+        return [prefix + p for p in rng.integers(0, vocab, (batch, length)).tolist()]
+
+    def cache_prefix(engine: LLMEngine, prompts: list[list[int]]) -> None:
+        """Puts the prompts' shared prefix in ``engine``'s prefix cache (a one-token request, untimed)."""
+        if args.prefix_len:
+            run_batch(engine, [prompts[0][:args.prefix_len]], dataclasses.replace(sp, max_tokens=1))
+
     rows, agreement = [], {}
     for length in prompt_lens:
         for batch in batches:
@@ -183,7 +205,9 @@ def main(argv: list[str] | None = None) -> dict:
                 c0, s0 = engine.runner.compile_seconds, engine.runner.num_compiled_shapes
                 t0 = time.perf_counter()
                 for _ in range(engine.runner.step_executables):  # compiles its shapes, every copy of them
-                    run_batch(engine, rng.integers(0, vocab, (batch, length)).tolist(), sp)
+                    prompts = new_prompts(batch, length)
+                    cache_prefix(engine, prompts)
+                    run_batch(engine, prompts, sp)
                     if several:  # and the settling request's (a shorter prompt: maybe another bucket)
                         engine.settle(1)
                 first[name] = dict(compile_s=engine.runner.compile_seconds - c0,
@@ -193,8 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
             freeze_long_lived_heap()  # as LLMEngine.warmup does: no full GC walking the compiled steps mid-run
             runs = {name: [] for name in engines}
             for _ in range(repeats_for(batch, args.repeats)):  # the backends in turn, on the same prompts
-                prompts = rng.integers(0, vocab, (batch, length)).tolist()
+                prompts = new_prompts(batch, length)
                 for name, engine in engines.items():
+                    cache_prefix(engine, prompts)
                     if several:  # a throwaway request first, its traces undone: LLMEngine.settle
                         engine.settle(1)
                     runs[name].append(run_batch(engine, prompts, sp))
@@ -205,10 +230,11 @@ def main(argv: list[str] | None = None) -> dict:
                            recompiles_while_measuring=engine.runner.num_compiled_executables - f["executables"],
                            **summarise(runs[name]), raw=runs[name])
                 rows.append(row)
+                cached = f", {row['cached_per_request']:.0f} cached tokens a request" if args.prefix_len else ""
                 print(f"{row['backend'] + ': ' if several else ''}batch {batch:3d} prompt {length:5d}: "
                       f"TTFT p50 {row['ttft_p50_ms']:.2f} ms, "
                       f"ITL p50 {row['itl_p50_ms'] if row['itl_p50_ms'] is not None else float('nan'):.2f} ms "
-                      f"(compile {row['compile_s']:.1f} s, {row['new_shapes']} shapes)", flush=True)
+                      f"(compile {row['compile_s']:.1f} s, {row['new_shapes']} shapes{cached})", flush=True)
             ref = runs[backends[0]]
             for name in backends[1:]:  # greedy tokens equal to the first backend's, request by request
                 pairs = [(a, b) for ra, rb in zip(ref, runs[name]) for a, b in zip(ra["token_ids"], rb["token_ids"])]
@@ -231,6 +257,8 @@ def main(argv: list[str] | None = None) -> dict:
     f2 = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     in_turn = " (in turn, on the same prompts)" if several else ""
     print(f"\nlatency: model {args.model}, {result['device']}, backend {'/'.join(names)}{in_turn}, greedy, "
+          f"KV {jax.numpy.dtype(engine.kv_dtype).name}, block {bs}, max_num_seqs {engine.config.max_num_seqs}"
+          f"{f', prompts after a cached {args.prefix_len}-token prefix' if args.prefix_len else ''}, "
           f"{args.max_tokens} output tokens, runs per row: {[r['runs'] for r in rows]}; "
           f"compile {result['compile_s_total']:.1f} s total ({result['compiled_shapes']} shapes), setup {setup_s:.1f} s")
     print(f"{'backend ' if several else ''}{'batch':>5s} {'prompt':>6s} {'TTFT p50':>9s} {'TTFT p90':>9s} "
