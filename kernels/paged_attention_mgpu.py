@@ -703,11 +703,11 @@ def paged_attention_mgpu(
         return paged_prefill_mgpu(q, kv_pool, jnp.asarray(layer, jnp.int32), cu_q_lens, kv_lens, block_tables,
                                   scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
                                   interpret=_interpret_params(interpret), block_kv=block_kv, num_slots=num_slots)
-    # Keys on wgmma's M, a token a program (paged_attention_mgpu_decode): decode over fp8, and over bf16
-    # a uniform decode launch (a decode step: its shapes cannot tell it from a short prompt's, on which
-    # a program a token would read a cached prefix once a token).
-    keys_on_m = (is_fp8(kv_pool.dtype) and (block_q == 1 or (block_q is None and decode))) or (
-        block_q is None and uniform_decode and kv_pool.dtype == jnp.bfloat16)
+    # Keys on wgmma's M, a token a program (paged_attention_mgpu_decode): a uniform decode launch (a decode
+    # step: its shapes cannot tell it from a short prompt's, on which a program a token would read a
+    # cached prefix once a token), and over fp8 one asked for with block_q 1.
+    keys_on_m = (is_fp8(kv_pool.dtype) and block_q == 1) or (
+        block_q is None and uniform_decode and (is_fp8(kv_pool.dtype) or kv_pool.dtype == jnp.bfloat16))
     if block_q is None:
         block_q = min(BLOCK_M // (q.shape[1] // kv_pool.shape[4]), MAX_TILE_TOKENS)
     if num_splits is None:
