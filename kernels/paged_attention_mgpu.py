@@ -76,8 +76,8 @@ chunked prefill, mixed steps) run the warp-specialised kernel of ``paged_attenti
 instead: two compute warpgroups share each K/V tile and a third issues the copies (1.3x faster than
 this kernel at 4k-16k tokens).
 
-Decode steps (``uniform_decode``: the caller says no sequence has more than one new token; over fp8
-pools every decode launch) run ``paged_attention_mgpu_decode.py`` instead: keys on wgmma's M, so a
+Decode steps (``uniform_decode``: the caller says no sequence has more than one new token) run
+``paged_attention_mgpu_decode.py`` instead: keys on wgmma's M, so a
 decode token's ``G`` query rows cost wgmma ``N = 8`` columns instead of 64 rows (over fp8 0.61x this
 kernel's time at batch 256, context 1,024, H200; over bf16 0.86-0.99x at 1-256 sequences, H100).
 
@@ -652,11 +652,11 @@ def paged_attention_mgpu(
       block_kv: keys per inner step (a multiple of 64 and of the block size, <= 256); default
         :func:`kv_tile` (:func:`prefill_kv_tile` on the prefill kernel). num_slots: KV tiles in flight
         (1-4). block_q: tokens per query tile, at most and by default ``min(64 // G, 32)`` (over an fp8 pool
-        a decode launch, or ``block_q`` 1, runs ``paged_attention_mgpu_decode``: a token a tile).
+        ``block_q`` 1 runs ``paged_attention_mgpu_decode``, a token a tile, as a ``uniform_decode`` launch does).
         num_splits: programs sharing a query tile's keys (split-K, a power of two <= 32); default
         :func:`choose_splits`. All for tuning: any value gives the same result (to rounding).
-      decode: the decode configuration (the query tiles, split-K by :func:`choose_splits`; over fp8 the
-        decode kernel) or, ``False``, the prefill kernel; by default decode where the launch has at most
+      decode: the decode configuration (the query tiles, split-K by :func:`choose_splits`) or, ``False``,
+        the prefill kernel; by default decode where the launch has at most
         two tokens a sequence or at most ``SMALL_LAUNCH_TOKENS`` tokens (not over fp8, whose decode
         kernel computes a token a program). On the prefill kernel a short launch that is not
         decode-shaped (a 32-token prompt alone, padded to 8 sequences) pays the copies around it
@@ -666,12 +666,13 @@ def paged_attention_mgpu(
         at 512 tokens 1.04x after the prefix and 1.47x without, so they stop at 128 (chained, H100,
         2026-12-06, benchmarks/RESULTS.md).
       uniform_decode: the caller knows that no sequence has more than one new token (an engine's decode
-        step). Over bf16 such a launch runs ``paged_attention_mgpu_decode`` (keys on wgmma's M, a
-        program a token): 0.86-0.99x the query tiles' time at 1-256 sequences, contexts 64-1,024, and
-        in the engine (Qwen3-0.6B shapes) 0.92x the tiles' ITL at batch 256, 0.97x Triton's (H100,
-        2026-12-06, benchmarks/RESULTS.md). Not inferred from shapes: an engine pads a short prompt's step to as
-        many sequences as tokens too, and there a program a token would read the prompt's cached
-        prefix once a token.
+        step). Such a launch runs ``paged_attention_mgpu_decode`` (keys on wgmma's M, a program a token):
+        over bf16 0.86-0.99x the query tiles' time at 1-256 sequences, contexts 64-1,024, and in the
+        engine (Qwen3-0.6B shapes) 0.92x the tiles' ITL at batch 256, 0.97x Triton's (H100, 2026-12-06,
+        benchmarks/RESULTS.md); over fp8 0.70-0.75x the tiles' time at 64-256 sequences of 1,024 tokens.
+        Not inferred from shapes: an engine pads a short prompt's step to as many sequences as tokens
+        too, and there a program a token reads the prompt's cached prefix once a token (over fp8 447
+        against the tiles' 144 us for 256 tokens after 4,096 cached).
     Returns ``[T, Hq, D]`` in ``q.dtype``; zeros for padding tokens.
     Raises ValueError for what the kernel does not support (module docstring, "Scope").
     """

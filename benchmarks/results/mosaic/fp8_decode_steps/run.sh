@@ -2,7 +2,7 @@
 # query tiles: the kernels' A/B, then the engine's TTFT after a cached prefix and ITL against the routing
 # by shape (old_routing.patch: decode-shaped launches over fp8 on the decode kernel), Triton in both as
 # the reference; then start-up and nano-vllm's workload, each way.
-# Run from the repository root: bash benchmarks/results/mosaic/fp8_decode_steps/run.sh kernels|latency|startup|throughput
+# Run from the repository root: bash benchmarks/results/mosaic/fp8_decode_steps/run.sh kernels|splits|latency|startup|throughput
 export PYTHONUNBUFFERED=1
 D=benchmarks/results/mosaic/fp8_decode_steps
 F='W0000|I0000|W12|E12|DeprecationWarning|cuda_event|warnings.warn|^WARNING'
@@ -19,6 +19,9 @@ case "$part" in
 kernels)
   timeout 200 python3 $D/kernels_ab.py 2>&1 | grep --line-buffered -v -E "$F" > $OUT/kernels_ab.log
   cut -c1-220 $OUT/kernels_ab.log ;;
+splits)
+  timeout 300 python3 $D/splits_ab.py 2>&1 | grep --line-buffered -v -E "$F" > $OUT/splits_ab.log
+  cut -c1-260 $OUT/splits_ab.log ;;
 latency)
   both 'timeout 220 python3 benchmarks/bench_latency.py --backend mosaic,triton --kv-cache-dtype fp8 --batches 1,8 \
     --prompts 32,256 --prefix-len 4096 --max-num-seqs 256 --max-tokens 16 --out $OUT/latency_{} 2>&1 \
