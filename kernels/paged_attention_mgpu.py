@@ -679,8 +679,7 @@ def paged_attention_mgpu(
     if uniform_decode:
         decode = True
     if decode is None:
-        small = q.shape[0] <= SMALL_LAUNCH_TOKENS and not is_fp8(kv_pool.dtype)  # (fp8: a token a program)
-        decode = q.ndim == 3 and (q.shape[0] <= 2 * kv_lens.shape[0] or small)
+        decode = q.ndim == 3 and (q.shape[0] <= 2 * kv_lens.shape[0] or q.shape[0] <= SMALL_LAUNCH_TOKENS)
     prefill = not decode and block_q is None and num_splits in (None, 1)  # the warp-specialised kernel
     if prefill and interpret:
         from jaxpaged.kernels.paged_attention_mgpu_prefill import NUM_COMPUTE
@@ -712,7 +711,11 @@ def paged_attention_mgpu(
     if block_q is None:
         block_q = min(BLOCK_M // (q.shape[1] // kv_pool.shape[4]), MAX_TILE_TOKENS)
     if num_splits is None:
-        num_splits = choose_splits(q.shape[0], kv_lens.shape[0], kv_pool.shape[4], block_kv,
+        # Programs before the split: a token each on the decode kernel; on the query tiles as many as the
+        # launch's tokens fill (not its padded sequences: an engine pads a prompt chunk's step to as many
+        # sequences as tokens, and a decode step, which has one tile a sequence, is marked).
+        tiles = q.shape[0] if keys_on_m else min(kv_lens.shape[0], -(-q.shape[0] // block_q))
+        num_splits = choose_splits(q.shape[0], tiles, kv_pool.shape[4], block_kv,
                                    block_tables.shape[1] * block_size_of(kv_pool), decode)
     if keys_on_m:
         from jaxpaged.kernels.paged_attention_mgpu_decode import paged_decode_mgpu

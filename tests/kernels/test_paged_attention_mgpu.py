@@ -140,12 +140,12 @@ def test_prefill_launches_need_interpreter_threads(monkeypatch):
         assert calls == expected and out.shape == q.shape
 
 
-@pytest.mark.parametrize("num_tokens,fp8,prefill", [(128, False, False), (129, False, True), (128, True, True)])
-def test_short_launches_run_the_tiles_with_split_k(monkeypatch, num_tokens, fp8, prefill):
+@pytest.mark.parametrize("num_tokens,fp8", [(128, False), (129, False), (128, True), (129, True)])
+def test_short_launches_run_the_tiles_with_split_k(monkeypatch, num_tokens, fp8):
     """A launch of more than two tokens a sequence runs the prefill kernel only past SMALL_LAUNCH_TOKENS
-    tokens over a bf16 pool; a shorter one (a short prompt alone, after a cached prefix) runs the query
-    tiles with the decode launches' split-K (over fp8, whose decode kernel computes a token a program, the
-    prefill kernel still)."""
+    tokens (over bf16 and fp8 pools); a shorter one (a short prompt alone, after a cached prefix) runs
+    the query tiles with split-K, its programs counted by the tiles its tokens fill (4 of 32 tokens here,
+    as many as its sequences)."""
     from jaxpaged.kernels import paged_attention_mgpu as mgpu
     from jaxpaged.kernels import paged_attention_mgpu_prefill as ws
 
@@ -154,13 +154,35 @@ def test_short_launches_run_the_tiles_with_split_k(monkeypatch, num_tokens, fp8,
     monkeypatch.setattr(ws, "paged_prefill_mgpu", lambda q, *a, **k: calls.append(q.shape) or jnp.zeros_like(q))
     monkeypatch.setattr(mgpu, "_paged_attention_mgpu", lambda *a, **k: calls.append(k["num_splits"]) or a[0])
     dtype = jnp.float8_e4m3fn if fp8 else jnp.float32
+    bs = 64 if fp8 else 16
     q = jnp.ones((num_tokens, 4, 64), jnp.bfloat16 if fp8 else jnp.float32)
-    pool = jnp.zeros((1, 80, 65 if fp8 else 16, 2, 2, 64), dtype)  # (an fp8 block: 64 slots + its scale row)
+    pool = jnp.zeros((1, 80, bs + fp8, 2, 2, 64), dtype)  # (an fp8 block: 64 slots + its scale row)
     args = (q, pool, 0, jnp.array([0, 30, 30, 30, 30], jnp.int32), jnp.array([4000, 0, 0, 0], jnp.int32),
             jnp.zeros((4, 80), jnp.int32))
     mgpu.paged_attention_mgpu(*args, interpret=True)
-    assert calls == ([q.shape] if prefill else [mgpu.choose_splits(num_tokens, 4, 2, 64, 80 * 16, decode=True)])
+    prefill = num_tokens > 128
+    assert calls == ([q.shape] if prefill else [mgpu.choose_splits(num_tokens, 4, 2, 64, 80 * bs, decode=True)])
     assert prefill or calls[0] > 1  # 8 programs unsplit: the cached prefix is split
+
+
+def test_decode_shaped_launches_count_the_tiles_their_tokens_fill(monkeypatch):
+    """Unmarked, a decode-shaped launch may hold a prompt chunk padded to as many sequences as tokens: its
+    split-K counts the query tiles its tokens fill (one here: 32 splits), not its sequences (32: one
+    split). Marked ``uniform_decode``, a program a token."""
+    from jaxpaged.kernels import paged_attention_mgpu as mgpu
+    from jaxpaged.kernels import paged_attention_mgpu_decode as dec
+
+    calls = []
+    tiles = lambda *a, **k: calls.append(("tiles", k["num_splits"])) or a[0]  # noqa: E731
+    monkeypatch.setattr(mgpu, "_paged_attention_mgpu", tiles)
+    monkeypatch.setattr(dec, "paged_decode_mgpu", lambda *a, **k: calls.append(("decode", k["num_splits"])) or a[0])
+    q = jnp.ones((32, 4, 64), jnp.bfloat16)
+    pool = jnp.zeros((1, 80, 64, 2, 2, 64), jnp.bfloat16)
+    meta = (jnp.zeros(33, jnp.int32), jnp.zeros(32, jnp.int32), jnp.zeros((32, 80), jnp.int32))
+    mgpu.paged_attention_mgpu(q, pool, 0, *meta, interpret=True)
+    mgpu.paged_attention_mgpu(q, pool, 0, *meta, interpret=True, uniform_decode=True)
+    by_tiles, by_tokens = (mgpu.choose_splits(32, n, 2, 64, 80 * 64, decode=True) for n in (1, 32))
+    assert calls == [("tiles", by_tiles), ("decode", by_tokens)] and by_tiles > by_tokens
 
 
 def test_only_padding_and_empty_sequences():
