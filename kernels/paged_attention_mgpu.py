@@ -71,13 +71,13 @@ bf16 queries, one pool block a KV tile (block size 64 or 128): see below. ``head
 block sizes 8 to 128 (powers of two);
 ``G <= 64``. One warpgroup per program (a decode tile fills ``G`` of its 64 rows), whole blocks
 copied for the last KV tile. Launches that are neither decode (at most two tokens a sequence, or
-over a bf16 pool at most ``SMALL_LAUNCH_TOKENS``) nor given ``block_q``/``num_splits`` (prefill,
+at most ``SMALL_LAUNCH_TOKENS``) nor given ``block_q``/``num_splits`` (prefill,
 chunked prefill, mixed steps) run the warp-specialised kernel of ``paged_attention_mgpu_prefill.py``
 instead: two compute warpgroups share each K/V tile and a third issues the copies (1.3x faster than
 this kernel at 4k-16k tokens).
 
-Decode steps (``uniform_decode``: the caller says no sequence has more than one new token) run
-``paged_attention_mgpu_decode.py`` instead: keys on wgmma's M, so a
+Decode steps (``uniform_decode``: the caller says no sequence has more than one new token; over fp8
+pools every decode-shaped launch) run ``paged_attention_mgpu_decode.py`` instead: keys on wgmma's M, so a
 decode token's ``G`` query rows cost wgmma ``N = 8`` columns instead of 64 rows (over fp8 0.61x this
 kernel's time at batch 256, context 1,024, H200; over bf16 0.86-0.99x at 1-256 sequences, H100).
 
@@ -652,27 +652,27 @@ def paged_attention_mgpu(
       block_kv: keys per inner step (a multiple of 64 and of the block size, <= 256); default
         :func:`kv_tile` (:func:`prefill_kv_tile` on the prefill kernel). num_slots: KV tiles in flight
         (1-4). block_q: tokens per query tile, at most and by default ``min(64 // G, 32)`` (over an fp8 pool
-        ``block_q`` 1 runs ``paged_attention_mgpu_decode``, a token a tile, as a ``uniform_decode`` launch does).
+        a decode-shaped launch, or ``block_q`` 1, runs ``paged_attention_mgpu_decode``: a token a tile).
         num_splits: programs sharing a query tile's keys (split-K, a power of two <= 32); default
         :func:`choose_splits`. All for tuning: any value gives the same result (to rounding).
-      decode: the decode configuration (the query tiles, split-K by :func:`choose_splits`) or, ``False``,
-        the prefill kernel; by default decode where the launch has at most
-        two tokens a sequence or at most ``SMALL_LAUNCH_TOKENS`` tokens (not over fp8, whose decode
-        kernel computes a token a program). On the prefill kernel a short launch that is not
+      decode: the decode configuration (the query tiles, split-K by :func:`choose_splits`; over fp8 a
+        decode-shaped launch the decode kernel) or, ``False``, the prefill kernel; by default decode where the launch has at most
+        two tokens a sequence or at most ``SMALL_LAUNCH_TOKENS`` tokens. On the prefill kernel a short launch that is not
         decode-shaped (a 32-token prompt alone, padded to 8 sequences) pays the copies around it
         (queries into 128 rows, the side output's scatter, the output's copy back), and its few
         programs read a cached prefix unsplit. There the tiles with split-K took 0.57 / 0.62x the prefill kernel's time after 4,096 cached
         tokens (32 / 128 new tokens), 0.42x at ``G`` = 7, and 0.95-1.00x without (0.62 at ``G`` = 7);
         at 512 tokens 1.04x after the prefix and 1.47x without, so they stop at 128 (chained, H100,
-        2026-12-06, benchmarks/RESULTS.md).
+        2026-12-06, benchmarks/RESULTS.md). Over fp8 alike: 0.38 / 0.43x after 4,096 cached tokens,
+        0.86 / 1.16x without (H100, 2026-12-06, the same page).
       uniform_decode: the caller knows that no sequence has more than one new token (an engine's decode
         step). Such a launch runs ``paged_attention_mgpu_decode`` (keys on wgmma's M, a program a token):
         over bf16 0.86-0.99x the query tiles' time at 1-256 sequences, contexts 64-1,024, and in the
         engine (Qwen3-0.6B shapes) 0.92x the tiles' ITL at batch 256, 0.97x Triton's (H100, 2026-12-06,
-        benchmarks/RESULTS.md); over fp8 0.70-0.75x the tiles' time at 64-256 sequences of 1,024 tokens.
-        Not inferred from shapes: an engine pads a short prompt's step to as many sequences as tokens
-        too, and there a program a token reads the prompt's cached prefix once a token (over fp8 447
-        against the tiles' 144 us for 256 tokens after 4,096 cached).
+        benchmarks/RESULTS.md). Not inferred from shapes over bf16: an engine pads a short prompt's step
+        to as many sequences as tokens too, and there a program a token reads the prompt's cached
+        prefix once a token. (Over fp8 the decode kernel runs every decode-shaped launch; its known gap,
+        prompt chunks, is in docs/DECISIONS.md.)
     Returns ``[T, Hq, D]`` in ``q.dtype``; zeros for padding tokens.
     Raises ValueError for what the kernel does not support (module docstring, "Scope").
     """
@@ -705,17 +705,14 @@ def paged_attention_mgpu(
                                   interpret=_interpret_params(interpret), block_kv=block_kv, num_slots=num_slots)
     # Keys on wgmma's M, a token a program (paged_attention_mgpu_decode): a uniform decode launch (a decode
     # step: its shapes cannot tell it from a short prompt's, on which a program a token would read a
-    # cached prefix once a token), and over fp8 one asked for with block_q 1.
-    keys_on_m = (is_fp8(kv_pool.dtype) and block_q == 1) or (
+    # cached prefix once a token), and over fp8 every decode-shaped launch (or one asked for with block_q 1).
+    decode_shaped = decode and q.shape[0] <= 2 * kv_lens.shape[0]
+    keys_on_m = (is_fp8(kv_pool.dtype) and (block_q == 1 or (block_q is None and decode_shaped))) or (
         block_q is None and uniform_decode and (is_fp8(kv_pool.dtype) or kv_pool.dtype == jnp.bfloat16))
     if block_q is None:
         block_q = min(BLOCK_M // (q.shape[1] // kv_pool.shape[4]), MAX_TILE_TOKENS)
     if num_splits is None:
-        # Programs before the split: a token each on the decode kernel; on the query tiles as many as the
-        # launch's tokens fill (not its padded sequences: an engine pads a prompt chunk's step to as many
-        # sequences as tokens, and a decode step, which has one tile a sequence, is marked).
-        tiles = q.shape[0] if keys_on_m else min(kv_lens.shape[0], -(-q.shape[0] // block_q))
-        num_splits = choose_splits(q.shape[0], tiles, kv_pool.shape[4], block_kv,
+        num_splits = choose_splits(q.shape[0], kv_lens.shape[0], kv_pool.shape[4], block_kv,
                                    block_tables.shape[1] * block_size_of(kv_pool), decode)
     if keys_on_m:
         from jaxpaged.kernels.paged_attention_mgpu_decode import paged_decode_mgpu

@@ -144,8 +144,7 @@ def test_prefill_launches_need_interpreter_threads(monkeypatch):
 def test_short_launches_run_the_tiles_with_split_k(monkeypatch, num_tokens, fp8):
     """A launch of more than two tokens a sequence runs the prefill kernel only past SMALL_LAUNCH_TOKENS
     tokens (over bf16 and fp8 pools); a shorter one (a short prompt alone, after a cached prefix) runs
-    the query tiles with split-K, its programs counted by the tiles its tokens fill (4 of 32 tokens here,
-    as many as its sequences)."""
+    the query tiles with the decode launches' split-K."""
     from jaxpaged.kernels import paged_attention_mgpu as mgpu
     from jaxpaged.kernels import paged_attention_mgpu_prefill as ws
 
@@ -163,26 +162,6 @@ def test_short_launches_run_the_tiles_with_split_k(monkeypatch, num_tokens, fp8)
     prefill = num_tokens > 128
     assert calls == ([q.shape] if prefill else [mgpu.choose_splits(num_tokens, 4, 2, 64, 80 * bs, decode=True)])
     assert prefill or calls[0] > 1  # 8 programs unsplit: the cached prefix is split
-
-
-def test_decode_shaped_launches_count_the_tiles_their_tokens_fill(monkeypatch):
-    """Unmarked, a decode-shaped launch may hold a prompt chunk padded to as many sequences as tokens: its
-    split-K counts the query tiles its tokens fill (one here: 32 splits), not its sequences (32: one
-    split). Marked ``uniform_decode``, a program a token."""
-    from jaxpaged.kernels import paged_attention_mgpu as mgpu
-    from jaxpaged.kernels import paged_attention_mgpu_decode as dec
-
-    calls = []
-    tiles = lambda *a, **k: calls.append(("tiles", k["num_splits"])) or a[0]  # noqa: E731
-    monkeypatch.setattr(mgpu, "_paged_attention_mgpu", tiles)
-    monkeypatch.setattr(dec, "paged_decode_mgpu", lambda *a, **k: calls.append(("decode", k["num_splits"])) or a[0])
-    q = jnp.ones((32, 4, 64), jnp.bfloat16)
-    pool = jnp.zeros((1, 80, 64, 2, 2, 64), jnp.bfloat16)
-    meta = (jnp.zeros(33, jnp.int32), jnp.zeros(32, jnp.int32), jnp.zeros((32, 80), jnp.int32))
-    mgpu.paged_attention_mgpu(q, pool, 0, *meta, interpret=True)
-    mgpu.paged_attention_mgpu(q, pool, 0, *meta, interpret=True, uniform_decode=True)
-    by_tiles, by_tokens = (mgpu.choose_splits(32, n, 2, 64, 80 * 64, decode=True) for n in (1, 32))
-    assert calls == [("tiles", by_tiles), ("decode", by_tokens)] and by_tiles > by_tokens
 
 
 def test_only_padding_and_empty_sequences():

@@ -1,11 +1,12 @@
 """fp8 pools (e4m3, block 64) at Qwen3-0.6B's heads (Hq 16 / Hkv 8 / D 128) and Qwen2.5-7B's (28 / 4):
-where each launch an fp8 engine makes should run, now that the engine marks its decode steps.
+where each launch an fp8 engine makes should run if the engine marked its decode steps.
 
 * decode-shaped launches holding a prompt chunk (one real sequence, the step padded to as many
-  sequences as tokens): ``keys_on_m`` (what they ran by shape before: the decode kernel, a program a
-  token), ``tiles`` (the query tiles, what they run unmarked now), ``prefill`` (the warp-specialised kernel);
+  sequences as tokens): ``keys_on_m`` (what they run by shape: the decode kernel, a program a token),
+  ``tiles`` (the query tiles, what they would run with the decode steps marked), ``prefill`` (the
+  warp-specialised kernel);
 * short launches that are not decode-shaped (a 32- or 128-token prompt alone, 8 sequences): ``prefill``
-  (what they run over fp8) against ``tiles`` (what they run over bf16: ``SMALL_LAUNCH_TOKENS``);
+  (what they ran over fp8) against ``tiles`` (what they run over bf16: ``SMALL_LAUNCH_TOKENS``);
 * decode steps: ``keys_on_m`` (marked ``uniform_decode``) against ``tiles``.
 Each against the Triton kernel over the same pool (time and max difference). Chained us, variants in
 turn over two rounds (``time_variants``).

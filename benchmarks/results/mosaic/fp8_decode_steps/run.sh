@@ -1,8 +1,10 @@
-# fp8 engines mark their decode steps (uniform_decode) and run their other decode-shaped launches on the
-# query tiles: the kernels' A/B, then the engine's TTFT after a cached prefix and ITL against the routing
-# by shape (old_routing.patch, applied to the first version of this change: decode-shaped launches over
-# fp8 on the decode kernel, as before it), Triton in both as the reference; then start-up and nano-vllm's workload, each way.
-# Run from the repository root: bash benchmarks/results/mosaic/fp8_decode_steps/run.sh kernels|splits|latency|prefix|startup|throughput
+# fp8 engines marking their decode steps (uniform_decode) and running their other decode-shaped launches
+# on the query tiles, against the routing by shape: the kernels' A/B (kernels), the engine's TTFT after a
+# cached prefix and ITL with Triton as the reference (latency: at e6f93a9, the commit that marked them,
+# and with old_routing.patch applied there, the routing by shape); the query tiles' split-K by padded
+# sequences or by the tiles a launch's tokens fill (splits); TTFT after a cached prefix as the tree
+# stands (prefix).
+# Run from the repository root: bash benchmarks/results/mosaic/fp8_decode_steps/run.sh kernels|splits|latency|prefix
 export PYTHONUNBUFFERED=1
 D=benchmarks/results/mosaic/fp8_decode_steps
 F='W0000|I0000|W12|E12|DeprecationWarning|cuda_event|warnings.warn|^WARNING'
@@ -33,12 +35,5 @@ prefix)  # as landed: fp8 and bf16, Mosaic against Triton, TTFT after a cached p
       | grep --line-buffered -v -E "$F" > $OUT/prefix_$kv.log
     echo "KV $kv"; tail -11 $OUT/prefix_$kv.log
   done ;;
-startup)
-  both 'timeout 200 python3 benchmarks/bench_startup.py --model qwen3-0.6b --backend mosaic --kv-cache-dtype fp8 \
-    --out $OUT/startup_{} 2>&1 | grep --line-buffered -v -E "$F" > $OUT/startup_{}.log; echo {}; tail -8 $OUT/startup_{}.log' ;;
-throughput)
-  both 'timeout 170 python3 benchmarks/bench_throughput.py --backend mosaic --kv-cache-dtype fp8 --hf-requests 0 \
-    --out $OUT/throughput_{} 2>&1 | grep --line-buffered -v -E "$F" > $OUT/throughput_{}.log; \
-    echo "throughput {}: $(grep -a -A1 "^run " $OUT/throughput_{}.log | tail -1)"' ;;
 esac
 done
