@@ -656,9 +656,9 @@ def paged_attention_mgpu(
         num_splits: programs sharing a query tile's keys (split-K, a power of two <= 32); default
         :func:`choose_splits`. All for tuning: any value gives the same result (to rounding).
       decode: the decode configuration (the query tiles, split-K by :func:`choose_splits`; over fp8 a
-        decode-shaped launch the decode kernel) or, ``False``, the prefill kernel; by default decode where the launch has at most
-        two tokens a sequence or at most ``SMALL_LAUNCH_TOKENS`` tokens. On the prefill kernel a short launch that is not
-        decode-shaped (a 32-token prompt alone, padded to 8 sequences) pays the copies around it
+        decode-shaped launch the decode kernel) or, ``False``, the prefill kernel; by default decode
+        where the launch has at most two tokens a sequence or at most ``SMALL_LAUNCH_TOKENS`` tokens.
+        On the prefill kernel a short launch that is not decode-shaped (a 32-token prompt alone, padded to 8 sequences) pays the copies around it
         (queries into 128 rows, the side output's scatter, the output's copy back), and its few
         programs read a cached prefix unsplit. There the tiles with split-K took 0.57 / 0.62x the prefill kernel's time after 4,096 cached
         tokens (32 / 128 new tokens), 0.42x at ``G`` = 7, and 0.95-1.00x without (0.62 at ``G`` = 7);
@@ -676,10 +676,11 @@ def paged_attention_mgpu(
     Returns ``[T, Hq, D]`` in ``q.dtype``; zeros for padding tokens.
     Raises ValueError for what the kernel does not support (module docstring, "Scope").
     """
+    decode_shaped = q.ndim == 3 and q.shape[0] <= 2 * kv_lens.shape[0]  # at most two tokens a sequence
     if uniform_decode:
         decode = True
     if decode is None:
-        decode = q.ndim == 3 and (q.shape[0] <= 2 * kv_lens.shape[0] or q.shape[0] <= SMALL_LAUNCH_TOKENS)
+        decode = decode_shaped or (q.ndim == 3 and q.shape[0] <= SMALL_LAUNCH_TOKENS)
     prefill = not decode and block_q is None and num_splits in (None, 1)  # the warp-specialised kernel
     if prefill and interpret:
         from jaxpaged.kernels.paged_attention_mgpu_prefill import NUM_COMPUTE
@@ -706,8 +707,7 @@ def paged_attention_mgpu(
     # Keys on wgmma's M, a token a program (paged_attention_mgpu_decode): a uniform decode launch (a decode
     # step: its shapes cannot tell it from a short prompt's, on which a program a token would read a
     # cached prefix once a token), and over fp8 every decode-shaped launch (or one asked for with block_q 1).
-    decode_shaped = decode and q.shape[0] <= 2 * kv_lens.shape[0]
-    keys_on_m = (is_fp8(kv_pool.dtype) and (block_q == 1 or (block_q is None and decode_shaped))) or (
+    keys_on_m = (is_fp8(kv_pool.dtype) and (block_q == 1 or (block_q is None and decode and decode_shaped))) or (
         block_q is None and uniform_decode and (is_fp8(kv_pool.dtype) or kv_pool.dtype == jnp.bfloat16))
     if block_q is None:
         block_q = min(BLOCK_M // (q.shape[1] // kv_pool.shape[4]), MAX_TILE_TOKENS)
