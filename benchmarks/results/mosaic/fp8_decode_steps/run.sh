@@ -3,18 +3,20 @@
 # cached prefix and ITL with Triton as the reference (latency: at e6f93a9, the commit that marked them,
 # and with old_routing.patch applied there, the routing by shape); the query tiles' split-K by padded
 # sequences or by the tiles a launch's tokens fill (splits); TTFT after a cached prefix as the tree
-# stands (prefix).
-# Run from the repository root: bash benchmarks/results/mosaic/fp8_decode_steps/run.sh kernels|splits|latency|prefix
+# stands (prefix); the tree as it stands against marked_by_tiles.patch (fp8 engines mark their decode steps,
+# other decode-shaped fp8 launches run the query tiles, whose split-K counts the tiles a launch's tokens
+# fill): TTFT after a cached prefix, fp8 and bf16, and the nano-vllm workload over fp8 (marked).
+# Run from the repository root: bash benchmarks/results/mosaic/fp8_decode_steps/run.sh kernels|splits|latency|prefix|marked
 export PYTHONUNBUFFERED=1
 D=benchmarks/results/mosaic/fp8_decode_steps
 F='W0000|I0000|W12|E12|DeprecationWarning|cuda_event|warnings.warn|^WARNING'
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/gpu.txt
-both() {  # runs "$@" as landed (new), then with old_routing.patch applied (old), naming outputs by {}
-  for way in new old; do
-    [ $way = old ] && git apply $D/old_routing.patch
-    eval "${@//\{\}/$way}"
-    [ $way = old ] && git apply -R $D/old_routing.patch
-  done
+both() {  # both PATCH AS_IS PATCHED COMMAND: COMMAND as the tree stands, then with PATCH applied, {} naming each
+  local patch=$1 as_is=$2 patched=$3; shift 3
+  eval "${@//\{\}/$as_is}"
+  git apply $D/$patch
+  eval "${@//\{\}/$patched}"
+  git apply -R $D/$patch
 }
 for part in "$@"; do
 case "$part" in
@@ -25,7 +27,7 @@ splits)
   timeout 300 python3 $D/splits_ab.py 2>&1 | grep --line-buffered -v -E "$F" > $OUT/splits_ab.log
   cut -c1-260 $OUT/splits_ab.log ;;
 latency)
-  both 'timeout 220 python3 benchmarks/bench_latency.py --backend mosaic,triton --kv-cache-dtype fp8 --batches 1,8 \
+  both old_routing.patch new old 'timeout 220 python3 benchmarks/bench_latency.py --backend mosaic,triton --kv-cache-dtype fp8 --batches 1,8 \
     --prompts 32,256 --prefix-len 4096 --max-num-seqs 256 --max-tokens 16 --out $OUT/latency_{} 2>&1 \
     | grep --line-buffered -v -E "$F" > $OUT/latency_{}.log; echo {}; tail -11 $OUT/latency_{}.log' ;;
 prefix)  # as landed: fp8 and bf16, Mosaic against Triton, TTFT after a cached prefix
@@ -35,5 +37,14 @@ prefix)  # as landed: fp8 and bf16, Mosaic against Triton, TTFT after a cached p
       | grep --line-buffered -v -E "$F" > $OUT/prefix_$kv.log
     echo "KV $kv"; tail -11 $OUT/prefix_$kv.log
   done ;;
+marked)
+  L='python3 benchmarks/bench_latency.py --backend mosaic --prefix-len 4096 --max-num-seqs 256 --max-tokens 16'
+  both marked_by_tiles.patch shape marked "timeout 120 $L --kv-cache-dtype fp8 --batches 1,8 --prompts 32,256 --out \$OUT/marked_fp8_{} 2>&1 \
+    | grep --line-buffered -v -E '$F' > \$OUT/marked_fp8_{}.log; echo fp8 {}; tail -6 \$OUT/marked_fp8_{}.log"
+  both marked_by_tiles.patch shape marked "timeout 100 $L --kv-cache-dtype auto --batches 1,8 --prompts 32 --out \$OUT/marked_bf16_{} 2>&1 \
+    | grep --line-buffered -v -E '$F' > \$OUT/marked_bf16_{}.log; echo bf16 {}; tail -4 \$OUT/marked_bf16_{}.log"
+  both marked_by_tiles.patch shape marked "timeout 110 python3 benchmarks/bench_throughput.py --backend mosaic --kv-cache-dtype fp8 \
+    --hf-requests 0 --out \$OUT/marked_tput_{} 2>&1 | grep --line-buffered -v -E '$F' > \$OUT/marked_tput_{}.log; \
+    echo throughput {}: \$(grep -a -A1 '^run ' \$OUT/marked_tput_{}.log | tail -1)" ;;
 esac
 done
