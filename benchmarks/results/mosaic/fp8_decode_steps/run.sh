@@ -6,7 +6,9 @@
 # stands (prefix); the tree as it stands against marked_by_tiles.patch (fp8 engines mark their decode steps,
 # other decode-shaped fp8 launches run the query tiles, whose split-K counts the tiles a launch's tokens
 # fill): TTFT after a cached prefix, fp8 and bf16, and the nano-vllm workload over fp8 (marked).
-# Run from the repository root: bash benchmarks/results/mosaic/fp8_decode_steps/run.sh kernels|splits|latency|prefix|marked
+# capped: as marked, with split-K capped at 4 where the tokens' tiles are fewer than the sequences
+# (marked_capped.patch): after a cached prefix (fp8) and without one (fp8, bf16), against the tree.
+# Run from the repository root: bash benchmarks/results/mosaic/fp8_decode_steps/run.sh kernels|splits|latency|prefix|marked|capped
 export PYTHONUNBUFFERED=1
 D=benchmarks/results/mosaic/fp8_decode_steps
 F='W0000|I0000|W12|E12|DeprecationWarning|cuda_event|warnings.warn|^WARNING'
@@ -46,5 +48,15 @@ marked)
   both marked_by_tiles.patch shape marked "timeout 110 python3 benchmarks/bench_throughput.py --backend mosaic --kv-cache-dtype fp8 \
     --hf-requests 0 --out \$OUT/marked_tput_{} 2>&1 | grep --line-buffered -v -E '$F' > \$OUT/marked_tput_{}.log; \
     echo throughput {}: \$(grep -a -A1 '^run ' \$OUT/marked_tput_{}.log | tail -1)" ;;
+capped)
+  L='python3 benchmarks/bench_latency.py --backend mosaic --max-num-seqs 256 --max-tokens 16 --batches 1,8 --prompts 32,256'
+  git apply $D/marked_capped.patch
+  timeout 100 $L --kv-cache-dtype fp8 --prefix-len 4096 --out $OUT/capped_fp8_4096 2>&1 | grep --line-buffered -v -E "$F" \
+    > $OUT/capped_fp8_4096.log; echo "fp8 capped, prefix 4096"; tail -6 $OUT/capped_fp8_4096.log
+  git apply -R $D/marked_capped.patch
+  for kv in fp8 auto; do
+    both marked_capped.patch shape capped "timeout 100 $L --kv-cache-dtype $kv --out \$OUT/capped_${kv}_0_{} 2>&1 \
+      | grep --line-buffered -v -E '$F' > \$OUT/capped_${kv}_0_{}.log; echo $kv {}, no prefix; tail -6 \$OUT/capped_${kv}_0_{}.log"
+  done ;;
 esac
 done
