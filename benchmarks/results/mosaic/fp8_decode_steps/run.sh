@@ -8,7 +8,8 @@
 # fill): TTFT after a cached prefix, fp8 and bf16, and the nano-vllm workload over fp8 (marked).
 # capped: as marked, with split-K capped at 4 where the tokens' tiles are fewer than the sequences
 # (marked_capped.patch): after a cached prefix (fp8) and without one (fp8, bf16), against the tree.
-# Run from the repository root: bash benchmarks/results/mosaic/fp8_decode_steps/run.sh kernels|splits|latency|prefix|marked|capped
+# splitcost: where split-K's cost goes on a lone 32-token chunk with and without a prefix (split_cost.py).
+# Run from the repository root: bash benchmarks/results/mosaic/fp8_decode_steps/run.sh kernels|splits|latency|prefix|marked|capped|splitcost
 export PYTHONUNBUFFERED=1
 D=benchmarks/results/mosaic/fp8_decode_steps
 F='W0000|I0000|W12|E12|DeprecationWarning|cuda_event|warnings.warn|^WARNING'
@@ -58,5 +59,8 @@ capped)
     both marked_capped.patch shape capped "timeout 100 $L --kv-cache-dtype $kv --out \$OUT/capped_${kv}_0_{} 2>&1 \
       | grep --line-buffered -v -E '$F' > \$OUT/capped_${kv}_0_{}.log; echo $kv {}, no prefix; tail -6 \$OUT/capped_${kv}_0_{}.log"
   done ;;
+splitcost)
+  timeout 300 python3 $D/split_cost.py 2>&1 | grep --line-buffered -v -E "$F" > $OUT/split_cost.log
+  tail -20 $OUT/split_cost.log ;;
 esac
 done
