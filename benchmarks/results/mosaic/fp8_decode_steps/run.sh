@@ -8,18 +8,22 @@
 # fill): TTFT after a cached prefix, fp8 and bf16, and the nano-vllm workload over fp8 (marked).
 # capped: as marked, with split-K capped at 4 where the tokens' tiles are fewer than the sequences
 # (marked_capped.patch): after a cached prefix (fp8) and without one (fp8, bf16), against the tree.
-# splitcost: where split-K's cost goes on a lone 32-token chunk with and without a prefix (split_cost.py).
-# Run from the repository root: bash benchmarks/results/mosaic/fp8_decode_steps/run.sh kernels|splits|latency|prefix|marked|capped|splitcost
+# splitcost: where split-K's cost goes on a lone 32-token chunk with and without a prefix (split_cost.py), as
+# the tree stands and with work_list.patch (a split launch runs persistent programs over its non-empty
+# (tile, split) items). worklist: the engine's TTFT with and without a prefix, fp8 and bf16, as the tree
+# stands and with marked_by_tiles.patch + work_list.patch.
+# Run from the repository root: bash benchmarks/results/mosaic/fp8_decode_steps/run.sh kernels|splits|latency|prefix|marked|capped|splitcost|worklist
 export PYTHONUNBUFFERED=1
 D=benchmarks/results/mosaic/fp8_decode_steps
 F='W0000|I0000|W12|E12|DeprecationWarning|cuda_event|warnings.warn|^WARNING'
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/gpu.txt
-both() {  # both PATCH AS_IS PATCHED COMMAND: COMMAND as the tree stands, then with PATCH applied, {} naming each
-  local patch=$1 as_is=$2 patched=$3; shift 3
+both() {  # both "PATCH..." AS_IS PATCHED COMMAND: COMMAND as the tree stands, then with the patches applied,
+  # {} naming each
+  local patches=$1 as_is=$2 patched=$3; shift 3
   eval "${@//\{\}/$as_is}"
-  git apply $D/$patch
+  for p in $patches; do git apply $D/$p; done
   eval "${@//\{\}/$patched}"
-  git apply -R $D/$patch
+  for p in $(echo $patches | tr ' ' '\n' | tac); do git apply -R $D/$p; done
 }
 for part in "$@"; do
 case "$part" in
@@ -60,7 +64,14 @@ capped)
       | grep --line-buffered -v -E '$F' > \$OUT/capped_${kv}_0_{}.log; echo $kv {}, no prefix; tail -6 \$OUT/capped_${kv}_0_{}.log"
   done ;;
 splitcost)
-  timeout 300 python3 $D/split_cost.py 2>&1 | grep --line-buffered -v -E "$F" > $OUT/split_cost.log
-  tail -20 $OUT/split_cost.log ;;
+  both work_list.patch tree work_list "timeout 200 python3 $D/split_cost.py 2>&1 | grep --line-buffered -v -E '$F' \
+    > \$OUT/split_cost_{}.log; echo {}; tail -18 \$OUT/split_cost_{}.log" ;;
+worklist)
+  L='python3 benchmarks/bench_latency.py --backend mosaic --max-num-seqs 256 --max-tokens 16 --batches 1,8 --prompts 32,256'
+  for kv in fp8 auto; do for pre in 4096 0; do
+    both "marked_by_tiles.patch work_list.patch" tree work_list "timeout 100 $L --kv-cache-dtype $kv --prefix-len $pre \
+      --out \$OUT/wl_${kv}_${pre}_{} 2>&1 | grep --line-buffered -v -E '$F' > \$OUT/wl_${kv}_${pre}_{}.log; \
+      echo $kv prefix $pre {}; tail -6 \$OUT/wl_${kv}_${pre}_{}.log"
+  done; done ;;
 esac
 done
