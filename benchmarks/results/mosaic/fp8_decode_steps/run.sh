@@ -5,7 +5,7 @@
 # sequences or by the tiles a launch's tokens fill (splits); TTFT after a cached prefix as the tree
 # stands (prefix); the tree as it stands against marked_by_tiles.patch (fp8 engines mark their decode steps,
 # other decode-shaped fp8 launches run the query tiles, whose split-K counts the tiles a launch's tokens
-# fill): TTFT after a cached prefix, fp8 and bf16, and the nano-vllm workload over fp8 (marked).
+# fill; with the tests and docstrings that change with it): TTFT after a cached prefix, fp8 and bf16, and the nano-vllm workload over fp8 (marked).
 # capped: as marked, with split-K capped at 4 where the tokens' tiles are fewer than the sequences
 # (marked_capped.patch): after a cached prefix (fp8) and without one (fp8, bf16), against the tree.
 # splitcost: where split-K's cost goes on a lone 32-token chunk with and without a prefix (split_cost.py), as
@@ -68,10 +68,10 @@ splitcost)
     > \$OUT/split_cost_{}.log; echo {}; tail -18 \$OUT/split_cost_{}.log" ;;
 worklist)
   L='python3 benchmarks/bench_latency.py --backend mosaic --max-num-seqs 256 --max-tokens 16 --batches 1,8 --prompts 32,256'
-  for kv in fp8 auto; do for pre in 4096 0; do
+  for run in fp8:4096 fp8:0 auto:0 auto:4096; do kv=${run%:*} pre=${run#*:}
     both "marked_by_tiles.patch work_list.patch" tree work_list "timeout 100 $L --kv-cache-dtype $kv --prefix-len $pre \
       --out \$OUT/wl_${kv}_${pre}_{} 2>&1 | grep --line-buffered -v -E '$F' > \$OUT/wl_${kv}_${pre}_{}.log; \
       echo $kv prefix $pre {}; tail -6 \$OUT/wl_${kv}_${pre}_{}.log"
-  done; done ;;
+  done ;;
 esac
 done
