@@ -11,7 +11,7 @@
 # splitcost: where split-K's cost goes on a lone 32-token chunk with and without a prefix (split_cost.py), as
 # the tree stands and with work_list.patch (a split launch runs persistent programs over its non-empty
 # (tile, split) items). worklist: the engine's TTFT with and without a prefix, fp8 and bf16, as the tree
-# stands and with marked_by_tiles.patch + work_list.patch.
+# stands and with marked_by_tiles.patch + work_list.patch (WL_RUNS="kv:prefix ..." picks the runs).
 # Run from the repository root: bash benchmarks/results/mosaic/fp8_decode_steps/run.sh kernels|splits|latency|prefix|marked|capped|splitcost|worklist
 export PYTHONUNBUFFERED=1
 D=benchmarks/results/mosaic/fp8_decode_steps
@@ -68,7 +68,7 @@ splitcost)
     > \$OUT/split_cost_{}.log; echo {}; tail -18 \$OUT/split_cost_{}.log" ;;
 worklist)
   L='python3 benchmarks/bench_latency.py --backend mosaic --max-num-seqs 256 --max-tokens 16 --batches 1,8 --prompts 32,256'
-  for run in fp8:4096 fp8:0 auto:0 auto:4096; do kv=${run%:*} pre=${run#*:}
+  for run in ${WL_RUNS:-fp8:4096 fp8:0 auto:0 auto:4096}; do kv=${run%:*} pre=${run#*:}
     both "marked_by_tiles.patch work_list.patch" tree work_list "timeout 100 $L --kv-cache-dtype $kv --prefix-len $pre \
       --out \$OUT/wl_${kv}_${pre}_{} 2>&1 | grep --line-buffered -v -E '$F' > \$OUT/wl_${kv}_${pre}_{}.log; \
       echo $kv prefix $pre {}; tail -6 \$OUT/wl_${kv}_${pre}_{}.log"
