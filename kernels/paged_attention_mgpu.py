@@ -44,10 +44,12 @@ How the work is cut:
     ``t + num_slots`` are issued as soon as tile ``t`` is consumed, so transfers overlap the
     arithmetic of the tiles before them. Without split-K the output tile reuses Q's shared memory.
   * Split-K (``num_splits > 1``, by default for decode launches too small to fill the GPU:
-    :func:`choose_splits`): a third grid axis cuts a tile's KV tiles into ``num_splits`` contiguous
-    ranges (:func:`split_range`); each program writes its range's output, normalised by its own
-    softmax sum, in fp32 with the log-sum-exp, and ``split_k.merge_splits`` (XLA) combines them.
-    Programs with an empty range exit at once and write nothing; the merge masks them.
+    :func:`choose_splits`): a tile's KV tiles are cut into ``num_splits`` contiguous ranges
+    (:func:`split_range`); each (tile, range) item writes its range's output, normalised by its own
+    softmax sum, in fp32 with the log-sum-exp, and ``split_k.merge_splits`` (XLA) combines them. The
+    launch is persistent: a few programs a KV head take the items that have keys in turn
+    (:func:`work_list`), so splits chosen for a long context cost a short one nothing. Splits with an
+    empty range are not in the list and write nothing; the merge masks them.
   * ``S = Q K^T`` is one wgmma (``[64, D] x [D, block_kv]``, K's shared-memory tile read
     transposed); softmax online in fp32 and base 2 (running max and sum per row); ``P`` is cast to
     the pool dtype and ``P V`` is a second wgmma (``[64, block_kv] x [block_kv, D]``) with ``P`` from
@@ -279,6 +281,25 @@ def split_range(kv_end, split, block_kv: int, num_splits: int):
     return lo, jnp.minimum(num_kv, lo + per)
 
 
+INTERPRET_PROGRAMS = 2  # programs a KV head of an interpreted split launch (each takes several items)
+
+
+def work_list(meta: jax.Array, block_kv: int, num_splits: int) -> jax.Array:
+    """The items of a split launch that have keys: ``i32[tiles * P + 1, 2]``, row 0 ``(count, 0)``, then
+    ``(tile, split)`` of each owned tile's non-empty splits (:func:`split_range`), tile by tile. A
+    persistent launch takes them in turn, so a split count chosen for a long context costs a launch
+    with a short one only the items it has (a grid of tiles x splits launched a program for each,
+    empty or not)."""
+    tiles = meta.shape[0]
+    split = jnp.arange(num_splits, dtype=jnp.int32)
+    lo, hi = split_range(meta[:, 2:3], split[None, :], block_kv, num_splits)  # [tiles, P]
+    valid = ((meta[:, 0:1] >= 0) & (lo < hi)).reshape(-1)
+    rank = jnp.cumsum(valid.astype(jnp.int32))  # 1-based row of each valid item
+    pairs = jnp.stack([jnp.repeat(jnp.arange(tiles, dtype=jnp.int32), num_splits), jnp.tile(split, tiles)], axis=1)
+    work = jnp.zeros((tiles * num_splits + 1, 2), jnp.int32)
+    work = work.at[jnp.where(valid, rank, tiles * num_splits + 1)].set(pairs, mode="drop")
+    return work.at[0, 0].set(rank[-1])
+
 def _scales(scale_row, shape, key_axis: int = 1):
     """A KV tile's per-token scales (``scale_row``: at least ``shape[key_axis]`` fp8 powers of two in shared
     memory, kernels/fp8.py) in f32, broadcast over the other axis of its ``shape`` (WGMMA layout) scores:
@@ -337,16 +358,19 @@ def f16_queries(q32, scale_log2: float):
     return q16, jnp.exp2(e - 14.0) * scale_log2
 
 
-def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_ref=None, *, q_bar, k_bar, v_bar,
+def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, *refs, q_bar, k_bar, v_bar,
                       q_plain, k_smem=None, v_smem=None, kv_then_out=None, q_smem=None, p_smem=None,
                       fp8_union=None, q16_smem=None, scale_log2: float, group: int, block_kv: int,
-                      block_size: int, num_slots: int, num_splits: int, by_sequence: bool = False):
-    """One program: KV head ``h = axis_index("kv_head")``, query tile ``axis_index("tile")`` and, with
-    ``num_splits > 1``, split ``axis_index("split")`` of its KV tiles (:func:`split_range`).
+                      block_size: int, num_slots: int, num_splits: int, by_sequence: bool = False,
+                      num_programs: int = 0):
+    """One program: KV head ``h = axis_index("kv_head")`` and query tile ``axis_index("tile")``; with
+    ``num_splits > 1`` (``num_programs`` given) program ``axis_index("program")`` of a persistent launch,
+    taking items ``(tile, split)`` of ``work_ref`` (:func:`work_list`) in turn.
 
     Refs (GMEM): ``layer_ref i32[1]``, ``meta_ref i32[tiles, 4]`` (:func:`tile_layout`),
     ``tables_ref i32[S, W]``, the queries where they are, ``q_ref [T, Hq, D]``, ``kv_ref [L, N, bs, 2,
-    Hkv, D]``; outputs ``o_ref [T, Hq, D]``, or with splits ``o_ref f32[P, T, Hq, D]`` (each split's
+    Hkv, D]``, with splits ``work_ref i32[tiles P + 1, 2]``; outputs ``o_ref [T, Hq, D]``, or with
+    splits ``o_ref f32[P, T, Hq, D]`` (each split's
     normalised partial) and ``lse_ref f32[P, T, Hq, LSE_LANES]`` (its log-sum-exp, base 2, in each
     lane). Token ``j < ntok`` of the tile comes by its own TMA copy (heads ``[h G, (h + 1) G)``) into
     rows ``[j G, (j + 1) G)``, on barrier ``q_bar[j]`` (one a token of the largest tile); its outputs
@@ -379,187 +403,203 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse
         (k_smem, k8_smem, vt8_smem, scale_smem), (v_smem,), *out_part = fp8_union
         if out_part:
             (o32_smem, lse_smem), = out_part
-    split = lax.axis_index("split") if num_splits > 1 else 0
+    if num_programs:  # with splits: a work list (tile, split) of the non-empty items, its count first
+        work_ref, o_ref, lse_ref = refs
+    else:
+        (o_ref, lse_ref), work_ref = (refs + (None,))[:2], None
     head_dim = k_smem.shape[-1]
     width = tables_ref.shape[1]
     blocks_per_tile = block_kv // block_size
     h = lax.axis_index("kv_head")
-    tile = lax.axis_index("tile")
-    seq = meta_ref[tile, 0]
-    pos0 = meta_ref[tile, 1]
-    kv_end = meta_ref[tile, 2]
-    tok0 = meta_ref[tile, 3]
-    ntok = kv_end - pos0
-    lo, hi = split_range(kv_end, split, block_kv, num_splits)
-    out0 = tile if by_sequence else tok0  # the output row of its first token
-    heads = pl.ds(h * group, group)
 
-    def store_rows(src, dst, lead=()):
-        """The tile's tokens' ``G`` rows of ``src`` (shared memory, token ``j`` at rows ``j G``) to ``dst``."""
-        def one(j, carry):
-            plgpu.copy_smem_to_gmem(src.at[pl.ds(j * group, group)], dst.at[(*lead, out0 + j, heads)])
-            return carry
+    def item(tile, split):
+        """Query tile ``tile``'s KV split ``split``: its outputs (or its split's partial)."""
+        seq = meta_ref[tile, 0]
+        pos0 = meta_ref[tile, 1]
+        kv_end = meta_ref[tile, 2]
+        tok0 = meta_ref[tile, 3]
+        ntok = kv_end - pos0
+        lo, hi = split_range(kv_end, split, block_kv, num_splits)
+        out0 = tile if by_sequence else tok0  # the output row of its first token
+        heads = pl.ds(h * group, group)
 
-        lax.fori_loop(0, ntok, one, 0)
+        def store_rows(src, dst, lead=()):
+            """The tile's tokens' ``G`` rows of ``src`` (shared memory, token ``j`` at rows ``j G``) to ``dst``."""
+            def one(j, carry):
+                plgpu.copy_smem_to_gmem(src.at[pl.ds(j * group, group)], dst.at[(*lead, out0 + j, heads)])
+                return carry
 
-    @pl.when(jnp.logical_and(seq >= 0, lo < hi))  # an unowned tile, or an empty split: nothing to do
-    def _owned_tile():
-        layer = layer_ref[0]
-        n_full = jnp.clip(lax.div(pos0 + 1, block_kv), lo, hi)  # tiles every row sees entirely end here
+            lax.fori_loop(0, ntok, one, 0)
 
-        def fetch(t, slot):
-            """Issues the TMA copies of KV tile ``t`` into ``slot``: one per pool block, K and V."""
-            if fp8:  # one block: its keys, its values' D / block_size boxes of V^T rows, its two scale rows
-                copy_fp8_block(kv_ref, layer, tables_ref[seq, jnp.minimum(t, width - 1)], h, slot, k8_smem, vt8_smem,
-                               scale_smem, k_bar, v_bar)
-                return
-            for b in range(blocks_per_tile):
-                blk = jnp.minimum(t * blocks_per_tile + b, width - 1)  # past the table: masked anyway
-                phys = tables_ref[seq, blk]
-                rows = pl.ds(b * block_size, block_size)
-                plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, :, 0, h, :], k_smem.at[slot, rows],
-                                        k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, :, 1, h, :], v_smem.at[slot, rows],
-                                        v_bar.at[slot])
+        @pl.when(jnp.logical_and(seq >= 0, lo < hi))  # an unowned tile, or an empty split: nothing to do
+        def _owned_tile():
+            layer = layer_ref[0]
+            n_full = jnp.clip(lax.div(pos0 + 1, block_kv), lo, hi)  # tiles every row sees entirely end here
 
-        def copy_token(j):
-            """Token ``j`` of the tile, heads [h G, (h + 1) G), to rows [j G, (j + 1) G), on ``q_bar[j]``."""
-            plgpu.copy_gmem_to_smem(q_ref.at[tok0 + j, heads], q_plain.at[pl.ds(j * group, group)], q_bar.at[j])
+            def fetch(t, slot):
+                """Issues the TMA copies of KV tile ``t`` into ``slot``: one per pool block, K and V."""
+                if fp8:  # one block: its keys, its values' D / block_size boxes of V^T rows, its two scale rows
+                    copy_fp8_block(kv_ref, layer, tables_ref[seq, jnp.minimum(t, width - 1)], h, slot, k8_smem, vt8_smem,
+                                   scale_smem, k_bar, v_bar)
+                    return
+                for b in range(blocks_per_tile):
+                    blk = jnp.minimum(t * blocks_per_tile + b, width - 1)  # past the table: masked anyway
+                    phys = tables_ref[seq, blk]
+                    rows = pl.ds(b * block_size, block_size)
+                    plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, :, 0, h, :], k_smem.at[slot, rows],
+                                            k_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, :, 1, h, :], v_smem.at[slot, rows],
+                                            v_bar.at[slot])
 
-        # Rows past the tile's tokens stay stale: each row's softmax is its own, and only its rows are stored.
-        # The tile's other tokens by loops to ntok: unrolled to the largest tile under conditions (31
-        # twice at G = 2), a decode tile of one token paid for them all (0.88x the time with the loops
-        # at batch 256, context 64; 0.86-0.89x at batch 1 and 32-128-token prompts; H100,
-        # benchmarks/RESULTS.md).
-        copy_token(0)
-        pl.loop(1, ntok)(copy_token)
-        fetch(lo, 0)  # the range is not empty; tile lo + i goes to slot i
-        for i in range(1, num_slots):
-            pl.when(lo + i < hi)(functools.partial(fetch, lo + i, i))
+            def copy_token(j):
+                """Token ``j`` of the tile, heads [h G, (h + 1) G), to rows [j G, (j + 1) G), on ``q_bar[j]``."""
+                plgpu.copy_gmem_to_smem(q_ref.at[tok0 + j, heads], q_plain.at[pl.ds(j * group, group)], q_bar.at[j])
 
-        plgpu.barrier_wait(q_bar.at[0])
-        pl.loop(1, ntok)(lambda j: plgpu.barrier_wait(q_bar.at[j]))
-        q_op = plgpu.load(q_plain, layout=plgpu.Layout.WGMMA)  # wgmma's A operand from registers
-        q_unscale = scale_log2  # what multiplies Q K^T: the softmax scale (base 2), over fp8 each row's own
-        if fp8:  # Q in f16, each row times the power of two that brings its largest element near 2^14
-            q_op, q_unscale = f16_queries(q_op.astype(jnp.float32), scale_log2)
-            if q16_smem is not None:  # the interpreter: through a swizzled tile
-                q16_smem[...] = q_op
+            # Rows past the tile's tokens stay stale: each row's softmax is its own, and only its rows are stored.
+            # The tile's other tokens by loops to ntok: unrolled to the largest tile under conditions (31
+            # twice at G = 2), a decode tile of one token paid for them all (0.88x the time with the loops
+            # at batch 256, context 64; 0.86-0.89x at batch 1 and 32-128-token prompts; H100,
+            # benchmarks/RESULTS.md).
+            copy_token(0)
+            pl.loop(1, ntok)(copy_token)
+            fetch(lo, 0)  # the range is not empty; tile lo + i goes to slot i
+            for i in range(1, num_slots):
+                pl.when(lo + i < hi)(functools.partial(fetch, lo + i, i))
+
+            plgpu.barrier_wait(q_bar.at[0])
+            pl.loop(1, ntok)(lambda j: plgpu.barrier_wait(q_bar.at[j]))
+            q_op = plgpu.load(q_plain, layout=plgpu.Layout.WGMMA)  # wgmma's A operand from registers
+            q_unscale = scale_log2  # what multiplies Q K^T: the softmax scale (base 2), over fp8 each row's own
+            if fp8:  # Q in f16, each row times the power of two that brings its largest element near 2^14
+                q_op, q_unscale = f16_queries(q_op.astype(jnp.float32), scale_log2)
+                if q16_smem is not None:  # the interpreter: through a swizzled tile
+                    q16_smem[...] = q_op
+                    plgpu.commit_smem()
+                    q_op = q16_smem
+            elif q_smem is not None:  # the interpreter: through a swizzled tile
+                q_smem[...] = q_op
                 plgpu.commit_smem()
-                q_op = q16_smem
-        elif q_smem is not None:  # the interpreter: through a swizzled tile
-            q_smem[...] = q_op
-            plgpu.commit_smem()
-            q_op = q_smem
+                q_op = q_smem
 
-        def step(t, carry, masked: bool):
-            acc, m_i, l_i = carry
-            slot = lax.rem(t - lo, num_slots)
-            wgmma_iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
-            plgpu.barrier_wait(k_bar.at[slot])
-            if fp8:  # keys as stored, converted exactly to f16; their scales multiply the scores' columns
-                k_smem[...] = plgpu.load(k8_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
-                plgpu.commit_smem()  # visible to wgmma
-                k_op = k_smem.transpose((1, 0))
-            else:
-                k_op = k_smem.at[slot].transpose((1, 0))
+            def step(t, carry, masked: bool):
+                acc, m_i, l_i = carry
+                slot = lax.rem(t - lo, num_slots)
+                wgmma_iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
+                plgpu.barrier_wait(k_bar.at[slot])
+                if fp8:  # keys as stored, converted exactly to f16; their scales multiply the scores' columns
+                    k_smem[...] = plgpu.load(k8_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
+                    plgpu.commit_smem()  # visible to wgmma
+                    k_op = k_smem.transpose((1, 0))
+                else:
+                    k_op = k_smem.at[slot].transpose((1, 0))
 
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_op, k_op)
-                return acc_ref[...]
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_op, k_op)
+                    return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, block_kv), jnp.float32))
-            if fp8:
-                s = s * lax.broadcast_in_dim(q_unscale, s.shape, [0]) * _scales(scale_smem.at[slot, 0], s.shape)
-            else:
-                s = s * q_unscale
-            plgpu.barrier_wait(v_bar.at[slot])
-            if masked:
-                key = t * block_kv + wgmma_iota((BLOCK_M, block_kv), 1)
-                # row r is token r // G of the tile, at position pos0 + r // G; rows past its tokens see
-                # what its last token sees, at most (their outputs are dropped)
-                row_tok = lax.div(wgmma_iota((BLOCK_M, block_kv), 0), group)
-                last_key = jnp.minimum(pos0 + row_tok, kv_end - 1)
-                visible = key <= last_key
-                s = jnp.where(visible, s, -jnp.inf)
-            # Values at or past kv_end may be stale NaN: zeroed (P = 0 there, but 0 * NaN = NaN).
-            if fp8:  # values (V^T) as stored, converted exactly to f16 (k_smem's memory: Q K^T is done)
-                vt = plgpu.load(vt8_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
+                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_M, block_kv), jnp.float32))
+                if fp8:
+                    s = s * lax.broadcast_in_dim(q_unscale, s.shape, [0]) * _scales(scale_smem.at[slot, 0], s.shape)
+                else:
+                    s = s * q_unscale
+                plgpu.barrier_wait(v_bar.at[slot])
                 if masked:
-                    vt = jnp.where(t * block_kv + wgmma_iota(vt.shape, 1) < kv_end, vt, jnp.zeros((), vt.dtype))
-                v_smem[...] = vt
-                v_op = v_smem.transpose((1, 0))  # [block_kv, D]
-            else:
-                if masked:
-                    v_key = t * block_kv + wgmma_iota((block_kv, head_dim), 0)
-                    v_smem[slot] = jnp.where(v_key < kv_end, v_smem[slot], jnp.zeros((), v_smem.dtype))
-                v_op = v_smem.at[slot]
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l_new = l_i * alpha + p.sum(axis=1)
-            if fp8:  # P's columns times their V scales over the row's largest, so P stays in [0, 1] for f16
-                v_scale = _scales(scale_smem.at[slot, 1], s.shape)
-                if masked:
-                    v_scale = jnp.where(visible, v_scale, 0.0)  # (a stale scale may be NaN)
-                v_max = v_scale.max(axis=1)
-                v_max = jnp.where(v_max > 0, v_max, 1.0)  # powers of two: dividing is exact
-                p = p * v_scale * lax.broadcast_in_dim(1.0 / v_max, s.shape, [0])
-            p_dtype = jnp.float16 if fp8 else v_smem.dtype
-            if p_smem is None:
-                p_op = p.astype(p_dtype)
-                if masked or fp8:
-                    plgpu.commit_smem()  # the values written visible to wgmma (it reads through the async proxy)
-            else:
-                p_smem[...] = p.astype(p_smem.dtype)
-                plgpu.commit_smem()  # P (and masked V) visible to wgmma, which reads through the async proxy
-                p_op = p_smem
+                    key = t * block_kv + wgmma_iota((BLOCK_M, block_kv), 1)
+                    # row r is token r // G of the tile, at position pos0 + r // G; rows past its tokens see
+                    # what its last token sees, at most (their outputs are dropped)
+                    row_tok = lax.div(wgmma_iota((BLOCK_M, block_kv), 0), group)
+                    last_key = jnp.minimum(pos0 + row_tok, kv_end - 1)
+                    visible = key <= last_key
+                    s = jnp.where(visible, s, -jnp.inf)
+                # Values at or past kv_end may be stale NaN: zeroed (P = 0 there, but 0 * NaN = NaN).
+                if fp8:  # values (V^T) as stored, converted exactly to f16 (k_smem's memory: Q K^T is done)
+                    vt = plgpu.load(vt8_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
+                    if masked:
+                        vt = jnp.where(t * block_kv + wgmma_iota(vt.shape, 1) < kv_end, vt, jnp.zeros((), vt.dtype))
+                    v_smem[...] = vt
+                    v_op = v_smem.transpose((1, 0))  # [block_kv, D]
+                else:
+                    if masked:
+                        v_key = t * block_kv + wgmma_iota((block_kv, head_dim), 0)
+                        v_smem[slot] = jnp.where(v_key < kv_end, v_smem[slot], jnp.zeros((), v_smem.dtype))
+                    v_op = v_smem.at[slot]
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l_new = l_i * alpha + p.sum(axis=1)
+                if fp8:  # P's columns times their V scales over the row's largest, so P stays in [0, 1] for f16
+                    v_scale = _scales(scale_smem.at[slot, 1], s.shape)
+                    if masked:
+                        v_scale = jnp.where(visible, v_scale, 0.0)  # (a stale scale may be NaN)
+                    v_max = v_scale.max(axis=1)
+                    v_max = jnp.where(v_max > 0, v_max, 1.0)  # powers of two: dividing is exact
+                    p = p * v_scale * lax.broadcast_in_dim(1.0 / v_max, s.shape, [0])
+                p_dtype = jnp.float16 if fp8 else v_smem.dtype
+                if p_smem is None:
+                    p_op = p.astype(p_dtype)
+                    if masked or fp8:
+                        plgpu.commit_smem()  # the values written visible to wgmma (it reads through the async proxy)
+                else:
+                    p_smem[...] = p.astype(p_smem.dtype)
+                    plgpu.commit_smem()  # P (and masked V) visible to wgmma, which reads through the async proxy
+                    p_op = p_smem
 
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_op, v_op)
-                return acc_ref[...]
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_op, v_op)
+                    return acc_ref[...]
 
-            o = pl.run_scoped(pv, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
-            if fp8:
-                o = o * lax.broadcast_in_dim(v_max, o.shape, [0])
+                o = pl.run_scoped(pv, plgpu.ACC((BLOCK_M, head_dim), jnp.float32))
+                if fp8:
+                    o = o * lax.broadcast_in_dim(v_max, o.shape, [0])
 
-            @pl.when(t + num_slots < hi)  # the slot is consumed: refill it
-            def _():
-                fetch(t + num_slots, slot)
+                @pl.when(t + num_slots < hi)  # the slot is consumed: refill it
+                def _():
+                    fetch(t + num_slots, slot)
 
-            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o, m_new, l_new
+                return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + o, m_new, l_new
 
-        rows = plgpu.Layout.WGMMA.reduce(1)
-        carry = (
-            plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), jnp.float32), plgpu.Layout.WGMMA),
-            plgpu.layout_cast(jnp.full((BLOCK_M,), _MASKED, jnp.float32), rows),
-            plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), rows),
-        )
-        carry = lax.fori_loop(lo, n_full, functools.partial(step, masked=False), carry)
-        acc, m_i, l_i = lax.fori_loop(n_full, hi, functools.partial(step, masked=True), carry)
-        has = l_i > 0
-        out = acc / lax.broadcast_in_dim(jnp.where(has, l_i, 1.0), acc.shape, [0])
-        lse = None if num_splits == 1 else jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)) * LOG2E, -jnp.inf)
-        if num_splits == 1:
-            q_plain[...] = out.astype(q_plain.dtype)  # Q is done (it is in registers, or in q_smem)
-            plgpu.commit_smem()
-            store_rows(q_plain, o_ref)
-        else:  # the fp32 partial and its log-sum-exp, in LSE_LANES lanes (TMA leaves at 128-byte rows)
-            o32_smem[...] = out
-            lse_smem[...] = lax.broadcast_in_dim(lse, lse_smem.shape, [0])
-            plgpu.commit_smem()
-            store_rows(o32_smem, o_ref, (split,))
-            store_rows(lse_smem, lse_ref, (split,))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    if num_splits == 1:
-        @pl.when(jnp.logical_and(seq < 0, ntok > 0))  # padding tokens (by sequence, other sequences): zeros
-        def _zeros():
-            q_plain[...] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), q_plain.dtype), plgpu.Layout.WGMMA)
-            plgpu.commit_smem()
-            store_rows(q_plain, o_ref)
+            rows = plgpu.Layout.WGMMA.reduce(1)
+            carry = (
+                plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+                plgpu.layout_cast(jnp.full((BLOCK_M,), _MASKED, jnp.float32), rows),
+                plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), rows),
+            )
+            carry = lax.fori_loop(lo, n_full, functools.partial(step, masked=False), carry)
+            acc, m_i, l_i = lax.fori_loop(n_full, hi, functools.partial(step, masked=True), carry)
+            has = l_i > 0
+            out = acc / lax.broadcast_in_dim(jnp.where(has, l_i, 1.0), acc.shape, [0])
+            lse = None if num_splits == 1 else jnp.where(has, m_i + jnp.log(jnp.where(has, l_i, 1.0)) * LOG2E, -jnp.inf)
+            if num_splits == 1:
+                q_plain[...] = out.astype(q_plain.dtype)  # Q is done (it is in registers, or in q_smem)
+                plgpu.commit_smem()
+                store_rows(q_plain, o_ref)
+            else:  # the fp32 partial and its log-sum-exp, in LSE_LANES lanes (TMA leaves at 128-byte rows)
+                o32_smem[...] = out
+                lse_smem[...] = lax.broadcast_in_dim(lse, lse_smem.shape, [0])
+                plgpu.commit_smem()
+                store_rows(o32_smem, o_ref, (split,))
+                store_rows(lse_smem, lse_ref, (split,))
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+        if num_splits == 1:
+            @pl.when(jnp.logical_and(seq < 0, ntok > 0))  # padding tokens (by sequence, other sequences): zeros
+            def _zeros():
+                q_plain[...] = plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), q_plain.dtype), plgpu.Layout.WGMMA)
+                plgpu.commit_smem()
+                store_rows(q_plain, o_ref)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+    if work_ref is None:
+        item(lax.axis_index("tile"), lax.axis_index("split") if num_splits > 1 else 0)
+    else:  # items prog, prog + N, ... of the list: empty splits and unowned tiles are not in it
+        prog = lax.axis_index("program")
+        count = work_ref[0, 0]
+
+        @pl.loop(0, lax.div(jnp.maximum(count - prog + (num_programs - 1), 0), num_programs))
+        def _(j):
+            i = 1 + prog + j * num_programs
+            item(work_ref[i, 0], work_ref[i, 1])
 
 def _interpret_params(interpret):
     """``True`` -> Mosaic GPU's CPU interpreter with default parameters; an ``InterpretGPUParams`` is
@@ -652,11 +692,11 @@ def paged_attention_mgpu(
       block_kv: keys per inner step (a multiple of 64 and of the block size, <= 256); default
         :func:`kv_tile` (:func:`prefill_kv_tile` on the prefill kernel). num_slots: KV tiles in flight
         (1-4). block_q: tokens per query tile, at most and by default ``min(64 // G, 32)`` (over an fp8 pool
-        a decode-shaped launch, or ``block_q`` 1, runs ``paged_attention_mgpu_decode``: a token a tile).
+        ``block_q`` 1 runs ``paged_attention_mgpu_decode``: a token a tile).
         num_splits: programs sharing a query tile's keys (split-K, a power of two <= 32); default
         :func:`choose_splits`. All for tuning: any value gives the same result (to rounding).
-      decode: the decode configuration (the query tiles, split-K by :func:`choose_splits`; over fp8 a
-        decode-shaped launch the decode kernel) or, ``False``, the prefill kernel; by default decode
+      decode: the decode configuration (the query tiles, split-K by :func:`choose_splits` over the
+        tiles the launch's tokens fill) or, ``False``, the prefill kernel; by default decode
         where the launch has at most two tokens a sequence or at most ``SMALL_LAUNCH_TOKENS`` tokens.
         On the prefill kernel a short launch that is not decode-shaped (a 32-token prompt alone, padded to 8 sequences) pays the copies around it
         (queries into 128 rows, the side output's scatter, the output's copy back), and its few
@@ -671,8 +711,7 @@ def paged_attention_mgpu(
         engine (Qwen3-0.6B shapes) 0.92x the tiles' ITL at batch 256, 0.97x Triton's (H100, 2026-12-06,
         benchmarks/RESULTS.md). Not inferred from shapes over bf16: an engine pads a short prompt's step
         to as many sequences as tokens too, and there a program a token reads the prompt's cached
-        prefix once a token. (Over fp8 the decode kernel runs every decode-shaped launch; its known gap,
-        prompt chunks, is in docs/DECISIONS.md.)
+        prefix once a token (over fp8 alike).
     Returns ``[T, Hq, D]`` in ``q.dtype``; zeros for padding tokens.
     Raises ValueError for what the kernel does not support (module docstring, "Scope").
     """
@@ -706,13 +745,17 @@ def paged_attention_mgpu(
                                   interpret=_interpret_params(interpret), block_kv=block_kv, num_slots=num_slots)
     # Keys on wgmma's M, a token a program (paged_attention_mgpu_decode): a uniform decode launch (a decode
     # step: its shapes cannot tell it from a short prompt's, on which a program a token would read a
-    # cached prefix once a token), and over fp8 every decode-shaped launch (or one asked for with block_q 1).
-    keys_on_m = (is_fp8(kv_pool.dtype) and (block_q == 1 or (block_q is None and decode and decode_shaped))) or (
+    # cached prefix once a token), or over fp8 one asked for with block_q 1.
+    keys_on_m = (is_fp8(kv_pool.dtype) and block_q == 1) or (
         block_q is None and uniform_decode and (is_fp8(kv_pool.dtype) or kv_pool.dtype == jnp.bfloat16))
     if block_q is None:
         block_q = min(BLOCK_M // (q.shape[1] // kv_pool.shape[4]), MAX_TILE_TOKENS)
     if num_splits is None:
-        num_splits = choose_splits(q.shape[0], kv_lens.shape[0], kv_pool.shape[4], block_kv,
+        # Programs before the split: a token each on the decode kernel; on the query tiles as many as the
+        # launch's tokens fill (not its padded sequences: an engine pads a prompt chunk's step to as many
+        # sequences as tokens, and its decode steps, a tile a sequence, are marked).
+        tiles = q.shape[0] if keys_on_m else min(kv_lens.shape[0], -(-q.shape[0] // block_q))
+        num_splits = choose_splits(q.shape[0], tiles, kv_pool.shape[4], block_kv,
                                    block_tables.shape[1] * block_size_of(kv_pool), decode)
     if keys_on_m:
         from jaxpaged.kernels.paged_attention_mgpu_decode import paged_decode_mgpu
@@ -800,18 +843,28 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         scratch["kv_then_out"] = plgpu.RefUnion((tile(slots), tile(slots)), *shared_out)
     else:
         scratch["k_smem"], scratch["v_smem"] = tile(slots), tile(slots)
+    inputs = (jnp.reshape(layer, (1,)), meta, block_tables, q, kv_pool)
+    num_programs = 0
+    if num_splits > 1:  # a persistent launch over the (tile, split) items that have keys: work_list
+        work = work_list(meta, block_kv, num_splits)
+        inputs += (work,)
+        # As many programs as fit on the device at once, by shared memory (two an SM at bf16, D 128, KV
+        # tiles of 64); more would wait for a slot, as the grid's programs did.
+        per_core = max(1, SMEM_BYTES // smem_bytes(head_dim, block_kv, num_slots, dtype, split=True, fp8=fp8))
+        num_programs = min(work.shape[0] - 1, INTERPRET_PROGRAMS if interpret is not None else
+                           max(1, per_core * num_cores() // num_kv_heads))
     kernel = plgpu.kernel(
         functools.partial(_attention_kernel, scale_log2=scale * LOG2E, group=group, block_kv=block_kv,
                           block_size=block_size, num_slots=num_slots, num_splits=num_splits,
-                          by_sequence=by_sequence),
+                          by_sequence=by_sequence, num_programs=num_programs),
         out_type=out_type,
         scratch_types=scratch,
-        grid=(num_kv_heads, meta.shape[0]) + ((num_splits,) if num_splits > 1 else ()),
-        grid_names=("kv_head", "tile") + (("split",) if num_splits > 1 else ()),
+        grid=(num_kv_heads, num_programs or meta.shape[0]),
+        grid_names=("kv_head", "program" if num_programs else "tile"),
         interpret=interpret,
         kernel_name="one_token_rows" if by_sequence else "paged_attention_tiles",  # (profiles name it)
     )
-    out = kernel(jnp.reshape(layer, (1,)), meta, block_tables, q, kv_pool)
+    out = kernel(*inputs)
     if num_splits == 1:
         return out  # padding tokens (and, by_sequence, the other sequences): zeros, written by the kernel
     # Splits that had no keys, padding tokens and unowned tiles wrote nothing: their memory is not read.

@@ -151,9 +151,9 @@ class LLMEngine:
         self._max_width = bucket(-(-self.max_model_len // config.block_size), 1)
         self._table_width = self._max_width if self.runner.attention_backend in KERNEL_BACKENDS else None
         # Decode steps as steps of their own where the attention kernel reads them so: Mosaic GPU over a
-        # bf16 pool, whose decode steps run a kernel of their own (paged_attention_mgpu's uniform_decode;
-        # over fp8 every decode-shaped launch runs it).
-        self._uniform_decode = self.runner.attention_backend == "mosaic" and jnp.dtype(self.kv_dtype) == jnp.bfloat16
+        # bf16 or fp8 pool, whose decode steps run a kernel of their own (paged_attention_mgpu's uniform_decode).
+        self._uniform_decode = self.runner.attention_backend == "mosaic" and (
+            jnp.dtype(self.kv_dtype) == jnp.bfloat16 or is_fp8(self.kv_dtype))
         if jax.default_backend() == "gpu":
             # The warm-up's executables are read from disk while the pool's memory is mapped (~2 s for
             # 93 GiB on the H200); the pool is still made before anything else can allocate.

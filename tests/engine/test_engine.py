@@ -270,7 +270,7 @@ def test_mosaic_backend_engine_matches_the_reference_backend():
             engine = LLMEngine(params, cfg)
             before = set(engine.runner._shapes_seen)  # (a runner, and what it compiled, outlives its engine)
             tokens[name] = [o.outputs[0].token_ids for o in run_to_completion(engine, prompts, sp)]
-            marks = name == "mosaic" and kv_dtype == "auto"
+            marks = name == "mosaic"
             assert engine._uniform_decode == marks
             assert any(key[0].uniform_decode for key in engine.runner._shapes_seen - before) == marks
         assert tokens["mosaic"] == tokens["reference"], kv_dtype

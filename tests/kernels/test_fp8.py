@@ -300,7 +300,7 @@ def test_triton_lowering_addresses_fp8_pools_up_to_4_gib_with_32_bit_offsets(mon
 # The Mosaic GPU kernels over fp8 pools (their CPU interpreter): one pool block a KV tile (64 slots, the fp8
 # default; 128); decode steps (``uniform_decode``: kernels/paged_attention_mgpu_decode.py) with split-K and
 # without, and G = 7, whose last token's rows are read from before its own (its R = 8 rows would pass the end
-# of q); a decode-shaped launch not marked so, holding a short chunk (the decode kernel too); a short
+# of q); a decode-shaped launch not marked so, holding a short chunk (the query tiles); a short
 # launch that is not decode-shaped (the query tiles, split); prefill launches
 # on the warp-specialised kernel (kernels/paged_attention_mgpu_prefill.py: each compute warpgroup converts
 # the tiles and zeroes its own stale values) with prefix hits, the causal diagonal inside a block, a
@@ -311,7 +311,7 @@ MOSAIC_CASES = [
     ([1, 1], [127, 300], 128, 8, 1, 128, E4M3, dict(uniform_decode=True, num_splits=1)),  # MQA, blocks of 128
     ([1] * 5, [7, 64, 129, 300, 65], 64, 14, 2, 64, E4M3, dict(uniform_decode=True, num_splits=1)),  # G = 7
     ([1] * 3, [5, 64, 200], 64, 4, 1, 64, E5M2, dict(uniform_decode=True, num_splits=1)),  # e5m2: a tile's largest
-    ([2, 1, 1, 0], [130, 64, 9, 4], 64, 4, 2, 64, E4M3, {}),  # decode-shaped, a chunk: the decode kernel
+    ([2, 1, 1, 0], [130, 64, 9, 4], 64, 4, 2, 64, E4M3, {}),  # decode-shaped, a chunk: the query tiles
     ([9, 0], [140, 4], 64, 4, 2, 64, E4M3, {}),  # 9 tokens of 2 sequences: the query tiles, split
     ([150, 1, 40], [150, 9, 300], 64, 4, 2, 64, E4M3, {}),  # warp-specialised: pairs, prefix, mid-block ends
     ([100, 13, 3], [230, 13, 40], 64, 14, 2, 64, E5M2, {}),  # G = 7 over e5m2 (each tile's largest V scale)
@@ -400,10 +400,10 @@ def test_mosaic_kernel_over_fp8_lowers_for_hopper_and_refuses_what_it_cannot_rea
         lowering_platforms=("cuda",)).as_text()
     assert "wgmma.mma_async" in text and "cp.async.bulk.tensor" in text
     assert kernel_names(text) == ["paged_decode_fp8"]
-    # decode-shaped, unmarked: the decode kernel too; a short launch that is not (32 tokens of 4
-    # sequences): the query tiles
+    # decode-shaped but unmarked (a prompt chunk, maybe after a cached prefix), and a short launch that
+    # is not (32 tokens of 4 sequences): the query tiles
     text = fn.trace(q, pool, i32(5), i32(4), i32(4, 20)).lower(lowering_platforms=("cuda",)).as_text()
-    assert kernel_names(text) == ["paged_decode_fp8"]
+    assert kernel_names(text) == ["paged_attention_tiles"]
     text = fn.trace(q.update(shape=(32, 16, 128)), pool, i32(5), i32(4), i32(4, 20)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert kernel_names(text) == ["paged_attention_tiles"]

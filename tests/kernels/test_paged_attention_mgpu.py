@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.kernels.paged_attention_mgpu import one_token_layout, paged_attention_mgpu, tile_layout, token_layout
+from jaxpaged.kernels.paged_attention_mgpu import (one_token_layout, paged_attention_mgpu, tile_layout, token_layout,
+                                                  work_list)
 from jaxpaged.kernels.paged_attention_mgpu_prefill import launch_order, pair_layout, program_items, side_rows
 from jaxpaged.kernels.kv_write import pool_from_caches
 from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
@@ -204,6 +205,17 @@ def test_tile_layout():
         np.testing.assert_array_equal(np.asarray(launch_order(meta, kv_heads, interpret)), want)
 
 
+def test_work_list():
+    """A split launch's items: each owned tile's splits that have keys (KV tiles of 8 split 4 ways, a
+    ``cdiv(num_kv, 4)`` share each), tile by tile, their count first; unowned tiles have none."""
+    cu = jnp.array([0, 1, 7, 7, 9], jnp.int32)
+    kv = jnp.array([5, 6, 3, 40], jnp.int32)  # KV tiles of its tiles: 1; 1, 1; none; 5 (shares of 2, 2, 1)
+    meta, _ = tile_layout(cu, kv, 11, 4)  # tiles 3, 5 unowned, 6 the padding tokens'
+    work = np.asarray(work_list(meta, 8, 4))
+    assert work.shape == (7 * 4 + 1, 2) and work[0, 0] == 6
+    np.testing.assert_array_equal(work[1:7], [[0, 0], [1, 0], [2, 0], [4, 0], [4, 1], [4, 2]])
+    assert not work[7:].any()
+
 def test_pair_layout_and_side_rows():
     """Pairs of 128 tokens from each sequence's first token rounded down to a multiple of 8; the padding
     tokens a sequence without keys; the side output's groups of 8 rows: each row of a group shared by two
@@ -287,6 +299,22 @@ def test_no_shared_memory_races():
     run_case(4, [40, 1, 9], [100, 200, 70], 16, 4, 2, 64, jnp.float32, interpret=params, decode=False)  # prefill kernel
     assert not gpu_interpret.get_races().races_found
 
+
+
+def test_a_persistent_split_launch_reuses_its_barriers_and_memory_item_after_item(monkeypatch):
+    """One program a KV head takes every item of a split launch in turn: tiles of 4 tokens, then 1, then
+    3, ranges shorter than the 3 slots, each item's output leaving through the slots' memory before the
+    next item's copies land there; the race detector sees no race, outputs match the reference."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    import jaxpaged.kernels.paged_attention_mgpu as mgpu
+
+    monkeypatch.setattr(mgpu, "INTERPRET_PROGRAMS", 1)
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    run_case(1, [9, 1, 3, 1, 6], [100, 5, 200, 64, 6], 16, 4, 2, 64, jnp.float32, interpret=params, block_q=4,
+             num_splits=4, num_slots=3, decode=True)
+    assert not gpu_interpret.get_races().races_found
 
 @pytest.mark.parametrize("bs,hq,hkv,d,kw", [
     (16, 16, 8, 128, {}), (32, 4, 2, 64, dict(block_kv=128, num_slots=3)), (16, 16, 8, 128, dict(num_splits=8)),
