@@ -43,7 +43,8 @@ How the work is cut:
     (``num_arrivals`` = copies per tile). ``num_slots`` slots (default 2): the copies of tile
     ``t + num_slots`` are issued as soon as tile ``t`` is consumed, so transfers overlap the
     arithmetic of the tiles before them. Without split-K the output tile reuses Q's shared memory.
-  * Split-K (``num_splits > 1``, by default for decode launches too small to fill the GPU:
+  * Split-K (``num_splits > 1``, by default for decode launches whose tiles, counted from the
+    tokens (a launch's padded sequences overstate a prompt chunk's), are too few to fill the GPU:
     :func:`choose_splits`): a tile's KV tiles are cut into ``num_splits`` contiguous ranges
     (:func:`split_range`); each (tile, range) item writes its range's output, normalised by its own
     softmax sum, in fp32 with the log-sum-exp, and ``split_k.merge_splits`` (XLA) combines them. The
@@ -78,8 +79,8 @@ chunked prefill, mixed steps) run the warp-specialised kernel of ``paged_attenti
 instead: two compute warpgroups share each K/V tile and a third issues the copies (1.3x faster than
 this kernel at 4k-16k tokens).
 
-Decode steps (``uniform_decode``: the caller says no sequence has more than one new token; over fp8
-pools every decode-shaped launch) run ``paged_attention_mgpu_decode.py`` instead: keys on wgmma's M, so a
+Decode steps (``uniform_decode``: the caller says no sequence has more than one new token; bf16 and
+fp8 pools) run ``paged_attention_mgpu_decode.py`` instead: keys on wgmma's M, so a
 decode token's ``G`` query rows cost wgmma ``N = 8`` columns instead of 64 rows (over fp8 0.61x this
 kernel's time at batch 256, context 1,024, H200; over bf16 0.86-0.99x at 1-256 sequences, H100).
 
