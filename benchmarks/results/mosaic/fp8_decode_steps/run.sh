@@ -12,7 +12,10 @@
 # the tree stands and with work_list.patch (a split launch runs persistent programs over its non-empty
 # (tile, split) items). worklist: the engine's TTFT with and without a prefix, fp8 and bf16, as the tree
 # stands and with marked_by_tiles.patch + work_list.patch (WL_RUNS="kv:prefix ..." picks the runs).
-# Run from the repository root: bash benchmarks/results/mosaic/fp8_decode_steps/run.sh kernels|splits|latency|prefix|marked|capped|splitcost|worklist
+# mergerows: split-K on the query tiles capped at MERGE_ROWS partial rows a tile (merge_rows.patch), the
+# kernel at 8-32 splits and the engine's TTFT both ways (MR_RUNS="kv:prefix ..." picks the runs).
+# The patches of the parts before splitcost apply to the tree they were measured on (a139f76 and before).
+# Run from the repository root: bash benchmarks/results/mosaic/fp8_decode_steps/run.sh kernels|splits|latency|prefix|marked|capped|splitcost|worklist|mergerows
 export PYTHONUNBUFFERED=1
 D=benchmarks/results/mosaic/fp8_decode_steps
 F='W0000|I0000|W12|E12|DeprecationWarning|cuda_event|warnings.warn|^WARNING'
@@ -72,6 +75,17 @@ worklist)
     both "marked_by_tiles.patch work_list.patch" tree work_list "timeout 100 $L --kv-cache-dtype $kv --prefix-len $pre \
       --out \$OUT/wl_${kv}_${pre}_{} 2>&1 | grep --line-buffered -v -E '$F' > \$OUT/wl_${kv}_${pre}_{}.log; \
       echo $kv prefix $pre {}; tail -6 \$OUT/wl_${kv}_${pre}_{}.log"
+  done ;;
+mergerows)  # the lone chunk at 8-32 splits (fp8 and bf16), then the engine as the tree stands and with
+  # merge_rows.patch (split-K on the query tiles capped at MERGE_ROWS partial rows a tile: 16 splits
+  # for tiles of 32 tokens), TTFT without a prefix and after one, fp8 and bf16
+  timeout 150 python3 $D/split_cost.py 8,16,32 fp8,bf16 2>&1 | grep --line-buffered -v -E "$F" > $OUT/split_cost_8_32.log
+  tail -14 $OUT/split_cost_8_32.log
+  L='python3 benchmarks/bench_latency.py --backend mosaic --max-num-seqs 256 --max-tokens 16 --batches 1,8 --prompts 32,256'
+  for run in ${MR_RUNS:-fp8:0 auto:0 fp8:4096}; do kv=${run%:*} pre=${run#*:}
+    both merge_rows.patch tree merge_rows "timeout 100 $L --kv-cache-dtype $kv --prefix-len $pre \
+      --out \$OUT/mr_${kv}_${pre}_{} 2>&1 | grep --line-buffered -v -E '$F' > \$OUT/mr_${kv}_${pre}_{}.log; \
+      echo $kv prefix $pre {}; tail -6 \$OUT/mr_${kv}_${pre}_{}.log"
   done ;;
 esac
 done

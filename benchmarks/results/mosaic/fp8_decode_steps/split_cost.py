@@ -9,7 +9,8 @@ and whatever else the launch runs). Empty splits exit before their first copy; i
 still grows with the splits where the context is short, their cost is the programs' launch (a grid
 of tiles x heads x splits, two programs an SM), not the merge.
 
-Run from the repository root: python3 benchmarks/results/mosaic/fp8_decode_steps/split_cost.py
+Run from the repository root: python3 benchmarks/results/mosaic/fp8_decode_steps/split_cost.py [SPLITS
+[POOLS]] (e.g. ``8,16,32 fp8,bf16``: those split counts of the lone chunk, no mixed launch)
 """
 import sys
 import warnings
@@ -25,14 +26,17 @@ from jaxpaged.kernels.fp8 import quantize_pool  # noqa: E402
 from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu  # noqa: E402
 
 CONTEXT = 4096  # the engine's max_model_len: the block tables' width in tokens
-SPLITS = (1, 4, 16, 32)
+SPLITS = tuple(int(n) for n in sys.argv[1].split(",")) if len(sys.argv) > 1 else (1, 4, 16, 32)
+POOLS = sys.argv[2].split(",") if len(sys.argv) > 2 else ["fp8", "bf16"]
 quantize = jax.jit(quantize_pool, static_argnums=1)
 print(jax.devices()[0].device_kind, flush=True)
 rows = []
 MIXED = ([56] + [1] * 200 + [0] * 55, [4096] + [1023] * 200 + [0] * 55)  # decode rows and a chunk, 256 sequences
-CASES = [(f"chunk 32+{p}", [32] + [0] * 31, [p] + [0] * 31, SPLITS) for p in (0, 4096)] + [
-    ("mixed 200x1024 + 56+4096", *MIXED, (1, 4))]
+CASES = [(f"chunk 32+{p}", [32] + [0] * 31, [p] + [0] * 31, SPLITS) for p in (0, 4096)] + (
+    [("mixed 200x1024 + 56+4096", *MIXED, (1, 4))] if len(sys.argv) == 1 else [])
 for dt, bs in (("fp8", 64), ("bf16", 16)):
+    if dt not in POOLS:
+        continue
     for label, q_lens, prefixes, splits in CASES:
         t = max(32, sum(q_lens))
         q, pool, cu, kl, tb = random_paged_batch(q_lens, prefixes, 16, 8, 128, bs, t)
