@@ -130,6 +130,11 @@ def correctness(rng, tiny: bool, interpret: bool):
             ([100, 1, 1, 1] + [0] * 60, [2100, 300, 40, 1000] + [0] * 60, 16, HQ, HKV, D, jnp.bfloat16),
             ([1, 1, 61] + [0] * 29, [500, 70, 3000] + [0] * 29, 16, 28, 4, 128, jnp.bfloat16),
             ([40] + [1] * 31, [140] + [300] * 31, 16, 8, 8, 64, jnp.bfloat16),  # G 1: tiles of 32 tokens
+            # over fp8 the same (the query tiles, split; persistent programs taking several items each),
+            # and a lone 32-token chunk after 4,096 cached tokens padded to 32 sequences (one tile, split
+            # many ways)
+            ([100, 1, 1, 1] + [0] * 60, [2100, 300, 40, 1000] + [0] * 60, 64, HQ, HKV, D, jnp.float8_e4m3fn),
+            ([32] + [0] * 31, [4128] + [0] * 31, 64, HQ, HKV, D, jnp.float8_e4m3fn),
         ]
     for q_lens, kv_lens, bs, hq, hkv, d, dtype in cases:
         name = f"q{str(q_lens)[:24]} kv{str(list(map(int, kv_lens)))[:30]} bs{bs} hq{hq} hkv{hkv} d{d}"
