@@ -8,7 +8,7 @@ the new tokens, layer ``layer`` of the pool ``[L, num_blocks, block_size, 2, Hkv
 this one is written for the backend Pallas develops for Hopper (Triton's is deprecated): operands
 reach shared memory by the bulk tensor copy engine (TMA) and both matmuls run on wgmma.
 
-How the work is cut:
+How the work is cut (the arrays that say so: ``paged_attention_mgpu_layout.py``):
   * A program owns one *query tile* of one sequence for one KV head: up to ``block_q = 64 // G``
     consecutive new tokens (32 at most: a barrier a token, :data:`MAX_TILE_TOKENS`) times the
     ``G = Hq // Hkv`` query heads that read that KV head, at most 64 rows: Hopper's wgmma has a
@@ -86,7 +86,7 @@ kernel's time at batch 256, context 1,024, H200; over bf16 0.86-0.99x at 1-256 s
 
 fp8 pools: prefill and mixed launches the warp-specialised kernel where it fits (blocks of 64
 slots, two slots or more: ``paged_attention_mgpu_prefill.py``), else this one-warpgroup kernel, whose
-arithmetic they share. A KV tile is one pool block: TMA copies its keys
+arithmetic they share (``paged_attention_mgpu_fp8.py``). A KV tile is one pool block: TMA copies its keys
 (``[bs, D]``), its values' ``V^T`` (``D / bs`` boxes of the transposed slab, kernels/fp8.py) and its two
 scale rows into fp8 slots. Each step converts the keys to f16 in registers (exact: an fp8 value is an
 f16 value) and stores them in an f16 tile for ``Q K^T``; the queries are f16 too, each row first
@@ -129,7 +129,10 @@ from jaxpaged.kernels.fp8 import is_fp8
 from jaxpaged.kernels.kv_write import block_size_of, check_pool
 from jaxpaged.kernels.metadata import check_ragged_metadata
 from jaxpaged.kernels.shapes import is_pow2, num_cores
-from jaxpaged.kernels.split_k import MAX_SPLITS, decode_splits, merge_splits
+from jaxpaged.kernels.paged_attention_mgpu_fp8 import _scales, copy_fp8_block, f16_queries, fp8_block_copies
+from jaxpaged.kernels.paged_attention_mgpu_layout import (choose_splits, one_token_layout, split_range, tile_layout,
+                                                         work_list)
+from jaxpaged.kernels.split_k import MAX_SPLITS, merge_splits
 
 LOG2E = math.log2(math.e)
 BLOCK_M = 64  # query rows of a program: Hopper wgmma's M per warpgroup
@@ -146,6 +149,7 @@ SWIZZLE = 128  # bytes: shared-memory swizzle of every tile (rows of 64 bf16 / 3
 SMEM_BYTES = 227 * 1024  # an H100/H200 block's shared memory
 LSE_LANES = 32  # a split program's log-sum-exp, copied to each lane of a 128-byte row: TMA copies out of
 # shared memory from 128-byte aligned addresses, and a program's rows start at any row of its tile
+INTERPRET_PROGRAMS = 2  # programs a KV head of an interpreted split launch (each takes several items)
 _MASKED = -1e30  # initial running max: finite, so a fully masked row gives exp2(-inf) = 0, never NaN
 HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -194,169 +198,11 @@ def smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype, split: bool 
     return tiles * jnp.dtype(dtype).itemsize + staged + (BLOCK_M * head_dim + BLOCK_M) * 4 * split
 
 
-def choose_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, block_kv: int, max_context: int,
-                  decode: bool) -> int:
-    """Split-K factor: 1 for prefill (its query tiles fill the GPU); for decode launches
-    :func:`jaxpaged.kernels.split_k.decode_splits` (the Triton kernel's rule: about two programs per
-    core, rounded up to a power of two), halved where that rounding gives more programs than two a
-    core: a split-K program needs 80 KiB of shared memory, so two fit on an SM and the rest would wait
-    for a second wave. Eight sequences of 4,096 tokens took 0.84-0.86x the time with half the splits
-    in two calls (H200, 2026-12-03; at 1,024 tokens, where the chained timing is dispatch-bound,
-    0.93x and 1.34x)."""
-    if not decode:
-        return 1
-    cores = num_cores()
-    splits = decode_splits(num_tokens, num_seqs, num_kv_heads, block_kv, max_context, cores)
-    if splits > 1 and min(num_seqs, num_tokens) * num_kv_heads * splits > 2 * cores:
-        splits //= 2
-    return splits
-
-
 def _transforms(dtype, cols: int | None = None):
     """Tiling and swizzle of a shared-memory tile of ``dtype``: 8 rows x one 128-byte swizzle row, or for a
     tile of ``cols`` narrower than that (an fp8 tile of 64 columns), one row."""
     swizzle = SWIZZLE if cols is None else min(SWIZZLE, cols * jnp.dtype(dtype).itemsize)
     return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
-def tile_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, block_q: int):
-    """The query tiles of a ragged batch (module docstring): sequence ``i`` owns tiles ``cu_q_lens[i] //
-    block_q + i + j`` for ``j < cdiv(q_len_i, block_q)``, and the padding tokens after the last sequence
-    are tiled the same way, as one more sequence (its tiles only write zeros). ``cdiv(T, block_q) + S``
-    tiles bound them; the others are unowned. Returns ``meta i32[tiles, 4]`` = (the tile's sequence,
-    ``-1`` for padding and unowned tiles; the position of its first token; ``kv_end``, that + its number
-    of tokens: one past its last token's position, the keys it needs; the index of its first token in
-    ``q``), and ``tile_of i32[T]``, each token's tile."""
-    num_seqs = kv_lens.shape[0]
-    num_tiles = pl.cdiv(num_tokens, block_q) + num_seqs
-    cu = jnp.concatenate([cu_q_lens.astype(jnp.int32), jnp.full((1,), num_tokens, jnp.int32)])
-    # the padding tokens as sequence S, at positions 0, 1, ...: a kv_len of their count
-    kv = jnp.concatenate([kv_lens.astype(jnp.int32), (num_tokens - cu_q_lens[num_seqs:]).astype(jnp.int32)])
-    starts = cu[:-1] // block_q + jnp.arange(num_seqs + 1, dtype=jnp.int32)
-    u = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.sum(starts[None, :] <= u[:, None], axis=1, dtype=jnp.int32) - 1  # starts[0] == 0
-    j = u - starts[seq]
-    q_len = cu[seq + 1] - cu[seq]
-    ntok = jnp.clip(q_len - j * block_q, 0, block_q)
-    pos0 = kv[seq] - q_len + j * block_q
-    owned = (ntok > 0) & (seq < num_seqs)
-    meta = jnp.stack([jnp.where(owned, seq, -1), pos0, pos0 + ntok, cu[seq] + j * block_q], axis=1)
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq_t = jnp.sum(cu[None, 1:] <= t[:, None], axis=1, dtype=jnp.int32)  # pseudo-sequences ending at or before t
-    return meta.astype(jnp.int32), starts[seq_t] + (t - cu[seq_t]) // block_q
-
-
-def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> jax.Array:
-    """The query tiles of one token each (the fp8 decode kernel's, ``paged_attention_mgpu_decode``): tile
-    ``t`` is token ``t``. Returns ``meta i32[T, 3]`` = (its sequence, ``-1`` for padding tokens; its position; its
-    position + 1, the ``kv_end`` of :func:`tile_layout`)."""
-    num_seqs = kv_lens.shape[0]
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.sum(cu_q_lens[None, 1:] <= t[:, None], axis=1, dtype=jnp.int32)  # sequences ending at or before t
-    s = jnp.minimum(seq, num_seqs - 1)
-    pos = kv_lens[s] - (cu_q_lens[s + 1] - t)
-    return jnp.stack([jnp.where(seq < num_seqs, seq, -1), pos, pos + 1], axis=1).astype(jnp.int32)
-
-
-def one_token_seqs(cu_q_lens: jax.Array) -> jax.Array:
-    """``bool[S]``: the sequences with exactly one new token (a mixed step's decode rows)."""
-    return cu_q_lens[1:] - cu_q_lens[:-1] == 1
-
-
-def one_token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array) -> jax.Array:
-    """A tile per *sequence*, owned where the sequence has exactly one new token (the decode rows of a
-    prefill launch: :func:`one_token_rows`). Returns ``meta i32[S, 4]`` = (the sequence, ``-1`` where
-    it has no or several new tokens; its token's position; that + 1; the token's index in ``q``)."""
-    num_seqs = kv_lens.shape[0]
-    pos = kv_lens - 1
-    seq = jnp.where(one_token_seqs(cu_q_lens), jnp.arange(num_seqs, dtype=jnp.int32), -1)
-    return jnp.stack([seq, pos, pos + 1, cu_q_lens[:-1]], axis=1).astype(jnp.int32)
-
-
-def split_range(kv_end, split, block_kv: int, num_splits: int):
-    """KV tiles ``[lo, hi)`` that split ``split`` of a query tile needing keys ``[0, kv_end)`` reads:
-    ``cdiv(num_kv, num_splits)`` consecutive tiles each (the last splits may be short or empty)."""
-    num_kv = lax.div(kv_end + (block_kv - 1), block_kv)
-    per = lax.div(num_kv + (num_splits - 1), num_splits)
-    lo = split * per
-    return lo, jnp.minimum(num_kv, lo + per)
-
-
-INTERPRET_PROGRAMS = 2  # programs a KV head of an interpreted split launch (each takes several items)
-
-
-def work_list(meta: jax.Array, block_kv: int, num_splits: int) -> jax.Array:
-    """The items of a split launch that have keys: ``i32[tiles * P + 1, 2]``, row 0 ``(count, 0)``, then
-    ``(tile, split)`` of each owned tile's non-empty splits (:func:`split_range`), tile by tile. A
-    persistent launch takes them in turn, so a split count chosen for a long context costs a launch
-    with a short one only the items it has (a grid of tiles x splits launched a program for each,
-    empty or not)."""
-    tiles = meta.shape[0]
-    split = jnp.arange(num_splits, dtype=jnp.int32)
-    lo, hi = split_range(meta[:, 2:3], split[None, :], block_kv, num_splits)  # [tiles, P]
-    valid = ((meta[:, 0:1] >= 0) & (lo < hi)).reshape(-1)
-    rank = jnp.cumsum(valid.astype(jnp.int32))  # 1-based row of each valid item
-    pairs = jnp.stack([jnp.repeat(jnp.arange(tiles, dtype=jnp.int32), num_splits), jnp.tile(split, tiles)], axis=1)
-    work = jnp.zeros((tiles * num_splits + 1, 2), jnp.int32)
-    work = work.at[jnp.where(valid, rank, tiles * num_splits + 1)].set(pairs, mode="drop")
-    return work.at[0, 0].set(rank[-1])
-
-def _scales(scale_row, shape, key_axis: int = 1):
-    """A KV tile's per-token scales (``scale_row``: at least ``shape[key_axis]`` fp8 powers of two in shared
-    memory, kernels/fp8.py) in f32, broadcast over the other axis of its ``shape`` (WGMMA layout) scores:
-    one per key, a column each (keys on axis 1) or a row each (axis 0, the decode kernel's ``S^T``)."""
-    vec = plgpu.Layout.WGMMA.reduce(1 - key_axis)
-    row = plgpu.load(scale_row.at[pl.ds(0, shape[key_axis])], layout=vec).astype(jnp.float16).astype(jnp.float32)
-    return lax.broadcast_in_dim(row, shape, [key_axis])
-
-
-def fp8_block_copies(head_dim: int, block_size: int) -> tuple[int, int]:
-    """TMA copies of one fp8 pool block (:func:`copy_fp8_block`) on its K barrier and on its V barrier:
-    the keys and their scale row; the ``D / block_size`` boxes of ``V^T`` and their scale row."""
-    return 2, head_dim // block_size + 1
-
-
-def copy_fp8_block(kv_ref, layer, phys, h, slot, k8_smem, vt8_smem, scale_smem, k_bar, v_bar):
-    """Issues the TMA copies of KV head ``h`` of fp8 pool block ``phys`` (layer ``layer``) into ``slot``:
-    its keys as stored into ``k8_smem [slots, bs, D]``, its values' ``V^T`` (slab columns ``[j bs, (j+1)
-    bs)`` are ``V^T``'s rows, kernels/fp8.py) into ``vt8_smem [slots, D, bs]``, and its K and V scale rows
-    into ``scale_smem [slots, 2, >= bs]``; keys and K scales arrive on ``k_bar[slot]``, the rest on
-    ``v_bar[slot]`` (:func:`fp8_block_copies` copies each)."""
-    copy_fp8_keys(kv_ref, layer, phys, h, slot, k8_smem, k_bar)
-    copy_fp8_scales(kv_ref, layer, phys, h, slot, scale_smem, 0, k_bar)
-    copy_fp8_values(kv_ref, layer, phys, h, slot, vt8_smem, v_bar)
-    copy_fp8_scales(kv_ref, layer, phys, h, slot, scale_smem, 1, v_bar)
-
-
-def copy_fp8_keys(kv_ref, layer, phys, h, slot, k8_smem, bars):
-    """One TMA copy: the keys of :func:`copy_fp8_block`, on ``bars[slot]``."""
-    block_size = k8_smem.shape[1]
-    plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, pl.ds(0, block_size), 0, h, :], k8_smem.at[slot], bars.at[slot])
-
-
-def copy_fp8_values(kv_ref, layer, phys, h, slot, vt8_smem, bars):
-    """``D / bs`` TMA copies: the ``V^T`` of :func:`copy_fp8_block`, on ``bars[slot]``."""
-    head_dim, block_size = vt8_smem.shape[1:]
-    for j in range(head_dim // block_size):
-        cols = pl.ds(j * block_size, block_size)
-        plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, pl.ds(0, block_size), 1, h, cols], vt8_smem.at[slot, cols],
-                                bars.at[slot])
-
-
-def copy_fp8_scales(kv_ref, layer, phys, h, slot, scale_smem, which: int, bars):
-    """One TMA copy: the K (``which`` 0) or V (1) scale row of :func:`copy_fp8_block`, on ``bars[slot]``."""
-    block_size = kv_ref.shape[2] - 1
-    plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, block_size, which, h, pl.ds(0, block_size)],
-                            scale_smem.at[slot, which, pl.ds(0, block_size)], bars.at[slot])
-
-
-def f16_queries(q32, scale_log2: float):
-    """Queries ``q32 f32[rows, D]`` (WGMMA layout) for an f16 ``Q K^T`` over an fp8 pool: each row times the
-    power of two that brings its largest element near 2^14 (bf16 has a wider range than f16), in f16, and
-    per row what multiplies its scores back (the inverse times ``scale_log2``). Zero rows get 2^-100."""
-    e = jnp.clip(jnp.round(jnp.log2(jnp.max(jnp.abs(q32), axis=1))), -100.0, 100.0)
-    q16 = (q32 * lax.broadcast_in_dim(jnp.exp2(14.0 - e), q32.shape, [0])).astype(jnp.float16)
-    return q16, jnp.exp2(e - 14.0) * scale_log2
 
 
 def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, *refs, q_bar, k_bar, v_bar,

@@ -11,7 +11,7 @@ had set the query tiles' time (0.61x their time at batch 256, context 1,024, H20
 decode launch took 0.86-0.99x their time, batch 1-256, contexts 64-1,024 (H100; benchmarks/RESULTS.md).
 
 One program: token ``t`` (grid axis ``tile``), KV head ``h`` and, with split-K, split ``p`` of its KV
-tiles (:func:`jaxpaged.kernels.paged_attention_mgpu.split_range`). Its copies are the query tiles':
+tiles (:func:`jaxpaged.kernels.paged_attention_mgpu_layout.split_range`). Its copies are the query tiles':
 
   * bf16: a KV tile is ``block_kv`` keys (64, or one pool block if larger), ``block_kv / bs`` pool
     blocks, each one TMA copy of its keys and one of its values into a K and a V slot. ``K`` is wgmma's
@@ -72,9 +72,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxpaged.kernels.fp8 import exponent_range, is_fp8
 from jaxpaged.kernels.kv_write import block_size_of
-from jaxpaged.kernels.paged_attention_mgpu import (BLOCK_M, LOG2E, TMA_ALIGN, _MASKED, _scales,
-                                                   _transforms, copy_fp8_block, f16_queries, fp8_block_copies,
-                                                   split_range, token_layout)
+from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, TMA_ALIGN, _MASKED, _transforms
+from jaxpaged.kernels.paged_attention_mgpu_fp8 import _scales, copy_fp8_block, f16_queries, fp8_block_copies
+from jaxpaged.kernels.paged_attention_mgpu_layout import split_range, token_layout
 from jaxpaged.kernels.split_k import merge_splits
 
 

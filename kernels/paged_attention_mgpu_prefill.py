@@ -97,6 +97,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxpaged.kernels.fp8 import is_fp8
 from jaxpaged.kernels.kv_write import block_size_of
+from jaxpaged.kernels.paged_attention_mgpu_fp8 import (_scales, copy_fp8_keys, copy_fp8_scales, copy_fp8_values,
+                                                      f16_queries)
+from jaxpaged.kernels.paged_attention_mgpu_layout import one_token_seqs
 from jaxpaged.kernels.shapes import num_cores
 
 NUM_COMPUTE = 2  # compute warpgroups a program; warpgroup NUM_COMPUTE issues the copies
@@ -178,8 +181,7 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
     f16[2, bs, D]``, ``vt16 f16[2, D, bs]`` and ``q16_smem f16[2, 64, D]`` (each compute warpgroup's keys,
     ``V^T`` and queries in f16); each compute warpgroup converts the tiles for itself and zeroes its own
     stale values, so ``zeroed`` is not used."""
-    from jaxpaged.kernels.paged_attention_mgpu import (BLOCK_M, _MASKED, _scales, copy_fp8_keys, copy_fp8_scales,
-                                                       copy_fp8_values, f16_queries)
+    from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, _MASKED
 
     if fp8:
         scale_smem, k16, vt16, q16_smem, *refs = refs
@@ -488,7 +490,7 @@ def pair_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, one_t
     ``S``, without keys, whose outputs are zeros. With ``one_token_apart`` a sequence of one new token
     owns no pair (its row is computed by :func:`jaxpaged.kernels.paged_attention_mgpu.one_token_rows`).
     Sequence ``s``'s pairs are ``cu[s] // 128 + s ...``
-    (as :func:`jaxpaged.kernels.paged_attention_mgpu.tile_layout` numbers tiles, which bounds them by
+    (as :func:`jaxpaged.kernels.paged_attention_mgpu_layout.tile_layout` numbers tiles, which bounds them by
     ``cdiv(T, 128) + S + 1``). Returns ``meta i32[pairs, 6]`` = (sequence or -1 where unowned,
     position of ``tok0`` in its sequence, ``kv_end``: one past the pair's last position, ``tok0``,
     the sequence's tokens ``[lo, hi)``)."""
@@ -555,8 +557,7 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
     """The prefill kernel after :func:`jaxpaged.kernels.paged_attention_mgpu.paged_attention_mgpu`'s
     validation; ``layer`` an ``i32[]``, ``interpret`` ``None`` or an ``InterpretGPUParams``. Over an fp8
     pool ``block_kv`` is its block size."""
-    from jaxpaged.kernels.paged_attention_mgpu import (BLOCK_M, LOG2E, TMA_ALIGN, _transforms, one_token_rows,
-                                                       one_token_seqs)
+    from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, TMA_ALIGN, _transforms, one_token_rows
 
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[4]

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.kernels.paged_attention_mgpu import (one_token_layout, paged_attention_mgpu, tile_layout, token_layout,
-                                                  work_list)
+from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu
+from jaxpaged.kernels.paged_attention_mgpu_layout import tile_layout
 from jaxpaged.kernels.paged_attention_mgpu_prefill import launch_order, pair_layout, program_items, side_rows
 from jaxpaged.kernels.kv_write import pool_from_caches
 from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
@@ -183,38 +183,15 @@ def test_program_items(num_items, num_programs):
     assert sorted(taken) == list(range(num_items))
 
 
-def test_tile_layout():
-    """Tiles of 4 tokens: sequence i's first tile is cu[i] // 4 + i; an empty sequence owns none; the
-    padding tokens are tiled as one more sequence, whose tiles have no sequence but have tokens."""
-    cu = jnp.array([0, 1, 7, 7, 9], jnp.int32)
-    kv = jnp.array([5, 6, 3, 12], jnp.int32)
-    meta, tile_of = tile_layout(cu, kv, 11, 4)
-    assert meta.shape == (3 + 4, 4)
-    seq, pos0, kv_end, tok0 = np.asarray(meta).T
-    np.testing.assert_array_equal(seq, [0, 1, 1, -1, 3, -1, -1])
-    np.testing.assert_array_equal((kv_end - pos0)[[0, 1, 2, 4, 6]], [1, 4, 2, 2, 2])  # its tokens
-    np.testing.assert_array_equal((kv_end - pos0)[[3, 5]], [0, 0])  # unowned
-    np.testing.assert_array_equal(tok0[[0, 1, 2, 4, 6]], [0, 1, 5, 7, 9])
-    np.testing.assert_array_equal(pos0[[0, 1, 2, 4]], [4, 0, 4, 10])
-    np.testing.assert_array_equal(kv_end[[0, 1, 2, 4]], [5, 4, 6, 12])
-    np.testing.assert_array_equal(np.asarray(tile_of), [0, 1, 1, 1, 1, 2, 2, 4, 4, 6, 6])
-    # The prefill kernel's programs start with the tiles that read the most keys; ties keep tile order,
-    # unowned tiles last (always in the interpreter; on a GPU for launches of more programs than SMs).
+def test_prefill_launch_order():
+    """The prefill kernel's programs start with the tiles that read the most keys; ties keep tile order,
+    unowned tiles last (always in the interpreter; on a GPU for launches of more programs than SMs).
+    Tiles of 4 tokens (the layout's test): tiles 0, 1, 2 and 4 read 5, 4, 6 and 12 keys; 3, 5, 6 are unowned."""
+    meta, _ = tile_layout(jnp.array([0, 1, 7, 7, 9], jnp.int32), jnp.array([5, 6, 3, 12], jnp.int32), 11, 4)
     lpt, tile_order = [4, 2, 0, 1, 3, 5, 6], list(range(7))
     for kv_heads, interpret, want in ((2, True, lpt), (2, None, tile_order), (1024, None, lpt)):
         np.testing.assert_array_equal(np.asarray(launch_order(meta, kv_heads, interpret)), want)
 
-
-def test_work_list():
-    """A split launch's items: each owned tile's splits that have keys (KV tiles of 8 split 4 ways, a
-    ``cdiv(num_kv, 4)`` share each), tile by tile, their count first; unowned tiles have none."""
-    cu = jnp.array([0, 1, 7, 7, 9], jnp.int32)
-    kv = jnp.array([5, 6, 3, 40], jnp.int32)  # KV tiles of its tiles: 1; 1, 1; none; 5 (shares of 2, 2, 1)
-    meta, _ = tile_layout(cu, kv, 11, 4)  # tiles 3, 5 unowned, 6 the padding tokens'
-    work = np.asarray(work_list(meta, 8, 4))
-    assert work.shape == (7 * 4 + 1, 2) and work[0, 0] == 6
-    np.testing.assert_array_equal(work[1:7], [[0, 0], [1, 0], [2, 0], [4, 0], [4, 1], [4, 2]])
-    assert not work[7:].any()
 
 def test_pair_layout_and_side_rows():
     """Pairs of 128 tokens from each sequence's first token rounded down to a multiple of 8; the padding
@@ -256,18 +233,6 @@ def test_pair_layout_and_side_rows():
     np.testing.assert_array_equal(meta[meta[:, 0] >= 0][:, [0, 3]], [[0, 0], [1, 8], [2, 8], [3, 24]])
     want[2, 5] = 13
     np.testing.assert_array_equal(np.asarray(side_rows(cu, 32, one_token_apart=False)), want)
-
-
-def test_token_layout():
-    """Decode launches have a tile per token: tile t is token t, padding tokens unowned. The decode rows of
-    a prefill launch have a tile per sequence, owned where it has one new token, which it names."""
-    cu, kv = jnp.array([0, 1, 1, 3], jnp.int32), jnp.array([5, 2, 9], jnp.int32)
-    meta = np.asarray(token_layout(cu, kv, 5))
-    np.testing.assert_array_equal(meta[:3], [[0, 4, 5], [2, 7, 8], [2, 8, 9]])  # (sequence, position, kv_end)
-    np.testing.assert_array_equal(meta[3:, 0], [-1, -1])
-    meta = np.asarray(one_token_layout(cu, kv))
-    np.testing.assert_array_equal(meta[:, 0], [0, -1, -1])
-    np.testing.assert_array_equal(meta[0], [0, 4, 5, 0])  # (sequence, position, kv_end, token)
 
 
 @pytest.mark.parametrize("q_lens,kv_lens,kw", [

@@ -16,9 +16,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxpaged.kernels.fp8 import exponent_range
 from jaxpaged.kernels.kv_write import block_size_of
-from jaxpaged.kernels.paged_attention_mgpu import (BLOCK_M, LOG2E, TMA_ALIGN, _MASKED, _scales,
-                                                   _transforms, copy_fp8_block, f16_queries, fp8_block_copies,
-                                                   split_range, token_layout)
+from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, TMA_ALIGN, _MASKED, _transforms
+from jaxpaged.kernels.paged_attention_mgpu_fp8 import _scales, copy_fp8_block, f16_queries, fp8_block_copies
+from jaxpaged.kernels.paged_attention_mgpu_layout import split_range, token_layout
 from jaxpaged.kernels.split_k import merge_splits
 
 
