@@ -436,7 +436,6 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, *refs, q_b
                 store_rows(q_plain, o_ref)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-
     if work_ref is None:
         item(lax.axis_index("tile"), lax.axis_index("split") if num_splits > 1 else 0)
     else:  # items prog, prog + N, ... of the list: empty splits and unowned tiles are not in it
