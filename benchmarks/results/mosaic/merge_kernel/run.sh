@@ -1,0 +1,38 @@
+# Split-K's merge of the query tiles' split launch as one Mosaic GPU kernel (merge_kernel.patch:
+# kernels/split_k_merge_mgpu.py, a program a (token, query head) reading only the splits its tile wrote)
+# against XLA's merge (the tree: a chain of small reductions over every split's partials).
+#   check:   check_attention_mgpu.py --only check with the patch (the split launches' outputs against the reference)
+#   kernel:  split_cost.py both ways (a lone 32-token chunk at 1-32 splits with and without a cached
+#            prefix, a mixed launch; GPU time by kernel)
+#   latency: the engine's TTFT and ITL both ways (bench_latency; LAT_RUNS="kv:prefix ..." picks the runs)
+# Run from the repository root: bash benchmarks/results/mosaic/merge_kernel/run.sh check|kernel|latency ...
+export PYTHONUNBUFFERED=1
+D=benchmarks/results/mosaic/merge_kernel
+F='W0000|I0000|W12|E12|DeprecationWarning|cuda_event|warnings.warn|^WARNING'
+nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/gpu.txt
+both() {  # both AS_IS PATCHED COMMAND: COMMAND as the tree stands, then with merge_kernel.patch, {} naming each
+  local as_is=$1 patched=$2; shift 2
+  eval "${@//\{\}/$as_is}"
+  git apply $D/merge_kernel.patch
+  eval "${@//\{\}/$patched}"
+  git apply -R $D/merge_kernel.patch
+}
+for part in "$@"; do
+case "$part" in
+check)
+  git apply $D/merge_kernel.patch; mkdir -p $OUT/check
+  timeout 240 python3 benchmarks/check_attention_mgpu.py --only check --out $OUT/check 2>&1 \
+    | grep --line-buffered -v -E "$F" > $OUT/check/check.log
+  git apply -R $D/merge_kernel.patch
+  grep -E "FAILED|^errors" $OUT/check/check.log | cut -c1-300; sed -n "/^correctness/,/^decode/p" $OUT/check/check.log ;;
+kernel)
+  both xla kernel "timeout 150 python3 benchmarks/results/mosaic/fp8_decode_steps/split_cost.py 2>&1 \
+    | grep --line-buffered -v -E '$F' > \$OUT/split_cost_{}.log; echo {}; tail -18 \$OUT/split_cost_{}.log | cut -c1-240" ;;
+latency)
+  L='python3 benchmarks/bench_latency.py --backend mosaic --max-num-seqs 256 --max-tokens 16 --batches 1,8 --prompts 32,256'
+  for run in ${LAT_RUNS:-auto:0 fp8:0 auto:4096 fp8:4096}; do kv=${run%:*} pre=${run#*:}
+    both xla kernel "timeout 100 $L --kv-cache-dtype $kv --prefix-len $pre --out \$OUT/lat_${kv}_${pre}_{} 2>&1 \
+      | grep --line-buffered -v -E '$F' > \$OUT/lat_${kv}_${pre}_{}.log; echo $kv prefix $pre {}; tail -6 \$OUT/lat_${kv}_${pre}_{}.log"
+  done ;;
+esac
+done
