@@ -1,8 +1,8 @@
 # Where the Mosaic GPU backend's time goes in an engine's small launches, against Triton's: a batch-1
 # decode step after 4,096 tokens (bf16 and fp8 pools) and a lone 32-token prompt's first token on a
 # 256-slot engine (padded to as many sequences as tokens, as bench_latency's engines do), each traced
-# with tools/profile_step.py (GPU time by kernel). `check` first runs the GPU check of the kernels
-# against the reference (check_attention_mgpu.py --only check).
+# with tools/profile_step.py (GPU time by kernel; PROFILE_KV="auto fp8" picks the decode pools). `check`
+# runs the GPU check of the kernels against the reference first (check_attention_mgpu.py --only check).
 # Run from the repository root: bash benchmarks/results/mosaic/small_launches/run.sh [check] [profile]
 export PYTHONUNBUFFERED=1
 F='W0000|I0000|W12|E12|DeprecationWarning|cuda_event|warnings.warn|^WARNING'
@@ -18,7 +18,7 @@ check)
     | grep --line-buffered -v -E "$F" > $OUT/check/check.log
   grep -E "FAILED|^errors" $OUT/check/check.log | cut -c1-300; sed -n "/^correctness/,/^decode/p" $OUT/check/check.log ;;
 profile)
-  for kv in auto fp8; do for b in mosaic triton; do
+  for kv in ${PROFILE_KV:-auto fp8}; do for b in mosaic triton; do
     timeout 110 python3 tools/profile_step.py --batch 1 --ctx 4096 --steps 30 --backend $b --kv-cache-dtype $kv \
       --top 12 --out $OUT/decode1_${kv}_$b 2>&1 | grep --line-buffered -v -E "$F" > $OUT/decode1_${kv}_$b.log
     echo "== decode batch 1 after 4096, $kv, $b"; show $OUT/decode1_${kv}_$b.log
