@@ -1,11 +1,13 @@
-# Split-K's merge of the query tiles' split launch as one Mosaic GPU kernel (merge_kernel.patch:
-# kernels/split_k_merge_mgpu.py, a program a (token, query head) reading only the splits its tile wrote)
-# against XLA's merge (the tree: a chain of small reductions over every split's partials).
+# Split-K's merge as one Mosaic GPU kernel (merge_kernel.patch: kernels/split_k_merge_mgpu.py, for the
+# query tiles' and the decode kernel's split launches, each program copying only the splits its token's
+# tile wrote) against XLA's merge (the tree: a chain of small reductions over every split's partials).
 #   check:   check_attention_mgpu.py --only check with the patch (the split launches' outputs against the reference)
 #   kernel:  split_cost.py both ways (a lone 32-token chunk at 1-32 splits with and without a cached
 #            prefix, a mixed launch; GPU time by kernel)
 #   latency: the engine's TTFT and ITL both ways (bench_latency; LAT_RUNS="kv:prefix ..." picks the runs)
-# Run from the repository root: bash benchmarks/results/mosaic/merge_kernel/run.sh check|kernel|latency ...
+#   profile: a batch-1 decode step after 4,096 tokens (bf16 pool) traced both ways, and Triton's
+#            (tools/profile_step.py: GPU time by kernel)
+# Run from the repository root: bash benchmarks/results/mosaic/merge_kernel/run.sh check|kernel|latency|profile ...
 export PYTHONUNBUFFERED=1
 D=benchmarks/results/mosaic/merge_kernel
 F='W0000|I0000|W12|E12|DeprecationWarning|cuda_event|warnings.warn|^WARNING'
@@ -34,5 +36,12 @@ latency)
     both xla kernel "timeout 100 $L --kv-cache-dtype $kv --prefix-len $pre --out \$OUT/lat_${kv}_${pre}_{} 2>&1 \
       | grep --line-buffered -v -E '$F' > \$OUT/lat_${kv}_${pre}_{}.log; echo $kv prefix $pre {}; tail -6 \$OUT/lat_${kv}_${pre}_{}.log"
   done ;;
+profile)
+  P='python3 tools/profile_step.py --batch 1 --ctx 4096 --steps 30 --top 14'
+  show() { grep -E "untraced: median|GPU kernel time" $1 | cut -c1-200; sed -n '/kernel (normalised name)/,$p' $1 | head -16 | cut -c1-110; }
+  both xla kernel "timeout 100 $P --backend mosaic --out \$OUT/profile_{} 2>&1 | grep --line-buffered -v -E '$F' \
+    > \$OUT/profile_{}.log; echo mosaic {}; show \$OUT/profile_{}.log"
+  timeout 100 $P --backend triton --out $OUT/profile_triton 2>&1 | grep --line-buffered -v -E "$F" > $OUT/profile_triton.log
+  echo triton; show $OUT/profile_triton.log ;;
 esac
 done
