@@ -4,7 +4,8 @@
 #   check:   check_attention_mgpu.py --only check with the patch (the split launches' outputs against the reference)
 #   kernel:  split_cost.py both ways (a lone 32-token chunk at 1-32 splits with and without a cached
 #            prefix, a mixed launch; GPU time by kernel)
-#   latency: the engine's TTFT and ITL both ways (bench_latency; LAT_RUNS="kv:prefix ..." picks the runs)
+#   latency: the engine's TTFT and ITL both ways (bench_latency; LAT_RUNS="kv:prefix ..." picks the runs,
+#            LAT_SHAPES their --batches and --prompts)
 #   profile: a batch-1 decode step after 4,096 tokens (bf16 pool) traced both ways, and Triton's
 #            (tools/profile_step.py: GPU time by kernel)
 # Run from the repository root: bash benchmarks/results/mosaic/merge_kernel/run.sh check|kernel|latency|profile ...
@@ -31,7 +32,7 @@ kernel)
   both xla kernel "timeout 150 python3 benchmarks/results/mosaic/fp8_decode_steps/split_cost.py 2>&1 \
     | grep --line-buffered -v -E '$F' > \$OUT/split_cost_{}.log; echo {}; tail -18 \$OUT/split_cost_{}.log | cut -c1-240" ;;
 latency)
-  L='python3 benchmarks/bench_latency.py --backend mosaic --max-num-seqs 256 --max-tokens 16 --batches 1,8 --prompts 32,256'
+  L="python3 benchmarks/bench_latency.py --backend mosaic --max-num-seqs 256 --max-tokens 16 ${LAT_SHAPES:---batches 1,8 --prompts 32,256}"
   for run in ${LAT_RUNS:-auto:0 fp8:0 auto:4096 fp8:4096}; do kv=${run%:*} pre=${run#*:}
     both xla kernel "timeout 100 $L --kv-cache-dtype $kv --prefix-len $pre --out \$OUT/lat_${kv}_${pre}_{} 2>&1 \
       | grep --line-buffered -v -E '$F' > \$OUT/lat_${kv}_${pre}_{}.log; echo $kv prefix $pre {}; tail -6 \$OUT/lat_${kv}_${pre}_{}.log"
