@@ -141,11 +141,16 @@ def hbm_read_ceiling(smoke):
     return 2 * n / t
 
 
-def make_case(rng, q_lens, kv_lens, bs, hq, hkv, d, dtype, num_blocks):
-    """Random ragged batch with randomly placed blocks; every unused slot and partial tail is NaN."""
+def make_case(rng, q_lens, kv_lens, bs, hq, hkv, d, dtype, num_blocks, table_width: int | None = None):
+    """Random ragged batch with randomly placed blocks; every unused slot and partial tail is NaN.
+    ``table_width``: block-table columns (default: the longest sequence's blocks); an engine's tables
+    are as wide as its longest context, and the kernels choose split-K from that width. Columns past a
+    sequence's blocks name random blocks (NaN where no sequence uses them)."""
     s = len(q_lens)
     w = max(1, max(math.ceil(k / bs) for k in kv_lens))
     perm = rng.permutation(num_blocks)[: s * w].reshape(s, w).astype(np.int32)
+    if table_width is not None and table_width > w:
+        perm = np.concatenate([perm, rng.integers(0, num_blocks, (s, table_width - w), dtype=np.int32)], axis=1)
     k = rng.standard_normal((num_blocks, bs, hkv, d)).astype(np.float32)
     v = rng.standard_normal((num_blocks, bs, hkv, d)).astype(np.float32)
     used = np.zeros((num_blocks, bs), bool)

@@ -5,7 +5,8 @@ does not lower for the GPU prints the error and the script goes on):
 
   1. correctness: ragged decode/prefill batches (bf16, every unused pool slot NaN, blocks in random
      order, block sizes 16-64, GQA/MQA; and fp8 pools of block size 64, e4m3 and e5m2, stale slots' values
-     and scales NaN) and a pool over 4 GiB read at its last layer and highest blocks;
+     and scales NaN), launches whose block tables are as wide as a 4,096-token engine's (split-K chosen
+     from that width: most splits empty), and a pool over 4 GiB read at its last layer and highest blocks;
      max abs and relative error of the Mosaic kernel and of the Triton kernel against the reference.
      A float32 pool is expected to be refused on the GPU (ValueError), checked in ``--tiny`` mode.
   2. decode timing: batch 256 x context 1,024, Hq 16, Hkv 8, D 128, bf16, block sizes 16 and 64, both
@@ -112,6 +113,7 @@ def correctness(rng, tiny: bool, interpret: bool):
             ([1, 37, 0, 5], [1, 50, 9, 80], 16, 4, 2, 64, jnp.bfloat16),
             ([1, 1, 9], [64, 65, 130], 64, 8, 1, 64, jnp.float32),
             ([1, 5, 1], [63, 70, 130], 64, 4, 2, 128, jnp.float8_e4m3fn),
+            ([1, 1], [5, 40], 16, 4, 2, 64, jnp.bfloat16, 1024),  # wide tables: split, most splits empty
         ]
     else:
         cases = [
@@ -135,16 +137,27 @@ def correctness(rng, tiny: bool, interpret: bool):
             # many ways)
             ([100, 1, 1, 1] + [0] * 60, [2100, 300, 40, 1000] + [0] * 60, 64, HQ, HKV, D, jnp.float8_e4m3fn),
             ([32] + [0] * 31, [4128] + [0] * 31, 64, HQ, HKV, D, jnp.float8_e4m3fn),
+            # block tables as wide as a 4,096-token engine's (split-K is chosen from the width): most
+            # splits empty. A lone 32-token prompt without a prefix padded to 32 sequences, batch-1
+            # decode at 40 tokens, and 8 decode rows of unequal contexts; bf16 and fp8
+            ([32] + [0] * 31, [32] + [0] * 31, 16, HQ, HKV, D, jnp.bfloat16, 4096),
+            ([32] + [0] * 31, [32] + [0] * 31, 64, HQ, HKV, D, jnp.float8_e4m3fn, 4096),
+            ([1], [40], 16, HQ, HKV, D, jnp.bfloat16, 4096),
+            ([1], [40], 64, HQ, HKV, D, jnp.float8_e4m3fn, 4096),
+            ([1] * 8, [5, 40, 64, 65, 300, 1000, 2000, 4000], 16, 28, 4, D, jnp.bfloat16, 4096),  # G 7
         ]
-    for q_lens, kv_lens, bs, hq, hkv, d, dtype in cases:
-        name = f"q{str(q_lens)[:24]} kv{str(list(map(int, kv_lens)))[:30]} bs{bs} hq{hq} hkv{hkv} d{d}"
+    for q_lens, kv_lens, bs, hq, hkv, d, dtype, *width in cases:
+        name = ((f"w{width[0]} " if width else "")  # (first: the summary shows a name's first 50 characters)
+                + f"q{str(q_lens)[:24]} kv{str(list(map(int, kv_lens)))[:30]} bs{bs} hq{hq} hkv{hkv} d{d}")
+        table_width = -(-width[0] // bs) if width else None
         try:
-            num_blocks = len(q_lens) * max(math.ceil(k / bs) for k in kv_lens) + 8
+            num_blocks = max(len(q_lens) * max(math.ceil(k / bs) for k in kv_lens), table_width or 0) + 8
+            case = dict(num_blocks=num_blocks, table_width=table_width)
             if is_fp8(dtype):  # bf16 queries over the fp8 pool of the same random K/V (stale slots stay NaN)
-                q, pool, *meta = make_case(rng, q_lens, kv_lens, bs, hq, hkv, d, jnp.float32, num_blocks=num_blocks)
+                q, pool, *meta = make_case(rng, q_lens, kv_lens, bs, hq, hkv, d, jnp.float32, **case)
                 args = (q.astype(jnp.bfloat16), jax.jit(quantize_pool, static_argnums=1)(pool, dtype), *meta)
             else:
-                args = make_case(rng, q_lens, kv_lens, bs, hq, hkv, d, dtype, num_blocks=num_blocks)
+                args = make_case(rng, q_lens, kv_lens, bs, hq, hkv, d, dtype, **case)
             compare(name, args, interpret, jnp.dtype(dtype).name, uniform_decode=max(q_lens) <= 1)
         except Exception as e:  # noqa: BLE001
             failure(f"case {name}", e)
