@@ -8,7 +8,9 @@
 #            LAT_SHAPES their --batches and --prompts)
 #   profile: a batch-1 decode step after 4,096 tokens (bf16 pool) traced both ways, and Triton's
 #            (tools/profile_step.py: GPU time by kernel)
-# Run from the repository root: bash benchmarks/results/mosaic/merge_kernel/run.sh check|kernel|latency|profile ...
+#   startup: bench_startup.py both ways (an fp8 engine on Mosaic: cold and cached start; each merge
+#            kernel is one more Mosaic GPU lowering in the steps that split)
+# Run from the repository root: bash benchmarks/results/mosaic/merge_kernel/run.sh check|kernel|latency|profile|startup ...
 export PYTHONUNBUFFERED=1
 D=benchmarks/results/mosaic/merge_kernel
 F='W0000|I0000|W12|E12|DeprecationWarning|cuda_event|warnings.warn|^WARNING'
@@ -44,5 +46,8 @@ profile)
     > \$OUT/profile_{}.log; echo mosaic {}; show \$OUT/profile_{}.log"
   timeout 100 $P --backend triton --out $OUT/profile_triton 2>&1 | grep --line-buffered -v -E "$F" > $OUT/profile_triton.log
   echo triton; show $OUT/profile_triton.log ;;
+startup)
+  both xla kernel "timeout 220 python3 benchmarks/bench_startup.py --backend mosaic --kv-cache-dtype fp8 --out \$OUT/startup_{} 2>&1 \
+    | grep --line-buffered -v -E '$F' > \$OUT/startup_{}.log; echo start-up {}; tail -6 \$OUT/startup_{}.log" ;;
 esac
 done
