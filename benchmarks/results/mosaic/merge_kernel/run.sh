@@ -6,8 +6,8 @@
 #            prefix, a mixed launch; GPU time by kernel)
 #   latency: the engine's TTFT and ITL both ways (bench_latency; LAT_RUNS="kv:prefix ..." picks the runs,
 #            LAT_SHAPES their --batches and --prompts)
-#   profile: a batch-1 decode step after 4,096 tokens (bf16 pool) traced both ways, and Triton's
-#            (tools/profile_step.py: GPU time by kernel)
+#   profile: a batch-1 decode step after 4,096 tokens and a lone 32-token prompt's first token (bf16
+#            pool) traced both ways, and Triton's (tools/profile_step.py: GPU time by kernel; PROFILES picks)
 #   startup: bench_startup.py both ways (an fp8 engine on Mosaic: cold and cached start; each merge
 #            kernel is one more Mosaic GPU lowering in the steps that split)
 # Run from the repository root: bash benchmarks/results/mosaic/merge_kernel/run.sh check|kernel|latency|profile|startup ...
@@ -39,13 +39,19 @@ latency)
     both xla kernel "timeout 100 $L --kv-cache-dtype $kv --prefix-len $pre --out \$OUT/lat_${kv}_${pre}_{} 2>&1 \
       | grep --line-buffered -v -E '$F' > \$OUT/lat_${kv}_${pre}_{}.log; echo $kv prefix $pre {}; tail -6 \$OUT/lat_${kv}_${pre}_{}.log"
   done ;;
-profile)
-  P='python3 tools/profile_step.py --batch 1 --ctx 4096 --steps 30 --top 14'
+profile)  # PROFILES="decode ttft" picks: a batch-1 decode step after 4,096 tokens, or a lone 32-token
+  # prompt's first token on a 256-slot engine (padded to as many sequences as tokens, as bench_latency's are)
   show() { grep -E "untraced: median|GPU kernel time" $1 | cut -c1-200; sed -n '/kernel (normalised name)/,$p' $1 | head -16 | cut -c1-110; }
-  both xla kernel "timeout 100 $P --backend mosaic --out \$OUT/profile_{} 2>&1 | grep --line-buffered -v -E '$F' \
-    > \$OUT/profile_{}.log; echo mosaic {}; show \$OUT/profile_{}.log"
-  timeout 100 $P --backend triton --out $OUT/profile_triton 2>&1 | grep --line-buffered -v -E "$F" > $OUT/profile_triton.log
-  echo triton; show $OUT/profile_triton.log ;;
+  for prof in ${PROFILES:-decode ttft}; do
+    case $prof in
+    decode) P='python3 tools/profile_step.py --batch 1 --ctx 4096 --steps 30 --top 14' ;;
+    ttft) P='python3 tools/profile_step.py --ttft --ctx 32 --max-num-seqs 256 --steps 30 --top 14' ;;
+    esac
+    both xla kernel "timeout 100 $P --backend mosaic --out \$OUT/${prof}_{} 2>&1 | grep --line-buffered -v -E '$F' \
+      > \$OUT/${prof}_{}.log; echo $prof mosaic {}; show \$OUT/${prof}_{}.log"
+    timeout 100 $P --backend triton --out $OUT/${prof}_triton 2>&1 | grep --line-buffered -v -E "$F" > $OUT/${prof}_triton.log
+    echo $prof triton; show $OUT/${prof}_triton.log
+  done ;;
 startup)
   both xla kernel "timeout 220 python3 benchmarks/bench_startup.py --backend mosaic --kv-cache-dtype fp8 --out \$OUT/startup_{} 2>&1 \
     | grep --line-buffered -v -E '$F' > \$OUT/startup_{}.log; echo start-up {}; tail -6 \$OUT/startup_{}.log" ;;
