@@ -1,11 +1,19 @@
-"""A cold warm-up's profile and the greedy token ids of a Mosaic GPU engine over an fp8 pool (Qwen3-0.6B
-shapes, random weights, no compilation cache: every step lowered and compiled): eight 32-token prompts,
-two 300-token prompts, and four 32-token prompts after a shared 2,048-token prefix cached first; 16
-tokens each. The ids are written to ``$OUT/tokens_<name>.json`` so two trees' outputs can be compared
-token for token (equal where both run the same kernels).
+"""Greedy token ids of Mosaic GPU engines over an fp8 pool (Qwen3-0.6B shapes, random weights, no
+compilation cache: every step lowered and compiled), one engine after another in one process, each
+variant named on the command line: ``tree`` (each step lowers its attention launches itself) or
+``lowered_once`` (each launch exported once and embedded in every step; needs lowered_once.patch).
+Each engine: a cold warm-up's profile, then eight 32-token prompts, two 300-token prompts, and four
+32-token prompts after a shared 2,048-token prefix cached first; 16 tokens each.
 
-Run from the repository root: python3 benchmarks/results/startup/lowered_once/greedy_tokens.py NAME
+In one process the engines share XLA's in-process GEMM autotuning results, so the same program gives
+the same tokens; two processes may autotune a GEMM differently (timed candidates), so their tokens
+may differ for that reason alone: ``tree tree`` in two processes measures that.
+The ids are written to ``$OUT/tokens_<position>_<variant>.json``; the last line says which runs equal
+the first.
+
+Run from the repository root: python3 benchmarks/results/startup/lowered_once/greedy_tokens.py VARIANT...
 """
+import gc
 import json
 import os
 import sys
@@ -14,19 +22,48 @@ import numpy as np
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.llm import run_to_completion
+from jaxpaged.models import ops
 from jaxpaged.workloads import benchmark_params
 
+LOWERED_ONCE = getattr(ops, "LoweredOnce", None)  # models/lowered_once.py, with the patch applied
+
+
+def greedy_tokens(variant: str) -> list:
+    if variant == "tree":
+        ops.LoweredOnce = lambda fn: fn
+    elif LOWERED_ONCE is None:
+        raise SystemExit("lowered_once needs lowered_once.patch applied")
+    else:
+        ops.LoweredOnce = LOWERED_ONCE
+    # Each engine its own compiled steps: the attention function is cached per backend, and the runner
+    # (the jitted step and its executables) per weights object.
+    ops.get_attention_fn.cache_clear()
+    for key in [k for k in params.derived if isinstance(k, tuple) and k[0] == "runner"]:
+        del params.derived[key]
+    engine = LLMEngine(params, EngineConfig(kv_cache_dtype="fp8", attention_backend="mosaic", max_model_len=4096,
+                                            num_blocks=1024, compilation_cache=False))
+    engine.warmup(use_tqdm=False)
+    print(variant, "warm-up:", {k: round(v, 1) if isinstance(v, float) else v
+                                for k, v in engine.warmup_profile.items() if k != "slowest_compile"})
+    rng = np.random.default_rng(0)
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prefix = rng.integers(0, 10_000, 2048).tolist()
+    batches = [rng.integers(0, 10_000, (8, 32)).tolist(), rng.integers(0, 10_000, (2, 300)).tolist()]
+    run_to_completion(engine, [prefix], SamplingParams(temperature=0.0, max_tokens=1))
+    batches.append([prefix + p for p in rng.integers(0, 10_000, (4, 32)).tolist()])
+    tokens = [[list(o.outputs[0].token_ids) for o in run_to_completion(engine, b, sp)] for b in batches]
+    engine.close()
+    del engine
+    gc.collect()
+    return tokens
+
+
 params = benchmark_params("qwen3-0.6b")
-engine = LLMEngine(params, EngineConfig(kv_cache_dtype="fp8", attention_backend="mosaic", max_model_len=4096,
-                                             compilation_cache=False))
-engine.warmup(use_tqdm=False)
-print(sys.argv[1], "warm-up:", {k: round(v, 1) if isinstance(v, float) else v for k, v in engine.warmup_profile.items()})
-rng = np.random.default_rng(0)
-sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-prefix = rng.integers(0, 10_000, 2048).tolist()
-batches = [rng.integers(0, 10_000, (8, 32)).tolist(), rng.integers(0, 10_000, (2, 300)).tolist()]
-run_to_completion(engine, [prefix], SamplingParams(temperature=0.0, max_tokens=1))
-batches.append([prefix + p for p in rng.integers(0, 10_000, (4, 32)).tolist()])
-tokens = [[list(o.outputs[0].token_ids) for o in run_to_completion(engine, b, sp)] for b in batches]
-json.dump(tokens, open(os.path.join(os.environ.get("OUT", "."), f"tokens_{sys.argv[1]}.json"), "w"))
-print(sys.argv[1], "first tokens of each batch's first request:", [t[0][:4] for t in tokens])
+runs = [(f"{i}_{variant}", greedy_tokens(variant)) for i, variant in enumerate(sys.argv[1:])]
+for name, tokens in runs:
+    json.dump(tokens, open(os.path.join(os.environ.get("OUT", "."), f"tokens_{name}.json"), "w"))
+    differ = [(b, r, next(i for i, (x, y) in enumerate(zip(t, t0)) if x != y))
+              for b, (batch, batch0) in enumerate(zip(tokens, runs[0][1]))
+              for r, (t, t0) in enumerate(zip(batch, batch0)) if t != t0]
+    print(f"{name}: greedy token ids equal to {runs[0][0]}'s: "
+          + ("yes" if not differ else f"NO ((batch, request, first differing position): {differ})"))
