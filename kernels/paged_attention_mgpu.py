@@ -306,7 +306,7 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, *refs, q_b
             # The tile's other tokens by loops to ntok: unrolled to the largest tile under conditions (31
             # twice at G = 2), a decode tile of one token paid for them all (0.88x the time with the loops
             # at batch 256, context 64; 0.86-0.89x at batch 1 and 32-128-token prompts; H100,
-            # benchmarks/RESULTS.md).
+            # benchmarks/results/mosaic/README.md).
             copy_token(0)
             pl.loop(1, ntok)(copy_token)
             fetch(lo, 0)  # the range is not empty; tile lo + i goes to slot i
@@ -549,13 +549,13 @@ def paged_attention_mgpu(
         programs read a cached prefix unsplit. There the tiles with split-K took 0.57 / 0.62x the prefill kernel's time after 4,096 cached
         tokens (32 / 128 new tokens), 0.42x at ``G`` = 7, and 0.95-1.00x without (0.62 at ``G`` = 7);
         at 512 tokens 1.04x after the prefix and 1.47x without, so they stop at 128 (chained, H100,
-        2026-12-06, benchmarks/RESULTS.md). Over fp8 alike: 0.38 / 0.43x after 4,096 cached tokens,
+        2026-12-06, benchmarks/results/mosaic/README.md). Over fp8 alike: 0.38 / 0.43x after 4,096 cached tokens,
         0.86 / 1.16x without (H100, 2026-12-06, the same page).
       uniform_decode: the caller knows that no sequence has more than one new token (an engine's decode
         step). Such a launch runs ``paged_attention_mgpu_decode`` (keys on wgmma's M, a program a token):
         over bf16 0.86-0.99x the query tiles' time at 1-256 sequences, contexts 64-1,024, and in the
         engine (Qwen3-0.6B shapes) 0.92x the tiles' ITL at batch 256, 0.97x Triton's (H100, 2026-12-06,
-        benchmarks/RESULTS.md). Not inferred from shapes over bf16: an engine pads a short prompt's step
+        benchmarks/results/mosaic/README.md). Not inferred from shapes over bf16: an engine pads a short prompt's step
         to as many sequences as tokens too, and there a program a token reads the prompt's cached
         prefix once a token (over fp8 alike).
     Returns ``[T, Hq, D]`` in ``q.dtype``; zeros for padding tokens.
@@ -624,7 +624,7 @@ def one_token_rows(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, scale
     launch where ``G`` is at least its ``DECODE_TILES_MIN_GROUP``: its items are a query head each, so
     a one-token sequence costs it ``G`` programs' arithmetic, one a head, for every KV head's keys (a
     step of 255 decode rows at 4k tokens and a 512-token prompt, Qwen2.5-7B's shapes: 3.3x the tiled
-    kernel's time, 0.99x with this launch; H100, ``benchmarks/RESULTS.md``). Unsplit: where a prefill
+    kernel's time, 0.99x with this launch; H100, ``benchmarks/results/mosaic/README.md``). Unsplit: where a prefill
     launch has no such sequences every program exits at once, and split-K's merge would be one more
     kernel (launches of 2,048 tokens and one sequence took 1.07-1.16x the time with the decode
     launches' splits, 0.98x without). ``layer`` an ``i32[]``, the rest validated by

@@ -8,7 +8,7 @@ products are transposed: the KV tile is the ``M`` operand (its 64 keys, or ``V^T
 queries are wgmma's ``N = R`` (``G`` rounded up to 8), so a KV tile costs ``64 x R`` scores instead of
 ``64 x 64`` and a program needs fewer registers. Over fp8 pools that arithmetic, not the halved reads,
 had set the query tiles' time (0.61x their time at batch 256, context 1,024, H200); over bf16 pools a
-decode launch took 0.86-0.99x their time, batch 1-256, contexts 64-1,024 (H100; benchmarks/RESULTS.md).
+decode launch took 0.86-0.99x their time, batch 1-256, contexts 64-1,024 (H100; benchmarks/results/mosaic/README.md).
 
 One program: token ``t`` (grid axis ``tile``), KV head ``h`` and, with split-K, split ``p`` of its KV
 tiles (:func:`jaxpaged.kernels.paged_attention_mgpu_layout.split_range`). Its copies are the query tiles':

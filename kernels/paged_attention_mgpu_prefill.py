@@ -21,12 +21,12 @@ copies, waits for them and then computes; this one is for launches with many new
     with the sequence before or after goes to a small side output that XLA scatters
     (:func:`side_rows`). Laying the queries out in tiles before the launch and gathering the outputs
     back after had been two XLA copies of the queries' size around the kernel: 0.77x / 0.88x / 0.94x /
-    0.96x the launch's time without them at 2k / 4k / 8k / 16k tokens (H100, ``benchmarks/RESULTS.md``).
+    0.96x the launch's time without them at 2k / 4k / 8k / 16k tokens (H100, ``benchmarks/results/mosaic/README.md``).
   * The launch is persistent: a program an SM, each taking its items in turn
     (:func:`program_items`), so one item's first copies (its Q tiles, its first K/V tiles) land while
     the item before it still computes, and no SM waits for a program to end and the next to start.
     Against a program an item: 0.96-0.97x the time at 4k-8k tokens, 0.99x at 16k (H100,
-    ``benchmarks/RESULTS.md``). An item's Q tiles go into one of two buffers (one where shared memory
+    ``benchmarks/results/mosaic/README.md``). An item's Q tiles go into one of two buffers (one where shared memory
     has no room for two: :func:`prefill_q_buffers`), its output over them.
   * Warpgroup 2 (the memory warpgroup, its registers handed to the compute warpgroups with
     ``set_max_registers``) issues each K/V tile's TMA copies, one per pool block, as soon as both
@@ -109,7 +109,7 @@ INTERPRET_PROGRAMS = 2  # programs of an interpreted launch (each takes several 
 # At G=7 (Qwen2.5-7B's shapes) a step of 255 decode rows beside a 512-token prompt took 0.30x the time
 # with them; at G=2 (Qwen3-0.6B's) the nano-vllm workload ran at 1.00x with and without, and batch-1
 # TTFT at 32-token prompts 1.07x with (one more launch a layer in every prefill step; H100, 2026-12-05,
-# benchmarks/RESULTS.md). A decode row costs this launch G items, so 4 sits between the two.
+# benchmarks/results/mosaic/README.md). A decode row costs this launch G items, so 4 sits between the two.
 DECODE_TILES_MIN_GROUP = 4
 
 
@@ -538,7 +538,7 @@ def launch_order(meta: jax.Array, num_heads: int, interpret) -> jax.Array:
     time first), unowned pairs last. A causal pair's work grows with its ``kv_end``; in pair order a
     prefill's longest pairs ran in the last wave with most SMs idle: 1.29x this order's time over
     2,048 new tokens, 1.43x in a ragged step of mixed lengths and prefixes (H200, a program an item
-    then, ``benchmarks/RESULTS.md``).
+    then, ``benchmarks/results/mosaic/README.md``).
 
     On the GPU, launches of at most one item per SM keep pair order (they all start at once, and
     the sort costs a few microseconds); the interpreter always sorts, so the CPU tests run the
