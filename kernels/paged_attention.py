@@ -39,7 +39,7 @@ block id per slot (correct, slower: gathered columns). The tiles are converted e
 float32); the K scales multiply the scores' columns and the V scales, relative to each row's largest
 in the tile, the probabilities' columns (docs/NUMERICS.md). A masked tile inside one block is read whole
 and its values and V scales past ``kv_end`` zeroed (stale keys only reach scores the causal mask
-replaces). Why (measured on the H200, ``benchmarks/RESULTS.md``): at batch 256 x context 1,024 a
+replaces). Why (measured on the H200, ``benchmarks/results/fp8/README.md``): at batch 256 x context 1,024 a
 loop over a block-64 pool in this layout took 221 us with bf16 tiles, 185 with f16 tiles, 290-302 us
 over values in key order (the 8-bit ``P @ V`` operand strided along its contracted axis) and 340-365
 us over block-16 tiles with scalar ids; bf16 took 264-271 us; load masks on the masked tiles cost

@@ -40,7 +40,7 @@ Per KV tile:
 
 Over fp8 this is one cross-warp reduction (e5m2) or two (e4m3) a tile fewer than dividing by the tile's
 largest V scale and summing each tile's probabilities, and at 144 registers a thread three programs
-share a multiprocessor (benchmarks/RESULTS.md, fp8 section, has the variants measured: converting ``V^T``
+share a multiprocessor (benchmarks/results/fp8/README.md has the variants measured: converting ``V^T``
 during the first wgmma, or issuing the next copy as soon as the slot is read, take 148-172 registers
 and lose at batch 256).
 
