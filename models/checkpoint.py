@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -61,16 +62,37 @@ def cache_key(path: Path, dtype: str) -> str:
     return h.hexdigest()[:24]
 
 
+def _beside(directory: Path, what: str) -> Path:
+    """A sibling of ``directory`` that no other writer (process or thread) names the same."""
+    return directory.with_name(f"{directory.name}.{what}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
 def save_state(directory: Path, state: nnx.State) -> None:
-    """Writes the state with Orbax (atomically: into a temporary folder, then renamed)."""
+    """Writes the state with Orbax, atomically: into a temporary folder of this writer's own, then
+    renamed to ``directory``. Processes that load the same checkpoint for the first time at once (two
+    servers, a notebook and a script, test workers) each write their own copy and the last rename
+    wins; a copy already there (a damaged one being rebuilt, or another writer's) is moved aside
+    first, so a reader sees a whole copy or none."""
     import orbax.checkpoint as ocp  # here, not at module level: ~0.3 s of every `import jaxpaged`
 
-    tmp = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(tmp.resolve(), nnx.to_pure_dict(state))
-    shutil.rmtree(directory, ignore_errors=True)
-    tmp.rename(directory)
+    tmp = _beside(directory, "tmp")
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(tmp.resolve(), nnx.to_pure_dict(state))
+        old = _beside(directory, "old")
+        try:
+            directory.rename(old)
+        except FileNotFoundError:
+            pass
+        try:
+            tmp.rename(directory)
+        except OSError:  # another writer's copy landed in between: it stays, this one goes
+            pass
+        shutil.rmtree(old, ignore_errors=True)
+    except OSError as err:  # the cache only saves time: a load never fails for want of it
+        log.warning("param cache %s not written (%s)", directory, err)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def restore_state(directory: Path, abstract_state: nnx.State) -> nnx.State:

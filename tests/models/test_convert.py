@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -70,6 +73,54 @@ def test_orbax_cache_round_trip(ckpt, tmp_path):
     # A changed checkpoint is converted again, never served stale.
     edit_config(ckpt, rms_norm_eps=1e-5)
     assert not load_params(ckpt, cache_dir=tmp_path / "cache").from_cache
+
+
+FIRST_LOAD = """
+import pathlib, sys, time
+from jaxpaged.models.checkpoint import load_params
+ckpt, cache, me, other = sys.argv[1:]
+pathlib.Path(me).touch()  # imports done: start together
+while not pathlib.Path(other).exists():
+    time.sleep(0.01)
+print(load_params(ckpt, cache_dir=cache).from_cache)
+"""
+
+
+def test_two_processes_loading_a_checkpoint_first_at_once_share_one_cache(ckpt, tmp_path):
+    """Two servers (or test workers) converting the same checkpoint at the same moment each write the
+    Orbax cache: both load, neither warns, and one whole copy is left, which the next load reads."""
+    cache = tmp_path / "cache"
+    flags = [tmp_path / "ready0", tmp_path / "ready1"]
+    procs = [subprocess.Popen([sys.executable, "-c", FIRST_LOAD, str(ckpt), str(cache), str(flags[i]), str(flags[1 - i])],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, JAX_PLATFORMS="cpu")) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and out.strip() == "False", err[-3000:]
+        assert "param cache" not in err, err[-3000:]
+    assert len(list((cache / "params").iterdir())) == 1  # one copy, no temporary folder left
+    again = load_params(ckpt, cache_dir=cache)
+    assert again.from_cache
+    fresh = load_params(ckpt, use_cache=False)
+    for x, y in zip(jax.tree.leaves(again.state), jax.tree.leaves(fresh.state)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_a_damaged_cache_is_replaced(ckpt, tmp_path):
+    """A cache entry that cannot be read is converted again and its folder replaced by a whole copy."""
+    cache = tmp_path / "cache"
+    load_params(ckpt, cache_dir=cache)
+    (entry,) = (cache / "params").iterdir()
+    for f in entry.rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"damaged")
+    assert not load_params(ckpt, cache_dir=cache).from_cache
+    assert [p.name for p in (cache / "params").iterdir()] == [entry.name]
+    assert load_params(ckpt, cache_dir=cache).from_cache
 
 
 def test_dummy_load_format_needs_only_the_config(ckpt, tmp_path):
