@@ -1,14 +1,19 @@
 """Greedy token ids of Mosaic GPU engines over an fp8 pool (Qwen3-0.6B shapes, random weights, no
 compilation cache: every step lowered and compiled), one engine after another in one process, each
-variant named on the command line: ``tree`` (each step lowers its attention launches itself) or
-``lowered_once`` (each launch exported once and embedded in every step; needs lowered_once.patch).
+variant named on the command line:
+  tree:          each step lowers its attention kernels itself;
+  lowered_once:  each attention launch (kernels and the XLA code around them) exported once and
+                 embedded in every step (needs lowered_once.patch);
+  kernel_once:   each Mosaic GPU kernel alone exported once and embedded in every step, the XLA code
+                 around it the step's own (needs kernel_once.patch).
 Each engine: a cold warm-up's profile, then eight 32-token prompts, two 300-token prompts, and four
 32-token prompts after a shared 2,048-token prefix cached first; 16 tokens each.
 
-In one process the engines share XLA's in-process GEMM autotuning results, so the same program gives
-the same tokens; two processes may autotune a GEMM differently (timed candidates), so their tokens
-may differ for that reason alone: ``tree tree`` in two processes measures that.
-The ids are written to ``$OUT/tokens_<position>_<variant>.json``; the last line says which runs equal
+In one process the engines share XLA's GEMM autotuning results, so the same program gives the same
+tokens; two processes may autotune a GEMM differently (timed candidates), so their tokens may differ
+for that reason alone: ``tree`` in a second process measures that. Between engines the process's jit
+caches are cleared (the kernels' inner jits would otherwise keep the first engine's traces).
+The ids are written to ``$OUT/tokens_<position>_<variant>.json``; the last lines say which runs equal
 the first.
 
 Run from the repository root: python3 benchmarks/results/startup/lowered_once/greedy_tokens.py VARIANT...
@@ -18,6 +23,7 @@ import json
 import os
 import sys
 
+import jax
 import numpy as np
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
@@ -25,16 +31,25 @@ from jaxpaged.llm import run_to_completion
 from jaxpaged.models import ops
 from jaxpaged.workloads import benchmark_params
 
-LOWERED_ONCE = getattr(ops, "LoweredOnce", None)  # models/lowered_once.py, with the patch applied
+try:  # kernel_once.patch
+    from jaxpaged.kernels import lowered_once as kernel_once
+except ImportError:
+    kernel_once = None
+
+LOWERED_ONCE = getattr(ops, "LoweredOnce", None)  # lowered_once.patch
+KERNEL_LAUNCH = getattr(kernel_once, "launch", None)
 
 
 def greedy_tokens(variant: str) -> list:
-    if variant == "tree":
-        ops.LoweredOnce = lambda fn: fn
-    elif LOWERED_ONCE is None:
-        raise SystemExit("lowered_once needs lowered_once.patch applied")
-    else:
-        ops.LoweredOnce = LOWERED_ONCE
+    if variant not in ("tree", "lowered_once", "kernel_once"):
+        raise SystemExit(f"unknown variant {variant!r}")
+    if (variant == "lowered_once" and LOWERED_ONCE is None) or (variant == "kernel_once" and kernel_once is None):
+        raise SystemExit(f"{variant} needs {variant}.patch applied")
+    if LOWERED_ONCE is not None:
+        ops.LoweredOnce = LOWERED_ONCE if variant == "lowered_once" else (lambda fn: fn)
+    if kernel_once is not None:
+        kernel_once.launch = KERNEL_LAUNCH if variant == "kernel_once" else (lambda kernel, *a, interpret: kernel(*a))
+    jax.clear_caches()
     # Each engine its own compiled steps: the attention function is cached per backend, and the runner
     # (the jitted step and its executables) per weights object.
     ops.get_attention_fn.cache_clear()
