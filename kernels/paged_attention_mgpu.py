@@ -126,6 +126,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxpaged.kernels.fp8 import is_fp8
+from jaxpaged.kernels import lowered_once
 from jaxpaged.kernels.kv_write import block_size_of, check_pool
 from jaxpaged.kernels.metadata import check_ragged_metadata
 from jaxpaged.kernels.shapes import is_pow2, num_cores
@@ -710,7 +711,7 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         interpret=interpret,
         kernel_name="one_token_rows" if by_sequence else "paged_attention_tiles",  # (profiles name it)
     )
-    out = kernel(*inputs)
+    out = lowered_once.launch(kernel, *inputs, interpret=interpret)
     if num_splits == 1:
         return out  # padding tokens (and, by_sequence, the other sequences): zeros, written by the kernel
     # Splits that had no keys, padding tokens and unowned tiles wrote nothing: their memory is not read.

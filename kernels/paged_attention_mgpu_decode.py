@@ -71,6 +71,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxpaged.kernels.fp8 import exponent_range, is_fp8
+from jaxpaged.kernels import lowered_once
 from jaxpaged.kernels.kv_write import block_size_of
 from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, TMA_ALIGN, _MASKED, _transforms
 from jaxpaged.kernels.paged_attention_mgpu_fp8 import _scales, copy_fp8_block, f16_queries, fp8_block_copies
@@ -327,7 +328,7 @@ def paged_decode_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, sc
         interpret=interpret,
         kernel_name="paged_decode_fp8" if fp8 else "paged_decode",  # (profiles name it)
     )
-    out = kernel(jnp.reshape(layer, (1,)), meta, block_tables, q_in, kv_pool)
+    out = lowered_once.launch(kernel, jnp.reshape(layer, (1,)), meta, block_tables, q_in, kv_pool, interpret=interpret)
     if num_splits == 1:
         return out.reshape(num_tokens, num_q_heads, head_dim)  # padding tokens: zeros, written by the kernel
 

@@ -96,6 +96,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxpaged.kernels.fp8 import is_fp8
+from jaxpaged.kernels import lowered_once
 from jaxpaged.kernels.kv_write import block_size_of
 from jaxpaged.kernels.paged_attention_mgpu_fp8 import (_scales, copy_fp8_keys, copy_fp8_scales, copy_fp8_values,
                                                       f16_queries)
@@ -621,7 +622,8 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
         kernel_name="paged_prefill",  # (profiles name it)
     )
     order = launch_order(meta, num_q_heads, interpret)
-    out, side = kernel(jnp.reshape(layer, (1,)), order, meta, block_tables, q, kv_pool)
+    out, side = lowered_once.launch(kernel, jnp.reshape(layer, (1,)), order, meta, block_tables, q, kv_pool,
+                                    interpret=interpret)
     # The rows of the groups of 8 that straddle a sequence boundary and those of the sequences of one new
     # token (the decode rows of a mixed step, from the decode tiles), each where it belongs, in one scatter
     # (``padded``: nowhere).

@@ -56,7 +56,7 @@ def greedy_tokens(variant: str) -> list:
     for key in [k for k in params.derived if isinstance(k, tuple) and k[0] == "runner"]:
         del params.derived[key]
     engine = LLMEngine(params, EngineConfig(kv_cache_dtype="fp8", attention_backend="mosaic", max_model_len=4096,
-                                            num_blocks=1024, compilation_cache=False))
+                                            num_blocks=512, compilation_cache=False))
     engine.warmup(use_tqdm=False)
     print(variant, "warm-up:", {k: round(v, 1) if isinstance(v, float) else v
                                 for k, v in engine.warmup_profile.items() if k != "slowest_compile"})
