@@ -5,6 +5,8 @@
 #   kernel_once.patch (kernels/lowered_once.py): each Mosaic GPU kernel alone exported, the XLA code
 #     around it the step's own (on the CPU, cross-lowered: the same module text as the tree's but for
 #     the export's call wrapper, which XLA inlines).
+# Both patches apply to 22ee743, where these runs were made; kernel_once.patch is in the tree since
+# 6c4f5f7 (kernels/lowered_once.py), so from there on the tree is what it measured.
 # An fp8 engine on the Mosaic backend:
 #   tokens:  greedy token ids of engines built one after another in one process (tree, lowered_once,
 #            kernel_once, tree: one process shares XLA's GEMM autotuning, so equal programs give equal
