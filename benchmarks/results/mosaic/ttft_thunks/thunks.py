@@ -1,11 +1,12 @@
-"""Where a lone short prompt's step runs outside XLA's CUDA graph, per attention backend.
+"""What a lone short prompt's step launches, per attention backend.
 
-A batch-1 32-token prompt's step on Mosaic spent more host time launching (``ExecuteThunks``) than on
-Triton. XLA runs a step's kernels as command buffers (CUDA graphs) where it can; every instruction
-left at the top level of the optimised ENTRY computation is a thunk of its own, launched from the host
-each step. This compiles that step for each backend (Qwen3-0.6B shapes, random bf16 weights, the
-engine's defaults, a small pool) and counts the ENTRY's instructions: command-buffer calls and the
-instructions inside them, and every other instruction by opcode (custom calls by target).
+A batch-1 32-token prompt's step on Mosaic spent more host time launching (``ExecuteThunks``) and more
+GPU time than on Triton. This compiles that step for each backend (Qwen3-0.6B shapes, random bf16
+weights, the engine's defaults, a small pool; the step built by ``benchmarks/check_step_hlo.py``) and
+counts the optimised ENTRY computation's instructions by opcode (custom calls by target, fusions by
+kind): each is a kernel or a thunk of the step. Command-buffer calls, where XLA forms them in the HLO,
+are counted apart with the instructions inside them; jax 0.11.2's XLA forms them later, from the
+thunks, so there every instruction is "outside".
 
     python benchmarks/results/mosaic/ttft_thunks/thunks.py [--backends triton,mosaic] [--kv-cache-dtype auto] [--out DIR]
 """
@@ -21,10 +22,12 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "..", ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "..", ".."))  # benchmarks/: check_step_hlo
 
-from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from jaxpaged.engine.step_inputs import build_step_inputs  # noqa: E402
+from check_step_hlo import check  # noqa: E402
+from jaxpaged import EngineConfig, LLMEngine  # noqa: E402
 from jaxpaged.workloads import benchmark_params  # noqa: E402
 
 SKIP = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
@@ -91,14 +94,10 @@ def main() -> None:
     for backend in args.backends.split(","):
         engine = LLMEngine(params, EngineConfig(block_size=16, num_blocks=4096 if args.model != "tiny" else 64, max_num_seqs=256 if args.model != "tiny" else 16, attention_backend=backend,
                                                 kv_cache_dtype=args.kv_cache_dtype))
-        engine.add_request(list(np.random.default_rng(0).integers(1, 500, args.prompt)), SamplingParams(max_tokens=1))
-        scheduled = engine.scheduler.schedule()
-        inputs = build_step_inputs(scheduled, engine.kv.tables, engine.config.block_size, width=engine._table_width,
-                                   max_seqs=engine.config.max_num_seqs, eos_token_ids=engine.params.config.eos_token_id,
-                                   min_tokens=engine.runner.tuning.min_token_bucket)
-        text = engine.runner.compiled(engine.params.state, engine.kv_pool, inputs).as_text()
-        with open(os.path.join(args.out, f"prompt{args.prompt}_{backend}.hlo.txt"), "w") as f:
-            f.write(text)
+        path = os.path.join(args.out, f"prompt{args.prompt}_{backend}.hlo.txt")
+        check(engine, [list(np.random.default_rng(0).integers(1, 500, args.prompt))], dump=path)
+        with open(path) as f:
+            text = f.read()
         rows[backend] = layout(text)
         del engine
     with open(os.path.join(args.out, "thunks.json"), "w") as f:
