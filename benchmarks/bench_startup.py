@@ -121,6 +121,11 @@ def main() -> None:
               f" {r['steady_ttft_ms']:15.2f} {r['after_idle_ttft_ms']:19.2f}"
               f" {r['compiles_after_warmup']:23d} {len(r['warnings']):9d}")
     for kind, r in rows.items():
+        w = r["warmup"] or {}
+        if "trace_seconds" in w:
+            print(f"{kind}: of the lowering, {w['trace_seconds']:.1f} s tracing the steps and "
+                  f"{w['kernel_export_seconds']:.1f} s exporting their Mosaic GPU kernels in worker processes")
+    for kind, r in rows.items():
         for line in r["warnings"]:
             print(f"{kind} warning: {line[:300]}")
 

@@ -700,7 +700,8 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         per_core = max(1, SMEM_BYTES // smem_bytes(head_dim, block_kv, num_slots, dtype, split=True, fp8=fp8))
         num_programs = min(work.shape[0] - 1, INTERPRET_PROGRAMS if interpret is not None else
                            max(1, per_core * num_cores() // num_kv_heads))
-    kernel = plgpu.kernel(
+    build = functools.partial(  # (picklable: lowered_once may build it in a worker)
+        plgpu.kernel,
         functools.partial(_attention_kernel, scale_log2=scale * LOG2E, group=group, block_kv=block_kv,
                           block_size=block_size, num_slots=num_slots, num_splits=num_splits,
                           by_sequence=by_sequence, num_programs=num_programs),
@@ -711,7 +712,7 @@ def _paged_attention_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *
         interpret=interpret,
         kernel_name="one_token_rows" if by_sequence else "paged_attention_tiles",  # (profiles name it)
     )
-    out = lowered_once.launch(kernel, *inputs, interpret=interpret)
+    out = lowered_once.launch(build, *inputs, interpret=interpret)
     if num_splits == 1:
         return out  # padding tokens (and, by_sequence, the other sequences): zeros, written by the kernel
     # Splits that had no keys, padding tokens and unowned tiles wrote nothing: their memory is not read.

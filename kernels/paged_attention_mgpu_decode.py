@@ -317,7 +317,8 @@ def paged_decode_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, sc
         scratch["lse_smem"] = plgpu.SMEM((rows,), jnp.float32)
         out_type = (jax.ShapeDtypeStruct((num_splits, num_tokens, num_kv_heads, head_dim, rows), jnp.float32),
                     jax.ShapeDtypeStruct((num_splits, num_tokens, num_kv_heads, rows), jnp.float32))
-    kernel = plgpu.kernel(
+    build = functools.partial(  # (picklable: lowered_once may build it in a worker)
+        plgpu.kernel,
         functools.partial(_decode_kernel, scale_log2=scale * LOG2E, group=group, rows=rows, block_kv=block_kv,
                           num_slots=num_slots, num_splits=num_splits,
                           v_shift=v_shift(kv_pool.dtype) if fp8 else None),
@@ -328,7 +329,7 @@ def paged_decode_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, sc
         interpret=interpret,
         kernel_name="paged_decode_fp8" if fp8 else "paged_decode",  # (profiles name it)
     )
-    out = lowered_once.launch(kernel, jnp.reshape(layer, (1,)), meta, block_tables, q_in, kv_pool, interpret=interpret)
+    out = lowered_once.launch(build, jnp.reshape(layer, (1,)), meta, block_tables, q_in, kv_pool, interpret=interpret)
     if num_splits == 1:
         return out.reshape(num_tokens, num_q_heads, head_dim)  # padding tokens: zeros, written by the kernel
 

@@ -598,7 +598,8 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
     # A program an SM, each looping over its items; in the interpreter a few, so that programs there
     # take several items too.
     num_programs = min(num_items, num_cores() if interpret is None else INTERPRET_PROGRAMS)
-    kernel = plgpu.kernel(
+    build = functools.partial(  # (picklable: lowered_once may build it in a worker)
+        plgpu.kernel,
         functools.partial(_prefill_kernel, scale_log2=scale * LOG2E, group=group, block_kv=block_kv,
                           block_size=block_size, num_slots=num_slots, p_in_registers=p_in_registers,
                           num_items=num_items, num_programs=num_programs, q_buffers=q_buffers, fp8=fp8),
@@ -622,7 +623,7 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
         kernel_name="paged_prefill",  # (profiles name it)
     )
     order = launch_order(meta, num_q_heads, interpret)
-    out, side = lowered_once.launch(kernel, jnp.reshape(layer, (1,)), order, meta, block_tables, q, kv_pool,
+    out, side = lowered_once.launch(build, jnp.reshape(layer, (1,)), order, meta, block_tables, q, kv_pool,
                                     interpret=interpret)
     # The rows of the groups of 8 that straddle a sequence boundary and those of the sequences of one new
     # token (the decode rows of a mixed step, from the decode tiles), each where it belongs, in one scatter

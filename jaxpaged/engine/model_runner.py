@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..kernels import lowered_once
 from ..kernels.gemv import ROWS as GEMV_ROWS
 from ..kernels.kv_write import write_kv
 from ..models.ops import get_attention_fn, get_model_ops, resolve_backend
@@ -299,10 +300,13 @@ class ModelRunner:
                    threads: int | None = None) -> list[tuple[StepInputs, int]]:
         """Compiles, without running, every copy of the step for each of ``steps``' shapes not compiled
         yet; returns ``(inputs, copy)`` for each. An executable in ``executable_cache`` is loaded
-        instead (no tracing, lowering or compiling). Otherwise tracing and lowering run here in turn and
-        XLA's compilations in ``threads`` threads at once (default: the host's cores), each starting as
-        soon as its shape is lowered. ``last_precompile``: lowering seconds (the time XLA's compilations
-        overlap), seconds left after the last lowering, the whole, and the slowest compilation. A shape's first
+        instead (no tracing, lowering or compiling). Otherwise every shape is traced here, the Mosaic GPU
+        kernels they launch are exported in worker processes at once (``lowered_once.export_traced``),
+        the shapes are lowered here in turn, and XLA's compilations run in ``threads`` threads at once
+        (default: the host's cores), each starting as soon as its shape is lowered. ``last_precompile``:
+        lowering seconds (tracing, kernel exports and lowering: the time XLA's compilations overlap;
+        the first two also apart), seconds left after the last lowering, the whole, and the slowest
+        compilation. A shape's first
         copy is compiled (or loaded); its other copies are clones of it (``executable_cache.clone``),
         never lowered or compiled again. ``step`` then calls these executables directly (on a mesh:
         through jit, whose cache they fill)."""
@@ -342,17 +346,24 @@ class ModelRunner:
                 for i, loaded in enumerate(loads):
                     if loaded is not None:
                         futures[i] = pool.submit(finish, wanted[i][0], wanted[i][2], exe=loaded)
-                # The rest: lowered one at a time here (largest first: the longest compilations start
-                # first), each handed to XLA's compiler in a thread as soon as it is lowered.
+                # The rest: traced here, then the Mosaic GPU kernels they launch exported in worker
+                # processes at once (kernels/lowered_once.py), then lowered one at a time here (largest
+                # first: the longest compilations start first), each handed to XLA's compiler in a
+                # thread as soon as it is lowered.
                 todo = sorted((i for i, loaded in enumerate(loads) if loaded is None),
                               key=lambda i: -wanted[i][1].token_ids.shape[0])
-                lower_seconds = 0.0
+                tl = time.perf_counter()
+                traced = {}
                 for i in todo:
-                    base_key, _, turns, jitted, (leaves, packed, layout) = wanted[i]
-                    tl = time.perf_counter()
-                    lowered = jitted.lower(leaves, kv_pool, packed, prev_tokens, spare, layout)
-                    lower_seconds += time.perf_counter() - tl
-                    futures[i] = pool.submit(finish, base_key, turns, lowered=lowered)
+                    _, _, _, jitted, (leaves, packed, layout) = wanted[i]
+                    traced[i] = jitted.trace(leaves, kv_pool, packed, prev_tokens, spare, layout)
+                trace_seconds = time.perf_counter() - tl
+                lowered_once.export_traced()
+                export_seconds = time.perf_counter() - tl - trace_seconds
+                for i in todo:
+                    base_key, _, turns, _, _ = wanted[i]
+                    futures[i] = pool.submit(finish, base_key, turns, lowered=traced[i].lower())
+                lower_seconds = time.perf_counter() - tl
                 t1 = time.perf_counter()
                 for i, (base_key, inputs, turns, _, _) in enumerate(wanted):
                     exes = futures[i].result()
@@ -366,6 +377,7 @@ class ModelRunner:
         self.compile_seconds += t2 - t0
         self.last_precompile = {"executables": sum(turns for _, _, turns, _ in done),
                                 "loaded": len(done) - len(todo), "lower_seconds": lower_seconds,
+                                "trace_seconds": trace_seconds, "kernel_export_seconds": export_seconds,
                                 "compile_seconds": t2 - t1, "wall_seconds": t2 - t0,
                                 "slowest_compile_seconds": max((t for _, t in compile_times), default=0.0),
                                 "slowest_compile": max(compile_times, key=lambda c: c[1], default=("", 0))[0]}

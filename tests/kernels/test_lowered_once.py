@@ -45,7 +45,7 @@ def outside_kernels(text: str) -> str:
     return "\n".join(re.sub(r"KERNEL\(.*", "KERNEL", line) for line in text.splitlines() if not line.startswith("#loc"))
 
 
-def lowered_step(tokens: int, extra=lambda q: q, **static) -> str:
+def traced_step(tokens: int, extra=lambda q: q, **static):
     """A step's attention as the model calls it (two layers, fp8 pool), lowered for ``cuda``; ``extra``:
     something else the step computes (another sampler variant's work)."""
     avals = (S((tokens, 4, 128), jnp.bfloat16), S((2, 40, 65, 2, 2, 128), jnp.float8_e4m3fn), S((), jnp.int32),
@@ -57,13 +57,18 @@ def lowered_step(tokens: int, extra=lambda q: q, **static) -> str:
             q = attention(q, pool, layer + i, cu, kv_lens, tables)
         return extra(q)
 
-    return jax.jit(step).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+    return jax.jit(step).trace(*avals)
+
+
+def lowered_step(tokens: int, extra=lambda q: q, **static) -> str:
+    return traced_step(tokens, extra, **static).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.fixture
 def fresh(monkeypatch):
     """No export from another test, and no step traced before (jit caches its traces per process)."""
     monkeypatch.setattr(lowered_once, "_exports", {})
+    monkeypatch.setattr(lowered_once, "_kernels", {})
     jax.clear_caches()
     yield
     jax.clear_caches()
@@ -77,7 +82,7 @@ def test_a_step_embeds_the_kernel_it_would_lower_and_later_steps_export_nothing(
     second = lowered_step(tokens, extra=lambda q: q * 2, **static)  # another step, the same launch
     assert lowered_once.exports() == 1 and kernels(second) == kernels(first)
     jax.clear_caches()
-    monkeypatch.setattr(lowered_once, "launch", lambda kernel, *args, interpret: kernel(*args))
+    monkeypatch.setattr(lowered_once, "launch", lambda build, *args, interpret: build()(*args))
     plain = lowered_step(tokens, **static)
     assert kernels(plain) == kernels(first) and len(kernels(plain)) == 1
     assert outside_kernels(plain) == outside_kernels(first)
@@ -100,3 +105,19 @@ def test_interpreted_kernels_are_not_exported(fresh):
     paged_attention_mgpu(q, pool, 0, jnp.array([0, 1], jnp.int32), jnp.array([1], jnp.int32),
                          jnp.zeros((1, 2), jnp.int32), interpret=True)
     assert lowered_once.exports() == 0
+
+
+def test_workers_export_what_the_steps_traced_and_the_steps_embed_the_same_kernels(fresh):
+    """A warm-up's order: trace the steps, export their kernels in worker processes, then lower the
+    steps; each embeds the kernel it would have lowered itself, and lowering exports nothing more."""
+    shapes = [(8, dict(uniform_decode=True)), (8, {})]
+    traced = [traced_step(tokens, **static) for tokens, static in shapes]
+    assert lowered_once.exports() == 0
+    assert lowered_once.export_traced(workers=2) == 2
+    from_workers = [kernels(t.lower(lowering_platforms=("cuda",)).as_text()) for t in traced]
+    assert lowered_once.exports() == 2
+    lowered_once._exports.clear()
+    lowered_once._kernels.clear()
+    jax.clear_caches()
+    here = [kernels(lowered_step(tokens, **static)) for tokens, static in shapes]
+    assert from_workers == here and all(len(k) == 1 for k in here)
