@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import logging
 import os
 import pickle
@@ -48,7 +49,7 @@ MOSAIC_GPU_TARGETS = ("mosaic_gpu", "mosaic_gpu_v2")
 WORKER_ARCH = "9.0"
 MAX_WORKERS = 16
 
-_kernels: dict[str, tuple[Callable, tuple[jax.ShapeDtypeStruct, ...]]] = {}  # key -> (build, operands' avals)
+_kernels: dict[str, tuple[Callable, tuple[jax.ShapeDtypeStruct, ...]]] = {}  # key -> (build, its operands)
 _exports: dict[str, export.Exported | None] = {}  # key -> its export (None: lowered in each step)
 
 _launch_p = Primitive("mosaic_gpu_launch")
@@ -99,7 +100,8 @@ def launch(build: Callable[[], Callable], *args: jax.Array, interpret):
         return kernel(*args)
     avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args)
     traced = jax.jit(kernel).trace(*avals)
-    key = str(traced.jaxpr)  # the kernel's whole program and static parameters, and the shapes
+    # The kernel's whole program and static parameters, and the shapes; hashed (the step's jaxpr shows it)
+    key = hashlib.sha256(str(traced.jaxpr).encode()).hexdigest()
     _kernels.setdefault(key, (build, avals))
     outs, tree = jax.tree.flatten(traced.out_info)
     out_avals = tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in outs)
