@@ -109,11 +109,13 @@ def launch(build: Callable[[], Callable], *args: jax.Array, interpret):
 
 
 def worker_count() -> int:
-    """Worker processes :func:`export_traced` uses by default: one a core (at most ``MAX_WORKERS``) on a
-    GPU of compute capability ``WORKER_ARCH``, else none (each kernel lowered where a step needs it)."""
+    """Worker processes :func:`export_traced` uses by default: one a core this process may run on (at
+    most ``MAX_WORKERS``) on a GPU of compute capability ``WORKER_ARCH``, else none (each kernel
+    lowered where a step needs it)."""
     if jax.default_backend() != "gpu" or getattr(jax.devices()[0], "compute_capability", None) != WORKER_ARCH:
         return 0
-    return min(MAX_WORKERS, os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(MAX_WORKERS, cores)
 
 
 def export_traced(workers: int | None = None) -> int:
