@@ -1,71 +1,36 @@
-"""Greedy token ids of Mosaic GPU engines over an fp8 pool (Qwen3-0.6B shapes, random weights, no
-compilation cache: every step traced, lowered and compiled), one engine after another in one process,
-each variant named on the command line:
+"""Greedy token ids of Mosaic GPU engines over an fp8 pool (``../engine_tokens.py``: Qwen3-0.6B
+shapes, random weights, a cold warm-up, 14 requests of 16 tokens, a cached 2,048-token prefix among
+them), one engine after another in one process, each variant named on the command line:
   in_process: each kernel exported in this process, when the first step that launches it is lowered;
   workers:    the warm-up's kernels exported in worker processes at once (lowered_once.export_traced),
               after every step is traced and before any is lowered.
-Each engine: a cold warm-up's profile, then eight 32-token prompts, two 300-token prompts, and four
-32-token prompts after a shared 2,048-token prefix cached first; 16 tokens each. Between engines the
-process's jit caches and kernel exports are cleared. In one process the engines share XLA's GEMM
-autotuning results, so the same program gives the same tokens. The ids are written to
+Between engines the kernel exports are cleared too. The ids are written to
 ``$OUT/tokens_<position>_<variant>.json``; the last lines say which runs equal the first.
 
 Run from the repository root: python3 benchmarks/results/startup/export_workers/greedy_tokens.py VARIANT...
 """
-import gc
-import json
 import os
 import sys
 
-import jax
-import numpy as np
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from jaxpaged import EngineConfig, LLMEngine, SamplingParams
-from jaxpaged.kernels import lowered_once
-from jaxpaged.llm import run_to_completion
-from jaxpaged.models import ops
-from jaxpaged.workloads import benchmark_params
+from engine_tokens import greedy_tokens, report  # noqa: E402
+from jaxpaged.kernels import lowered_once  # noqa: E402
+from jaxpaged.workloads import benchmark_params  # noqa: E402
 
 EXPORT_TRACED = lowered_once.export_traced
 
 
-def greedy_tokens(variant: str) -> list:
+def variant_tokens(variant: str) -> list:
     if variant not in ("in_process", "workers"):
         raise SystemExit(f"unknown variant {variant!r}")
     lowered_once.export_traced = EXPORT_TRACED if variant == "workers" else (lambda workers=None: 0)
     lowered_once._exports.clear()
     lowered_once._kernels.clear()
-    jax.clear_caches()
-    # Each engine its own compiled steps: the attention function is cached per backend, and the runner
-    # (the jitted step and its executables) per weights object.
-    ops.get_attention_fn.cache_clear()
-    for key in [k for k in params.derived if isinstance(k, tuple) and k[0] == "runner"]:
-        del params.derived[key]
-    engine = LLMEngine(params, EngineConfig(kv_cache_dtype="fp8", attention_backend="mosaic", max_model_len=4096,
-                                            num_blocks=512, compilation_cache=False))
-    engine.warmup(use_tqdm=False)
-    print(variant, "warm-up:", {k: round(v, 1) if isinstance(v, float) else v
-                                for k, v in engine.warmup_profile.items() if k != "slowest_compile"},
-          "kernels exported:", lowered_once.exports())
-    rng = np.random.default_rng(0)
-    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    prefix = rng.integers(0, 10_000, 2048).tolist()
-    batches = [rng.integers(0, 10_000, (8, 32)).tolist(), rng.integers(0, 10_000, (2, 300)).tolist()]
-    run_to_completion(engine, [prefix], SamplingParams(temperature=0.0, max_tokens=1))
-    batches.append([prefix + p for p in rng.integers(0, 10_000, (4, 32)).tolist()])
-    tokens = [[list(o.outputs[0].token_ids) for o in run_to_completion(engine, b, sp)] for b in batches]
-    engine.close()
-    del engine
-    gc.collect()
+    tokens = greedy_tokens(params, variant)
+    print(variant, "kernels exported:", lowered_once.exports())
     return tokens
 
 
 params = benchmark_params("qwen3-0.6b")
-runs = [(f"{i}_{variant}", greedy_tokens(variant)) for i, variant in enumerate(sys.argv[1:])]
-for name, tokens in runs:
-    json.dump(tokens, open(os.path.join(os.environ.get("OUT", "."), f"tokens_{name}.json"), "w"))
-    differ = [(b, r, next(i for i, (x, y) in enumerate(zip(t, t0)) if x != y))
-              for b, (batch, batch0) in enumerate(zip(tokens, runs[0][1]))
-              for r, (t, t0) in enumerate(zip(batch, batch0)) if t != t0]
-    print(f"{name}: greedy token ids equal to {runs[0][0]}'s: "
-          + ("yes" if not differ else f"NO ((batch, request, first differing position): {differ})"))
+report([(f"{i}_{variant}", variant_tokens(variant)) for i, variant in enumerate(sys.argv[1:])])
