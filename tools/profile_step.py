@@ -440,6 +440,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-num-seqs", type=int, default=1,
                     help="--ttft: the engine's sequence slots (bench_latency's engines have 256: a lone prompt "
                          "shorter than that is then padded to as many sequences as tokens, a decode-shaped step)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="--ttft: the engine's max_model_len (default --ctx + 8). The block tables' width follows "
+                         "it, and with it the split-K of Mosaic's decode-shaped launches: bench_latency's engine "
+                         "fits its longest prompt")
     args = ap.parse_args(argv)
     if args.ttft:
         return main_ttft(args)
@@ -495,7 +499,8 @@ def main(argv: list[str] | None = None) -> dict:
 def main_ttft(args) -> dict:
     os.makedirs(args.out, exist_ok=True)
     params = load_params(args.model)
-    engine = build_engine(params, batch=args.max_num_seqs, max_model_len=args.ctx + 8, block_size=args.block_size,
+    engine = build_engine(params, batch=args.max_num_seqs, max_model_len=args.max_model_len or args.ctx + 8,
+                          block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend,
                           kv_cache_dtype=args.kv_cache_dtype,
                           async_scheduling=args.async_scheduling, tuning=tuning_from_args(args))
