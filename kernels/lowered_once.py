@@ -115,16 +115,17 @@ def worker_count() -> int:
     if jax.default_backend() != "gpu" or getattr(jax.devices()[0], "compute_capability", None) != WORKER_ARCH:
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(MAX_WORKERS, cores)
+    return min(MAX_WORKERS, cores) if cores >= 2 else 0  # (one core: no faster than the engine's process)
 
 
 def export_traced(workers: int | None = None) -> int:
     """Exports every kernel traced so far and not exported yet, in ``workers`` processes at once
-    (default :func:`worker_count`; fewer than two: none, the steps lower their kernels when lowered).
-    Returns how many it exported. A kernel a worker could not export is lowered where a step needs it."""
+    (default :func:`worker_count`; none, or fewer than two kernels: nothing, each kernel is exported
+    where a step's lowering needs it). Returns how many it exported. A kernel a worker could not export
+    is exported or lowered where a step needs it."""
     todo = [(key, build, avals) for key, (build, avals) in _kernels.items() if key not in _exports]
     workers = min(worker_count() if workers is None else workers, len(todo))
-    if workers < 2:
+    if workers < 1 or len(todo) < 2:
         return 0
     env = dict(os.environ, JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # (the same jaxpaged and jax)
