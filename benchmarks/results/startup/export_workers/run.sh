@@ -3,7 +3,8 @@
 #   tokens:  greedy token ids of engines built one after another in one process (in_process, workers,
 #            in_process), with each cold warm-up's profile; greedy_tokens.py
 #   startup: bench_startup.py (cold and cached start, first TTFT) with the workers ("tree") and without
-#            them ("in_process": no_workers.patch, which makes worker_count() return 0)
+#            them ("in_process": no_workers.patch, which makes worker_count() return 0; it applies to the
+#            tree, and did to bfc6dee, where these runs were made)
 # Run from the repository root: bash benchmarks/results/startup/export_workers/run.sh [tokens] [startup]
 export PYTHONUNBUFFERED=1
 D=benchmarks/results/startup/export_workers
