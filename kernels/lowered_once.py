@@ -11,13 +11,13 @@ process's ``jax.export`` of the kernel, made the first time any step lowers it: 
 same custom call it would have lowered, and only the kernel, so the XLA code around it is the step's
 own. Because the export is looked up when a step is lowered, not when it is traced, a warm-up can
 trace all its steps first, then export every kernel they launch in worker processes at once
-(:func:`export_traced`: CPU-only processes lowering for ``cuda``, one kernel each at a time), and only
+(:func:`export_traced`: CPU-only processes lowering for ``cuda``, each its share of the kernels), and only
 then lower the steps. Each kernel is described to a worker by ``build``, a picklable function of no
 arguments that returns the ``plgpu.kernel`` (a ``functools.partial`` of ``plgpu.kernel`` with plain
 values), and the operands' shapes.
 
 Only on a GPU and outside ``shard_map`` (an export of one device's kernel is not called on a mesh's
-shards here); where exporting fails, the kernel is lowered in the step as before, logged once.
+shards here); where exporting fails, the kernel is lowered in each step as before, with a warning.
 """
 
 from __future__ import annotations
