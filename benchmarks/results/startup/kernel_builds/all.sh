@@ -1,7 +1,7 @@
-# One call's worth of measurements, most wanted first, each stopped before the call's limit:
+# The measurements in one run of at most LIMIT seconds, most wanted first, each stopped in time:
 # start-up with and without the kernels built ahead (run.sh), the query tiles' hoisted block ids
 # (mosaic/short_prompt/hoist.sh), a launch's fixed cost (mosaic/launch_floor), a short prompt under ncu.
-# Run from the repository root: bash benchmarks/results/startup/kernel_builds/session.sh
+# Run from the repository root: bash benchmarks/results/startup/kernel_builds/all.sh
 export PYTHONUNBUFFERED=1
 start=$SECONDS
 left() { echo $(( ${LIMIT:-580} - (SECONDS - start) )); }
