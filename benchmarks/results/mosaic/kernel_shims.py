@@ -7,6 +7,7 @@ of one backend share it), are forgotten on the way in and out, so each variant t
 and the variants after it never reuse its traces.
 """
 import contextlib
+import importlib.util
 
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -44,3 +45,40 @@ def patched_plgpu(shim: PlgpuShim):
         for m, p in zip(MODULES, saved):
             m.plgpu = p
         clear_traces()
+
+
+def module_from(path: str, name: str = "mgpu_before"):
+    """A kernel module imported from ``path``: a copy of ``kernels/paged_attention_mgpu.py`` as it was
+    before a change (its patch reversed), to time beside the tree's."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def time_cases(variants: dict, cases, same: tuple[str, str], hq: int = 16, hkv: int = 8, d: int = 128,
+               block_size: int = 16) -> list:
+    """Each case ``(label, new tokens a sequence, cached before them, padded sequences[, table width])``
+    timed over ``variants`` (``bench_attention.time_variants``: chained, two rounds in alternating
+    order), printed as it ends; returns ``(label, us by variant, whether the two variants of ``same``
+    agree bitwise)`` rows. A table width pads the block tables with zero columns (an engine's tables are
+    as wide as its ``max_model_len``: split-K is sized for that)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from bench_attention import random_paged_batch, time_variants
+
+    rows = []
+    for label, q_lens, prefixes, s, *width in cases:
+        pad = s - len(q_lens)
+        q, pool, cu, kl, table = random_paged_batch(q_lens + [0] * pad, prefixes + [0] * pad, hq, hkv, d, block_size,
+                                                    sum(q_lens))
+        if width and width[0] > table.shape[1]:
+            table = jnp.pad(table, ((0, 0), (0, width[0] - table.shape[1])))
+        each: dict = {}
+        t, outs = time_variants(variants, q, pool, cu, kl, table, rounds=2, each_round=each, where=label)
+        equal = bool(np.array_equal(outs[same[0]], outs[same[1]]))
+        rows.append((label, t, equal))
+        print(label, {k: f"{v:.1f} ({'/'.join(f'{x:.1f}' for x in each[k])})" for k, v in t.items()},
+              "bitwise equal:", equal, flush=True)
+        del pool
+    return rows

@@ -9,24 +9,19 @@ Run from the repository root:
     python3 benchmarks/results/mosaic/short_context/token_loops_ab.py --before PATH
 """
 import argparse
-import importlib.util
 import sys
 import warnings
 
-sys.path[:0] = ["benchmarks"]
+sys.path[:0] = ["benchmarks", "benchmarks/results/mosaic"]
 warnings.filterwarnings("ignore")
-import numpy as np  # noqa: E402
-from bench_attention import random_paged_batch, time_variants  # noqa: E402
+from kernel_shims import module_from, time_cases  # noqa: E402
 
 from jaxpaged.kernels.paged_attention import paged_attention as triton  # noqa: E402
 from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--before", required=True)
-args = ap.parse_args()
-spec = importlib.util.spec_from_file_location("mgpu_before", args.before)
-before = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(before)
+before = module_from(ap.parse_args().before)
 VARIANTS = {"unrolled": lambda *a: before.paged_attention_mgpu(*a), "loops": lambda *a: paged_attention_mgpu(*a),
             "triton": lambda *a: triton(*a)}
 CASES = [  # (label, new tokens a sequence, cached before them, padded sequences)
@@ -41,17 +36,7 @@ CASES = [  # (label, new tokens a sequence, cached before them, padded sequences
     ("prompt 1 x 128 (S 128)", [128], [0], 128),
     ("prompt 2 x 64 after 512 (S 128)", [64] * 2, [512] * 2, 128),
 ]
-rows = []
-for label, q_lens, prefixes, s in CASES:
-    pad = s - len(q_lens)
-    q, pool, cu, kl, table = random_paged_batch(q_lens + [0] * pad, prefixes + [0] * pad, 16, 8, 128, 16, sum(q_lens))
-    each: dict = {}
-    t, outs = time_variants(VARIANTS, q, pool, cu, kl, table, rounds=2, each_round=each, where=label)
-    same = bool(np.array_equal(outs["loops"], outs["unrolled"]))
-    rows.append((label, t, same))
-    print(label, {k: f"{v:.1f} ({'/'.join(f'{x:.1f}' for x in each[k])})" for k, v in t.items()},
-          "bitwise equal:", same, flush=True)
-    del pool
+rows = time_cases(VARIANTS, CASES, same=("loops", "unrolled"))
 print("\n| launch | unrolled | loops | Triton | loops / unrolled | loops / Triton | bitwise |")
 print("| --- | --- | --- | --- | --- | --- | --- |")
 for label, t, same in rows:

@@ -12,52 +12,34 @@ Run from the repository root:
     python3 benchmarks/results/mosaic/short_prompt/hoist_ab.py --before PATH
 """
 import argparse
-import importlib.util
 import sys
 import warnings
 
-sys.path[:0] = ["benchmarks"]
+sys.path[:0] = ["benchmarks", "benchmarks/results/mosaic"]
 warnings.filterwarnings("ignore")
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from bench_attention import random_paged_batch, time_variants  # noqa: E402
+from kernel_shims import module_from, time_cases  # noqa: E402
 
 from jaxpaged.kernels.paged_attention import paged_attention as triton  # noqa: E402
 from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--before", required=True)
-args = ap.parse_args()
-spec = importlib.util.spec_from_file_location("mgpu_before", args.before)
-before = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(before)
+before = module_from(ap.parse_args().before)
 VARIANTS = {"before": lambda *a: before.paged_attention_mgpu(*a), "hoisted": lambda *a: paged_attention_mgpu(*a),
             "triton": lambda *a: triton(*a)}
-CASES = [  # (label, new tokens a sequence, cached before them, padded sequences, wide table)
-    ("decode 1 x 64", [1], [63], 1, False),
-    ("decode 64 x 64", [1] * 64, [63] * 64, 64, False),
-    ("decode 256 x 64", [1] * 256, [63] * 256, 256, False),
-    ("decode 64 x 1024", [1] * 64, [1023] * 64, 64, False),
-    ("decode 1 x 256 +w", [1], [255], 1, True),
-    ("prompt 1 x 32 (S 8)", [32], [0], 8, False),
-    ("prompt 1 x 32 (S 32) +w", [32], [0], 32, True),
-    ("prompt 1 x 32 after 4096 (S 8) +w", [32], [4096], 8, True),
-    ("prompt 1 x 128 (S 128)", [128], [0], 128, False),
-    ("prompt 8 x 32 (S 256)", [32] * 8, [0] * 8, 256, False),
+CASES = [  # (label, new tokens a sequence, cached before them, padded sequences, table width)
+    ("decode 1 x 64", [1], [63], 1),
+    ("decode 64 x 64", [1] * 64, [63] * 64, 64),
+    ("decode 256 x 64", [1] * 256, [63] * 256, 256),
+    ("decode 64 x 1024", [1] * 64, [1023] * 64, 64),
+    ("decode 1 x 256 +w", [1], [255], 1, 256),
+    ("prompt 1 x 32 (S 8)", [32], [0], 8),
+    ("prompt 1 x 32 (S 32) +w", [32], [0], 32, 256),
+    ("prompt 1 x 32 after 4096 (S 8) +w", [32], [4096], 8, 256),
+    ("prompt 1 x 128 (S 128)", [128], [0], 128),
+    ("prompt 8 x 32 (S 256)", [32] * 8, [0] * 8, 256),
 ]
-rows = []
-for label, q_lens, prefixes, s, wide in CASES:
-    pad = s - len(q_lens)
-    q, pool, cu, kl, table = random_paged_batch(q_lens + [0] * pad, prefixes + [0] * pad, 16, 8, 128, 16, sum(q_lens))
-    if wide:
-        table = jnp.pad(table, ((0, 0), (0, max(0, 256 - table.shape[1]))))
-    each: dict = {}
-    t, outs = time_variants(VARIANTS, q, pool, cu, kl, table, rounds=2, each_round=each, where=label)
-    same = bool(np.array_equal(outs["hoisted"], outs["before"]))
-    rows.append((label, t, same))
-    print(label, {k: f"{v:.1f} ({'/'.join(f'{x:.1f}' for x in each[k])})" for k, v in t.items()},
-          "bitwise equal:", same, flush=True)
-    del pool
+rows = time_cases(VARIANTS, CASES, same=("hoisted", "before"))
 print("\n| launch | before | hoisted | Triton | hoisted / before | hoisted / Triton | bitwise |")
 print("| --- | --- | --- | --- | --- | --- | --- |")
 for label, t, same in rows:
