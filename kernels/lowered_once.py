@@ -31,7 +31,6 @@ import pickle
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Callable
 
 import jax
@@ -52,7 +51,6 @@ MAX_WORKERS = 16
 
 _kernels: dict[str, tuple[Callable, tuple[jax.ShapeDtypeStruct, ...]]] = {}  # key -> (build, its operands)
 _exports: dict[str, export.Exported | None] = {}  # key -> its export (None: lowered in each step)
-_compiled: set[str] = set()  # keys whose export compile_exported compiled (or is compiling)
 
 _launch_p = Primitive("mosaic_gpu_launch")
 _launch_p.multiple_results = True
@@ -159,49 +157,6 @@ def export_traced(workers: int | None = None) -> int:
                     _exports[key] = pickle.loads(blob)
                     done += 1
     return done
-
-
-def launched(jaxpr) -> set[str]:
-    """The keys of the kernels a traced program (a ``ClosedJaxpr`` or ``Jaxpr``) launches through
-    :func:`launch`, in its nested programs too."""
-    keys, todo = set(), [getattr(jaxpr, "jaxpr", jaxpr)]
-    while todo:
-        for eqn in todo.pop().eqns:
-            if eqn.primitive is _launch_p:
-                keys.add(eqn.params["key"])
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        todo.append(inner)
-    return keys
-
-
-def compile_exported(pool: concurrent.futures.Executor) -> dict[str, concurrent.futures.Future]:
-    """Compiles each exported kernel not compiled yet in this process, in ``pool``'s threads, alone in a
-    program of its own; returns its future (the kernel's seconds, or ``None`` where it failed) by key.
-
-    Why: XLA builds a Mosaic GPU kernel's binary (its passes, LLVM, ``ptxas``) when it compiles the
-    first program that calls it, and keeps it for the process, keyed by the kernel's hash. A warm-up's
-    steps, compiled at once, would each build the kernels they call in turn (and two steps reaching one
-    kernel together both build it). Compiled here first, every kernel is built once, all at once, and
-    the steps' compilations find them built: each step's waits for those it launches (:func:`launched`).
-    Only on a GPU (elsewhere: none)."""
-    if jax.default_backend() != "gpu":
-        return {}
-    todo = [key for key, exp in _exports.items() if exp is not None and key not in _compiled]
-    _compiled.update(todo)
-
-    def build_one(key: str) -> float | None:
-        t = time.perf_counter()
-        try:
-            jax.jit(_exports[key].call).trace(*_kernels[key][1]).lower().compile()
-        except Exception as e:  # noqa: BLE001 (the step that calls it builds it instead)
-            log.debug("a Mosaic GPU kernel was not compiled ahead of its steps: %s: %s", type(e).__name__, e)
-            return None
-        return time.perf_counter() - t
-
-    return {key: pool.submit(build_one, key) for key in todo}
 
 
 def _work(task: str, out: str) -> None:

@@ -284,19 +284,15 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, *refs, q_b
             layer = layer_ref[0]
             n_full = jnp.clip(lax.div(pos0 + 1, block_kv), lo, hi)  # tiles every row sees entirely end here
 
-            def block_ids(t):
-                """The pool blocks of KV tile ``t`` (read from ``block_tables``: loads from global memory)."""
-                # past the table: masked anyway
-                return [tables_ref[seq, jnp.minimum(t * blocks_per_tile + b, width - 1)] for b in range(blocks_per_tile)]
-
-            def fetch(t, slot, ids=None):
-                """Issues the TMA copies of KV tile ``t`` (its pool blocks ``ids``, read here if not given)
-                into ``slot``: one per pool block, K and V."""
-                ids = block_ids(t) if ids is None else ids
+            def fetch(t, slot):
+                """Issues the TMA copies of KV tile ``t`` into ``slot``: one per pool block, K and V."""
                 if fp8:  # one block: its keys, its values' D / block_size boxes of V^T rows, its two scale rows
-                    copy_fp8_block(kv_ref, layer, ids[0], h, slot, k8_smem, vt8_smem, scale_smem, k_bar, v_bar)
+                    copy_fp8_block(kv_ref, layer, tables_ref[seq, jnp.minimum(t, width - 1)], h, slot, k8_smem, vt8_smem,
+                                   scale_smem, k_bar, v_bar)
                     return
-                for b, phys in enumerate(ids):
+                for b in range(blocks_per_tile):
+                    blk = jnp.minimum(t * blocks_per_tile + b, width - 1)  # past the table: masked anyway
+                    phys = tables_ref[seq, blk]
                     rows = pl.ds(b * block_size, block_size)
                     plgpu.copy_gmem_to_smem(kv_ref.at[layer, phys, :, 0, h, :], k_smem.at[slot, rows],
                                             k_bar.at[slot])
@@ -312,14 +308,11 @@ def _attention_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, *refs, q_b
             # twice at G = 2), a decode tile of one token paid for them all (0.88x the time with the loops
             # at batch 256, context 64; 0.86-0.89x at batch 1 and 32-128-token prompts; H100,
             # benchmarks/results/mosaic/README.md).
-            # The first tiles' block ids are read before the queries' copies are issued, so their loads'
-            # latency passes while the copies issue; the K/V copies need them, the queries' do not.
-            first_ids = [block_ids(lo + i) for i in range(num_slots)]
             copy_token(0)
             pl.loop(1, ntok)(copy_token)
-            fetch(lo, 0, first_ids[0])  # the range is not empty; tile lo + i goes to slot i
+            fetch(lo, 0)  # the range is not empty; tile lo + i goes to slot i
             for i in range(1, num_slots):
-                pl.when(lo + i < hi)(functools.partial(fetch, lo + i, i, first_ids[i]))
+                pl.when(lo + i < hi)(functools.partial(fetch, lo + i, i))
 
             plgpu.barrier_wait(q_bar.at[0])
             pl.loop(1, ntok)(lambda j: plgpu.barrier_wait(q_bar.at[j]))

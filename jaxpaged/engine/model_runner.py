@@ -301,10 +301,9 @@ class ModelRunner:
         """Compiles, without running, every copy of the step for each of ``steps``' shapes not compiled
         yet; returns ``(inputs, copy)`` for each. An executable in ``executable_cache`` is loaded
         instead (no tracing, lowering or compiling). Otherwise every shape is traced here, the Mosaic GPU
-        kernels they launch are exported in worker processes at once (``lowered_once.export_traced``)
-        and built in the threads (``lowered_once.compile_exported``) while the shapes are lowered here in
-        turn, and XLA's compilations run in ``threads`` threads at once (default: the host's cores), each
-        starting as soon as its shape is lowered and the kernels it launches are built. ``last_precompile``:
+        kernels they launch are exported in worker processes at once (``lowered_once.export_traced``),
+        the shapes are lowered here in turn, and XLA's compilations run in ``threads`` threads at once
+        (default: the host's cores), each starting as soon as its shape is lowered. ``last_precompile``:
         lowering seconds (tracing, kernel exports and lowering: the time XLA's compilations overlap;
         the first two also apart), seconds left after the last lowering, the whole, and the slowest
         compilation. A shape's first
@@ -328,13 +327,10 @@ class ModelRunner:
                     turns = min(len(copies), self.num_copies(num_tokens))
                     wanted.append((base_key, inputs, turns, copies[0], (leaves, packed, layout)))
             compile_times: list[tuple[str, float]] = []
-            kernels: dict[str, concurrent.futures.Future] = {}
 
-            def finish(base_key, turns, exe=None, lowered=None, needs=()):
-                """A shape's executables: ``exe`` loaded, or ``lowered`` compiled (and stored) once the
-                kernels it ``needs`` are built; then its clones."""
+            def finish(base_key, turns, exe=None, lowered=None):
+                """A shape's executables: ``exe`` loaded, or ``lowered`` compiled (and stored); then its clones."""
                 if exe is None:
-                    concurrent.futures.wait([kernels[key] for key in needs if key in kernels])
                     tc = time.perf_counter()
                     exe, storable = compile_step(lowered)
                     compile_times.append((repr(base_key[0]), time.perf_counter() - tc))
@@ -364,16 +360,10 @@ class ModelRunner:
                 trace_seconds = time.perf_counter() - tl
                 lowered_once.export_traced()
                 export_seconds = time.perf_counter() - tl - trace_seconds
-                # Their binaries built first, all at once, while the steps are lowered; each step's
-                # compilation waits for those it launches (lowered_once.compile_exported).
-                kernels = lowered_once.compile_exported(pool)
                 for i in todo:
                     base_key, _, turns, _, _ = wanted[i]
-                    futures[i] = pool.submit(finish, base_key, turns, lowered=traced[i].lower(),
-                                             needs=lowered_once.launched(traced[i].jaxpr))
+                    futures[i] = pool.submit(finish, base_key, turns, lowered=traced[i].lower())
                 lower_seconds = time.perf_counter() - tl
-                concurrent.futures.wait(kernels.values())
-                kernel_wait_seconds = time.perf_counter() - tl - lower_seconds  # (kernels built after the lowering)
                 t1 = time.perf_counter()
                 for i, (base_key, inputs, turns, _, _) in enumerate(wanted):
                     exes = futures[i].result()
@@ -388,10 +378,6 @@ class ModelRunner:
         self.last_precompile = {"executables": sum(turns for _, _, turns, _ in done),
                                 "loaded": len(done) - len(todo), "lower_seconds": lower_seconds,
                                 "trace_seconds": trace_seconds, "kernel_export_seconds": export_seconds,
-                                "kernels_compiled": sum(k.result() is not None for k in kernels.values()),
-                                "kernel_wait_seconds": kernel_wait_seconds if todo else 0.0,
-                                "slowest_kernel_compile_seconds": max((k.result() or 0.0 for k in kernels.values()),
-                                                                      default=0.0),
                                 "compile_seconds": t2 - t1, "wall_seconds": t2 - t0,
                                 "slowest_compile_seconds": max((t for _, t in compile_times), default=0.0),
                                 "slowest_compile": max(compile_times, key=lambda c: c[1], default=("", 0))[0]}

@@ -113,11 +113,7 @@ def test_workers_export_what_the_steps_traced_and_the_steps_embed_the_same_kerne
     shapes = [(8, dict(uniform_decode=True)), (8, {})]
     traced = [traced_step(tokens, **static) for tokens, static in shapes]
     assert lowered_once.exports() == 0
-    # Each step launches one kernel (in both its layers), and says which: its compilation waits for that one.
-    needs = [lowered_once.launched(t.jaxpr) for t in traced]
-    assert [len(n) for n in needs] == [1, 1] and needs[0] | needs[1] == set(lowered_once._kernels)
     assert lowered_once.export_traced(workers=1) == 2  # (one worker process: the suite's cores are few)
-    assert lowered_once.compile_exported(None) == {}  # (kernels are built ahead on a GPU only)
     from_workers = [kernels(t.lower(lowering_platforms=("cuda",)).as_text()) for t in traced]
     assert lowered_once.exports() == 2
     lowered_once._exports.clear()
