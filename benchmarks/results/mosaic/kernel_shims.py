@@ -58,22 +58,18 @@ def module_from(path: str, name: str = "mgpu_before"):
 
 def time_cases(variants: dict, cases, same: tuple[str, str], hq: int = 16, hkv: int = 8, d: int = 128,
                block_size: int = 16) -> list:
-    """Each case ``(label, new tokens a sequence, cached before them, padded sequences[, table width])``
-    timed over ``variants`` (``bench_attention.time_variants``: chained, two rounds in alternating
-    order), printed as it ends; returns ``(label, us by variant, whether the two variants of ``same``
-    agree bitwise)`` rows. A table width pads the block tables with zero columns (an engine's tables are
-    as wide as its ``max_model_len``: split-K is sized for that)."""
-    import jax.numpy as jnp
+    """Each case ``(label, new tokens a sequence, cached before them, padded sequences)`` timed over
+    ``variants`` (``bench_attention.time_variants``: chained, two rounds in alternating order), printed
+    as it ends; returns ``(label, us by variant, whether the two variants of ``same`` agree bitwise)``
+    rows."""
     import numpy as np
     from bench_attention import random_paged_batch, time_variants
 
     rows = []
-    for label, q_lens, prefixes, s, *width in cases:
+    for label, q_lens, prefixes, s in cases:
         pad = s - len(q_lens)
         q, pool, cu, kl, table = random_paged_batch(q_lens + [0] * pad, prefixes + [0] * pad, hq, hkv, d, block_size,
                                                     sum(q_lens))
-        if width and width[0] > table.shape[1]:
-            table = jnp.pad(table, ((0, 0), (0, width[0] - table.shape[1])))
         each: dict = {}
         t, outs = time_variants(variants, q, pool, cu, kl, table, rounds=2, each_round=each, where=label)
         equal = bool(np.array_equal(outs[same[0]], outs[same[1]]))
