@@ -41,6 +41,7 @@ from jax.experimental.pallas import triton as pltriton  # noqa: E402
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 50
 CHILD = "--child" in sys.argv
+VLOG = "--vlog" in sys.argv
 GPU = jax.default_backend() == "gpu"
 SHAPE = (64, 128)
 OUT = jax.ShapeDtypeStruct(SHAPE, jnp.float32)
@@ -96,26 +97,33 @@ CASES = [
     ("noop, grid 8 x 264", "triton", lambda: triton("noop", grid=(8, 264))),
     ("add one", "mosaic", lambda: mosaic("add one")),
     ("add one", "triton", lambda: triton("add one")),
+    ("noop, donated", "mosaic", lambda: mosaic("noop")),
+    ("noop, donated", "triton", lambda: triton("noop")),
+    ("add one, donated", "mosaic", lambda: mosaic("add one")),
+    ("add one, donated", "triton", lambda: triton("add one")),
 ]
 
 
-def chain(kernel):
-    @jax.jit
+def chain(kernel, donate: bool = False):
+    """``N`` launches of ``kernel`` in a jit; ``donate``: its argument donated, so its output can take the
+    argument's buffer (every buffer the chain touches then keeps its address from run to run)."""
     def run(x):
         for _ in range(N):
             x = kernel(x)
         return x
-    return run
+    return jax.jit(run, donate_argnums=(0,) if donate else ())
 
 
-def wall(run, x, reps: int = 30) -> tuple[float, float]:
-    """The chain's wall time a launch: median and minimum over ``reps`` runs, us."""
-    jax.block_until_ready(run(x))
+def wall(run, x, reps: int = 30, donate: bool = False) -> tuple[float, float]:
+    """The chain's wall time a launch: median and minimum over ``reps`` runs, us (``donate``: each run
+    fed the last one's output)."""
+    x = jax.block_until_ready(run(x + 0 if donate else x))
     times = []
     for _ in range(reps if GPU else 1):
         t = time.perf_counter()
-        jax.block_until_ready(run(x))
+        y = jax.block_until_ready(run(x))
         times.append(time.perf_counter() - t)
+        x = y if donate else x
     return statistics.median(times) * 1e6 / N, min(times) * 1e6 / N
 
 
@@ -157,13 +165,14 @@ def measure(with_profile: bool) -> list[dict]:
     rows = []
     for rnd in range(2 if GPU else 1):
         for name, backend, make in CASES:
-            run = chain(make())
+            donate = name.endswith("donated")
+            run = chain(make(), donate)
             if name == "add one":
                 out = run(x)
                 assert float(out[0, 0]) == N and float(out[-1, -1]) == N, (out[0, 0], out[-1, -1])
-            med, lo = wall(run, x)
+            med, lo = wall(run, x, donate=donate)
             row = dict(round=rnd, case=name, backend=backend, wall=med, wall_min=lo)
-            if with_profile and GPU and rnd == 0:
+            if with_profile and GPU and rnd == 0 and not donate:
                 row["kernel"], row["gap"], row["span"] = profile(run, x)
             rows.append(row)
             print(json.dumps(row) if CHILD else f"round {rnd} {name:22} {backend:7} wall {med:6.2f} (min {lo:6.2f})"
@@ -172,9 +181,28 @@ def measure(with_profile: bool) -> list[dict]:
     return rows
 
 
+def vlog():
+    """Three runs of each no-op chain, plain and donated, each announced on stderr, for XLA's command
+    buffer log (the parent sets ``TF_CPP_VMODULE``)."""
+    x = jnp.zeros(SHAPE, jnp.float32)
+    for name, backend, make in CASES:
+        if not name.startswith("noop") or "grid" in name or "warpgroups" in name or "barriers" in name:
+            continue
+        donate = name.endswith("donated")
+        run = chain(make(), donate)
+        y = jax.block_until_ready(run(x + 0))
+        for i in range(3):
+            print(f"=== {name} {backend} run {i}", file=sys.stderr, flush=True)
+            y2 = jax.block_until_ready(run(y if donate else x))
+            y = y2 if donate else y
+
+
 def main():
     if CHILD:
         measure(with_profile=False)
+        return
+    if VLOG:
+        vlog()
         return
     rows = measure(with_profile=True)
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip())
@@ -182,6 +210,12 @@ def main():
     no_graphs = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
     if res.returncode:
         print("child failed:", res.stderr[-2000:])
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="command_buffer_thunk=3")
+    res = subprocess.run([sys.executable, __file__, "4", "--vlog"], env=env, capture_output=True, text=True)
+    print("command buffer log (4 launches a chain):")
+    for ln in res.stderr.splitlines():
+        if ln.startswith("===") or "command buffer" in ln.lower():
+            print("  ", ln[ln.find("]") + 1:].strip()[:240] if not ln.startswith("===") else ln)
     print(f"\n{N} chained launches a jit, f32[64, 128], {jax.devices()[0].device_kind}, jax {jax.__version__}; us a "
           "launch: wall median of two rounds (min); kernel GPU time, gap before it, GPU span a launch (profiled, "
           "first round); wall with command buffers off (host-issued launches)")

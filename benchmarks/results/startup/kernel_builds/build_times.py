@@ -11,12 +11,15 @@ static parameters (the body's), its operands' shapes and the size of its Mosaic 
     python benchmarks/results/startup/kernel_builds/build_times.py [--kv-cache-dtype fp8] [--repeat 1]
 
 ``--repeat 2`` builds the slowest kernel a second time from a copy of its module with a new hash (its
-``kernel_name`` changed), to see how much of a build repeats the same way.
+``kernel_name`` changed), to see how much of a build repeats the same way. ``--parallel 16`` then
+builds every kernel again (renamed, so none is found built) in 16 threads at once, each lowered first:
+the wall time against the sum says whether a process builds Mosaic GPU kernels in parallel.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import functools
 import os
 import sys
@@ -65,6 +68,7 @@ def main(argv=None):
     ap.add_argument("--backend", default="mosaic")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--parallel", type=int, default=0)
     args = ap.parse_args(argv)
 
     export_traced = lowered_once.export_traced
@@ -99,6 +103,24 @@ def main(argv=None):
         again = functools.partial(build.func, *build.args, **dict(build.keywords, kernel_name=name + "_again"))
         t_lower2, t_build2, _ = build_seconds(again, avals)
         print(f"again: {name} {static}: {t_build2:.2f} s build (first {t_build:.2f}), {t_lower2:.2f} s lower")
+
+    if args.parallel:
+        lowered = []
+        for _, _, name, _, _, _, _, build, avals in rows:
+            renamed = functools.partial(build.func, *build.args, **dict(build.keywords, kernel_name=name + "_p"))
+            lowered.append(jax.jit(renamed()).trace(*avals).lower())
+
+        def timed_compile(lo):
+            t = time.perf_counter()
+            lo.compile()
+            return time.perf_counter() - t
+
+        t = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+            each = list(pool.map(timed_compile, lowered))
+        print(f"parallel: {len(each)} kernels in {args.parallel} threads: wall {time.perf_counter() - t:.2f} s, "
+              f"each {min(each):.2f}-{max(each):.2f} s, sum {sum(each):.2f} s (one at a time: "
+              f"{sum(r[0] for r in rows):.2f} s)", flush=True)
 
     total = sum(r[0] for r in rows)
     print(f"\n{len(rows)} kernels, {total:.1f} s of builds one at a time, {jax.devices()[0].device_kind}, "
