@@ -54,6 +54,11 @@ from .step_inputs import MIN_SEQS, bucket, build_step_inputs, longest_first, pad
 from .tuning import StepTuning
 
 log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot step any more (its KV pool was lost); every request it held is gone."""
+
 WARMUP_RUNS = 3  # launches of each executable in a GPU warm-up (see warmup)
 SETTLE_REQUESTS = 3  # throwaway requests that end a GPU warm-up (see settle)
 
@@ -322,7 +327,21 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one engine iteration; returns the outputs it produced: finished requests, aborted
-        ones, and, for requests that stream (``output_kind`` CUMULATIVE / DELTA), new tokens."""
+        ones, and, for requests that stream (``output_kind`` CUMULATIVE / DELTA), new tokens.
+
+        A failure belongs to the requests it came from, not to the engine: a request whose step
+        inputs cannot be built ends with ``finish_reason == "error"`` and the step runs without it; a
+        step that fails as a whole ends every request it held (and the one in flight) the same way,
+        and the engine goes on. Only a failure that lost the KV pool (donated to a step that did not
+        return it) stops the engine: ``EngineDeadError``."""
+        self._step_scheduled: ScheduledBatch = []
+        self._step_in_flight = self._in_flight
+        try:
+            return self._step()
+        except Exception as err:  # noqa: BLE001  (turned into errors of the requests it touched)
+            return self._fail_step(err)
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         aborted, self._aborted = self._aborted, []
         outputs = [o for o in map(self._outputs.make_output, aborted) if o is not None]
@@ -339,8 +358,13 @@ class LLMEngine:
                 raise RuntimeError("no request could be scheduled although some are waiting (pool exhausted)")
             return outputs + self._make_outputs(touched)
         scheduled = longest_first(scheduled)  # the longest KV reads launch first (same results)
+        self._step_scheduled = scheduled
+        inputs, scheduled, failed = self._build_inputs_isolating(scheduled)
+        outputs += failed
+        if inputs is None:  # every request of the step failed
+            return outputs
+        self._step_scheduled = scheduled
         num_decode = sum(1 for seq, n in scheduled if n == 1 and len(seq.token_ids) > seq.num_prompt_tokens)
-        inputs = self._build_inputs(scheduled)
         t1 = time.perf_counter()
         tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs, self._prev_tokens,
                                                 self._take_free_tokens())
@@ -376,6 +400,69 @@ class LLMEngine:
                                  eos_token_ids=self.params.config.eos_token_id,
                                  maybe_features=self._num_feature_requests > 0, min_tokens=self.min_token_bucket,
                                  uniform_decode=self._uniform_decode)
+
+    def _build_inputs_isolating(self, scheduled: ScheduledBatch):
+        """``(inputs, scheduled, error outputs)``: the step's inputs; if building them fails, each
+        request is tried alone, those that fail alone end with an error, and the inputs are built for
+        the rest (``inputs`` None when nothing is left). A failure no single request explains is the
+        step's (raised)."""
+        try:
+            return self._build_inputs(scheduled), scheduled, []
+        except Exception as err:  # noqa: BLE001
+            culprits: dict[int, RequestState] = {}
+            for seq, n in scheduled:
+                if id(seq.parent) in culprits:
+                    continue
+                try:
+                    self._build_inputs([(seq, n)])
+                except Exception:  # noqa: BLE001
+                    culprits[id(seq.parent)] = seq.parent
+            if not culprits:
+                raise
+            failed = self._fail_requests(list(culprits.values()), err)
+            scheduled = [(seq, n) for seq, n in scheduled if id(seq.parent) not in culprits]
+            return (self._build_inputs(scheduled) if scheduled else None), scheduled, failed
+
+    def _fail_requests(self, states: list[RequestState], err: BaseException) -> list[RequestOutput]:
+        """Ends ``states`` with ``finish_reason == "error"`` (their blocks freed, their outputs returned)."""
+        log.error("jaxpaged: requests %s failed and were ended: %s: %s", [s.request_id for s in states],
+                  type(err).__name__, err, exc_info=err)
+        outputs = []
+        for state in states:
+            if self._requests.get(state.request_id) is not state:
+                continue  # finished or aborted already
+            self.abort_request(state.request_id)
+            self._aborted.pop()  # (its output is returned now, not by the next step)
+            for seq in state.seqs:
+                if seq.finish_reason == "abort":
+                    seq.finish_reason = "error"
+            out = self._outputs.make_output(state)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _fail_step(self, err: Exception) -> list[RequestOutput]:
+        """After a step raised: ends the requests it held and those of the step in flight with an
+        error, and makes the engine steppable again; raises ``EngineDeadError`` if the pool is lost."""
+        if self.kv_pool.is_deleted():
+            raise EngineDeadError(f"a step failed after consuming the KV pool: {type(err).__name__}: {err}") from err
+        states: dict[int, RequestState] = {}
+        in_flight = self._step_in_flight
+        for seq in [s for s, _ in self._step_scheduled] + [s for _, s, _ in (in_flight.samples if in_flight else [])]:
+            states.setdefault(id(seq.parent), seq.parent)
+        if not states:  # nothing to blame: the engine itself is broken
+            raise EngineDeadError(f"a step failed with no request in it: {type(err).__name__}: {err}") from err
+        self._in_flight, self._pending_rows = None, None
+        # Token buffers a failed launch may have consumed (donated) are replaced; two free ones again.
+        rows = self._prev_tokens.shape[0]
+        if self._prev_tokens.is_deleted():
+            self._prev_tokens = self.runner.token_buffer(rows)
+        buffers = self._free_tokens + ([in_flight.tokens] if in_flight is not None else [])
+        free: dict[int, jax.Array] = {id(b): b for b in buffers if not b.is_deleted() and b is not self._prev_tokens}
+        self._free_tokens = list(free.values())[:2]
+        while len(self._free_tokens) < 2:
+            self._free_tokens.append(self.runner.token_buffer(rows))
+        return self._fail_requests(list(states.values()), err)
 
     def _take_free_tokens(self) -> jax.Array | None:
         """A read-back token buffer for the next step's output, never the one the step reads its

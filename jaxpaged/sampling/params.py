@@ -30,6 +30,9 @@ import math
 import numbers
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_TOP_K = 2**31 - 1  # top_k travels to the device as int32
+MAX_SEED = 2**63 - 1  # seeds are 64-bit integers (the device uses their low 32 bits)
+MAX_COUNT = 2**31 - 1  # max_tokens, min_tokens: token counts, compared with int32 positions on the device
 
 
 class RequestOutputKind(enum.Enum):
@@ -104,23 +107,27 @@ class SamplingParams:
         if math.isnan(t) or t < 0 or math.isinf(t):
             raise ValueError(f"SamplingParams.temperature must be finite and >= 0 (0 = greedy), got {t!r}")
         self.temperature = float(t)
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"SamplingParams.top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or a positive integer <= {MAX_TOP_K}, "
+                             f"got {self.top_k!r}")
         self.top_k = int(self.top_k)
         p = self.top_p
         if not _is_real(p) or math.isnan(p) or not 0 < p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {p!r}")
         self.top_p = float(p)
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"SamplingParams.max_tokens must be a positive integer or None, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_COUNT):
+            raise ValueError(f"SamplingParams.max_tokens must be a positive integer <= {MAX_COUNT} or None, "
+                             f"got {self.max_tokens!r}")
         self.max_tokens = None if self.max_tokens is None else int(self.max_tokens)
-        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
-            raise ValueError(f"SamplingParams.seed must be a non-negative integer or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"SamplingParams.seed must be an integer in [0, {MAX_SEED}] or None, got {self.seed!r}")
         self.seed = None if self.seed is None else int(self.seed)
         self.n = _int("n", self.n, 1)
         self.stop_token_ids = self._token_ids("stop_token_ids", self.stop_token_ids)
         self.stop = self._stop_strings(self.stop)
         self.min_tokens = _int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > MAX_COUNT:
+            raise ValueError(f"SamplingParams.min_tokens must be <= {MAX_COUNT}, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"SamplingParams.min_tokens ({self.min_tokens}) must be <= max_tokens "
                              f"({self.max_tokens})")
@@ -128,7 +135,7 @@ class SamplingParams:
         self.presence_penalty = _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         self.frequency_penalty = _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty, 0.0, math.inf,
-                                          lo_open=True, hint=" (1 = off)")
+                                          lo_open=True, hi_open=True, hint=" (1 = off)")
         for name in ("logprobs", "prompt_logprobs"):
             k = _int(name, getattr(self, name), 0, allow_none=True)
             if k is not None and k > MAX_LOGPROBS:
