@@ -32,7 +32,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxpaged.engine.step_inputs import build_chunk_step  # noqa: E402
-from jaxpaged.kernels.fp8 import FP8_DTYPES, quantize  # noqa: E402
+from jaxpaged.config import FP8_DTYPES  # noqa: E402
+from jaxpaged.kernels.fp8 import quantize  # noqa: E402
 from jaxpaged.kernels.kv_write import pool_shape, write_kv  # noqa: E402
 from jaxpaged.kernels.paged_attention import paged_attention  # noqa: E402
 from jaxpaged.kernels.paged_attention_reference import paged_attention_reference  # noqa: E402

@@ -9,13 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 
-from .kv.allocator import check_block_size
-
 ATTENTION_BACKENDS = ("auto", "triton", "mosaic", "reference")  # models/ops.py
 KERNEL_BACKENDS = ("triton", "mosaic")  # the Pallas kernels (``reference`` is jnp)
 RESERVATIONS = ("paged", "max_len")
 SCHEDULING_POLICIES = ("fcfs", "prefix_affinity")  # jaxpaged/engine/scheduling_policy.py
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names
+FP8_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}  # name -> jnp dtype
+
+
+def check_block_size(block_size: int) -> int:
+    """Returns ``block_size`` if it is a positive power of two, else raises ``ValueError``.
+
+    Powers of two keep ``slot // block_size`` a shift and match the kernels' tile shapes.
+    """
+    if not (isinstance(block_size, int) and not isinstance(block_size, bool) and block_size > 0
+            and not block_size & (block_size - 1)):
+        raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
+    return block_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +145,6 @@ class EngineConfig:
 
     def resolved_kv_cache_dtype(self, weights_dtype: str) -> str:
         """The pool's dtype: the weights' for ``"auto"``, the fp8 names' jnp dtype, else ``kv_cache_dtype``."""
-        from .kernels.fp8 import FP8_DTYPES
-
         if self.kv_cache_dtype == "auto":
             return weights_dtype
         return FP8_DTYPES.get(self.kv_cache_dtype, self.kv_cache_dtype)

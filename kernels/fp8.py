@@ -36,9 +36,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-FP8_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
-
-
 def is_fp8(dtype) -> bool:
     """Whether ``dtype`` is an fp8 pool dtype (one with a scale row per block)."""
     return jnp.dtype(dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))

@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from jaxpaged.engine.heap import freeze_long_lived_heap  # noqa: E402
 from jaxpaged.engine.tuning import StepTuning  # noqa: E402
-from jaxpaged.kernels.fp8 import FP8_DTYPES  # noqa: E402
+from jaxpaged.config import FP8_DTYPES  # noqa: E402
 from jaxpaged.workloads import BENCHMARK_MODELS, benchmark_params  # noqa: E402
 
 MODELS = BENCHMARK_MODELS

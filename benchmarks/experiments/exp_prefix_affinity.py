@@ -91,7 +91,7 @@ def simulate(s: dict, policy: str, prompts, max_model_len: int) -> dict:
 
     from jaxpaged.kv import KVCacheManager
     from jaxpaged.engine.scheduler import Scheduler
-    from jaxpaged.engine.sequence import Sequence
+    from jaxpaged.request import Sequence
 
     kv = KVCacheManager(s["num_blocks"], s["block_size"], max_model_len=max_model_len)
     sched = Scheduler(kv, max_num_seqs=s["max_num_seqs"], max_num_batched_tokens=s["max_num_batched_tokens"],

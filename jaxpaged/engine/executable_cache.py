@@ -29,6 +29,8 @@ from typing import Any
 
 import jax
 
+from .. import kernels, models
+
 log = logging.getLogger(__name__)
 _warned = False  # the unreadable-entry warning was given (once per process)
 _warn_lock = threading.Lock()
@@ -55,13 +57,8 @@ def compile_step(lowered) -> tuple[Any, bool]:
 def source_hash() -> str:
     """A hash of the engine's Python sources (jaxpaged, its kernels and models): a changed line of code
     must never run an executable compiled from the old one."""
-    import jaxpaged
-    import jaxpaged.kernels
-    import jaxpaged.models
-
     h = hashlib.sha256()
-    for pkg in (jaxpaged, jaxpaged.kernels, jaxpaged.models):
-        root = Path(pkg.__file__).parent
+    for root in (Path(__file__).parent.parent, Path(kernels.__file__).parent, Path(models.__file__).parent):
         for path in sorted(root.rglob("*.py")):
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())

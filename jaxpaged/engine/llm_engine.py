@@ -49,7 +49,7 @@ from .metrics import EngineMetrics, StepRecord
 from .model_runner import ModelRunner, enable_compilation_cache
 from .readback import make_token_reader
 from .scheduler import Samples, ScheduledBatch, Scheduler
-from .sequence import PLACEHOLDER, Sequence
+from ..request import PLACEHOLDER, Sequence
 from .step_inputs import MIN_SEQS, bucket, build_step_inputs, longest_first, padding_step_inputs
 from .tuning import StepTuning
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..kv import KVCacheManager
 from .scheduling_policy import make_policy
-from .sequence import PLACEHOLDER, Sequence, SequenceStatus
+from ..request import PLACEHOLDER, Sequence, SequenceStatus
 
 ScheduledBatch = list[tuple[Sequence, int]]
 Samples = list[tuple[int, Sequence, int]]  # (row in the step's output, sequence, index in its token_ids)

@@ -29,7 +29,7 @@ import collections
 from typing import Callable, Hashable, Iterable
 
 from ..config import SCHEDULING_POLICIES
-from .sequence import Sequence, SequenceStatus
+from ..request import Sequence, SequenceStatus
 
 
 class PrefixAffinityPolicy:

@@ -28,7 +28,7 @@ from ..kernels.shapes import next_pow2
 from ..kv.block_tables import BlockTables
 from ..sampling.sampler import SamplingParams, sampling_mode
 from ..sampling.features import NO_FEATURES, FeatureInputs, SamplerFeatures, build_feature_inputs
-from .sequence import PLACEHOLDER, Sequence
+from ..request import PLACEHOLDER, Sequence
 
 
 MIN_TOKENS, MIN_SEQS, MIN_WIDTH = 16, 8, 4

@@ -15,10 +15,9 @@ from __future__ import annotations
 import dataclasses
 
 from .detokenizer import IncrementalDetokenizer
-from ..sampling.logprobs import to_logprob_dict
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput, to_logprob_dict
 from ..sampling.params import RequestOutputKind, SamplingParams
-from ..engine.sequence import Sequence
+from ..request import Sequence
 
 
 @dataclasses.dataclass

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 
 @dataclasses.dataclass
 class Logprob:
@@ -21,6 +23,16 @@ class Logprob:
 
 SampleLogprobs = list[dict[int, Logprob]]
 PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+def to_logprob_dict(token: int, token_lp: float, rank: int, ids: np.ndarray, values: np.ndarray, k: int,
+                    decode) -> dict[int, Logprob]:
+    """vLLM's per-position dict: the chosen token first, then the top-``k`` (ranks 1..k)."""
+    out = {int(token): Logprob(float(token_lp), int(rank), decode(int(token)))}
+    for r, (i, v) in enumerate(zip(ids[:k].tolist(), values[:k].tolist()), start=1):
+        if i not in out:
+            out[i] = Logprob(float(v), r, decode(i))
+    return out
 
 
 @dataclasses.dataclass

@@ -10,7 +10,8 @@
 * ``errors``: what can go wrong.
 """
 
-from jaxpaged.kv.allocator import BlockAllocator, BlockState, check_block_size
+from jaxpaged.config import check_block_size
+from jaxpaged.kv.allocator import BlockAllocator, BlockState
 from jaxpaged.kv.block_tables import BlockTables
 from jaxpaged.kv.errors import BlockStateError, DoubleFreeError, OutOfBlocksError, RequestTooLargeError
 from jaxpaged.kv.manager import KVCacheManager

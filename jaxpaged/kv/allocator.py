@@ -24,7 +24,7 @@ import enum
 from collections import OrderedDict, deque
 from typing import Callable, Iterable
 
-from jaxpaged.kernels.shapes import is_pow2
+from jaxpaged.config import check_block_size
 from jaxpaged.kv.errors import BlockStateError, DoubleFreeError, OutOfBlocksError
 
 
@@ -32,16 +32,6 @@ class BlockState(enum.Enum):
     FREE = "free"
     REFERENCED = "referenced"
     CACHED = "cached"  # unreferenced, in the LRU pool, still findable through the prefix trie
-
-
-def check_block_size(block_size: int) -> int:
-    """Returns ``block_size`` if it is a positive power of two, else raises ``ValueError``.
-
-    Powers of two keep ``slot // block_size`` a shift and match the kernels' tile shapes.
-    """
-    if not is_pow2(block_size):
-        raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
-    return block_size
 
 
 class BlockAllocator:

@@ -21,7 +21,7 @@ import numpy as np
 from jaxpaged.kv.block_tables import BlockTables
 from jaxpaged.kv.errors import BlockStateError
 from jaxpaged.kv.reservation import ReservationPolicy
-from jaxpaged.engine.sequence import Sequence
+from jaxpaged.request import Sequence
 
 
 def check_invariants(tables: BlockTables, seqs: Iterable[Sequence], policy: ReservationPolicy) -> None:

@@ -20,7 +20,8 @@ protocol:
 
 from __future__ import annotations
 
-from jaxpaged.kv.allocator import BlockAllocator, check_block_size
+from jaxpaged.config import check_block_size
+from jaxpaged.kv.allocator import BlockAllocator
 from jaxpaged.kv.block_tables import BlockTables
 from jaxpaged.kv.errors import BlockStateError, DoubleFreeError, RequestTooLargeError
 from jaxpaged.kv.invariants import check_invariants
@@ -28,7 +29,7 @@ from jaxpaged.kv.max_len import MaxLenReservation
 from jaxpaged.kv.prefix_trie import PrefixTrie
 from jaxpaged.kv.reservation import PagedReservation, ReservationPolicy
 from jaxpaged.kv.stats import EventLog, KVCounters, KVStats, block_utilisation, make_stats
-from jaxpaged.engine.sequence import Sequence
+from jaxpaged.request import Sequence
 
 
 class KVCacheManager:

@@ -20,10 +20,10 @@ import math
 
 import numpy as np
 
-from jaxpaged.kv.allocator import check_block_size
+from jaxpaged.config import check_block_size
 from jaxpaged.kv.errors import BlockStateError, DoubleFreeError, OutOfBlocksError, RequestTooLargeError
 from jaxpaged.kv.stats import KVCounters
-from jaxpaged.engine.sequence import Sequence
+from jaxpaged.request import Sequence
 
 
 def max_len_run_length(max_model_len: int, block_size: int) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Hashable, Sequence as SequenceT
 
-from jaxpaged.kv.allocator import check_block_size
+from jaxpaged.config import check_block_size
 
 
 class TrieNode:

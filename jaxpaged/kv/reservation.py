@@ -21,7 +21,7 @@ from jaxpaged.kv.errors import BlockStateError, OutOfBlocksError
 from jaxpaged.kv.host_tier import HostBlockPool, Transfer
 from jaxpaged.kv.prefix_trie import PrefixTrie, TrieNode
 from jaxpaged.kv.stats import EventLog, KVCounters
-from jaxpaged.engine.sequence import Sequence
+from jaxpaged.request import Sequence
 
 
 class ReservationPolicy(Protocol):

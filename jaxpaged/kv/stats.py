@@ -16,7 +16,7 @@ from typing import Iterator, Sequence as SequenceT
 
 import numpy as np
 
-from jaxpaged.kv.allocator import check_block_size
+from jaxpaged.config import check_block_size
 
 
 @dataclasses.dataclass

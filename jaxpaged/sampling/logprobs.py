@@ -1,4 +1,5 @@
-"""Log-probabilities inside the step (device) and vLLM's ``Logprob`` dicts (host).
+"""Log-probabilities inside the step (device); ``io.outputs.to_logprob_dict`` makes vLLM's ``Logprob`` dicts
+of them on the host.
 
 Logprobs are those of the model's raw distribution, ``log_softmax(logits)`` before penalties,
 temperature and filters (vLLM V1's default ``raw_logprobs``). Per row: the ``k`` largest (ids and
@@ -11,9 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from ..io.outputs import Logprob
 from .sampler import fixed_order_sum
 
 
@@ -36,12 +35,3 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int, batch_invariant
     values, ids = jax.lax.top_k(lp, k) if k > 0 else (lp[:, :0], jnp.zeros((lp.shape[0], 0), jnp.int32))
     return {"ids": ids.astype(jnp.int32), "values": values, "token": chosen, "rank": rank}
 
-
-def to_logprob_dict(token: int, token_lp: float, rank: int, ids: np.ndarray, values: np.ndarray, k: int,
-                    decode) -> dict[int, Logprob]:
-    """vLLM's per-position dict: the chosen token first, then the top-``k`` (ranks 1..k)."""
-    out = {int(token): Logprob(float(token_lp), int(rank), decode(int(token)))}
-    for r, (i, v) in enumerate(zip(ids[:k].tolist(), values[:k].tolist()), start=1):
-        if i not in out:
-            out[i] = Logprob(float(v), r, decode(i))
-    return out

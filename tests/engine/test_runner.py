@@ -96,7 +96,7 @@ def test_pool_hlo_report_sees_slices_and_copies():
 def test_step_inputs_layout():
     """Ragged prefill + decode in one step: slots, lengths and logits indices line up."""
     from jaxpaged.kv import BlockTables
-    from jaxpaged.engine.sequence import Sequence
+    from jaxpaged.request import Sequence
 
     tables = BlockTables()
     a = Sequence("a", list(range(10)), SamplingParams())

@@ -8,7 +8,7 @@ from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
 from jaxpaged.llm import run_to_completion
 from jaxpaged.kv import KVCacheManager
 from jaxpaged.models.tiny import tiny_checkpoint_path
-from jaxpaged.engine.sequence import Sequence
+from jaxpaged.request import Sequence
 
 
 def test_simultaneous_requests_compute_a_shared_prefix_once():

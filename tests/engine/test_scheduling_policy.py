@@ -13,7 +13,7 @@ from jaxpaged.kv import KVCacheManager
 from jaxpaged.llm import run_to_completion
 from jaxpaged.models.tiny import tiny_checkpoint_path
 from jaxpaged.engine.scheduler import Scheduler
-from jaxpaged.engine.sequence import Sequence
+from jaxpaged.request import Sequence
 
 BS = 4
 SP = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpaged.engine.sequence import Sequence
+from jaxpaged.request import Sequence
 from jaxpaged.kv import KVCacheManager, explain_prefix
 from jaxpaged.kv.errors import BlockStateError
 from jaxpaged.kv.host_tier import HostBlockPool, Transfer

@@ -16,7 +16,7 @@ from jaxpaged.kv import (
     BlockState, BlockStateError, BlockTables, DoubleFreeError, KVCacheManager, OutOfBlocksError,
     RequestTooLargeError, explain_prefix,
 )
-from jaxpaged.engine.sequence import Sequence, SequenceStatus
+from jaxpaged.request import Sequence, SequenceStatus
 
 BS = 4
 

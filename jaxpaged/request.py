@@ -1,4 +1,7 @@
-"""``Sequence``: one request's tokens, progress counters, status and timestamps.
+"""``Sequence``: one request's tokens, progress counters, status and timestamps (vLLM's ``Request``).
+
+A leaf module: the scheduler, the KV cache manager and the output side all read and write sequences,
+so the type lives below all of them and imports nothing of the package.
 
 Vocabulary (vLLM's):
 * block table: logical block ``j`` of the sequence lives in physical block ``block_table[j]``; the
