@@ -5,7 +5,7 @@ in every unused slot), decode B x ctx with Qwen3-0.6B heads (16 q, 8 KV, D 128, 
 deprecated Pallas paged kernel and the XLA gather reference, prefill with and without a cached prefix
 against cuDNN flash attention on contiguous tokens, and the KV write (HLO copy check + time).
 
-Timing: each measured function is called ``--chain`` times inside one jit, the output of one call
+Timing: each measured function is called ``--chain`` times inside one jit, the output of each call
 feeding the queries of the next (a true dependency, nothing can be hoisted), with the block tables
 rotated over disjoint regions of the pool so that small problems are not served from L2; the median
 over ``--reps`` runs, divided by the chain length. Compile times are reported separately.
@@ -45,7 +45,7 @@ def log(*a):
 
 
 def timed(make_fn, args, reps):
-    """Compiles ``make_fn`` on ``args``; returns (compile_s, median seconds of one call) (:func:`time_calls`).
+    """Compiles ``make_fn`` on ``args``; returns (compile_s, median seconds a call) (:func:`time_calls`).
     Large arrays must be passed in ``args`` (a closure would embed them in the executable as constants).
     """
     fn = jax.jit(make_fn)
@@ -56,7 +56,7 @@ def timed(make_fn, args, reps):
 
 
 def time_calls(fn, args, reps):
-    """Median seconds of one call of the compiled ``fn(*args)``: calls dispatched back to back in groups
+    """Median seconds a call of the compiled ``fn(*args)``: calls dispatched back to back in groups
     of 4 and synchronised once per group, so host dispatch overlaps device work; the median over
     ``reps`` groups (after one untimed call)."""
     jax.block_until_ready(fn(*args))
@@ -396,7 +396,7 @@ def bench_prefill(args, smoke, interpret):
                                                                      implementation="cudnn")
                 out = jax.jit(fn)(q[None], kc, vc)[0]
                 err = rel_err(out, ref)
-                c, t = timed(lambda qq, kc, vc: _chain_simple(fn, qq, kc, vc, args.chain),
+                c, t = timed(lambda qq, kc, vc: chain_simple(fn, qq, kc, vc, args.chain),
                              (q[None], kc, vc), args.reps)
                 t /= args.chain
                 row["cudnn"] = dict(time_us=t * 1e6, TFLOPs=flops / t / 1e12, compile_s=c, rel_err=err)
@@ -407,7 +407,7 @@ def bench_prefill(args, smoke, interpret):
         flush_json(args)
 
 
-def _chain_simple(fn, q, kc, vc, chain):
+def chain_simple(fn, q, kc, vc, chain):
     for _ in range(chain):
         q = fn(q, kc, vc)
     return q

@@ -14,7 +14,7 @@ Three measurements, one process (run in the order 3, 2, 1):
    ``--repeats``.
 3. **Copy bandwidth**: reloading and offloading 128 blocks through ``KVTransfers`` (timed to completion),
    against one ``device_put`` of a contiguous pinned host buffer of the same size, host to device and
-   back, in the same call.
+   back, in the same process.
 
     python benchmarks/bench_kv_offloading.py --model qwen2.5-7b --out $OUT   # GPU
     python benchmarks/bench_kv_offloading.py --model tiny --out /tmp/o     # CPU, small sizes

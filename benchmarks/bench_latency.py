@@ -25,8 +25,8 @@ measured in turn run by run on the same prompts, each row with its TTFT and ITL 
 first backend's, and the share of requests whose greedy tokens equal the first backend's. Before each
 of its runs an engine settles (``LLMEngine.settle``: one throwaway request, its traces undone), so what
 the other engine's run left (a CUDA graph to re-record where a buffer moved, cold caches) is not timed.
-Process to process, batch-1 ITL of one configuration moved by up to a quarter on an H100 (1.00-1.24
-ms), more than the differences measured; runs in turn in one process share whatever made that.
+Process to process, batch-1 ITL of one configuration moves by up to a quarter, more than the differences
+measured; runs in turn in one process share whatever causes that.
 
     python benchmarks/bench_latency.py --out $OUT
     python benchmarks/bench_latency.py --backend triton,mosaic --batches 1 --prompts 32 --out $OUT
@@ -113,7 +113,7 @@ MIN_TTFT_SAMPLES = 30
 def repeats_for(batch: int, repeats: int | None) -> int:
     """Measured runs of a configuration: ``repeats`` if given, else enough runs for at least
     ``MIN_TTFT_SAMPLES`` first tokens (one per request), and never fewer than 3 (a batch-1 TTFT p50 of
-    only 5 samples varied by 20% between identical runs on the H200)."""
+    only 5 samples varies by 20% between identical runs)."""
     return repeats if repeats is not None else max(3, -(-MIN_TTFT_SAMPLES // batch))
 
 

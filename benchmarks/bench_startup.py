@@ -1,9 +1,8 @@
 """Start-up: how long a new process takes from ``import jaxpaged`` to a warmed-up engine, where the warm-up's
 time goes, and the first request's TTFT against a request of the same length in steady state (fresh tokens
 each time, so the prefix cache never hits): back to back, and each after 100 ms of idle (a request after
-idle pays 0.3-1.0 ms more host time to launch its step on the H200 machines, the host's CPU waking, no
-matter how many came before: benchmarks/results/startup/README.md; so that is what a first request is
-compared with to see what start-up itself leaves behind).
+idle pays more host time to launch its step, the host's CPU waking, however many came before; so that is
+what a first request is compared with to see what start-up itself leaves behind).
 
 Each measurement is a fresh Python process (what a user restarting a notebook or a server meets), run
 twice over one compilation-cache folder: ``cold`` (empty cache) and ``cached`` (a second process).

@@ -12,8 +12,8 @@ limit; a part that times out or fails is recorded as such and the others still r
                   tokens): tok/s, ITL at batch 1, memory per GPU.
 
 Every part writes ``part_<name>.json`` into ``--out``; with ``--resume`` a part already there is not run
-again. A device command may last 10 minutes, so run one part per command (2x H200, nvidia-h200-x2),
-then put the three part files in one folder and print the table without running anything:
+again. Parts can run one at a time (two GPUs of one host), their part files put in one folder, and the
+table printed from them without running anything:
 
     python benchmarks/bench_tp.py --parts 8b-tp1 --out $OUT
     python benchmarks/bench_tp.py --parts 8b-tp2 --out $OUT

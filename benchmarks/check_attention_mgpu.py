@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_attention import (_chain_simple, chain_time, hbm_read_ceiling, make_case, prefill_flops,  # noqa: E402
+from bench_attention import (chain_simple, chain_time, hbm_read_ceiling, make_case, prefill_flops,  # noqa: E402
                              reference_hi, rel_err, timed)
 from jaxpaged.kernels.fp8 import is_fp8, quantize_pool  # noqa: E402
 from jaxpaged.kernels.kv_write import pool_from_caches  # noqa: E402
@@ -320,7 +320,7 @@ def prefill_timing(args, interpret: bool):
             kc, vc = pool[0, blk, pos % bs, 0][None], pool[0, blk, pos % bs, 1][None]  # [1, T, Hkv, D]
             try:
                 fn = lambda qq, kc, vc: jax.nn.dot_product_attention(qq, kc, vc, is_causal=True, implementation="cudnn")
-                _, t = timed(lambda qq, kc, vc: _chain_simple(fn, qq, kc, vc, args.chain), (q[None], kc, vc), args.reps)
+                _, t = timed(lambda qq, kc, vc: chain_simple(fn, qq, kc, vc, args.chain), (q[None], kc, vc), args.reps)
                 t /= args.chain
                 row["cudnn"] = dict(time_us=t * 1e6, TFLOPs=flops / t / 1e12)
             except Exception as e:  # noqa: BLE001
