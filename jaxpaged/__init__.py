@@ -1,6 +1,8 @@
 """jaxpaged: a JAX LLM inference engine built around PagedAttention and block-level prefix caching."""
 
+import importlib
 import os
+from typing import TYPE_CHECKING
 
 # JAX's GPU client takes 75% of the GPU's memory on its first allocation by default, and mapping that
 # arena cost 1.7 s of every start on the H200 (one tiny array's transfer; 7 ms without it), even for a
@@ -9,17 +11,44 @@ import os
 # before JAX starts its GPU client, and a user's own setting wins (docs/DECISIONS.md).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from .config import EngineConfig
-from .engine.llm_engine import LLMEngine
-from .llm import LLM, generate, run_to_completion
-from .kv import KVCacheManager, KVStats, explain_prefix
-from .models.checkpoint import ModelParams, load_params
-from .models.config import CheckpointError, QwenConfig
-from .io.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .sampling import RequestOutputKind, SamplingParams
-from .io.tokenizer import load_tokenizer
+# The public names and the modules that define them, imported on first use (PEP 562): `import jaxpaged`
+# and `python -m jaxpaged --help` do not load JAX until a name that needs it is used.
+_PUBLIC = {
+    "LLM": ".llm", "generate": ".llm", "run_to_completion": ".llm",
+    "LLMEngine": ".engine.llm_engine",
+    "EngineConfig": ".config",
+    "SamplingParams": ".sampling", "RequestOutputKind": ".sampling",
+    "RequestOutput": ".io.outputs", "CompletionOutput": ".io.outputs", "RequestMetrics": ".io.outputs",
+    "Logprob": ".io.outputs",
+    "ModelParams": ".models.checkpoint", "load_params": ".models.checkpoint",
+    "QwenConfig": ".models.config", "CheckpointError": ".models.config",
+    "explain_prefix": ".kv", "KVCacheManager": ".kv", "KVStats": ".kv",
+    "load_tokenizer": ".io.tokenizer",
+}
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "RequestMetrics", "ModelParams", "QwenConfig", "CheckpointError", "generate", "run_to_completion", "load_params",
-           "explain_prefix", "KVCacheManager", "KVStats", "load_tokenizer", "RequestOutputKind", "Logprob"]
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'jaxpaged' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
+
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
+    from .engine.llm_engine import LLMEngine
+    from .io.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from .io.tokenizer import load_tokenizer
+    from .kv import KVCacheManager, KVStats, explain_prefix
+    from .llm import LLM, generate, run_to_completion
+    from .models.checkpoint import ModelParams, load_params
+    from .models.config import CheckpointError, QwenConfig
+    from .sampling import RequestOutputKind, SamplingParams

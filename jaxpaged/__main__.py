@@ -1,4 +1,10 @@
-"""Command line: python -m jaxpaged demo | generate --model PATH --prompt ... | bench | serve MODEL.
+"""Command line: python -m jaxpaged {demo,generate,bench,serve} [MODEL] [engine flags].
+
+Every subcommand takes its model the same way (a checkpoint folder, ``tiny`` for the packaged tiny
+random Qwen3 checkpoint, or a Hugging Face Hub id already in the local cache) and the same engine
+flags, under vLLM's names (``add_engine_arguments``; ``LLM(...)`` takes the same names with
+underscores). A failure is one line on stderr naming the problem, exit status 2; ``--debug`` shows the
+traceback. JAX is imported only when a command runs, so ``--help`` answers at once.
 
 ``demo`` needs nothing: it runs the packaged tiny random Qwen3 checkpoint (so the text is gibberish,
 but every mechanism is real), sends requests that share a system prompt, and prints the generated
@@ -8,18 +14,262 @@ tokens and text, the prefix-cache hits and the KV pool statistics.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
-from .config import EngineConfig
-from .llm import LLM
-from .models.tiny import tiny_checkpoint_path
-from .sampling.sampler import SamplingParams
+from .config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
 
+PROG = "python -m jaxpaged"
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+LOAD_FORMATS = ("auto", "dummy")
+TINY = "tiny"
 DEMO_SYSTEM = "PagedAttention stores the key and value cache in fixed-size blocks, like pages of virtual memory. "
 DEMO_QUESTIONS = ["Hello, world!", "How are you today?", "Once upon a time", "The quick brown fox"]
+# Workload defaults: the full one (nano-vllm's) for real and random Qwen3-0.6B weights; a small one for
+# the packaged tiny checkpoint (1,024 positions), which runs in seconds on a CPU.
+FULL_BENCH = dict(num_seqs=256, max_model_len=2048, max_num_batched_tokens=8192, max_num_seqs=256)
+TINY_BENCH = dict(num_seqs=16, max_model_len=256, max_num_batched_tokens=256, max_num_seqs=16)
 
 
+class CLIError(Exception):
+    """A problem with what the user asked for: printed as one line, exit status 2."""
+
+
+# ---- arguments -----------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line (exit status 2, as argparse's own)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help for usage)\n")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where the help already says it in words (a ``None`` default)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _power_of_two(text: str) -> int:
+    value = _positive_int(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"must be a power of two, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _gib(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of GiB >= 0, got {text}")
+    return value
+
+
+# Registering the names lets argparse print "invalid positive integer value: '0'".
+for _f, _name in ((_positive_int, "positive integer"), (_power_of_two, "power of two"), (_fraction, "fraction"),
+                  (_gib, "GiB")):
+    _f.__name__ = _name
+
+
+def add_model_argument(p: argparse.ArgumentParser, default: str | None = None, what: str = "") -> None:
+    """The model, the same way in every subcommand: ``MODEL`` or ``--model MODEL`` (vLLM takes both)."""
+    forms = ("a checkpoint folder (config.json, *.safetensors, tokenizer.json), 'tiny' (the packaged tiny "
+             "random Qwen3 checkpoint) or a Hugging Face Hub id already in the local cache (hf download ID)")
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL", help=forms + what)
+    p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL", help="the same as MODEL")
+    p.set_defaults(model_default=default)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine flags every subcommand shares, under vLLM's names (``engine_kwargs`` reads them)."""
+    e = EngineConfig
+    g = p.add_argument_group("engine (vLLM's names; LLM(...) takes the same names with underscores)")
+    g.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="the weights' dtype; auto: the checkpoint's (config.json), bfloat16 for random weights")
+    g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="dummy: random weights of the folder's config.json (no weight files needed)")
+    g.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
+                   help="prompt + output tokens per request (default: the model's max_position_embeddings, "
+                        "at most 8192, lowered to what the KV pool holds)")
+    g.add_argument("--block-size", type=_power_of_two, default=None, metavar="N",
+                   help="tokens per KV block, a power of two (default: 16; 64 with an fp8 --kv-cache-dtype)")
+    g.add_argument("--num-blocks", "--num-gpu-blocks-override", dest="num_blocks", type=_positive_int, default=None,
+                   metavar="N", help="KV pool size in blocks (default: sized from --gpu-memory-utilization; "
+                                     "on a CPU from a capped share of host memory)")
+    g.add_argument("--gpu-memory-utilization", type=_fraction, default=e.memory_fraction, metavar="F",
+                   help="share of the device memory left after the weights that the KV pool takes")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=e.max_num_seqs, metavar="N",
+                   help="sequences in one step (the decode batch)")
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=e.max_num_batched_tokens, metavar="N",
+                   help="new tokens in one step (longer prompts are chunked)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=e.kv_cache_dtype,
+                   help="the KV pool's dtype; auto: the weights'; fp8 stores K and V in 8 bits")
+    g.add_argument("--kv-offloading-size", type=_gib, default=e.kv_offloading_size, metavar="GIB",
+                   help="GiB of host memory for prefix-cache blocks the device pool evicts (0: none)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=e.tensor_parallel_size, metavar="N",
+                   help="devices the model is split over")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=e.enable_prefix_caching,
+                   help="reuse the KV blocks of earlier prompts' shared prefixes")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=e.enable_chunked_prefill, help="split long prompts over several steps")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=e.async_scheduling,
+                   help="schedule step N+1 while step N runs on the device")
+    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=e.scheduling_policy,
+                   help="the order waiting requests are admitted in")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=e.attention_backend,
+                   help="auto: the Pallas kernels on a GPU, the jnp reference elsewhere")
+    g.add_argument("--seed", type=int, default=e.seed, metavar="N", help="the generator of requests without their own seed")
+    p.add_argument("--debug", action="store_true", help="on an error, print the traceback, not one line")
+
+
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    """``serve``'s own flags: where it listens, who may call it, and its limits."""
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $JAXPAGED_API_KEY if set, else none)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: the MODEL argument)")
+    from .serve.limits import MAX_N, MAX_STOP_STRINGS, ServerLimits  # (stdlib only: --help stays fast)
+
+    d = ServerLimits()
+    g = p.add_argument_group("server limits (a request over one gets an OpenAI error naming it)")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="largest request body, chunked or not (413)")
+    g.add_argument("--max-prompt-bytes", type=int, default=d.max_prompt_bytes,
+                   help="largest text prompt, refused before it is tokenized (default: what max_model_len "
+                        "tokens of the tokenizer's longest tokens can hold)")
+    g.add_argument("--max-n", type=int, default=d.max_n, help=f"largest n (at most {MAX_N})")
+    g.add_argument("--max-stop", type=int, default=d.max_stop,
+                   help=f"most stop strings a request may give (at most {MAX_STOP_STRINGS})")
+    g.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
+                   help="requests in progress at once; more are refused with 429")
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout,
+                   help="seconds a connection has to send a request's headers")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                   help="seconds a request has to send its body (408)")
+    g.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
+                   help="seconds an idle keep-alive connection stays open")
+    g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help="on SIGTERM, seconds running requests may finish before they are aborted "
+                        "(a second signal exits at once)")
+
+
+def _set_defaults(p: argparse.ArgumentParser, note: str = "", **values) -> None:
+    """A subcommand's own defaults for shared flags, its help saying so (``note``: for ``None`` defaults)."""
+    p.set_defaults(**values)
+    for action in p._actions:
+        if action.dest in values:
+            words = note.format(full=FULL_BENCH.get(action.dest), tiny=TINY_BENCH.get(action.dest))
+            action.help = " ".join([action.help.split(" (default")[0], words]).strip()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (every subcommand and flag)."""
+    ap = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=_Formatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{demo,generate,bench,serve}")
+
+    def command(name: str, help: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=description, formatter_class=_Formatter)
+
+    d = command("demo", "generate with the packaged tiny model and print the KV cache statistics",
+                "Requests that share a system prompt: their tokens, text, prefix-cache hits and KV statistics.")
+    add_model_argument(d, TINY, what=" (default: tiny)")
+    d.add_argument("--max-tokens", type=_positive_int, default=16, metavar="N", help="tokens to generate per request")
+    add_engine_arguments(d)
+    _set_defaults(d, block_size=8, num_blocks=128, max_model_len=256, max_num_batched_tokens=256)
+
+    g = command("generate", "generate from a model and print the outputs and KV statistics",
+                "Generates a reply to each --prompt (steps compile on first use: one batch does not pay for "
+                "a warm-up).")
+    add_model_argument(g)
+    g.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for several")
+    g.add_argument("--max-tokens", type=_positive_int, default=64, metavar="N", help="tokens to generate per prompt")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="0: greedy (default: the checkpoint's generation_config.json, else 1.0)")
+    g.add_argument("--top-p", type=float, default=None, help="(default: the checkpoint's, else 1.0)")
+    g.add_argument("--top-k", type=int, default=None, help="-1: off (default: the checkpoint's, else off)")
+    add_engine_arguments(g)
+
+    b = command("bench", "throughput on nano-vllm's workload (random Qwen3-0.6B weights by default)",
+                "nano-vllm's throughput workload: --num-seqs requests, prompts and outputs of 100 to "
+                "max-model-len/2 tokens each.")
+    add_model_argument(b, what=" (default: random weights at Qwen3-0.6B's shapes)")
+    b.add_argument("--num-seqs", type=_positive_int, default=None, metavar="N",
+                   help="requests (default: 256; 16 with the tiny model)")
+    add_engine_arguments(b)
+    _set_defaults(b, note="(default: {full}; {tiny} with the tiny model)",  # the workload's (bench())
+                  max_model_len=None, max_num_seqs=None, max_num_batched_tokens=None)
+
+    s = command("serve", "an OpenAI-compatible HTTP server (pip install 'jaxpaged[serve]')",
+                "Serves /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.")
+    add_model_argument(s)
+    add_server_arguments(s)
+    add_engine_arguments(s)
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line, its model settled (``MODEL`` or ``--model``, or the subcommand's default)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    flag, positional = args.model_flag, args.model
+    if flag is not None and positional is not None and flag != positional:
+        parser.error(f"MODEL {positional!r} and --model {flag!r} disagree: give one")
+    args.model = positional or flag or args.model_default
+    if args.model is None and args.cmd in ("generate", "serve"):
+        parser.error(f"{args.cmd} needs a MODEL: a checkpoint folder, 'tiny', or a Hub id in the local cache")
+    return args
+
+
+def model_path(model: str) -> str:
+    """The folder of a model argument: ``tiny``'s packaged checkpoint, else the folder or cached Hub id
+    (checked now, so that a wrong one is reported before anything loads)."""
+    if model == TINY:
+        from .models.tiny import tiny_checkpoint_path
+
+        return str(tiny_checkpoint_path("qwen3"))
+    from .models.hub import resolve_model_path
+
+    resolve_model_path(model)
+    return model
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The ``LLM`` keyword arguments of the engine flags (``EngineConfig``'s names, plus dtype and load_format)."""
+    return dict(dtype=args.dtype, load_format=args.load_format, block_size=args.block_size,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, memory_fraction=args.gpu_memory_utilization,
+                enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
+                async_scheduling=args.async_scheduling, scheduling_policy=args.scheduling_policy,
+                kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
+                attention_backend=args.attention_backend, num_blocks=args.num_blocks, seed=args.seed,
+                kv_offloading_size=args.kv_offloading_size)
+
+
+def serve_llm_args(args: argparse.Namespace) -> dict:
+    """The ``LLM`` keyword arguments of a ``serve`` command line (its engine flags under vLLM's names)."""
+    return dict(model=model_path(args.model or args.model_flag), **engine_kwargs(args))
+
+
+# ---- output --------------------------------------------------------------------------------------
 def _print_outputs(outputs) -> None:
     for out in outputs:
         c = out.outputs[0]
@@ -31,7 +281,7 @@ def _print_outputs(outputs) -> None:
         print(f"    text:   {c.text!r}")
 
 
-def _print_stats(llm: LLM) -> None:
+def _print_stats(llm) -> None:
     s = llm.stats()
     print("\nKV cache statistics")
     print(f"  pool: {s['num_blocks']} blocks x {s['block_size']} tokens = {s['kv_pool_bytes'] / 2**20:.2f} MiB "
@@ -42,67 +292,71 @@ def _print_stats(llm: LLM) -> None:
           f"({s['prefix_hit_rate']:.1%}), {s['blocks_inserted']} blocks inserted, {s['evictions']} evictions")
     print(f"  scheduler: {s['steps']} steps, {s['prefill_tokens']} prefill + {s['decode_tokens']} decode tokens, "
           f"{s['preemptions']} preemptions")
-    print(f"  compile: {s['compile_seconds']:.1f} s for {s['compiled_shapes']} step shapes "
+    when = "at start-up" if llm.warmed_up else "on first use"
+    n = s["compiled_shapes"]
+    print(f"  compile: {s['compile_seconds']:.1f} s for {n} step shape{'' if n == 1 else 's'}, {when} "
           f"({s['attention_backend']} attention)")
 
 
+# ---- commands ------------------------------------------------------------------------------------
 def demo(args: argparse.Namespace) -> None:
-    path = tiny_checkpoint_path("qwen3")
-    print(f"jaxpaged demo: tiny random Qwen3 checkpoint at {path}\n")
-    llm = LLM(path, dtype="float32", block_size=8, num_blocks=128, max_model_len=256, max_num_batched_tokens=256,
-              attention_backend=args.attention_backend)
+    from .llm import LLM
+    from .sampling import SamplingParams
+
+    path = model_path(args.model)
+    print(f"jaxpaged demo: {'tiny random Qwen3 checkpoint' if args.model == TINY else 'model'} at {path}\n")
+    llm = LLM(path, **engine_kwargs(args))
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    compiled = llm.stats()["compile_seconds"]
     t0 = time.perf_counter()
     first = llm.generate([DEMO_SYSTEM + DEMO_QUESTIONS[0]], sp, use_tqdm=False)
     rest = llm.generate([DEMO_SYSTEM + q for q in DEMO_QUESTIONS[1:]], sp, use_tqdm=False)
+    seconds = time.perf_counter() - t0
     _print_outputs(first + rest)
-    print(f"\n{len(DEMO_QUESTIONS)} requests in {time.perf_counter() - t0:.2f} s (steps compiled at start-up)")
-    print(f"first divergence of two prompts: {llm.explain_prefix(DEMO_SYSTEM + DEMO_QUESTIONS[0], DEMO_SYSTEM + DEMO_QUESTIONS[1])}")
+    compiling = llm.stats()["compile_seconds"] - compiled
+    print(f"\n{len(DEMO_QUESTIONS)} requests in {seconds:.2f} s "
+          + ("(steps compiled at start-up)" if llm.warmed_up else f"({compiling:.1f} s of it compiling steps on first use)"))
+    print("first divergence of two prompts: "
+          f"{llm.explain_prefix(DEMO_SYSTEM + DEMO_QUESTIONS[0], DEMO_SYSTEM + DEMO_QUESTIONS[1])}")
     _print_stats(llm)
 
 
 def generate_cmd(args: argparse.Namespace) -> None:
+    from .llm import LLM
+
     # One batch of prompts: compiling every step shape first would cost more than it saves.
-    llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
-              attention_backend=args.attention_backend, warmup=False)
-    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                        max_tokens=args.max_tokens, seed=args.seed)
+    llm = LLM(model_path(args.model), warmup=False, **engine_kwargs(args))
+    chosen = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
+              if v is not None}
+    sp = dataclasses.replace(llm.default_sampling_params, max_tokens=args.max_tokens, **chosen)
     _print_outputs(llm.generate(args.prompt, sp, use_tqdm=False))
     _print_stats(llm)
 
 
-# Workload defaults: the full one (nano-vllm's) for real and random Qwen3-0.6B weights; a small one for
-# the packaged tiny checkpoint (1,024 positions), which runs in seconds on a CPU.
-FULL_BENCH = dict(num_seqs=256, max_len=2048, max_num_batched_tokens=8192, max_num_seqs=256)
-TINY_BENCH = dict(num_seqs=16, max_len=256, max_num_batched_tokens=256, max_num_seqs=16)
-
-
 def bench(args: argparse.Namespace) -> None:
-    """nano-vllm's throughput workload (scaled by --num-seqs / --max-len) on a checkpoint or random weights."""
+    """nano-vllm's throughput workload (scaled by --num-seqs / --max-model-len) on a model or random weights."""
     from .engine.llm_engine import LLMEngine
     from .llm import run_to_completion
     from .models.checkpoint import load_params
     from .workloads import QWEN3_0_6B, nano_vllm_workload, random_model
 
-    tiny = args.model == "tiny"
-    for name, value in (TINY_BENCH if tiny else FULL_BENCH).items():
+    for name, value in (TINY_BENCH if args.model == TINY else FULL_BENCH).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if tiny:
-        params = load_params(tiny_checkpoint_path("qwen3"), "float32")
-    elif args.model:
-        params = load_params(args.model, args.dtype)
-    else:
-        params = random_model(QWEN3_0_6B, args.dtype)
-    half = args.max_len // 2
+    half = args.max_model_len // 2
     if half < 100:
-        raise SystemExit("bench: --max-len must be at least 200 (prompts and outputs of 100..max_len/2 tokens)")
+        raise CLIError("--max-model-len must be at least 200 (prompts and outputs of 100..max_model_len/2 tokens)")
+    dtype = None if args.dtype == "auto" else args.dtype
+    if args.model:
+        params = load_params(model_path(args.model), dtype, load_format=args.load_format,
+                             tensor_parallel_size=args.tensor_parallel_size)
+    else:
+        params = random_model(QWEN3_0_6B, dtype or "bfloat16", tensor_parallel_size=args.tensor_parallel_size)
     prompts, sps = nano_vllm_workload(args.num_seqs, half, half)
     vocab = params.config.vocab_size
     prompts = [[t % vocab for t in p] for p in prompts]
-    engine = LLMEngine(params, EngineConfig(block_size=args.block_size, max_model_len=args.max_len,
-                                            max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
-                                            max_num_batched_tokens=args.max_num_batched_tokens))
+    config = {k: v for k, v in engine_kwargs(args).items() if k not in ("dtype", "load_format")}
+    engine = LLMEngine(params, EngineConfig(**config))
     compile_s = engine.warmup()
     t0 = time.perf_counter()
     outs = run_to_completion(engine, prompts, sps, use_tqdm=True)
@@ -115,87 +369,48 @@ def bench(args: argparse.Namespace) -> None:
           f"device wait {s['device_wait_seconds']:.2f} s, peak KV {(s['peak_kv_bytes_in_use'] or 0) / 2**30:.2f} GiB")
 
 
-def serve_llm_args(args: argparse.Namespace) -> dict:
-    """The ``LLM`` keyword arguments of a ``serve`` command line (its engine flags under vLLM's names)."""
-    return dict(model=str(tiny_checkpoint_path("qwen3")) if args.model == "tiny" else args.model,
-                dtype=args.dtype, load_format=args.load_format, block_size=args.block_size,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, memory_fraction=args.gpu_memory_utilization,
-                enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
-                tensor_parallel_size=args.tensor_parallel_size, attention_backend=args.attention_backend,
-                num_blocks=args.num_blocks, seed=args.seed, kv_offloading_size=args.kv_offloading_size)
-
-
 def serve_cmd(args: argparse.Namespace) -> None:
-    """The OpenAI-compatible server (``jaxpaged/serve``): loads and warms up the model, then listens."""
+    """The OpenAI-compatible server (``jaxpaged/serve``): loads the model, then listens."""
     import os
 
     try:
-        from .serve.api_server import serve
+        from .serve.http_server import serve
     except ImportError as err:
-        raise SystemExit(f"serve needs the server's dependencies: pip install 'jaxpaged[serve]' ({err})")
-    serve(serve_llm_args(args), args.host, args.port, args.served_model_name, args.api_key or os.environ.get("JAXPAGED_API_KEY"))
+        raise CLIError(f"serve needs the server's dependencies: pip install 'jaxpaged[serve]' ({err})") from err
+    from .serve.limits import ServerLimits
+
+    try:
+        limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
+    except ValueError as err:
+        raise CLIError(f"serve: {err}") from err
+    serve(serve_llm_args(args), args.host, args.port, args.served_model_name or args.model,
+          args.api_key or os.environ.get("JAXPAGED_API_KEY"), limits)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line's parser (every subcommand and flag)."""
-    ap = argparse.ArgumentParser(prog="python -m jaxpaged", description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="generate with the packaged tiny model and print KV statistics")
-    d.add_argument("--max-tokens", type=int, default=16)
-    d.add_argument("--attention-backend", default="auto")
-    g = sub.add_parser("generate", help="generate from a Hugging Face Qwen checkpoint folder")
-    g.add_argument("--model", required=True, help="checkpoint folder (config.json, *.safetensors, tokenizer.json)")
-    g.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--dtype", default="bfloat16")
-    g.add_argument("--block-size", type=int, default=EngineConfig.block_size)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--attention-backend", default="auto")
-    b = sub.add_parser("bench", help="throughput on nano-vllm's workload (random Qwen3-0.6B weights by default)")
-    b.add_argument("--model", default=None, help="checkpoint folder, 'tiny' for the packaged model, or none")
-    b.add_argument("--num-seqs", type=int, default=None, help="requests (default 256; 16 with --model tiny)")
-    b.add_argument("--max-len", type=int, default=None,
-                   help="max_model_len; prompts and outputs up to half each (default 2048; 256 with --model tiny)")
-    b.add_argument("--dtype", default="bfloat16")
-    b.add_argument("--block-size", type=int, default=16)
-    b.add_argument("--max-num-seqs", type=int, default=None, help="default 256; 16 with --model tiny")
-    b.add_argument("--max-num-batched-tokens", type=int, default=None, help="default 8192; 256 with --model tiny")
-    b.add_argument("--attention-backend", default="auto")
-    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install 'jaxpaged[serve]')")
-    s.add_argument("model", help="checkpoint folder or Hub id in the local cache ('tiny': the packaged model)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' (or $JAXPAGED_API_KEY)")
-    s.add_argument("--served-model-name", default=None, help="the name clients use (default: the model argument)")
-    s.add_argument("--dtype", default="bfloat16")
-    s.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
-                   help="'dummy': random weights of the folder's config.json (for benchmarks)")
-    s.add_argument("--max-model-len", type=int, default=None)
-    s.add_argument("--block-size", type=int, default=EngineConfig.block_size)
-    s.add_argument("--num-blocks", type=int, default=None)
-    s.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.memory_fraction)
-    s.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    s.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
-    s.add_argument("--kv-cache-dtype", default="auto")
-    s.add_argument("--kv-offloading-size", type=float, default=0,
-                   help="GiB of host memory for evicted prefix-cache blocks (0: none)")
-    s.add_argument("--tensor-parallel-size", type=int, default=1)
-    s.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    s.add_argument("--attention-backend", default="auto")
-    s.add_argument("--seed", type=int, default=0)
-    return ap
+COMMANDS = {"demo": demo, "generate": generate_cmd, "bench": bench, "serve": serve_cmd}
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    if args.cmd == "serve" and args.served_model_name is None:
-        args.served_model_name = args.model
-    {"demo": demo, "generate": generate_cmd, "bench": bench, "serve": serve_cmd}[args.cmd](args)
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    if isinstance(err, (CLIError, ValueError, TypeError, OSError, KeyError)):
+        return text
+    return f"{type(err).__name__}: {text}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one command line; returns its exit status (2: the problem was printed as one line)."""
+    args = parse_args(argv)
+    try:
+        COMMANDS[args.cmd](args)
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.cmd}: interrupted", file=sys.stderr)
+        return 130
+    except (Exception, SystemExit) as err:
+        if args.debug or (isinstance(err, SystemExit) and err.code in (None, 0)):
+            raise
+        print(f"{PROG} {args.cmd}: error: {_one_line(err)} (--debug for the traceback)", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

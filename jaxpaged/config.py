@@ -15,6 +15,8 @@ RESERVATIONS = ("paged", "max_len")
 SCHEDULING_POLICIES = ("fcfs", "prefix_affinity")  # jaxpaged/engine/scheduling_policy.py
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names
 FP8_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}  # name -> jnp dtype
+# vLLM's names of EngineConfig fields (its LLM arguments and command-line flags): LLM(...) takes either.
+VLLM_NAMES = {"gpu_memory_utilization": "memory_fraction", "num_gpu_blocks_override": "num_blocks"}
 
 
 def check_block_size(block_size: int) -> int:
@@ -136,6 +138,25 @@ class EngineConfig:
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_model_len > self.max_num_batched_tokens:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        """An ``EngineConfig`` from settings under its own names or vLLM's (``VLLM_NAMES``). An unknown
+        name, or one setting under both names, is a ``TypeError`` that says which."""
+        fields = [f.name for f in dataclasses.fields(cls)]
+        given: dict[str, str] = {}  # field -> the name it was given under
+        for name in kwargs:
+            field = VLLM_NAMES.get(name, name)
+            if field not in fields:
+                import difflib
+
+                close = difflib.get_close_matches(name, fields + list(VLLM_NAMES), n=1)
+                raise TypeError(f"unknown engine setting {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                                + f"; the settings: {', '.join(fields + list(VLLM_NAMES))}")
+            if field in given:
+                raise TypeError(f"{given[field]!r} and {name!r} are the same setting ({field}): give one of them")
+            given[field] = name
+        return cls(**{field: kwargs[name] for field, name in given.items()})
 
     def resolved_block_size(self, head_dim: int) -> int:
         """``block_size``, or its default for this ``kv_cache_dtype`` and ``head_dim`` (see above)."""

@@ -110,9 +110,10 @@ class LLM:
     """vLLM-style entry point: ``LLM(path_or_hub_id, **engine_config).generate(prompts, SamplingParams(...))``.
 
     ``model``: a Hugging Face checkpoint folder, or a Hub id already in the local Hugging Face cache
-    (``huggingface-cli download Qwen/Qwen3-0.6B`` first). Without sampling params, ``generate`` and
+    (``hf download Qwen/Qwen3-0.6B`` first). Without sampling params, ``generate`` and
     ``chat`` use the checkpoint's ``generation_config.json`` defaults, as vLLM does.
-    ``dtype``: the weights' dtype. ``warmup``: compile every step shape and sampler variant now, with a
+    ``dtype``: the weights' dtype (``"auto"``: the checkpoint's). ``warmup``: compile every step shape and
+    sampler variant now, with a
     progress bar (``LLMEngine.warmup``), so no request waits for a compilation; ``False`` skips it
     (steps then compile on first use). The default, ``None``, warms up on the Pallas attention backend
     (a GPU's), whose steps have one block-table width, so the warm-up covers every step; not on the
@@ -120,22 +121,26 @@ class LLM:
     steps at the widest table only (20 of them in ~30 s for the tiny checkpoint), which short
     requests never use. ``load_format="dummy"``: random weights of the folder's
     ``config.json`` (vLLM's option, for benchmarks; no weight files needed). ``**config``: ``EngineConfig``
-    fields.
+    fields, or their vLLM names (``gpu_memory_utilization``, ``num_gpu_blocks_override``: the command
+    line's flags). ``warmed_up``: whether the steps were compiled here (else they compile on first use).
     """
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", cache_dir: str | None = None,
                  warmup: bool | None = None, load_format: str = "auto", **config):
+        engine_config = EngineConfig.from_kwargs(**config)  # before loading: a wrong name fails at once
         self.model_path = resolve_model_path(model)
-        self.params = load_params(self.model_path, dtype, cache_dir=cache_dir, load_format=load_format,
-                                  tensor_parallel_size=config.get("tensor_parallel_size", 1))
+        self.params = load_params(self.model_path, None if dtype == "auto" else dtype, cache_dir=cache_dir,
+                                  load_format=load_format, tensor_parallel_size=engine_config.tensor_parallel_size)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.engine = LLMEngine(self.params, EngineConfig(**config), self.tokenizer)
+        self.engine = LLMEngine(self.params, engine_config, self.tokenizer)
         self.default_sampling_params = default_sampling_params(self.model_path)
         e = self.engine
+        self.warmed_up = bool(warmup or (warmup is None and e.runner.attention_backend in KERNEL_BACKENDS))
         print(f"jaxpaged: KV pool {e.num_blocks} blocks x {e.config.block_size} tokens "
               f"({e.num_blocks * e.config.block_size} tokens, {format_bytes(e.stats()['kv_pool_bytes'])} "
-              f"{e.kv_dtype}), max_model_len {e.max_model_len}")
-        if warmup or (warmup is None and e.runner.attention_backend in KERNEL_BACKENDS):
+              f"{e.kv_dtype}), max_model_len {e.max_model_len}; "
+              + ("compiling the steps now" if self.warmed_up else "steps compile on first use"))
+        if self.warmed_up:
             e.warmup()
 
     def close(self) -> None:

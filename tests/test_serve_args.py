@@ -1,5 +1,5 @@
 """``jaxpaged serve``'s engine flags (vLLM's names) become ``LLM`` keyword arguments that ``EngineConfig``
-accepts: nothing parsed is dropped on the way."""
+accepts: nothing parsed is dropped on the way; ``LLM(...)`` takes vLLM's names as the flags do."""
 
 from __future__ import annotations
 
@@ -20,3 +20,24 @@ def test_serve_flags_reach_the_engine_config():
         (2.5, "fp8", 512, 32, 64, 8, 256, 3)
     default = serve_llm_args(build_parser().parse_args(["serve", "tiny"]))
     assert default["kv_offloading_size"] == 0 and default["enable_prefix_caching"] is True
+
+
+def test_llm_takes_vllms_names_and_refuses_a_setting_given_twice():
+    import pytest
+
+    from jaxpaged import LLM
+
+    config = EngineConfig.from_kwargs(gpu_memory_utilization=0.5, num_gpu_blocks_override=64, max_model_len=128)
+    assert (config.memory_fraction, config.num_blocks, config.max_model_len) == (0.5, 64, 128)
+    with pytest.raises(TypeError, match="'gpu_memory_utilization' and 'memory_fraction' are the same setting"):
+        LLM("no/such-model", gpu_memory_utilization=0.5, memory_fraction=0.4)  # refused before any loading
+    with pytest.raises(TypeError, match="did you mean 'gpu_memory_utilization'"):
+        LLM("no/such-model", gpu_memory_utilisation=0.5)
+
+
+def test_every_engine_flag_reaches_llm_under_a_name_it_takes():
+    import dataclasses
+
+    kwargs = serve_llm_args(build_parser().parse_args(["serve", "tiny"]))
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert set(kwargs) - fields == {"model", "dtype", "load_format"}
