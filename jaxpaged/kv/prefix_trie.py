@@ -42,8 +42,9 @@ class TrieNode:
 
     @property
     def tier(self) -> str:
-        """Where the block's K/V live: ``"gpu"``, ``"host"`` or ``"gpu+host"``."""
-        return {(True, False): "gpu", (False, True): "host", (True, True): "gpu+host"}[
+        """Where the block's K/V live: ``"device"`` (the pool, on the GPU or whatever device runs the
+        engine), ``"host"`` (the host tier) or ``"device+host"``."""
+        return {(True, False): "device", (False, True): "host", (True, True): "device+host"}[
             (self.block_id >= 0, self.host_slot >= 0)]
 
     def __repr__(self) -> str:

@@ -203,8 +203,8 @@ class PrefixDivergence:
     first_diff_block: int | None
     token_a: int | None  # token ids at the first difference (None: that sequence ended there)
     token_b: int | None
-    # Where an engine's prefix cache holds each shared full block now: "gpu", "host", "gpu+host" or
-    # "none" (empty when no cache was asked: ``explain_prefix`` without ``cached_tiers``). A snapshot of
+    # Where an engine's prefix cache holds each shared full block now: "device", "host", "device+host" or
+    # "not cached" (empty when no cache was asked: ``explain_prefix`` without ``cached_tiers``). A snapshot of
     # the cache, not part of the divergence: left out of equality.
     cached_tiers: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
@@ -236,7 +236,7 @@ def explain_prefix(
     """Diagnoses a prefix-cache miss: the first token and block where ``tokens_a`` and ``tokens_b``
     differ (e.g. a timestamp inside a system prompt), and how many full blocks they share.
     ``cached_tiers``: where a cache holds ``tokens_a``'s full blocks (``TrieNode.tier`` of each, in
-    order, as far as the cache has them), kept for the shared blocks ("none" past the cached ones)."""
+    order, as far as the cache has them), kept for the shared blocks ("not cached" past the cached ones)."""
     check_block_size(block_size)
     a = np.asarray(tokens_a, dtype=np.int64)
     b = np.asarray(tokens_b, dtype=np.int64)
@@ -259,5 +259,5 @@ def explain_prefix(
         token_a=None if first is None or first >= a.size else int(a[first]),
         token_b=None if first is None or first >= b.size else int(b[first]),
         cached_tiers=() if cached_tiers is None else
-        tuple(list(cached_tiers[:shared]) + ["none"] * (shared - len(cached_tiers[:shared]))),
+        tuple(list(cached_tiers[:shared]) + ["not cached"] * (shared - len(cached_tiers[:shared]))),
     )

@@ -99,7 +99,7 @@ def test_engine_with_a_host_tier_matches_the_engine_without_and_hits_more():
     kinds = {e.kind for e in eng.kv.events}
     assert {"offload", "reload", "evict"} <= kinds
     d = eng.explain_prefix(PROMPTS[0], PROMPTS[0][:40])
-    assert d.shared_full_blocks == 2 and set(d.cached_tiers) <= {"gpu", "host", "gpu+host"}
+    assert d.shared_full_blocks == 2 and set(d.cached_tiers) <= {"device", "host", "device+host"}
 
 
 @pytest.mark.parametrize("size", [1e-6, 2 * BLOCK_BYTES / 2**30])

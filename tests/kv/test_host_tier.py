@@ -68,7 +68,7 @@ def test_eviction_offloads_and_a_hit_reloads_in_order():
     # The evicted b blocks were offloaded before the reloads that reuse their device blocks.
     assert reloads.index(next(t for t in reloads if t.kind == "reload")) == sum(t.kind == "offload" for t in reloads)
     assert s.num_cached_tokens == 6 and s.num_host_cached_tokens == 6
-    assert [node.tier for node in hit_nodes] == ["gpu+host"] * 3  # the host copy stays
+    assert [node.tier for node in hit_nodes] == ["device+host"] * 3  # the host copy stays
     st = mgr.stats()
     assert (st.host_hit_blocks, st.blocks_reloaded, st.host_blocks, st.host_blocks_used) == (3, 3, 8, 6)
     assert st.blocks_offloaded == 6 and st.prefix_hit_tokens == 6 and "host tier 6/8" in str(st)
@@ -137,7 +137,7 @@ def test_explain_prefix_names_the_tier_of_each_shared_block():
     d = explain_prefix(first, first[:5] + [99], 2, cached_tiers=tiers)
     assert d.shared_full_blocks == 2 and d.cached_tiers == ("host", "host")
     assert "cached now: 2 host" in str(d)
-    assert explain_prefix(first, first, 2, cached_tiers=[]).cached_tiers == ("none",) * 3
+    assert explain_prefix(first, first, 2, cached_tiers=[]).cached_tiers == ("not cached",) * 3
 
 
 def test_transfer_names_and_manager_without_a_tier():
