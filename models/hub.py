@@ -1,6 +1,6 @@
 """Model paths: a local checkpoint folder, or a Hugging Face Hub id whose files are already cached.
 
-``LLM("Qwen/Qwen3-0.6B")`` works when ``huggingface-cli download Qwen/Qwen3-0.6B`` (or
+``LLM("Qwen/Qwen3-0.6B")`` works when ``hf download Qwen/Qwen3-0.6B`` (or
 ``huggingface_hub.snapshot_download``) has put the files in the local Hugging Face cache: the id is
 resolved offline (``local_files_only=True``), never downloaded here, so loading never touches the
 network. Anything else is a ``CheckpointError`` that says how to get the files.
@@ -36,5 +36,5 @@ def resolve_model_path(model: str | Path) -> Path:
         pass
     raise CheckpointError(
         f"{name!r} is neither a local folder nor a Hugging Face Hub id in the local cache. Download it "
-        f"first: `huggingface-cli download {name}` (or huggingface_hub.snapshot_download({name!r})), "
+        f"first: `hf download {name}` (or huggingface_hub.snapshot_download({name!r})), "
         f"then call LLM({name!r}) again, or pass the folder's path")

@@ -168,7 +168,7 @@ def test_broken_checkpoints_name_the_file_and_field(tmp_path, case):
 def test_missing_folder_and_uncached_hub_id(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_params(tmp_path / "nowhere", use_cache=False)
-    with pytest.raises(CheckpointError, match="huggingface-cli download no-such-org/no-such-model"):
+    with pytest.raises(CheckpointError, match="hf download no-such-org/no-such-model"):
         load_params("no-such-org/no-such-model", use_cache=False)
 
 
