@@ -54,17 +54,20 @@ class Tokenizer:
                                             add_generation_prompt=add_generation_prompt, **kwargs)
 
 
+def _no_torch_notice(record: logging.LogRecord) -> bool:
+    return "PyTorch was not found" not in record.getMessage()
+
+
 def _hf_tokenizer(tok):
-    """transformers' tokenizer around ``tok``, for its chat-template rendering. Imported quietly: without
-    PyTorch, transformers announces at import that models are unavailable, which reads as a missing
-    dependency here (only its tokenizer utilities are used)."""
+    """transformers' tokenizer around ``tok``, for its chat-template rendering. Without PyTorch,
+    transformers announces at import that models are unavailable, which reads as a missing dependency
+    here (only its tokenizer utilities are used): that one message is filtered out at its logger. (A
+    level set around the import does not hold: transformers sets its logger's level while importing.)"""
     hf_logger = logging.getLogger("transformers")
-    level = hf_logger.level
-    hf_logger.setLevel(logging.ERROR)
-    try:
-        from transformers import PreTrainedTokenizerFast
-    finally:
-        hf_logger.setLevel(level)
+    if _no_torch_notice not in hf_logger.filters:
+        hf_logger.addFilter(_no_torch_notice)
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
