@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a Python >= 3.12 virtual environment in .venv (once) and runs one job in it.
 #   ./dev.sh demo    generate with the embedded tiny Qwen model and print KV statistics
-#   ./dev.sh test    run the test suite (CPU; Pallas kernels in interpret mode; about 9-10 minutes on 2 cores;
-#                    ./dev.sh test -m "not slow" for the quick subset, about 2 minutes)
+#   ./dev.sh test    run the test suite (CPU; Pallas kernels in interpret mode; README.md says how long it takes;
+#                    ./dev.sh test -m "not slow" for the quick subset)
 #   ./dev.sh <cmd>   run any command inside the environment, e.g. ./dev.sh python -m jaxpaged --help
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -48,8 +48,7 @@ shift || true
 case "$job" in
   demo) exec .venv/bin/python -m jaxpaged demo "$@" ;;
   # One worker more than the cores: tests wait on subprocesses, servers and the Mosaic GPU interpreter's
-  # barriers, and a third worker fills those waits on 2 cores (the suite: 9:31 with 3 workers, 10:26
-  # with 2, 10:06 with 4; 2026-12-07).
+  # barriers, and the extra worker fills those waits (faster than as many workers as cores, or two more).
   test) exec .venv/bin/python -m pytest tests -n "$(( $(nproc) + 1 ))" --dist worksteal --durations=10 "$@" ;;
   *) exec .venv/bin/"$job" "$@" ;;
 esac
