@@ -42,7 +42,9 @@ from bench_attention import (chain_simple, chain_time, hbm_read_ceiling, make_ca
 from jaxpaged.kernels.fp8 import is_fp8, quantize_pool  # noqa: E402
 from jaxpaged.kernels.kv_write import pool_from_caches  # noqa: E402
 from jaxpaged.kernels.paged_attention import paged_attention  # noqa: E402
-from jaxpaged.kernels.paged_attention_mgpu import choose_splits, kv_tile, paged_attention_mgpu  # noqa: E402
+from jaxpaged.kernels.mosaic.attention import paged_attention_mgpu  # noqa: E402
+from jaxpaged.kernels.mosaic.common import kv_tile  # noqa: E402
+from jaxpaged.kernels.mosaic.layout import choose_splits  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 RESULTS: dict = {"correctness": [], "decode": [], "decode_sweep": [], "prefill": [], "errors": []}

@@ -68,7 +68,7 @@ def random_fp8_case(rng, num_seqs, ctx, bs, hq, hkv, d, fp8):
 def attention_fn(backend: str):
     """The Pallas attention kernel of ``backend`` ("triton" or "mosaic"), compiled or interpreted."""
     if backend == "mosaic":
-        from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu
+        from jaxpaged.kernels.mosaic.attention import paged_attention_mgpu
 
         return lambda *a: paged_attention_mgpu(*a, interpret=interpret())
     return lambda *a: paged_attention(*a, interpret=interpret())

@@ -7,7 +7,7 @@
        block_tables i32[S, W], *, scale=None) -> [T, Hq, D]
 
 ``backend``: ``"triton"`` (the Pallas kernel of :mod:`jaxpaged.kernels.paged_attention`, lowered by Triton:
-any CUDA GPU), ``"mosaic"`` (the Pallas kernel of :mod:`jaxpaged.kernels.paged_attention_mgpu`, lowered
+any CUDA GPU), ``"mosaic"`` (the Pallas kernels of :mod:`jaxpaged.kernels.mosaic`, lowered
 by Mosaic GPU: Hopper and later, bf16 and fp8 pools), ``"reference"`` (pure jnp gather, any platform) or
 ``"auto"`` (an engine's :func:`choose_attention_backend`: mosaic over fp8 pools on Hopper, triton on other
 GPU engines, reference elsewhere; docs/DECISIONS.md has the measurements behind it). Off
@@ -103,12 +103,12 @@ def check_attention_backend(backend: str, kv_dtype, batch_invariant: bool, head_
                             act_dtype=None) -> None:
     """Raises ValueError, naming ``attention_backend``, where ``backend`` cannot run this engine: the
     Mosaic GPU kernel needs compute capability 9.0+ (wgmma, TMA) and the pool dtypes, head dims and
-    block sizes :mod:`jaxpaged.kernels.paged_attention_mgpu` reads (an fp8 pool: blocks of at least 64
+    block sizes :mod:`jaxpaged.kernels.mosaic` reads (an fp8 pool: blocks of at least 64
     slots, one a KV tile, and bf16 activations ``act_dtype``), and is not the batch-invariant
     configuration (that guarantee is verified on the Triton kernel only)."""
     if resolve_backend(backend) != "mosaic":
         return
-    from jaxpaged.kernels import paged_attention_mgpu as mgpu  # imports Mosaic GPU: only when asked for
+    from jaxpaged.kernels.mosaic import common as mgpu  # imports Mosaic GPU: only when asked for
 
     if head_dim not in mgpu.HEAD_DIMS or block_size not in mgpu.BLOCK_SIZES:
         raise ValueError(f"attention_backend='mosaic' reads head_dim {mgpu.HEAD_DIMS} and block_size "
@@ -148,9 +148,9 @@ def get_attention_fn(backend: str = "auto", batch_invariant: bool = False) -> Ca
     if backend == "reference":
         return paged_attention_reference.paged_attention_reference
     if backend == "mosaic":
-        from jaxpaged.kernels import paged_attention_mgpu
+        from jaxpaged.kernels.mosaic.attention import paged_attention_mgpu
 
-        return functools.partial(paged_attention_mgpu.paged_attention_mgpu, interpret=not _on_gpu())
+        return functools.partial(paged_attention_mgpu, interpret=not _on_gpu())
     if _on_gpu():
         prepare_triton_lowering()
     return functools.partial(paged_attention.paged_attention, interpret=not _on_gpu(),

@@ -25,7 +25,7 @@ if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not i
 # Four CPU devices: XLA's CPU client then runs computations on at least four threads, which Mosaic GPU's
 # interpreter needs for the warp-specialised prefill kernel (three warpgroups, each a computation that
 # blocks its thread at barriers, and the caller's): on two cores it deadlocked
-# (``paged_attention_mgpu.interpreter_threads``). Tests use the first device unless they ask for more.
+# (``kernels/mosaic/common.interpreter_threads``). Tests use the first device unless they ask for more.
 if shutil.which("nvidia-smi") is None and "device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 

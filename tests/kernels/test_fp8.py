@@ -298,11 +298,11 @@ def test_triton_lowering_addresses_fp8_pools_up_to_4_gib_with_32_bit_offsets(mon
 
 
 # The Mosaic GPU kernels over fp8 pools (their CPU interpreter): one pool block a KV tile (64 slots, the fp8
-# default; 128); decode steps (``uniform_decode``: kernels/paged_attention_mgpu_decode.py) with split-K and
+# default; 128); decode steps (``uniform_decode``: kernels/mosaic/decode.py) with split-K and
 # without, and G = 7, whose last token's rows are read from before its own (its R = 8 rows would pass the end
 # of q); a decode-shaped launch not marked so, holding a short chunk (the query tiles); a short
 # launch that is not decode-shaped (the query tiles, split); prefill launches
-# on the warp-specialised kernel (kernels/paged_attention_mgpu_prefill.py: each compute warpgroup converts
+# on the warp-specialised kernel (kernels/mosaic/prefill.py: each compute warpgroup converts
 # the tiles and zeroes its own stale values) with prefix hits, the causal diagonal inside a block, a
 # sequence's last key mid-block, G = 7, and the one-warpgroup kernel's prefill tiles.
 MOSAIC_CASES = [
@@ -325,7 +325,7 @@ MOSAIC_CASES = [
 def test_mosaic_attention_over_an_fp8_pool_matches_the_reference(case):
     """Every slot nothing was written to is NaN, its scale too; the kernel converts the fp8 tiles to f16
     exactly and applies the scales to the scores' and probabilities' columns (module docstring)."""
-    from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu
+    from jaxpaged.kernels.mosaic.attention import paged_attention_mgpu
 
     q_lens, kv_lens, bs, hq, hkv, d, fp8, kw = MOSAIC_CASES[case]
     rng = np.random.default_rng(500 + case)
@@ -347,7 +347,7 @@ def test_mosaic_prefill_over_fp8_has_no_shared_memory_races():
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu
+    from jaxpaged.kernels.mosaic.attention import paged_attention_mgpu
 
     rng = np.random.default_rng(9)
     q, k, v, cu, kl, tables = random_batch(rng, [70, 1, 9], [100, 200, 70], 64, 4, 2, 64)
@@ -364,7 +364,7 @@ def test_mosaic_decode_shifts_e4m3_v_scales_by_a_constant_across_their_whole_ran
     neither overflow f16 (P V-scale 2^7 <= 2^15) nor lose the small rows."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from jaxpaged.kernels.paged_attention_mgpu_decode import paged_decode_mgpu, v_shift
+    from jaxpaged.kernels.mosaic.decode import paged_decode_mgpu, v_shift
 
     assert v_shift(E4M3) == 7 and v_shift(E5M2) is None
     lo, hi = exponent_range(E4M3)
@@ -388,7 +388,7 @@ def test_mosaic_decode_shifts_e4m3_v_scales_by_a_constant_across_their_whole_ran
 def test_mosaic_kernel_over_fp8_lowers_for_hopper_and_refuses_what_it_cannot_read():
     from test_paged_attention_mgpu import kernel_names
 
-    from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu
+    from jaxpaged.kernels.mosaic.attention import paged_attention_mgpu
 
     if jax.default_backend() != "cpu":
         pytest.skip("cross-lowering check for machines without a GPU")

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxpaged.kernels import lowered_once
-from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu
+from jaxpaged.kernels.mosaic.attention import paged_attention_mgpu
 
 S = jax.ShapeDtypeStruct
 

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.kernels.paged_attention_mgpu import paged_attention_mgpu
-from jaxpaged.kernels.paged_attention_mgpu_layout import tile_layout
-from jaxpaged.kernels.paged_attention_mgpu_prefill import launch_order, pair_layout, program_items, side_rows
+from jaxpaged.kernels.mosaic.attention import paged_attention_mgpu
+from jaxpaged.kernels.mosaic.layout import tile_layout
+from jaxpaged.kernels.mosaic.prefill import launch_order, pair_layout, program_items, side_rows
 from jaxpaged.kernels.kv_write import pool_from_caches
 from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
 from test_paged_attention import run_case as triton_run_case
@@ -38,7 +38,7 @@ def run_case(seed, q_lens, kv_lens, bs, hq, hkv, d, dtype, interpret=True, **kw)
 # dtypes, and the tuning arguments (KV tile size, slots in flight, split-K). By default a decode
 # launch this small is split (``choose_splits``: 32 splits here, most of them empty for the short
 # contexts); ``num_splits=1`` is the unsplit kernel. ``uniform_decode``: the decode kernel with keys on
-# wgmma's M (``paged_attention_mgpu_decode``) over bf16 pools, the query tiles otherwise.
+# wgmma's M (``mosaic/decode.py``) over bf16 pools, the query tiles otherwise.
 DECODE = [
     # (bs, hq, hkv, d, dtype, kernel kwargs)
     (16, 4, 2, 64, jnp.float32, {}),  # GQA G=2, 4 blocks per KV tile, split by default
@@ -125,12 +125,12 @@ def test_prefill_launches_need_interpreter_threads(monkeypatch):
     """In interpret mode a prefill launch runs the warp-specialised kernel only where the interpreter
     has a thread for each of its warpgroups and the caller (else the one-warpgroup kernel: same
     result); this suite's interpreter has them (conftest), so the cases above run that kernel."""
-    from jaxpaged.kernels import paged_attention_mgpu as mgpu
-    from jaxpaged.kernels import paged_attention_mgpu_prefill as ws
+    from jaxpaged.kernels.mosaic import attention as mgpu
+    from jaxpaged.kernels.mosaic import prefill as ws
 
     assert mgpu.interpreter_threads() >= ws.NUM_COMPUTE + 2
     calls = []
-    monkeypatch.setattr(ws, "paged_prefill_mgpu", lambda q, *a, **k: calls.append(q.shape) or jnp.zeros_like(q))
+    monkeypatch.setattr(mgpu, "paged_prefill_mgpu", lambda q, *a, **k: calls.append(q.shape) or jnp.zeros_like(q))
     q = jnp.ones((23, 4, 64), jnp.float32)
     pool = jnp.zeros((1, 4, 8, 2, 2, 64), jnp.float32)
     args = (q, pool, 0, jnp.array([0, 20, 23], jnp.int32), jnp.array([20, 3], jnp.int32), jnp.zeros((2, 3), jnp.int32))
@@ -146,13 +146,12 @@ def test_short_launches_run_the_tiles_with_split_k(monkeypatch, num_tokens, fp8)
     """A launch of more than two tokens a sequence runs the prefill kernel only past SMALL_LAUNCH_TOKENS
     tokens (over bf16 and fp8 pools); a shorter one (a short prompt alone, after a cached prefix) runs
     the query tiles with the decode launches' split-K."""
-    from jaxpaged.kernels import paged_attention_mgpu as mgpu
-    from jaxpaged.kernels import paged_attention_mgpu_prefill as ws
+    from jaxpaged.kernels.mosaic import attention as mgpu
 
     assert mgpu.SMALL_LAUNCH_TOKENS == 128
     calls = []
-    monkeypatch.setattr(ws, "paged_prefill_mgpu", lambda q, *a, **k: calls.append(q.shape) or jnp.zeros_like(q))
-    monkeypatch.setattr(mgpu, "_paged_attention_mgpu", lambda *a, **k: calls.append(k["num_splits"]) or a[0])
+    monkeypatch.setattr(mgpu, "paged_prefill_mgpu", lambda q, *a, **k: calls.append(q.shape) or jnp.zeros_like(q))
+    monkeypatch.setattr(mgpu, "paged_attention_tiles", lambda *a, **k: calls.append(k["num_splits"]) or a[0])
     dtype = jnp.float8_e4m3fn if fp8 else jnp.float32
     bs = 64 if fp8 else 16
     q = jnp.ones((num_tokens, 4, 64), jnp.bfloat16 if fp8 else jnp.float32)
@@ -273,9 +272,9 @@ def test_a_persistent_split_launch_reuses_its_barriers_and_memory_item_after_ite
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    import jaxpaged.kernels.paged_attention_mgpu as mgpu
+    import jaxpaged.kernels.mosaic.tiles as tiles
 
-    monkeypatch.setattr(mgpu, "INTERPRET_PROGRAMS", 1)
+    monkeypatch.setattr(tiles, "INTERPRET_PROGRAMS", 1)
     params = plgpu.InterpretGPUParams(detect_races=True)
     run_case(1, [9, 1, 3, 1, 6], [100, 5, 200, 64, 6], 16, 4, 2, 64, jnp.float32, interpret=params, block_q=4,
              num_splits=4, num_slots=3, decode=True)
@@ -318,7 +317,7 @@ def test_decode_tiles_launch_only_at_large_groups(hq, hkv, launches):
     """A prefill launch runs the decode tiles for its sequences of one new token (a second Mosaic GPU
     kernel) only where the GQA group is at least DECODE_TILES_MIN_GROUP; below it the prefill kernel
     computes those rows itself (the cases above check both give the reference's outputs)."""
-    from jaxpaged.kernels.paged_attention_mgpu_prefill import DECODE_TILES_MIN_GROUP
+    from jaxpaged.kernels.mosaic.prefill import DECODE_TILES_MIN_GROUP
 
     assert (hq // hkv >= DECODE_TILES_MIN_GROUP) == (launches == 2)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)

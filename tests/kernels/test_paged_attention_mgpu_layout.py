@@ -1,11 +1,11 @@
-"""How a Mosaic GPU launch's work is cut (kernels/paged_attention_mgpu_layout.py): the query tiles of a
+"""How a Mosaic GPU launch's work is cut (kernels/mosaic/layout.py): the query tiles of a
 ragged batch, the tiles of one token, the one-token rows of a prefill launch, and a split launch's
 (tile, split) items, on small hand-checked batches."""
 
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.kernels.paged_attention_mgpu_layout import one_token_layout, tile_layout, token_layout, work_list
+from jaxpaged.kernels.mosaic.layout import one_token_layout, tile_layout, token_layout, work_list
 
 
 def test_tile_layout():

@@ -1,7 +1,7 @@
 """Ragged paged prefill for Hopper with Mosaic GPU: two compute warpgroups share every K/V tile, a third
 warpgroup only issues the copies (warp specialisation, as in FlashAttention-3).
 
-Same contract as :func:`jaxpaged.kernels.paged_attention_mgpu.paged_attention_mgpu` (and the
+Same contract as :func:`jaxpaged.kernels.mosaic.attention.paged_attention_mgpu` (and the
 reference): ``q[T, Hq, D]`` new tokens of ragged sequences over the paged pool, causal, zeros for
 padding tokens, stale (even NaN) keys and values at or past ``kv_lens`` never reach an output. That
 kernel gives each program one warpgroup and 64 query rows, and the warpgroup itself issues its K/V
@@ -20,13 +20,11 @@ copies, waits for them and then computes; this one is for launches with many new
     are all its sequence's is stored in one box, the others by groups of 8 rows, where a group shared
     with the sequence before or after goes to a small side output that XLA scatters
     (:func:`side_rows`). Laying the queries out in tiles before the launch and gathering the outputs
-    back after had been two XLA copies of the queries' size around the kernel: 0.77x / 0.88x / 0.94x /
-    0.96x the launch's time without them at 2k / 4k / 8k / 16k tokens (H100, ``benchmarks/results/mosaic/README.md``).
+    back after would be two XLA copies of the queries' size around the kernel.
   * The launch is persistent: a program an SM, each taking its items in turn
     (:func:`program_items`), so one item's first copies (its Q tiles, its first K/V tiles) land while
     the item before it still computes, and no SM waits for a program to end and the next to start.
-    Against a program an item: 0.96-0.97x the time at 4k-8k tokens, 0.99x at 16k (H100,
-    ``benchmarks/results/mosaic/README.md``). An item's Q tiles go into one of two buffers (one where shared memory
+    An item's Q tiles go into one of two buffers (one where shared memory
     has no room for two: :func:`prefill_q_buffers`), its output over them.
   * Warpgroup 2 (the memory warpgroup, its registers handed to the compute warpgroups with
     ``set_max_registers``) issues each K/V tile's TMA copies, one per pool block, as soon as both
@@ -57,14 +55,14 @@ copies, waits for them and then computes; this one is for launches with many new
   * Where ``G >= DECODE_TILES_MIN_GROUP``, a sequence of one new token (a decode row of a mixed step)
     owns no pair: as an item a query head, it would cost ``G`` warpgroups of 64 rows, one for each of a
     KV head's query heads, each reading all its keys. A second launch computes those rows on the decode
-    tiles, a KV head's ``G`` heads in one (:func:`jaxpaged.kernels.paged_attention_mgpu.one_token_rows`),
+    tiles, a KV head's ``G`` heads in one (``tiles.one_token_rows``),
     and the scatter that places the side output's rows places them too (not over fp8 pools, whose
     decode kernel has no tiles by sequence). At smaller ``G`` the rows stay items of this launch: the
     second launch, run by every prefill launch whether or not it has such rows, cost more than it saved
     (:data:`DECODE_TILES_MIN_GROUP`).
   * Each phase of a step is a ``jax.named_scope`` (``wait_k``, ``qk``, ``softmax``, ``wait_v``, ``pv``;
     the memory warpgroup's ``wait_free``), which Mosaic GPU's profiler records per warpgroup when a
-    launch sets ``profile_space`` (``benchmarks/results/mosaic/prefill_schedule/prefill_regions.py``).
+    launch sets ``profile_space``.
 
 Over an fp8 pool (kernels/fp8.py; blocks of 64 slots, a KV tile each) the memory warpgroup copies each
 block as stored (keys with both scale rows, then ``V^T``), and each compute warpgroup does the
@@ -72,17 +70,15 @@ one-warpgroup kernel's fp8 arithmetic for itself: its queries once an item, then
 ``V^T``, converted exactly to f16 tiles of its own (stale values zeroed as they are converted); the K
 scales multiply the scores' columns, the V scales over the row's largest multiply ``P``'s, and the
 output is kept in units of that largest scale, rescaled with the running maximum. Both scale rows
-arrive with the keys, so the whole softmax stays in its turn. 0.75-0.87x the one-warpgroup kernel's
-time at 1k-16k tokens, but 1.3-2.0x this kernel's over bf16: the conversions (H100,
-``benchmarks/RESULTS.md``).
+arrive with the keys, so the whole softmax stays in its turn. Faster than the one-warpgroup kernel
+over fp8, slower than this kernel over bf16: the conversions.
 
 Scope: as the one-warpgroup kernel (bf16 pools on the GPU, float32 in interpret mode, fp8 pools of block
 size 64 with two K/V slots or more; head_dim 64 or 128; block sizes 8-128; any ``G``), without split-K. TMA boxes also need ``T`` a multiple of 8 and at
 least 128 rows: other launches copy ``q`` into one that is (the engine's token counts are powers of
 two, so only its launches of under 128 tokens do). Decode launches stay on that kernel
-(:func:`jaxpaged.kernels.paged_attention_mgpu.paged_attention_mgpu` picks this one for the others; in
-interpret mode only where the interpreter has a thread for each warpgroup and the caller:
-``paged_attention_mgpu.interpreter_threads``).
+(``attention.paged_attention_mgpu`` picks this one for the others; in interpret mode only where the
+interpreter has a thread for each warpgroup and the caller: ``common.interpreter_threads``).
 """
 
 from __future__ import annotations
@@ -95,23 +91,28 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxpaged.kernels.fp8 import is_fp8
 from jaxpaged.kernels import lowered_once
+from jaxpaged.kernels.fp8 import is_fp8
 from jaxpaged.kernels.kv_write import block_size_of
-from jaxpaged.kernels.paged_attention_mgpu_fp8 import (_scales, copy_fp8_keys, copy_fp8_scales, copy_fp8_values,
-                                                      f16_queries)
-from jaxpaged.kernels.paged_attention_mgpu_layout import one_token_seqs
+from jaxpaged.kernels.mosaic.common import BLOCK_M, LOG2E, MASKED, SMEM_BYTES, TMA_ALIGN, transforms
+from jaxpaged.kernels.mosaic.fp8 import copy_fp8_keys, copy_fp8_scales, copy_fp8_values, f16_queries, scales_f32
+from jaxpaged.kernels.mosaic.layout import one_token_seqs
+from jaxpaged.kernels.mosaic.tiles import one_token_rows
 from jaxpaged.kernels.shapes import num_cores
 
 NUM_COMPUTE = 2  # compute warpgroups a program; warpgroup NUM_COMPUTE issues the copies
 COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40  # per thread: 2 x 128 x 232 + 128 x 40 <= 64K registers
 INTERPRET_PROGRAMS = 2  # programs of an interpreted launch (each takes several items)
-# The smallest GQA group whose decode rows a prefill launch leaves to the decode tiles (one_token_rows).
-# At G=7 (Qwen2.5-7B's shapes) a step of 255 decode rows beside a 512-token prompt took 0.30x the time
-# with them; at G=2 (Qwen3-0.6B's) the nano-vllm workload ran at 1.00x with and without, and batch-1
-# TTFT at 32-token prompts 1.07x with (one more launch a layer in every prefill step; H100, 2026-12-05,
-# benchmarks/results/mosaic/README.md). A decode row costs this launch G items, so 4 sits between the two.
+PREFILL_KV_TILE = 128  # keys per inner step (docs/DECISIONS.md)
+# The smallest GQA group whose decode rows a prefill launch leaves to the decode tiles (one_token_rows):
+# a decode row costs this launch G items, while the second launch costs every prefill step one more
+# launch a layer. Large groups gain from it, small ones lose a little (docs/DECISIONS.md).
 DECODE_TILES_MIN_GROUP = 4
+
+
+def prefill_kv_tile(block_size: int) -> int:
+    """Default keys per inner step: ``PREFILL_KV_TILE``, or one pool block if larger."""
+    return max(PREFILL_KV_TILE, block_size)
 
 
 def prefill_smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype, p_in_smem: bool,
@@ -120,8 +121,6 @@ def prefill_smem_bytes(head_dim: int, block_kv: int, num_slots: int, dtype, p_in
     K and V tiles, and in the interpreter the two warpgroups' P tiles. Over an fp8 pool (``dtype`` the
     queries'), the K/V slots are fp8 with their scale rows, and each compute warpgroup has f16 K, V^T and
     Q tiles."""
-    from jaxpaged.kernels.paged_attention_mgpu import TMA_ALIGN
-
     rows = NUM_COMPUTE * 64
     tiles = q_buffers * rows * head_dim + rows * block_kv * p_in_smem
     if not fp8:
@@ -135,8 +134,6 @@ def prefill_q_buffers(head_dim: int, block_kv: int, num_slots: int, dtype, fp8: 
     memory holds them beside the K/V slots, else one (the next item's Q copied when this one's output
     is stored): at head_dim 128, 3 slots of 128 keys or 2 of 192 leave room for one. The same count
     in the interpreter, so the CPU tests run the GPU's choice."""
-    from jaxpaged.kernels.paged_attention_mgpu import SMEM_BYTES
-
     need = prefill_smem_bytes(head_dim, block_kv, num_slots, dtype, False, q_buffers=2, fp8=fp8)
     return 2 if need <= SMEM_BYTES else 1
 
@@ -182,8 +179,6 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
     f16[2, bs, D]``, ``vt16 f16[2, D, bs]`` and ``q16_smem f16[2, 64, D]`` (each compute warpgroup's keys,
     ``V^T`` and queries in f16); each compute warpgroup converts the tiles for itself and zeroes its own
     stale values, so ``zeroed`` is not used."""
-    from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, _MASKED
-
     if fp8:
         scale_smem, k16, vt16, q16_smem, *refs = refs
     if p_in_registers:
@@ -336,7 +331,7 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
                     with jax.named_scope("softmax"):
                         if fp8:  # in log2 units: each row's scale (the softmax's included), each key's K scale
                             s = (s * lax.broadcast_in_dim(q_unscale, s.shape, [0])
-                                 * _scales(scale_smem.at[slot, 0], s.shape))
+                                 * scales_f32(scale_smem.at[slot, 0], s.shape))
                         if masked:
                             key = t * block_kv + iota((BLOCK_M, block_kv), 1)
                             last_key = jnp.minimum(first + iota((BLOCK_M, block_kv), 0), end - 1)
@@ -348,7 +343,7 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
                             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                             # P's columns times their V scales over the row's largest (powers of two: exact), so
                             # P stays in [0, 1] for f16; acc is kept in units of that largest scale.
-                            v_scale = _scales(scale_smem.at[slot, 1], s.shape)
+                            v_scale = scales_f32(scale_smem.at[slot, 1], s.shape)
                             if masked:
                                 v_scale = jnp.where(visible, v_scale, 0.0)  # (a stale scale may be NaN)
                             v_max = v_scale.max(axis=1)
@@ -422,7 +417,7 @@ def _prefill_kernel(layer_ref, order_ref, meta_ref, tables_ref, q_ref, kv_ref, o
                 rows = plgpu.Layout.WGMMA.reduce(1)
                 carry = (
                     plgpu.layout_cast(jnp.zeros((BLOCK_M, head_dim), jnp.float32), plgpu.Layout.WGMMA),
-                    plgpu.layout_cast(jnp.full((BLOCK_M,), _MASKED, jnp.float32), rows),
+                    plgpu.layout_cast(jnp.full((BLOCK_M,), MASKED, jnp.float32), rows),
                     plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), rows),
                 ) + ((plgpu.layout_cast(jnp.ones((BLOCK_M,), jnp.float32), rows),) if fp8 else ())
                 pl.when(wg == 1)(rendezvous)  # warpgroup 1 starts a turn behind
@@ -489,9 +484,8 @@ def pair_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, one_t
     that starts between two multiples of 8 has its first pair start a few tokens of the sequence
     before it (rows whose outputs are not stored); the padding tokens ``[cu[S], T)`` are sequence
     ``S``, without keys, whose outputs are zeros. With ``one_token_apart`` a sequence of one new token
-    owns no pair (its row is computed by :func:`jaxpaged.kernels.paged_attention_mgpu.one_token_rows`).
-    Sequence ``s``'s pairs are ``cu[s] // 128 + s ...``
-    (as :func:`jaxpaged.kernels.paged_attention_mgpu_layout.tile_layout` numbers tiles, which bounds them by
+    owns no pair (its row is computed by ``tiles.one_token_rows``). Sequence ``s``'s pairs are
+    ``cu[s] // 128 + s ...`` (as ``layout.tile_layout`` numbers tiles, which bounds them by
     ``cdiv(T, 128) + S + 1``). Returns ``meta i32[pairs, 6]`` = (sequence or -1 where unowned,
     position of ``tok0`` in its sequence, ``kv_end``: one past the pair's last position, ``tok0``,
     the sequence's tokens ``[lo, hi)``)."""
@@ -537,9 +531,7 @@ def launch_order(meta: jax.Array, num_heads: int, interpret) -> jax.Array:
     """The tile pairs in the order the programs take them (``meta`` from :func:`pair_layout`; rank
     ``r`` is pair ``order[r // Hq]``, query head ``r % Hq``): the most keys first (longest processing
     time first), unowned pairs last. A causal pair's work grows with its ``kv_end``; in pair order a
-    prefill's longest pairs ran in the last wave with most SMs idle: 1.29x this order's time over
-    2,048 new tokens, 1.43x in a ragged step of mixed lengths and prefixes (H200, a program an item
-    then, ``benchmarks/results/mosaic/README.md``).
+    prefill's longest pairs ran in the last wave with most SMs idle.
 
     On the GPU, launches of at most one item per SM keep pair order (they all start at once, and
     the sort costs a few microseconds); the interpreter always sorts, so the CPU tests run the
@@ -555,11 +547,9 @@ def launch_order(meta: jax.Array, num_heads: int, interpret) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_kv", "num_slots"))
 def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, scale: float, interpret,
                        block_kv: int, num_slots: int):
-    """The prefill kernel after :func:`jaxpaged.kernels.paged_attention_mgpu.paged_attention_mgpu`'s
+    """The prefill kernel after ``attention.paged_attention_mgpu``'s
     validation; ``layer`` an ``i32[]``, ``interpret`` ``None`` or an ``InterpretGPUParams``. Over an fp8
     pool ``block_kv`` is its block size."""
-    from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, TMA_ALIGN, _transforms, one_token_rows
-
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[4]
     block_size = block_size_of(kv_pool)
@@ -579,7 +569,7 @@ def paged_prefill_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, s
     fp8 = is_fp8(kv_pool.dtype)
     p_in_registers = interpret is None  # the interpreter's wgmma reads shared memory only
     q_buffers = prefill_q_buffers(head_dim, block_kv, num_slots, dtype, fp8)
-    tile = lambda shape, dt=dtype: plgpu.SMEM(shape, dt, transforms=_transforms(dt, shape[-1]))
+    tile = lambda shape, dt=dtype: plgpu.SMEM(shape, dt, transforms=transforms(dt, shape[-1]))
     scratch = [tile((q_buffers, NUM_COMPUTE, BLOCK_M, head_dim))]
     if fp8:  # slots as stored (swizzled, untiled: TMA boxes at any row) and their scale rows; f16 tiles
         staged = lambda shape: plgpu.SMEM(shape, kv_pool.dtype, transforms=(plgpu.SwizzleTransform(shape[-1]),))

@@ -2,16 +2,15 @@
 and fp8 pools.
 
 A decode step has ``G = Hq // Hkv`` query rows per KV head and token (2 at Qwen3-0.6B's shapes).
-:mod:`jaxpaged.kernels.paged_attention_mgpu`'s query tiles put query rows on wgmma's M, which is 64 per
+``tiles.py``'s query tiles put query rows on wgmma's M, which is 64 per
 warpgroup: both matmuls and the softmax between them compute 64 rows for ``G`` useful ones. Here the
 products are transposed: the KV tile is the ``M`` operand (its 64 keys, or ``V^T``'s ``D`` rows) and the
 queries are wgmma's ``N = R`` (``G`` rounded up to 8), so a KV tile costs ``64 x R`` scores instead of
 ``64 x 64`` and a program needs fewer registers. Over fp8 pools that arithmetic, not the halved reads,
-had set the query tiles' time (0.61x their time at batch 256, context 1,024, H200); over bf16 pools a
-decode launch took 0.86-0.99x their time, batch 1-256, contexts 64-1,024 (H100; benchmarks/results/mosaic/README.md).
+sets the query tiles' time (docs/DECISIONS.md has both kernels' times).
 
 One program: token ``t`` (grid axis ``tile``), KV head ``h`` and, with split-K, split ``p`` of its KV
-tiles (:func:`jaxpaged.kernels.paged_attention_mgpu_layout.split_range`). Its copies are the query tiles':
+tiles (``layout.split_range``). Its copies are the query tiles':
 
   * bf16: a KV tile is ``block_kv`` keys (64, or one pool block if larger), ``block_kv / bs`` pool
     blocks, each one TMA copy of its keys and one of its values into a K and a V slot. ``K`` is wgmma's
@@ -40,9 +39,8 @@ Per KV tile:
 
 Over fp8 this is one cross-warp reduction (e5m2) or two (e4m3) a tile fewer than dividing by the tile's
 largest V scale and summing each tile's probabilities, and at 144 registers a thread three programs
-share a multiprocessor (benchmarks/results/fp8/README.md has the variants measured: converting ``V^T``
-during the first wgmma, or issuing the next copy as soon as the slot is read, take 148-172 registers
-and lose at batch 256).
+share a multiprocessor (converting ``V^T`` during the first wgmma, or issuing the next copy as soon as
+the slot is read, take more registers and are slower at large batches).
 
 Shared memory: the queries, then their 16-bit swizzled form (the copy lands in unswizzled rows: copied
 straight into the swizzled tile, Mosaic GPU's layout inference found no layouts for the kernel) share
@@ -70,12 +68,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxpaged.kernels.fp8 import exponent_range, is_fp8
 from jaxpaged.kernels import lowered_once
+from jaxpaged.kernels.fp8 import exponent_range, is_fp8
 from jaxpaged.kernels.kv_write import block_size_of
-from jaxpaged.kernels.paged_attention_mgpu import BLOCK_M, LOG2E, TMA_ALIGN, _MASKED, _transforms
-from jaxpaged.kernels.paged_attention_mgpu_fp8 import _scales, copy_fp8_block, f16_queries, fp8_block_copies
-from jaxpaged.kernels.paged_attention_mgpu_layout import split_range, token_layout
+from jaxpaged.kernels.mosaic.common import BLOCK_M, LOG2E, MASKED, TMA_ALIGN, transforms
+from jaxpaged.kernels.mosaic.fp8 import copy_fp8_block, f16_queries, fp8_block_copies, scales_f32
+from jaxpaged.kernels.mosaic.layout import split_range, token_layout
 from jaxpaged.kernels.split_k import merge_splits
 
 
@@ -92,7 +90,7 @@ def v_shift(dtype) -> int | None:
 
 def _tile(shape, dtype):
     """A shared-memory tile wgmma reads (the query tiles' tiling and swizzle)."""
-    return plgpu.SMEM(shape, dtype, transforms=_transforms(dtype, shape[-1]))
+    return plgpu.SMEM(shape, dtype, transforms=transforms(dtype, shape[-1]))
 
 
 def _column(vec_smem, n):
@@ -184,8 +182,8 @@ def _decode_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_re
             live = t * block_kv + iota(shape, 0) < kv_end if masked else None
             if fp8:
                 vt = plgpu.load(v_slots.at[slot], layout=wgmma).astype(jnp.float16)  # [D, bs]
-                vs = _scales(scales.at[slot, 1], shape, key_axis=0)
-                s = s * _scales(scales.at[slot, 0], shape, key_axis=0)
+                vs = scales_f32(scales.at[slot, 1], shape, key_axis=0)
+                s = s * scales_f32(scales.at[slot, 0], shape, key_axis=0)
                 s = s * lax.broadcast_in_dim(q_unscale, shape, [1])
                 if masked:
                     vt = jnp.where(t * block_kv + iota(vt.shape, 1) < kv_end, vt, jnp.zeros((), vt.dtype))
@@ -229,7 +227,7 @@ def _decode_kernel(layer_ref, meta_ref, tables_ref, q_ref, kv_ref, o_ref, lse_re
             return acc, m_new, l_new
 
         carry = (plgpu.layout_cast(jnp.zeros((head_dim, rows), jnp.float32), wgmma),
-                 plgpu.layout_cast(jnp.full((rows,), _MASKED, jnp.float32), wgmma.reduce(0)),
+                 plgpu.layout_cast(jnp.full((rows,), MASKED, jnp.float32), wgmma.reduce(0)),
                  plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma))
         n_full = jnp.clip(lax.div(meta_ref[tile, 1] + 1, block_kv), lo, hi)
         carry = lax.fori_loop(lo, n_full, functools.partial(step, masked=False), carry)
@@ -279,7 +277,7 @@ def query_rows(q: jax.Array, num_kv_heads: int) -> tuple[int, int, jax.Array]:
 def paged_decode_mgpu(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables, *, scale: float, interpret,
                       block_kv: int, num_slots: int, num_splits: int):
     """Decode attention, a program a token and KV head (and split), over a bf16 or fp8 pool; arguments as
-    :func:`jaxpaged.kernels.paged_attention_mgpu.paged_attention_mgpu` after its validation (``layer`` an
+    ``attention.paged_attention_mgpu`` after its validation (``layer`` an
     ``i32[]``, ``interpret`` ``None`` or ``InterpretGPUParams``; over fp8 ``block_kv`` is the block size).
     Returns ``[T, Hq, D]`` bf16, padding tokens zero."""
     num_tokens, num_q_heads, head_dim = q.shape

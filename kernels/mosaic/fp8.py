@@ -2,6 +2,18 @@
 a block's keys, its values' ``V^T`` and its two scale rows into shared-memory slots, the per-key scales
 as f32 in the WGMMA layout, and the queries scaled into f16 for ``Q K^T``. Shared by the one-warpgroup
 kernel, the decode kernel and the prefill kernel, which do the same arithmetic (Triton's f16 path's).
+
+The arithmetic: a KV tile is one pool block. TMA copies its keys (``[bs, D]``), its values' ``V^T``
+(``D / bs`` boxes of the transposed slab, kernels/fp8.py) and its two scale rows into fp8 slots. Each
+step converts the keys to f16 in registers (exact: an fp8 value is an f16 value) and stores them in an
+f16 tile for ``Q K^T``; the queries are f16 too, each row first multiplied by the power of two that
+brings its largest element near 2^14 (bf16 has a wider range than f16), which the scores' row is divided
+by again; the K scales multiply the scores' columns. ``V^T`` is converted the same way into the same f16
+tile (``Q K^T`` is done with it); the V scales, divided by the largest the row sees in the tile (powers
+of two: exact), multiply the probabilities' columns before ``P`` is rounded to f16 (which keeps 11
+significant bits of ``P`` in ``[0, 1]``, bf16 8), and that largest scale multiplies the row of ``P V``.
+The slots are copied untiled with the TMA's swizzle only: a tiled copy needs the pool's row axis
+(``bs + 1`` rows, the scale row included) to be a multiple of 8.
 """
 
 from __future__ import annotations
@@ -12,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
-def _scales(scale_row, shape, key_axis: int = 1):
+def scales_f32(scale_row, shape, key_axis: int = 1):
     """A KV tile's per-token scales (``scale_row``: at least ``shape[key_axis]`` fp8 powers of two in shared
     memory, kernels/fp8.py) in f32, broadcast over the other axis of its ``shape`` (WGMMA layout) scores:
     one per key, a column each (keys on axis 1) or a row each (axis 0, the decode kernel's ``S^T``)."""

@@ -4,8 +4,7 @@ tile a token (:func:`token_layout`, the decode kernel's), a tile a sequence of o
 (:func:`one_token_layout`), and split-K: how many programs share a tile's keys
 (:func:`choose_splits`), which keys each reads (:func:`split_range`) and the (tile, split) items that
 have any (:func:`work_list`). Plain ``jnp`` on the step's metadata, computed once a step (every
-layer's launch reads the same). The cutting itself is described in ``paged_attention_mgpu.py``'s
-module docstring.
+layer's launch reads the same). The cutting itself is described in ``tiles.py``'s module docstring.
 """
 
 from __future__ import annotations
@@ -25,9 +24,7 @@ def choose_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, block_kv: i
     :func:`jaxpaged.kernels.split_k.decode_splits` (the Triton kernel's rule: about two programs per
     core, rounded up to a power of two), halved where that rounding gives more programs than two a
     core: a split-K program needs 80 KiB of shared memory, so two fit on an SM and the rest would wait
-    for a second wave. Eight sequences of 4,096 tokens took 0.84-0.86x the time with half the splits
-    in two calls (H200, 2026-12-03; at 1,024 tokens, where the chained timing is dispatch-bound,
-    0.93x and 1.34x)."""
+    for a second wave."""
     if not decode:
         return 1
     cores = num_cores()
@@ -38,7 +35,7 @@ def choose_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, block_kv: i
 
 
 def tile_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, block_q: int):
-    """The query tiles of a ragged batch (``paged_attention_mgpu``'s module docstring): sequence ``i``
+    """The query tiles of a ragged batch (``tiles.py``'s module docstring): sequence ``i``
     owns tiles ``cu_q_lens[i] // block_q + i + j`` for ``j < cdiv(q_len_i, block_q)``, and the padding
     tokens after the last sequence are tiled the same way, as one more sequence (its tiles only write
     zeros). ``cdiv(T, block_q) + S`` tiles bound them; the others are unowned. Returns ``meta i32[tiles, 4]`` = (the tile's sequence,
@@ -65,7 +62,7 @@ def tile_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int, block
 
 
 def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> jax.Array:
-    """The query tiles of one token each (the fp8 decode kernel's, ``paged_attention_mgpu_decode``): tile
+    """The query tiles of one token each (the decode kernel's, ``decode.py``): tile
     ``t`` is token ``t``. Returns ``meta i32[T, 3]`` = (its sequence, ``-1`` for padding tokens; its position; its
     position + 1, the ``kv_end`` of :func:`tile_layout`)."""
     num_seqs = kv_lens.shape[0]
@@ -83,7 +80,7 @@ def one_token_seqs(cu_q_lens: jax.Array) -> jax.Array:
 
 def one_token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array) -> jax.Array:
     """A tile per *sequence*, owned where the sequence has exactly one new token (the decode rows of a
-    prefill launch: ``paged_attention_mgpu.one_token_rows``). Returns ``meta i32[S, 4]`` = (the
+    prefill launch: ``tiles.one_token_rows``). Returns ``meta i32[S, 4]`` = (the
     sequence, ``-1`` where it has no or several new tokens; its token's position; that + 1; the token's
     index in ``q``)."""
     num_seqs = kv_lens.shape[0]
