@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.kernels.kv_write import pool_from_caches, pool_shape, write_kv
+from jaxpaged.kernels.kv_write import pool_from_caches, write_kv
+from jaxpaged.models.kv_pool import pool_shape
 from jaxpaged.kernels.paged_attention import AttentionConfig, choose_config, paged_attention
 from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
 

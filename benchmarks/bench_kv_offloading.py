@@ -38,7 +38,7 @@ from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from jaxpaged.engine.kv_transfer import MAX_BLOCKS, KVTransfers, host_memory_kind  # noqa: E402
 from jaxpaged.engine.metrics import percentile  # noqa: E402
 from jaxpaged.kv.host_tier import Transfer  # noqa: E402
-from jaxpaged.models.sharding import kv_bytes_per_token_per_device, make_kv_pool  # noqa: E402
+from jaxpaged.models.kv_pool import bytes_per_token_per_device, make_kv_pool  # noqa: E402
 from jaxpaged.workloads import (EXPERIMENT_MODELS, agent_workload, experiment_params,  # noqa: E402
                                 output_divergence, outputs_guaranteed_identical, random_model)
 
@@ -90,7 +90,7 @@ def workload_run(params, config: EngineConfig, prompts, sp, concurrency: int) ->
 
 def block_bytes(params) -> int:
     """Bytes of one block of the model's KV (every layer, K and V) in the weights' dtype, one device."""
-    return BLOCK_SIZE * kv_bytes_per_token_per_device(params, jnp.dtype(params.dtype).itemsize)
+    return BLOCK_SIZE * bytes_per_token_per_device(params, params.dtype)
 
 
 def ttft_one(engine: LLMEngine, prompt, sp) -> float:

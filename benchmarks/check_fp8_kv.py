@@ -34,12 +34,12 @@ import numpy as np  # noqa: E402
 from jaxpaged.engine.step_inputs import build_chunk_step  # noqa: E402
 from jaxpaged.config import FP8_DTYPES  # noqa: E402
 from jaxpaged.kernels.fp8 import quantize  # noqa: E402
-from jaxpaged.kernels.kv_write import pool_shape, write_kv  # noqa: E402
+from jaxpaged.kernels.kv_write import write_kv  # noqa: E402
 from jaxpaged.kernels.paged_attention import paged_attention  # noqa: E402
 from jaxpaged.kernels.paged_attention_reference import paged_attention_reference  # noqa: E402
 from jaxpaged.models.ops import get_attention_fn, get_model_ops  # noqa: E402
 from jaxpaged.models.paged_forward import forward_all_logits  # noqa: E402
-from jaxpaged.models.qwen import init_kv_pool  # noqa: E402
+from jaxpaged.models.kv_pool import init_kv_pool, pool_shape  # noqa: E402
 
 SECTIONS = ("kernels", "attention", "logits")
 

@@ -26,7 +26,7 @@ from jaxpaged.models.config import QwenConfig
 from jaxpaged.models.convert import convert_tensors, abstract_model
 from jaxpaged.engine.step_inputs import build_chunk_step
 from jaxpaged.models.paged_forward import forward_all_logits
-from jaxpaged.models.qwen import init_kv_pool
+from jaxpaged.models.kv_pool import init_kv_pool
 from jaxpaged.models.tiny import random_hf_tensors
 from jaxpaged.workloads import QWEN2_5_0_5B, QWEN3_0_6B
 

@@ -41,7 +41,7 @@ class EngineConfig:
       memory left after the weights, at most 4 x what ``max_num_seqs`` sequences of ``max_model_len``
       tokens need (a small model on a large GPU gets a pool it can use, not all memory). On a CPU: a quarter of the available host memory, at most 4 GiB,
       and at most what ``min(max_num_seqs, 16)`` sequences of ``max_model_len`` tokens need
-      (``jaxpaged/kv/pool_size.py``).
+      (``models/kv_pool.py``).
     memory_fraction: share of the free device memory the pool takes when ``num_blocks`` is None.
     max_num_seqs: sequences in one step (the decode batch size).
     max_num_batched_tokens: new tokens in one step (the prefill budget; long prompts are chunked).
@@ -81,7 +81,7 @@ class EngineConfig:
       findable; a later prefix hit on it copies it back instead of recomputing it
       (``kv/host_tier.py``). With tensor parallelism, the total over all devices (vLLM's meaning).
     tensor_parallel_size: devices the model is split over (heads, MLP columns, vocabulary, KV heads;
-      ``jaxpaged/models/sharding.py``); load the weights with the same ``tensor_parallel_size``.
+      ``models/sharding.py``); load the weights with the same ``tensor_parallel_size``.
     Precision: float32 weights mean IEEE float32 in every matmul and kernel dot (never TF32); bfloat16
     means bf16 storage and operands with fp32 accumulation.
     """

@@ -1,19 +1,12 @@
 """Writes a step's new K/V rows into the paged pool: one XLA scatter per layer, in place when donated.
 
-Pool layout (the whole model, one array): ``kv_pool: [L, num_blocks, block_size, 2, Hkv, D]``; index
-``[layer, block, offset, 0]`` holds a token's keys and ``[..., 1]`` its values, so one token's K and V
-of one layer are one contiguous row and a layer's write is a single scatter. Slot ``s`` is
-``block_id * block_size + offset``; ``-1`` marks a padding token and writes nothing. An fp8 pool adds a
-scale row to each block and stores values transposed within each (block, head) slab
-(``kernels/fp8.py``): its writes are three scatters.
-
-Why one array for every layer: launching a jitted call costs the host about 8 us per donated array on
-the H200: 56 per-layer K and V arrays cost 0.45 ms a step, a third
-of a whole batch-1 decode step. Why a scatter into the whole array and not a slice of it: a scatter
-``pool.at[layer, blk, off].set(kv)`` into a *donated* pool runs in place, while slicing a layer out and
-setting it back copies the whole pool (22.7 ms measured). The attention kernels read the layer they
-need from the same array (a static index, no slice). ``tests/test_runner.py`` checks the compiled step
-for a copy of the pool.
+Pool layout (the whole model, one array; ``models/kv_pool.py`` owns it and says why):
+``kv_pool: [L, num_blocks, block_size, 2, Hkv, D]``; index ``[layer, block, offset, 0]`` holds a token's
+keys and ``[..., 1]`` its values, so one token's K and V of one layer are one contiguous row and a
+layer's write is a single scatter. Slot ``s`` is ``block_id * block_size + offset``; ``-1`` marks a
+padding token and writes nothing. An fp8 pool adds a scale row to each block and stores values
+transposed within each (block, head) slab (``kernels/fp8.py``): its writes are three scatters. The
+scatter goes into the whole (donated) array, never into a slice of it: that runs in place.
 """
 
 from __future__ import annotations
@@ -29,17 +22,6 @@ from .fp8 import is_fp8, quantize, scale_rows, v_slab_index
 def block_size_of(kv_pool: jax.Array) -> int:
     """Token slots per block of ``kv_pool`` (an fp8 pool's blocks have one more row: the scales)."""
     return kv_pool.shape[2] - scale_rows(kv_pool.dtype)
-
-
-def pool_shape(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-               head_dim: int, dtype=None) -> tuple[int, ...]:
-    """``(L, num_blocks, block_size, 2, Hkv, D)``: the shape of a KV pool; a pool of an fp8 ``dtype`` has
-    ``block_size + 1`` rows a block (its scales, ``kernels/fp8.py``), which needs ``block_size <= D``."""
-    rows = scale_rows(dtype) if dtype is not None else 0
-    if rows and block_size > head_dim:
-        raise ValueError(f"an fp8 KV pool keeps a block's scales in one row of head_dim={head_dim} entries: "
-                         f"block_size must be <= {head_dim}, got {block_size}")
-    return (num_layers, num_blocks, block_size + rows, 2, num_kv_heads, head_dim)
 
 
 def pool_from_caches(k_cache: jax.Array, v_cache: jax.Array) -> jax.Array:

@@ -1,4 +1,5 @@
-"""Shape helpers: powers of two (token buckets, kernel tiles, block sizes) and the device's core count."""
+"""Shape helpers: powers of two (token buckets, kernel tiles, block sizes), and the device facts kernels
+are chosen and sized by (its core count, its compute capability)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,12 @@ def num_cores() -> int:
     import jax
 
     return getattr(jax.devices()[0], "core_count", None) or DEFAULT_NUM_CORES
+
+
+def compute_capability(device=None) -> tuple[int, int] | None:
+    """``(major, minor)`` of ``device`` (default: this process's first), from ``Device.compute_capability``;
+    ``None`` where the device does not say (a CPU)."""
+    import jax
+
+    cc = getattr(jax.devices()[0] if device is None else device, "compute_capability", None)
+    return None if cc is None else tuple(int(part) for part in str(cc).split(".")[:2])

@@ -310,13 +310,3 @@ class Qwen(nnx.Module):
             logits = ops.matmul(hidden, self.lm_head[...], out_dtype=jnp.float32)
         return ops.gather_vocab(logits)
 
-
-def init_kv_pool(cfg: QwenConfig, num_blocks: int, block_size: int, dtype: str | jnp.dtype,
-                 device: jax.Device | None = None) -> KVPool:
-    """A fresh pool: one ``[L, num_blocks, block_size, 2, Hkv, D]`` array of zeros, committed to ``device``
-    (default: the first), as the donated pool every step returns is; an uncommitted argument would
-    select a separately compiled step."""
-    from ..kernels.kv_write import pool_shape
-
-    shape = pool_shape(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype)
-    return jnp.zeros(shape, dtype, device=device or jax.local_devices()[0])

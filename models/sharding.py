@@ -37,10 +37,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import QwenConfig
-from .qwen import KVPool, ModelOps
+from .qwen import ModelOps
 
 TP_AXIS = "tp"
-POOL_SPEC = P(None, None, None, None, TP_AXIS, None)  # [L, N, bs, 2, Hkv, D]: split the KV heads
+POOL_SPEC = P(None, None, None, None, TP_AXIS, None)  # the KV pool [L, N, bs, 2, Hkv, D] (kv_pool.py): by KV head
 
 # Parameter name (the last key of its path in the NNX state) -> how it is split. Anything else
 # (RMSNorm weights, q/k norms) is replicated.
@@ -180,18 +180,6 @@ def step_shardings(mesh: Mesh, treedef) -> dict:
 
 
 # ---- arrays ------------------------------------------------------------------------------------------
-def init_sharded_kv_pool(shard_cfg: QwenConfig, mesh: Mesh, num_blocks: int, block_size: int,
-                         dtype: str | jnp.dtype) -> KVPool:
-    """A zero pool of global shape ``[L, num_blocks, block_size, 2, tp * Hkv_shard, D]``, created
-    directly split over KV heads (each device allocates only its slice)."""
-    from ..kernels.kv_write import pool_shape
-
-    tp = mesh.shape[TP_AXIS]
-    shape = pool_shape(shard_cfg.num_hidden_layers, num_blocks, block_size, tp * shard_cfg.num_key_value_heads,
-                       shard_cfg.head_dim, dtype)
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, POOL_SPEC))()
-
-
 def random_leaves(shapes: Sequence[tuple[int, ...]], shardings: Sequence[Any], ones: Sequence[bool], dtype: str,
                   seed: int = 0) -> list[jax.Array]:
     """Random weights (normal * 0.02, or ones where ``ones``), each made directly with its sharding by one
@@ -253,18 +241,3 @@ def per_device_bytes(tree: Any) -> dict[str, int]:
 def params_tp(params) -> int:
     """The tensor-parallel size ``params`` (a ``ModelParams``) were loaded for (1: one device)."""
     return 1 if params.mesh is None else params.mesh.shape[TP_AXIS]
-
-
-def kv_bytes_per_token_per_device(params, itemsize: int) -> int:
-    """Bytes of K and V one token occupies on each device (all layers, this device's KV heads)."""
-    return shard_config(params.config, params_tp(params)).kv_bytes_per_token(itemsize)
-
-
-def make_kv_pool(params, num_blocks: int, block_size: int, dtype) -> KVPool:
-    """The engine's pool: ``init_kv_pool`` on one device, split over KV heads on a mesh."""
-    from .qwen import init_kv_pool
-
-    if params.mesh is None:
-        return init_kv_pool(params.config, num_blocks, block_size, dtype)
-    return init_sharded_kv_pool(shard_config(params.config, params_tp(params)), params.mesh, num_blocks,
-                                block_size, dtype)

@@ -33,12 +33,12 @@ from ..io.output_processor import OutputProcessor, RequestState, make_detokenize
 from ..io.outputs import RequestOutput
 from ..io.prompts import broadcast_sampling_params, parse_prompt, parse_prompts
 from ..kv import KVCacheManager, PrefixDivergence, explain_prefix
-from ..kernels.fp8 import is_fp8, scale_rows
-from ..kernels.kv_write import pool_shape
-from ..kv.pool_size import check_pool, size_pool
+from ..kernels.fp8 import is_fp8
 from ..models.checkpoint import ModelParams
+from ..models.kv_pool import (bytes_per_token_slot, check_holds_one_sequence, check_kv_dtype, engine_pool_shape,
+                              make_kv_pool, size_pool)
 from ..models.ops import choose_attention_backend, resolve_backend
-from ..models.sharding import kv_bytes_per_token_per_device, make_kv_pool, params_tp
+from ..models.sharding import params_tp
 from ..sampling import RequestOutputKind, SamplingParams
 from ..sampling.features import prompt_logprob_positions
 from ..sampling.sampler import SAMPLING_MODES
@@ -85,20 +85,6 @@ class InFlight:
     prompt_rows: list  # (row, sequence, position) of prompt logprobs
 
 
-def check_fp8_support(name: str, block_size: int, head_dim: int) -> None:
-    """Raises a ValueError naming ``kv_cache_dtype`` if this device or pool geometry cannot hold an fp8
-    KV cache: a GPU needs fp8 conversions (compute capability 8.9: Ada, Hopper and later), and a
-    block's scales fit one row of ``head_dim`` entries (``block_size <= head_dim``)."""
-    device = jax.local_devices()[0]
-    cc = getattr(device, "compute_capability", None)
-    if device.platform == "gpu" and cc is not None and tuple(map(int, str(cc).split(".")[:2])) < (8, 9):
-        raise ValueError(f"kv_cache_dtype={name!r} needs a GPU with fp8 support (compute capability >= 8.9); "
-                         f"{device.device_kind} has {cc}")
-    if block_size > head_dim:
-        raise ValueError(f"kv_cache_dtype={name!r} keeps a block's scales in one row of head_dim={head_dim} "
-                         f"entries: block_size must be <= {head_dim}, got {block_size}")
-
-
 class LLMEngine:
     """Continuous-batching engine over one model and one paged KV pool."""
 
@@ -116,19 +102,14 @@ class LLMEngine:
         self.kv_dtype = config.resolved_kv_cache_dtype(params.dtype)
         backend = choose_attention_backend(config.attention_backend, self.kv_dtype, config.batch_invariant,
                                            cfg.head_dim, config.block_size, params.dtype, params_tp(params))
-        if is_fp8(self.kv_dtype):
-            check_fp8_support(config.kv_cache_dtype, config.block_size, cfg.head_dim)
+        check_kv_dtype(config.kv_cache_dtype, self.kv_dtype, config.block_size, cfg.head_dim)
         self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)
         self.num_blocks = size_pool(params, config, self.max_model_len, self.kv_dtype)
         if config.max_model_len is None and self.num_blocks * config.block_size < self.max_model_len:
             # The default max_model_len does not fit the pool (a small CPU host): use what fits.
             self.max_model_len = self.num_blocks * config.block_size
-        check_pool(self.num_blocks, config.block_size, self.max_model_len)
-        # Over all devices (KV heads replicated when tp > num_key_value_heads count each time); an fp8
-        # pool's scale row a block included (its share per token slot).
-        self.bytes_per_token = params_tp(params) * kv_bytes_per_token_per_device(
-            params, jnp.dtype(self.kv_dtype).itemsize) * (config.block_size + scale_rows(self.kv_dtype)) \
-            // config.block_size
+        check_holds_one_sequence(self.num_blocks, config.block_size, self.max_model_len)
+        self.bytes_per_token = bytes_per_token_slot(params, config.block_size, self.kv_dtype)  # all devices
         prefix_caching = config.enable_prefix_caching and config.reservation == "paged"
         # The host tier: as many blocks as kv_offloading_size holds (none if it holds less than one).
         num_host_blocks = int(config.kv_offloading_size * 2**30 // (config.block_size * self.bytes_per_token))
@@ -606,9 +587,7 @@ class LLMEngine:
     def _preload_warmup(self) -> None:
         """Starts reading the warm-up's executables from disk in threads (``ModelRunner.preload``); they
         need only the pool's and the token buffers' shapes, so this may run before either exists."""
-        cfg = self.params.config
-        shape = pool_shape(cfg.num_hidden_layers, self.num_blocks, self.config.block_size, cfg.num_key_value_heads,
-                           cfg.head_dim, self.kv_dtype)
+        shape = engine_pool_shape(self.params, self.num_blocks, self.config.block_size, self.kv_dtype)
         rows = bucket(self.config.max_num_seqs, MIN_SEQS)
         self.runner.preload(jax.ShapeDtypeStruct(shape, jnp.dtype(self.kv_dtype)), self._warmup_steps(),
                             jax.ShapeDtypeStruct((rows,), jnp.int32))

@@ -28,7 +28,7 @@ from jaxpaged.models.ops import get_attention_fn, get_model_ops
 from jaxpaged.kernels.kv_write import write_kv
 from jaxpaged.llm import run_to_completion
 from jaxpaged.models.paged_forward import forward_all_logits
-from jaxpaged.models.qwen import init_kv_pool
+from jaxpaged.models.kv_pool import init_kv_pool
 from jaxpaged.models.tiny import tiny_checkpoint_path
 
 RNG = np.random.default_rng(7)

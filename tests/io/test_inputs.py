@@ -200,7 +200,7 @@ def test_cpu_pool_is_sized_from_host_memory_with_a_cap():
     import types
 
     from jaxpaged import EngineConfig, QwenConfig
-    from jaxpaged.kv.pool_size import CPU_POOL_CAP_BYTES, CPU_POOL_FRACTION, available_host_memory, size_pool
+    from jaxpaged.models.kv_pool import CPU_POOL_CAP_BYTES, CPU_POOL_FRACTION, available_host_memory, size_pool
 
     qwen3_06b = QwenConfig(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                            num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,

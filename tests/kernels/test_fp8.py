@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from jaxpaged.kernels.fp8 import dequantize, exponent_range, quantize, quantize_pool, scale_rows, values_from_slab
-from jaxpaged.kernels.kv_write import block_size_of, pool_from_caches, pool_shape, write_kv
+from jaxpaged.kernels.kv_write import block_size_of, pool_from_caches, write_kv
+from jaxpaged.models.kv_pool import pool_shape
 from jaxpaged.kernels.paged_attention import FP8_TILE, choose_config, paged_attention
 from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
 from jaxpaged.kernels.qkv_epilogue import qkv_epilogue
@@ -257,7 +258,7 @@ def test_fused_qkv_epilogue_writes_what_write_kv_writes(family, t):
 
 
 def test_triton_lowering_addresses_fp8_pools_up_to_4_gib_with_32_bit_offsets(monkeypatch):
-    """Why ``kv/pool_size`` keeps a one-byte pool out of 2-4 GiB: jax's Pallas-Triton lowering picks
+    """Why ``models/kv_pool`` keeps a one-byte pool out of 2-4 GiB: jax's Pallas-Triton lowering picks
     64-bit offsets only for an array of more than 2**32 bytes, so in a 3 GiB fp8 pool (1.5 x 2**31
     elements) every pointer is a 32-bit offset, which Triton sign-extends. The attention kernel is
     lowered for an sm_90 GPU here, without one (no pool is allocated), once its own refusal of such a

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.models.convert import load_hf_checkpoint
-from jaxpaged.models.qwen import init_kv_pool
+from jaxpaged.models.kv_pool import init_kv_pool
 from jaxpaged.models.tiny import tiny_checkpoint_path
 from jaxpaged.engine.step_inputs import build_chunk_step
 from jaxpaged.models.paged_forward import forward_all_logits

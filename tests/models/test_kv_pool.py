@@ -1,5 +1,6 @@
-"""How many blocks a pool gets without ``num_blocks``: a share of the free device memory, capped by what
-the engine's sequences can use, so a small model on a large GPU starts with a small pool."""
+"""The KV pool's owner (``models/kv_pool.py``). How many blocks a pool gets without ``num_blocks``: a share
+of the free device memory, capped by what the engine's sequences can use, so a small model on a large GPU
+starts with a small pool."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import types
 import pytest
 
 from jaxpaged import EngineConfig, QwenConfig
-from jaxpaged.kv import pool_size
+from jaxpaged.models import kv_pool as pool_size
 
 QWEN3_06B = QwenConfig(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
