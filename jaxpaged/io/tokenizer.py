@@ -41,6 +41,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token covers (its vocabulary string's length in
+        bytes; a byte-level token's characters stand for one byte each, so this overestimates): a text of
+        more than ``n * max_token_bytes()`` bytes cannot be ``n`` tokens or fewer."""
+        return max((len(t.encode()) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+
     def apply_chat_template(self, conversation: list[dict], chat_template: str | None = None,
                             add_generation_prompt: bool = True, **kwargs) -> str:
         """The prompt text for ``conversation`` (a list of ``{"role", "content"}`` dicts)."""

@@ -32,6 +32,7 @@ import numbers
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_TOP_K = 2**31 - 1  # top_k travels to the device as int32
 MAX_SEED = 2**63 - 1  # seeds are 64-bit integers (the device uses their low 32 bits)
+MAX_FLOAT32 = 3.4028234663852886e38  # temperature, repetition_penalty: float32 on the device
 MAX_COUNT = 2**31 - 1  # max_tokens, min_tokens: token counts, compared with int32 positions on the device
 
 
@@ -104,8 +105,9 @@ class SamplingParams:
         t = self.temperature
         if not _is_real(t):
             raise TypeError(f"SamplingParams.temperature must be a number, got {type(t).__name__} {t!r}")
-        if math.isnan(t) or t < 0 or math.isinf(t):
-            raise ValueError(f"SamplingParams.temperature must be finite and >= 0 (0 = greedy), got {t!r}")
+        if math.isnan(t) or not 0 <= t <= MAX_FLOAT32:
+            raise ValueError(f"SamplingParams.temperature must be finite (in float32) and >= 0 (0 = greedy), "
+                             f"got {t!r}")
         self.temperature = float(t)
         if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
             raise ValueError(f"SamplingParams.top_k must be -1 (off) or a positive integer <= {MAX_TOP_K}, "
@@ -134,8 +136,8 @@ class SamplingParams:
         self.min_p = _number("min_p", self.min_p, 0.0, 1.0)
         self.presence_penalty = _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         self.frequency_penalty = _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty, 0.0, math.inf,
-                                          lo_open=True, hi_open=True, hint=" (1 = off)")
+        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty, 0.0, MAX_FLOAT32,
+                                          lo_open=True, hint=" (1 = off)")
         for name in ("logprobs", "prompt_logprobs"):
             k = _int(name, getattr(self, name), 0, allow_none=True)
             if k is not None and k > MAX_LOGPROBS:

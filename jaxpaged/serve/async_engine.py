@@ -24,9 +24,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import logging
 import multiprocessing
+import pickle
 import queue
 import threading
 import uuid
@@ -53,6 +55,11 @@ class ServedModel:
     def chat_prompts(self, messages, chat_template_kwargs: dict | None = None) -> list[str]:
         return chat_prompts(self.tokenizer, messages, chat_template_kwargs=chat_template_kwargs)
 
+    @functools.cached_property
+    def max_prompt_bytes(self) -> int | None:
+        """The most bytes a prompt of ``max_model_len`` tokens can be (None without a tokenizer)."""
+        return None if self.tokenizer is None else self.max_model_len * self.tokenizer.max_token_bytes()
+
 
 class EngineCore:
     """The engine's side: executes commands between steps; ``emit`` gets each step's outputs."""
@@ -76,8 +83,8 @@ class EngineCore:
             return True
         if name == "snapshot":
             sched = self.engine.scheduler
-            return (len({s.parent for s in sched.running}), len({s.parent for s in sched.waiting}),
-                    self.engine.stats())
+            return (len({s.parent.request_id for s in sched.running}),
+                    len({s.parent.request_id for s in sched.waiting}), self.engine.stats())
         raise ValueError(f"unknown engine command {name!r}")
 
     def busy(self) -> bool:
@@ -156,6 +163,15 @@ def _unpack(item) -> RequestOutput:
     return RequestOutput(request_id, None, [], [CompletionOutput(*c) for c in completions], False, 0, None)
 
 
+def _portable(err: Exception) -> Exception:
+    """``err`` if it survives pickling (to cross the pipe), else a ``RuntimeError`` with its text."""
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(err).__name__}: {err}")
+
+
 def _engine_process(conn, llm_kwargs: dict) -> None:
     """The engine process: builds and warms up ``LLM(**llm_kwargs)``, reports ready, then steps and runs
     commands until the pipe closes."""
@@ -171,9 +187,10 @@ def _engine_process(conn, llm_kwargs: dict) -> None:
                 if kind == "stop":
                     return
                 try:
-                    conn.send(("reply", command_id, True, core.execute(command)))
-                except (ValueError, TypeError, KeyError) as err:
-                    conn.send(("reply", command_id, False, err))
+                    reply = ("reply", command_id, True, core.execute(command))
+                except Exception as err:  # noqa: BLE001  (the request's failure, not the engine's)
+                    reply = ("reply", command_id, False, _portable(err))
+                conn.send(reply)
             if core.busy():
                 core.step()
     except (EOFError, BrokenPipeError, KeyboardInterrupt):  # the server went away
@@ -258,6 +275,14 @@ class _ProcessTransport:
 
 
 # ---- the server's side ------------------------------------------------------------------------------------
+class EngineStopped(RuntimeError):
+    """The engine is gone: no request can run any more."""
+
+
+class RequestAborted(RuntimeError):
+    """The server ended a request before it finished (shutdown)."""
+
+
 class AsyncEngine:
     """The server's handle: ``generate`` streams one request's outputs. Build it with ``in_process`` or
     ``in_thread``. ``on_abort``: called for each request withdrawn before it finished."""
@@ -269,6 +294,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._transport: _ThreadTransport | _ProcessTransport | None = None
         self.error: BaseException | None = None  # what stopped the engine, if anything did
+        self.on_error: Callable[[BaseException], None] | None = None  # called (on the loop) if the engine stops
 
     @classmethod
     def in_thread(cls, llm, on_abort: Callable[[], None] | None = None) -> AsyncEngine:
@@ -289,6 +315,12 @@ class AsyncEngine:
         self.model = ServedModel(Path(path), load_tokenizer(path), defaults, max_model_len)
         self._transport = transport
         return self
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Delivers outputs and errors on ``loop`` from now on (the server calls it as it starts)."""
+        self._loop = loop
+        if self.error is not None:
+            loop.call_soon(self._dispatch_error, self.error)
 
     # ---- from the engine's thread (or the pipe's reader thread) ----------------------------------------
     def _post_outputs(self, outs: list[RequestOutput]) -> None:
@@ -314,11 +346,23 @@ class AsyncEngine:
         for q in self._queues.values():
             q.put_nowait(err)
         self._queues.clear()
+        if self.on_error is not None:
+            self.on_error(err)
+
+    def abort_all(self, reason: str) -> int:
+        """Ends every request still running with ``reason`` as its error (their streams end with it) and
+        withdraws them from the engine (shutdown). Returns how many there were. On the event loop."""
+        ids = list(self._queues)
+        for request_id in ids:
+            self._queues.pop(request_id).put_nowait(RequestAborted(reason))
+            if self.error is None:
+                self._transport.submit(("abort", request_id))
+        return len(ids)
 
     async def call(self, command: tuple):
         """Runs ``command`` (``EngineCore.execute``) on the engine's side between two steps."""
         if self.error is not None:
-            raise RuntimeError(f"the engine stopped: {self.error}")
+            raise EngineStopped(f"the engine stopped: {self.error}")
         return await asyncio.wrap_future(self._transport.submit(command))
 
     async def add(self, prompt, sampling_params: SamplingParams, cache_salt: str | None = None
@@ -354,18 +398,20 @@ class AsyncEngine:
                 while merge and not q.empty() and isinstance(out, RequestOutput) and not out.finished:
                     later = q.get_nowait()
                     out = merge_deltas(out, later) if isinstance(later, RequestOutput) else later
+                if isinstance(out, RequestAborted):
+                    raise out
                 if isinstance(out, BaseException):
-                    raise RuntimeError(f"the engine stopped: {out}") from out
+                    raise EngineStopped(f"the engine stopped: {out}") from out
                 finished = out.finished
                 yield out
         finally:
             if not finished:
-                self._withdraw(request_id)
+                self.withdraw(request_id)
 
-    def _withdraw(self, request_id: str) -> None:
-        """Aborts an unfinished request (not awaited: its handler may be being cancelled)."""
-        self._queues.pop(request_id, None)
-        if self.error is not None:
+    def withdraw(self, request_id: str) -> None:
+        """Aborts a request if it is unfinished, a no-op otherwise (not awaited: its handler may be
+        being cancelled)."""
+        if self._queues.pop(request_id, None) is None or self.error is not None:
             return
         future = self._transport.submit(("abort", request_id))
         if self.on_abort is not None:
