@@ -37,7 +37,8 @@ from jaxpaged.kernels.fp8 import quantize  # noqa: E402
 from jaxpaged.kernels.kv_write import write_kv  # noqa: E402
 from jaxpaged.kernels.paged_attention import paged_attention  # noqa: E402
 from jaxpaged.kernels.paged_attention_reference import paged_attention_reference  # noqa: E402
-from jaxpaged.models.ops import get_attention_fn, get_model_ops  # noqa: E402
+from jaxpaged.models.attention_backends import get_attention_fn  # noqa: E402
+from jaxpaged.models.ops import get_model_ops  # noqa: E402
 from jaxpaged.models.paged_forward import forward_all_logits  # noqa: E402
 from jaxpaged.models.kv_pool import init_kv_pool, pool_shape  # noqa: E402
 

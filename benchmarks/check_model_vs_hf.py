@@ -21,7 +21,7 @@ jax.config.update("jax_default_matmul_precision", "highest")  # true fp32 matmul
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.models.ops import get_attention_fn
+from jaxpaged.models.attention_backends import get_attention_fn
 from jaxpaged.models.config import QwenConfig
 from jaxpaged.models.convert import convert_tensors, abstract_model
 from jaxpaged.engine.step_inputs import build_chunk_step

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-ATTENTION_BACKENDS = ("auto", "triton", "mosaic", "reference")  # models/ops.py
-KERNEL_BACKENDS = ("triton", "mosaic")  # the Pallas kernels (``reference`` is jnp)
+ATTENTION_BACKENDS = ("auto", "triton", "mosaic", "reference")  # models/attention_backends.py
 RESERVATIONS = ("paged", "max_len")
 SCHEDULING_POLICIES = ("fcfs", "prefix_affinity")  # jaxpaged/engine/scheduling_policy.py
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names
@@ -67,7 +66,7 @@ class EngineConfig:
       ``$JAXPAGED_COMPILE_CACHE``, default ``~/.cache/jaxpaged/xla``).
     async_scheduling: dispatch step N+1 before step N's tokens are read back (the device feeds them
       in), so the host schedules while the device computes. Outputs are identical either way. On by
-      default: 21,558 vs 15,493 tok/s on nano-vllm's workload (H200, docs/DECISIONS.md).
+      default: the faster of the two (docs/DECISIONS.md).
     batch_invariant: make each request's output a function of its own prompt, sampling params and
       seed only, bitwise, in every dtype: independent of what else is batched, arrival order, chunked
       prefill boundaries, prefix-cache hits, block size (up to 64), preemption and async scheduling.

@@ -9,9 +9,10 @@ import logging
 from pathlib import Path
 from typing import Iterator
 
-from .config import KERNEL_BACKENDS, EngineConfig
+from .config import EngineConfig
 from .engine.llm_engine import LLMEngine
 from .kv import PrefixDivergence
+from .models.attention_backends import KERNEL_BACKENDS
 from .models.checkpoint import ModelParams, load_params
 from .models.hub import resolve_model_path
 from .io.outputs import RequestOutput

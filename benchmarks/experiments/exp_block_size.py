@@ -41,7 +41,7 @@ import time
 import jax
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
-from jaxpaged.config import KERNEL_BACKENDS
+from jaxpaged.models.attention_backends import KERNEL_BACKENDS
 from jaxpaged.llm import run_to_completion
 from jaxpaged.workloads import EXPERIMENT_MODELS, experiment_params, output_divergence, outputs_guaranteed_identical
 

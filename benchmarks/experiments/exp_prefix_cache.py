@@ -53,7 +53,7 @@ import jax
 import jaxpaged
 from jaxpaged.engine.metrics import percentile
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
-from jaxpaged.config import KERNEL_BACKENDS
+from jaxpaged.models.attention_backends import KERNEL_BACKENDS
 from jaxpaged.models.kv_pool import addressable_blocks
 from jaxpaged.llm import run_to_completion
 from jaxpaged.workloads import EXPERIMENT_MODELS, experiment_params, output_divergence, outputs_guaranteed_identical

@@ -28,16 +28,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..config import KERNEL_BACKENDS, EngineConfig
+from ..config import EngineConfig
 from ..io.output_processor import OutputProcessor, RequestState, make_detokenizer
 from ..io.outputs import RequestOutput
 from ..io.prompts import broadcast_sampling_params, parse_prompt, parse_prompts
 from ..kv import KVCacheManager, PrefixDivergence, explain_prefix
-from ..kernels.fp8 import is_fp8
 from ..models.checkpoint import ModelParams
 from ..models.kv_pool import (bytes_per_token_slot, check_holds_one_sequence, check_kv_dtype, engine_pool_shape,
                               make_kv_pool, size_pool)
-from ..models.ops import choose_attention_backend, resolve_backend
+from ..models.attention_backends import choose_attention_backend, resolve_backend
 from ..models.sharding import params_tp
 from ..sampling import RequestOutputKind, SamplingParams
 from ..sampling.features import prompt_logprob_positions
@@ -123,7 +122,7 @@ class LLMEngine:
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    scheduling_policy=config.scheduling_policy)
         self.compilation_cache_dir = enable_compilation_cache() if config.compilation_cache else None
-        self.runner = get_runner(params, backend, config.batch_invariant, tuning)
+        self.runner = get_runner(params, backend.name, config.batch_invariant, tuning)
         if self.compilation_cache_dir and self.runner.executable_cache is None and params.mesh is None:
             key = cache_key(params.config, params.dtype, str(jax.tree.structure(params.state)),
                             self.runner.attention_backend, config.batch_invariant, self.runner.tuning)
@@ -131,15 +130,13 @@ class LLMEngine:
         self.min_token_bucket = self.runner.tuning.min_token_bucket
         # Compilations are counted per engine: steps compiled by an earlier engine are not ours.
         self._compile_base = (self.runner.compile_seconds, self.runner.num_compiled_shapes)
-        # Pallas reads block tables only up to each kv_len: one fixed width (enough for max_model_len),
-        # so a token bucket is one shape. The jnp reference gathers every table entry for every token,
-        # so its tables are padded per step instead (None), and a new width compiles on first use.
+        # Block tables of one fixed width (enough for max_model_len) where the backend reads them only up to
+        # each kv_len, so a token bucket is one shape; else padded per step (None), a new width compiling
+        # on first use.
         self._max_width = bucket(-(-self.max_model_len // config.block_size), 1)
-        self._table_width = self._max_width if self.runner.attention_backend in KERNEL_BACKENDS else None
-        # Decode steps as steps of their own where the attention kernel reads them so: Mosaic GPU over a
-        # bf16 or fp8 pool, whose decode steps run a kernel of their own (paged_attention_mgpu's uniform_decode).
-        self._uniform_decode = self.runner.attention_backend == "mosaic" and (
-            jnp.dtype(self.kv_dtype) == jnp.bfloat16 or is_fp8(self.kv_dtype))
+        self._table_width = self._max_width if backend.fixed_table_width else None
+        # Decode steps as steps of their own where the backend runs them on a kernel of their own.
+        self._uniform_decode = backend.decode_steps_apart(self.kv_dtype)
         if jax.default_backend() == "gpu":
             # The warm-up's executables are read from disk while the pool's memory is mapped (~2 s for
             # 93 GiB on the H200); the pool is still made before anything else can allocate.

@@ -24,7 +24,8 @@ from flax import nnx
 from ..kernels import lowered_once
 from ..kernels.gemv import ROWS as GEMV_ROWS
 from ..kernels.kv_write import write_kv
-from ..models.ops import get_attention_fn, get_model_ops, resolve_backend
+from ..models.attention_backends import get_attention_fn, resolve_backend
+from ..models.ops import get_model_ops
 from ..models.qwen import DEFAULT_OPS, KVPool, ModelOps
 from ..sampling.features import sample_step
 from .executable_cache import clone, compile_step

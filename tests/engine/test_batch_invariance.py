@@ -24,7 +24,8 @@ import pytest
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
 from jaxpaged.engine.step_inputs import build_chunk_step
-from jaxpaged.models.ops import get_attention_fn, get_model_ops
+from jaxpaged.models.attention_backends import get_attention_fn
+from jaxpaged.models.ops import get_model_ops
 from jaxpaged.kernels.kv_write import write_kv
 from jaxpaged.llm import run_to_completion
 from jaxpaged.models.paged_forward import forward_all_logits

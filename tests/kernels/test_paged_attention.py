@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.models import ops as backend
+from jaxpaged.models import attention_backends as backend
+from jaxpaged.models import ops
 from jaxpaged.kernels.kv_write import pool_from_caches, write_kv, write_kv_donated
 from jaxpaged.kernels.paged_attention import AttentionConfig, choose_config, invariant_config, paged_attention
 from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
@@ -198,11 +199,11 @@ def test_triton_deprecation_is_said_once_not_warned_at_every_lowering(caplog):
 
     with warnings.catch_warnings(record=True) as seen, caplog.at_level(logging.INFO, logger="jaxpaged.models.ops"):
         warnings.simplefilter("always")
-        backend.prepare_triton_lowering.cache_clear()
-        backend.prepare_triton_lowering()
-        backend.prepare_triton_lowering()
+        ops.prepare_triton_lowering.cache_clear()
+        ops.prepare_triton_lowering()
+        ops.prepare_triton_lowering()
         for _ in range(3):  # as jax's Triton lowering warns
-            warnings.warn(backend.TRITON_DEPRECATION + " and will be removed", DeprecationWarning)
+            warnings.warn(ops.TRITON_DEPRECATION + " and will be removed", DeprecationWarning)
         warnings.warn("another deprecation", DeprecationWarning)
     assert [str(w.message) for w in seen] == ["another deprecation"]
     assert sum("deprecated" in r.getMessage() for r in caplog.records) == 1
@@ -217,8 +218,8 @@ def test_triton_dialect_module_is_found_by_mlir_without_failed_imports():
     from jax._src.lib import triton
     from jax._src.lib.mlir import ir
 
-    backend.prepare_triton_lowering.cache_clear()
-    backend.prepare_triton_lowering()
+    ops.prepare_triton_lowering.cache_clear()
+    ops.prepare_triton_lowering()
     failed = collections.Counter()
     find_and_load = bootstrap._find_and_load
 
@@ -243,7 +244,7 @@ def test_auto_backend_is_mosaic_for_fp8_pools_on_hopper_only(monkeypatch):
     """``"auto"`` picks the Mosaic GPU kernel over an fp8 pool where it reads it (Hopper, blocks >= 64, bf16
     activations, one device, not batch-invariant), the Triton kernel on other GPU engines."""
     fp8, bf16 = jnp.float8_e4m3fn, jnp.bfloat16
-    choose = backend.choose_attention_backend
+    choose = lambda *a, **kw: backend.choose_attention_backend(*a, **kw).name  # noqa: E731
     if jax.default_backend() == "cpu":
         assert choose("auto", fp8, False, 128, 64, bf16) == "reference"
     assert choose("mosaic", fp8, False, 128, 64, bf16) == "mosaic"
