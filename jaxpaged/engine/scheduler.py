@@ -8,9 +8,9 @@ computed, so only the rest costs budget. When a running sequence needs a block a
 newest running sequence is preempted: its blocks are freed (full ones stay in the prefix cache) and it
 goes back to the front of the queue, to be recomputed, usually mostly from cache, when re-admitted.
 
-Waiting requests are considered in arrival order (``fcfs``) or, with ``scheduling_policy=
-"prefix_affinity"``, in the order a :class:`jaxpaged.engine.scheduling_policy.PrefixAffinityPolicy` gives
-(requests whose prefix is cached or being computed first, with a bounded wait).
+Waiting requests are considered in the order the scheduling policy gives (``scheduling_policy.py``):
+arrival order (``fcfs``) or, with ``scheduling_policy="prefix_affinity"``, requests whose prefix is cached
+or being computed first, with a bounded wait.
 """
 
 from __future__ import annotations
@@ -55,13 +55,12 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
-        self.policy = make_policy(scheduling_policy)  # None: fcfs, the queue order as is
+        self.policy = make_policy(scheduling_policy)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
-        if self.policy is not None:
-            self.policy.add(seq)
+        self.policy.add(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -72,8 +71,7 @@ class Scheduler:
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
         self.counters.preemptions += 1
-        if self.policy is not None:
-            self.policy.requeue(seq)
+        self.policy.requeue(seq)
 
     def schedule(self) -> ScheduledBatch:
         """Picks this step's work; allocates the blocks it needs (preempting if it must)."""
@@ -106,7 +104,7 @@ class Scheduler:
         in_flight = self._prefill_frontiers() if self.kv.enable_prefix_caching and self.waiting else None
         policy = self.policy
         admitting = not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-        if policy is not None and admitting:
+        if admitting:
             self.waiting = policy.order(self.waiting, self.kv.prefix_hit_blocks, self._frontier_key, in_flight)
         admitted = []
         i = 0  # under fcfs always 0: the head of the queue or nobody
@@ -120,7 +118,7 @@ class Scheduler:
                 # Its next block is being computed right now for another request: wait one step and
                 # take it from the cache instead of computing the same K/V twice.
                 self.counters.deferred_admissions += 1
-                if policy is not None and policy.skip_when_deferred(seq):
+                if policy.skip_when_deferred(seq):
                     i += 1  # prefix_affinity: let the requests behind it go meanwhile
                     continue
                 break
@@ -140,7 +138,7 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
             admitted.append(seq)
-        if policy is not None and admitted:
+        if admitted:
             policy.after_admission(admitted, self.waiting)
             self.counters.reordered_admissions = policy.reordered_admissions
             self.counters.max_passes_observed = policy.max_observed_passes
@@ -238,8 +236,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:  # preempted while its token was in flight
             self.waiting.remove(seq)
-            if self.policy is not None:
-                self.policy.remove(seq)
+            self.policy.remove(seq)
         seq.finish(reason, now)
 
     def _is_stop_token(self, seq: Sequence, token: int) -> bool:
@@ -262,6 +259,5 @@ class Scheduler:
             self.kv.free(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-            if self.policy is not None:
-                self.policy.remove(seq)
+            self.policy.remove(seq)
         seq.finish("abort")

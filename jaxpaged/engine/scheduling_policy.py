@@ -1,7 +1,7 @@
 """Scheduling policies: the order in which the scheduler considers waiting requests for admission.
 
-* ``fcfs`` (default): arrival order; preempted requests go back to the front. The scheduler does
-  not consult a policy object at all, so FCFS is exactly the scheduler's own queue discipline.
+* ``fcfs`` (default, :class:`FCFSPolicy`): arrival order; preempted requests go back to the front: the
+  scheduler's own queue discipline, which this policy leaves as it is.
 * ``prefix_affinity`` (:class:`PrefixAffinityPolicy`): among the first ``window`` waiting requests,
   prefer those whose prefix is in the prefix cache right now (``KVCacheManager.prefix_hit_blocks``)
   or being computed by a running prefill (its next block is a prefill "frontier"), so requests that
@@ -30,6 +30,33 @@ from typing import Callable, Hashable, Iterable
 
 from ..config import SCHEDULING_POLICIES
 from ..request import Sequence, SequenceStatus
+
+
+class FCFSPolicy:
+    """Arrival order: the waiting queue as the scheduler keeps it; a request whose next block is being
+    computed blocks the queue behind it for that step."""
+
+    name = "fcfs"
+    reordered_admissions = 0
+    max_observed_passes = 0
+
+    def add(self, seq: Sequence) -> None:
+        pass
+
+    def requeue(self, seq: Sequence) -> None:
+        pass
+
+    def remove(self, seq: Sequence) -> None:
+        pass
+
+    def order(self, waiting: collections.deque[Sequence], hit_blocks, frontier, in_flight) -> collections.deque[Sequence]:
+        return waiting
+
+    def skip_when_deferred(self, seq: Sequence) -> bool:
+        return False
+
+    def after_admission(self, admitted: list[Sequence], still_waiting: Iterable[Sequence]) -> None:
+        pass
 
 
 class PrefixAffinityPolicy:
@@ -132,10 +159,13 @@ class PrefixAffinityPolicy:
             self.reordered_admissions += sum(t > earliest_waiting for t in admitted_tickets)
 
 
-def make_policy(name: str) -> PrefixAffinityPolicy | None:
-    """The policy object for ``EngineConfig.scheduling_policy`` (``None`` for ``fcfs``)."""
+SchedulingPolicy = FCFSPolicy | PrefixAffinityPolicy
+
+
+def make_policy(name: str) -> SchedulingPolicy:
+    """The policy object for ``EngineConfig.scheduling_policy``."""
     if name == "fcfs":
-        return None
+        return FCFSPolicy()
     if name == "prefix_affinity":
         return PrefixAffinityPolicy()
     raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {name!r}")
