@@ -26,12 +26,12 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (its helper modules)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxpaged.engine.step_inputs import build_chunk_step  # noqa: E402
 from jaxpaged.config import FP8_DTYPES  # noqa: E402
 from jaxpaged.kernels.fp8 import quantize  # noqa: E402
 from jaxpaged.kernels.kv_write import write_kv  # noqa: E402
@@ -39,7 +39,7 @@ from jaxpaged.kernels.paged_attention import paged_attention  # noqa: E402
 from jaxpaged.kernels.paged_attention_reference import paged_attention_reference  # noqa: E402
 from jaxpaged.models.attention_backends import get_attention_fn  # noqa: E402
 from jaxpaged.models.ops import get_model_ops  # noqa: E402
-from jaxpaged.models.paged_forward import forward_all_logits  # noqa: E402
+from paged_forward import build_chunk_step, forward_all_logits  # noqa: E402
 from jaxpaged.models.kv_pool import init_kv_pool, pool_shape  # noqa: E402
 
 SECTIONS = ("kernels", "attention", "logits")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import jax
@@ -24,11 +25,12 @@ import numpy as np
 from jaxpaged.models.attention_backends import get_attention_fn
 from jaxpaged.models.config import QwenConfig
 from jaxpaged.models.convert import convert_tensors, abstract_model
-from jaxpaged.engine.step_inputs import build_chunk_step
-from jaxpaged.models.paged_forward import forward_all_logits
 from jaxpaged.models.kv_pool import init_kv_pool
 from jaxpaged.models.tiny import random_hf_tensors
 from jaxpaged.workloads import QWEN2_5_0_5B, QWEN3_0_6B
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (its helper modules)
+from paged_forward import build_chunk_step, forward_all_logits  # noqa: E402
 
 SHAPES = {"Qwen3-0.6B": QWEN3_0_6B, "Qwen2.5-0.5B": QWEN2_5_0_5B}
 BLOCK_SIZE, PROMPT_LEN, SPLIT, DECODE = 16, 300, 193, 8

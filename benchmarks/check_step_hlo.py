@@ -17,12 +17,13 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (its helper modules)
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from jaxpaged.engine.step_inputs import build_step_inputs  # noqa: E402
 import jax  # noqa: E402
 
-from jaxpaged.engine.hlo import entry_param_readers, pool_hlo_report  # noqa: E402
+from hlo_report import entry_param_readers, pool_hlo_report  # noqa: E402
 from jaxpaged.workloads import BENCHMARK_MODELS, benchmark_params  # noqa: E402
 
 

@@ -26,7 +26,7 @@ from jax import lax
 from ..kernels.metadata import AttentionMetadata
 from ..kernels.shapes import next_pow2
 from ..kv.block_tables import BlockTables
-from ..sampling.sampler import SamplingParams, sampling_mode
+from ..sampling.sampler import sampling_mode
 from ..sampling.features import NO_FEATURES, FeatureInputs, SamplerFeatures, build_feature_inputs
 from ..request import PLACEHOLDER, Sequence
 
@@ -238,18 +238,6 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
                       seeds=seeds, counters=counters, sampling_mode=mode,
                       uniform_decode=uniform_decode and decode_only and num_seqs > 0, extras=extras, features=features,
                       packed=buf if extras is None else None)
-
-
-def build_chunk_step(chunks: list[tuple[list[int], int, list[int]]], block_size: int,
-                     width: int | None = None) -> StepInputs:
-    """The same builder for hand-made steps (tests, model checks): one ``(new_token_ids, start_pos,
-    block_table)`` per sequence, the tokens before ``start_pos`` already in the pool. Greedy sampling."""
-    tables, scheduled = BlockTables(), []
-    for i, (ids, start, table) in enumerate(chunks):
-        seq = Sequence(f"chunk-{i}", [0] * start + [int(t) for t in ids], SamplingParams(temperature=0))
-        seq.block_table_row, seq.num_computed_tokens = tables.add([int(b) for b in table]), start
-        scheduled.append((seq, len(ids)))
-    return build_step_inputs(scheduled, tables, block_size, width=width)
 
 
 def padding_step_inputs(num_tokens: int, num_seqs: int, width: int, mode: str = "random",

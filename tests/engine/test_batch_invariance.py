@@ -16,6 +16,7 @@ import fcntl
 import functools
 import json
 import os
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -23,14 +24,15 @@ import numpy as np
 import pytest
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
-from jaxpaged.engine.step_inputs import build_chunk_step
 from jaxpaged.models.attention_backends import get_attention_fn
 from jaxpaged.models.ops import get_model_ops
 from jaxpaged.kernels.kv_write import write_kv
 from jaxpaged.llm import run_to_completion
-from jaxpaged.models.paged_forward import forward_all_logits
 from jaxpaged.models.kv_pool import init_kv_pool
 from jaxpaged.models.tiny import tiny_checkpoint_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the model checks' helpers
+from paged_forward import build_chunk_step, forward_all_logits  # noqa: E402
 
 RNG = np.random.default_rng(7)
 SHARED = [int(t) for t in RNG.integers(1, 512, 24)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -9,8 +11,10 @@ import pytest
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
 from jaxpaged.engine.step_inputs import bucket, build_step_inputs
-from jaxpaged.engine.hlo import entry_param_readers, pool_hlo_report
 from jaxpaged.models.tiny import tiny_checkpoint_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # check_step_hlo's HLO reading
+from hlo_report import entry_param_readers, pool_hlo_report  # noqa: E402
 
 
 def test_step_hlo_aliases_pool_and_never_copies_it():

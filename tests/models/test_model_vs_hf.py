@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -13,11 +14,12 @@ import pytest
 from jaxpaged.models.convert import load_hf_checkpoint
 from jaxpaged.models.kv_pool import init_kv_pool
 from jaxpaged.models.tiny import tiny_checkpoint_path
-from jaxpaged.engine.step_inputs import build_chunk_step
-from jaxpaged.models.paged_forward import forward_all_logits
 from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps
 from jaxpaged.kernels.add_rms_norm import add_rms_norm
 from jaxpaged.models.ops import fused_qkv, gemv_or_xla_matmul, matmul_parts, silu_mul_matmul_parts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the model checks' helpers
+from paged_forward import build_chunk_step, forward_all_logits  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BLOCK_SIZE = 8

@@ -1,5 +1,6 @@
 """Checks of a compiled step's HLO text: the KV pool is donated and never copied or sliced, and the
-step's fresh inputs are read once (so CUDA-graph nodes keep their buffer addresses)."""
+step's fresh inputs are read once (so CUDA-graph nodes keep their buffer addresses). Used by
+``check_step_hlo.py`` on a GPU and by ``tests/engine/test_runner.py``."""
 
 from __future__ import annotations
 
