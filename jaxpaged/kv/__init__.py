@@ -11,7 +11,7 @@
 """
 
 from jaxpaged.config import check_block_size
-from jaxpaged.kv.allocator import BlockAllocator, BlockState
+from jaxpaged.kv.allocator import BlockAllocator
 from jaxpaged.kv.block_tables import BlockTables
 from jaxpaged.kv.errors import BlockStateError, DoubleFreeError, OutOfBlocksError, RequestTooLargeError
 from jaxpaged.kv.manager import KVCacheManager
@@ -21,7 +21,7 @@ from jaxpaged.kv.reservation import PagedReservation, ReservationPolicy
 from jaxpaged.kv.stats import EventLog, KVCounters, KVEvent, KVStats, PrefixDivergence, explain_prefix
 
 __all__ = [
-    "BlockAllocator", "BlockState", "BlockStateError", "BlockTables", "ContiguousReserver", "DoubleFreeError",
+    "BlockAllocator", "BlockStateError", "BlockTables", "ContiguousReserver", "DoubleFreeError",
     "EventLog", "KVCacheManager", "KVCounters", "KVEvent", "KVStats", "MaxLenReservation", "OutOfBlocksError",
     "PagedReservation", "PrefixDivergence", "PrefixTrie", "RequestTooLargeError", "ReservationPolicy",
     "TrieNode", "check_block_size", "explain_prefix", "max_len_run_length",

@@ -20,18 +20,11 @@ ref counts and the cached mark are kept for blocks that have them only; the LRU 
 
 from __future__ import annotations
 
-import enum
 from collections import OrderedDict, deque
 from typing import Callable, Iterable
 
 from jaxpaged.config import check_block_size
 from jaxpaged.kv.errors import BlockStateError, DoubleFreeError, OutOfBlocksError
-
-
-class BlockState(enum.Enum):
-    FREE = "free"
-    REFERENCED = "referenced"
-    CACHED = "cached"  # unreferenced, in the LRU pool, still findable through the prefix trie
 
 
 class BlockAllocator:
@@ -92,11 +85,6 @@ class BlockAllocator:
     def is_evictable(self, block_id: int) -> bool:
         """True if the block sits unreferenced in the LRU pool."""
         return block_id in self._lru
-
-    def state(self, block_id: int) -> BlockState:
-        if block_id in self._ref_counts:
-            return BlockState.REFERENCED
-        return BlockState.CACHED if block_id in self._cached else BlockState.FREE
 
     @property
     def num_shared_references(self) -> int:

@@ -96,13 +96,3 @@ class BlockTables:
         else:
             out[:, : self.width] = self.table[rows]
             out[:, self.width:] = 0
-
-    def gather(self, rows: np.ndarray | list[int], width: int) -> np.ndarray:
-        """``i32[len(rows), width]``: the given rows, cut or zero-padded to ``width`` (a fresh array).
-
-        Raises ``ValueError`` if a row holds more than ``width`` blocks.
-        """
-        rows = np.asarray(rows, dtype=np.int64)
-        out = np.empty((rows.size, width), dtype=np.int32)
-        self.gather_into(rows, out)
-        return out

@@ -128,11 +128,6 @@ class PrefixTrie:
             node = child
         return hits
 
-    def match(self, tokens: SequenceT[int], cache_salt: Hashable = None) -> list[int]:
-        """Device block ids of the longest cached prefix of ``tokens`` (see ``longest_prefix``; -1 for
-        a block that is on the host tier only)."""
-        return [node.block_id for node in self.longest_prefix(tokens, cache_salt)]
-
     # ---- insertion -----------------------------------------------------------------------------
     def insert(
         self,
@@ -247,16 +242,3 @@ class PrefixTrie:
             stack.extend(child.children.values())
         node.children.clear()
         return removed
-
-    # ---- eviction ------------------------------------------------------------------------------
-    def evict(self, block_id: int) -> list[int]:
-        """Removes the node of an unreferenced block the allocator is reclaiming.
-
-        Normally the node is a leaf (the allocator's LRU releases a sequence's deepest blocks first).
-        If it still has children, they can no longer be reached from the root, so the whole subtree
-        is detached and its block ids are returned for the allocator to uncache.
-        """
-        node = self._nodes.get(block_id)
-        if node is None:
-            raise KeyError(f"block {block_id} is not in the prefix trie")
-        return [child.block_id for child in self.remove(node) if child.block_id >= 0]

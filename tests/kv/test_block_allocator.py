@@ -6,9 +6,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from jaxpaged.kv import (
-    BlockAllocator, BlockState, BlockStateError, ContiguousReserver, DoubleFreeError, OutOfBlocksError,
-    check_block_size, max_len_run_length,
+    BlockAllocator, BlockStateError, ContiguousReserver, DoubleFreeError, OutOfBlocksError, check_block_size,
+    max_len_run_length,
 )
+from kv_helpers import BlockState, block_state
 
 
 @pytest.mark.parametrize("bad", [0, -16, 3, 12, 24, 1.0, "16", True, None])
@@ -33,10 +34,10 @@ def test_allocate_free_roundtrip_and_counts():
     a = BlockAllocator(4, 16)
     got = a.allocate(3)
     assert len(set(got)) == 3 and a.num_used_blocks == 3 and a.num_free_blocks == 1
-    assert all(a.ref_count(b) == 1 and a.state(b) is BlockState.REFERENCED for b in got)
+    assert all(a.ref_count(b) == 1 and block_state(a, b) is BlockState.REFERENCED for b in got)
     a.free(got)
     assert a.num_free_blocks == 4 and a.num_used_blocks == 0
-    assert all(a.state(b) is BlockState.FREE for b in got)
+    assert all(block_state(a, b) is BlockState.FREE for b in got)
 
 
 def test_out_of_blocks_is_all_or_nothing():
@@ -72,10 +73,10 @@ def test_cached_block_goes_to_lru_and_can_be_taken_back():
     (b,) = a.allocate(1)
     a.mark_cached(b)
     a.decref(b)
-    assert a.state(b) is BlockState.CACHED and a.is_evictable(b)
+    assert block_state(a, b) is BlockState.CACHED and a.is_evictable(b)
     assert a.num_cached_blocks == 1 and a.num_available_blocks == 3 and a.num_used_blocks == 0
     a.incref(b)  # a prefix hit revives it
-    assert a.state(b) is BlockState.REFERENCED and not a.is_evictable(b)
+    assert block_state(a, b) is BlockState.REFERENCED and not a.is_evictable(b)
     assert a.num_cached_blocks == 0
 
 
@@ -92,7 +93,7 @@ def test_free_list_used_before_eviction_then_lru_order():
     got = a.allocate(3)
     assert evicted == [blocks[1], blocks[0], blocks[3]]
     assert sorted(got) == sorted(evicted)
-    assert a.state(blocks[2]) is BlockState.CACHED and a.num_evictions == 3
+    assert block_state(a, blocks[2]) is BlockState.CACHED and a.num_evictions == 3
     assert all(not a.is_cached(b) for b in got)
 
 
@@ -121,10 +122,10 @@ def test_on_evict_detached_blocks_are_uncached():
     assert a.num_evictions == 0
     a.allocate(1)
     assert a.num_evictions == 1
-    assert a.state(blocks[1]) is BlockState.FREE  # detached unreferenced -> free list
-    assert a.state(blocks[2]) is BlockState.REFERENCED and not a.is_cached(blocks[2])
+    assert block_state(a, blocks[1]) is BlockState.FREE  # detached unreferenced -> free list
+    assert block_state(a, blocks[2]) is BlockState.REFERENCED and not a.is_cached(blocks[2])
     a.decref(blocks[2])
-    assert a.state(blocks[2]) is BlockState.FREE
+    assert block_state(a, blocks[2]) is BlockState.FREE
 
 
 @settings(max_examples=60, deadline=None)

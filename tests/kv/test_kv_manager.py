@@ -13,10 +13,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from jaxpaged.engine.step_inputs import slot_mapping_batch
 from jaxpaged.kv import (
-    BlockState, BlockStateError, BlockTables, DoubleFreeError, KVCacheManager, OutOfBlocksError,
-    RequestTooLargeError, explain_prefix,
+    BlockStateError, BlockTables, DoubleFreeError, KVCacheManager, OutOfBlocksError, RequestTooLargeError,
+    explain_prefix,
 )
 from jaxpaged.request import Sequence, SequenceStatus
+from kv_helpers import BlockState, block_state, gather, trie_match
 
 BS = 4
 
@@ -195,13 +196,13 @@ def test_evicting_parent_of_duplicate_detaches_and_cursor_recovers():
     d = seq("d", range(100, 116))
     mgr.admit(d)  # needs 4 blocks, 3 free: evicts a1 (LRU), which detaches b2
     assert a1 in mgr.block_table(d) and not mgr.allocator.is_cached(b2)
-    assert mgr.allocator.state(b2) is BlockState.REFERENCED and len(mgr.trie) == 1
+    assert block_state(mgr.allocator, b2) is BlockState.REFERENCED and len(mgr.trie) == 1
     mgr.check_invariants()
     mgr.free(d)
     for t in range(13, 17):
         decode(mgr, b, t)
     b3 = mgr.block_table(b)[3]
-    assert mgr.trie.match(b.token_ids) == [a0, b1, b2, b3]
+    assert trie_match(mgr.trie, b.token_ids) == [a0, b1, b2, b3]
     mgr.free(b)
     mgr.check_invariants()
 
@@ -391,14 +392,14 @@ def test_sequence_fields_and_timestamps():
 def test_block_tables_gather_and_slot_mapping():
     tables = BlockTables(rows=2, width=2)
     a, b, c = tables.add([3, 7, 2]), tables.add([5]), tables.add([])  # grows rows and width
-    out = tables.gather([a, b, c], 4)
+    out = gather(tables, [a, b, c], 4)
     assert out.dtype == np.int32 and out.tolist() == [[3, 7, 2, 0], [5, 0, 0, 0], [0, 0, 0, 0]]
     tables.append(a, [9])
-    assert tables.gather([a], 4).tolist() == [[3, 7, 2, 9]] and tables.blocks(a) == [3, 7, 2, 9]
+    assert gather(tables, [a], 4).tolist() == [[3, 7, 2, 9]] and tables.blocks(a) == [3, 7, 2, 9]
     with pytest.raises(ValueError, match="more than width=3"):
-        tables.gather([a], 3)
-    assert tables.gather([], 4).shape == (0, 4)
-    got = slot_mapping_batch(tables.gather([a, b], 4), np.array([0, 0, 1]), np.array([5, 13, 2]), 4)
+        gather(tables, [a], 3)
+    assert gather(tables, [], 4).shape == (0, 4)
+    got = slot_mapping_batch(gather(tables, [a, b], 4), np.array([0, 0, 1]), np.array([5, 13, 2]), 4)
     assert got.dtype == np.int32 and got.tolist() == [7 * 4 + 1, 9 * 4 + 1, 5 * 4 + 2]
     assert tables.remove(a) == [3, 7, 2, 9] and not tables.table[a].any() and tables.num_blocks(a) == 0
 
@@ -426,8 +427,8 @@ def test_block_tables_grow_and_match_after_frees():
         expect[i, : len(mgr.block_table(s))] = mgr.block_table(s)
     assert mgr.tables.table.shape[0] >= 71 and mgr.tables.width >= 100
     rows = [s.block_table_row for s in live]
-    assert np.array_equal(mgr.tables.gather(rows, width), expect)
-    assert np.array_equal(mgr.tables.gather(rows, 256)[:, :width], expect)
+    assert np.array_equal(gather(mgr.tables, rows, width), expect)
+    assert np.array_equal(gather(mgr.tables, rows, 256)[:, :width], expect)
     for s in live:
         mgr.free(s)
     assert not mgr.tables.table.any() and mgr.tables.rows_in_use == 0
@@ -607,7 +608,7 @@ class KVMachine(RuleBasedStateMachine):
             assert alloc.ref_count(b) == holders[b]
             expected = (BlockState.REFERENCED if holders[b] else
                         BlockState.CACHED if b in in_trie else BlockState.FREE)
-            assert alloc.state(b) is expected
+            assert block_state(alloc, b) is expected
         assert alloc.num_free_blocks + alloc.num_cached_blocks + alloc.num_used_blocks == self.n
         for b in in_trie:  # every findable block holds exactly the tokens of its trie path
             node, keys = trie.node(b), []
