@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP app (FastAPI): ``/v1/completions``, ``/v1/chat/completions`` (both with
 ``stream: true`` as server-sent events), ``/v1/models``, ``/health`` and ``/metrics``.
 
-``build_app(engine, ...)`` returns the app over an ``AsyncEngine`` (warmed up); ``http_server.serve``
+``build_app(engine, ...)`` returns the app over an ``AsyncEngine``; ``http_server.serve``
 runs it. A request's way in: ``GuardMiddleware`` (key, limits, body), the pydantic models of
 ``protocol.py`` (every field bounded), the deployment's limits (``ServerLimits``: n, stop strings,
 prompt bytes), then tokenization and chat templating in a worker thread, so a long prompt never holds
@@ -63,7 +63,7 @@ def engine_error(err: BaseException, request_id: str) -> APIError:
 
 def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key: str | None = None,
               limits: ServerLimits | None = None) -> FastAPI:
-    """The server's app over ``engine`` (``AsyncEngine.in_process`` or ``in_thread``, warmed up), answering to
+    """The server's app over ``engine`` (``AsyncEngine.in_process`` or ``in_thread``), answering to
     ``served_model_name`` (default: the model's path). ``api_key``: every ``/v1`` route needs
     ``Authorization: Bearer <api_key>``. The app shuts the engine down when it stops."""
     limits = limits or ServerLimits()

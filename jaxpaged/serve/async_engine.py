@@ -51,6 +51,7 @@ class ServedModel:
     tokenizer: Any  # jaxpaged.io.tokenizer.Tokenizer or None
     default_sampling_params: SamplingParams
     max_model_len: int
+    warmed_up: bool = False  # the steps were compiled at start-up (else they compile on first use)
 
     def chat_prompts(self, messages, chat_template_kwargs: dict | None = None) -> list[str]:
         return chat_prompts(self.tokenizer, messages, chat_template_kwargs=chat_template_kwargs)
@@ -143,6 +144,8 @@ class _ThreadTransport:
     def shutdown(self) -> None:
         self._stopped = True
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._run_commands(block=False)  # (aborts posted last, e.g. at shutdown, still release their blocks)
 
 
 def _pack(out: RequestOutput):
@@ -179,7 +182,8 @@ def _engine_process(conn, llm_kwargs: dict) -> None:
         from ..llm import LLM
 
         llm = LLM(**llm_kwargs)
-        conn.send(("ready", (str(llm.model_path), llm.default_sampling_params, llm.engine.max_model_len)))
+        conn.send(("ready", (str(llm.model_path), llm.default_sampling_params, llm.engine.max_model_len,
+                             llm.warmed_up)))
         core = EngineCore(llm.engine, lambda outs: conn.send(("outputs", [_pack(o) for o in outs])))
         while True:
             while conn.poll(0 if core.busy() else 0.1):
@@ -300,19 +304,19 @@ class AsyncEngine:
     def in_thread(cls, llm, on_abort: Callable[[], None] | None = None) -> AsyncEngine:
         """Over ``llm`` (``jaxpaged.LLM``, already built) stepping in a thread of this process."""
         self = cls(ServedModel(llm.model_path, llm.tokenizer, llm.default_sampling_params,
-                               llm.engine.max_model_len), on_abort)
+                               llm.engine.max_model_len, llm.warmed_up), on_abort)
         self._transport = _ThreadTransport(llm.engine, self._post_outputs, self._post_error)
         return self
 
     @classmethod
     def in_process(cls, llm_kwargs: dict, on_abort: Callable[[], None] | None = None) -> AsyncEngine:
-        """Over ``LLM(**llm_kwargs)`` built (and warmed up) in a child process; returns once it is ready."""
+        """Over ``LLM(**llm_kwargs)`` built (warmed up on a GPU) in a child process; returns once it is ready."""
         from ..io.tokenizer import load_tokenizer
 
         self = cls(None, on_abort)  # (its model is known once the engine process is ready)
         transport = _ProcessTransport(llm_kwargs, self._post_outputs, self._post_error)
-        path, defaults, max_model_len = transport.ready
-        self.model = ServedModel(Path(path), load_tokenizer(path), defaults, max_model_len)
+        path, defaults, max_model_len, warmed_up = transport.ready
+        self.model = ServedModel(Path(path), load_tokenizer(path), defaults, max_model_len, warmed_up)
         self._transport = transport
         return self
 
@@ -324,13 +328,19 @@ class AsyncEngine:
 
     # ---- from the engine's thread (or the pipe's reader thread) ----------------------------------------
     def _post_outputs(self, outs: list[RequestOutput]) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._dispatch, outs)
+        self._post(self._dispatch, outs)
 
     def _post_error(self, err: BaseException) -> None:
         self.error = err
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._dispatch_error, err)
+        self._post(self._dispatch_error, err)
+
+    def _post(self, fn: Callable, arg) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(fn, arg)
+            except RuntimeError:  # closed meanwhile: the server is gone, nobody is listening
+                pass
 
     # ---- on the event loop ----------------------------------------------------------------------------
     def _dispatch(self, outs: list[RequestOutput]) -> None:

@@ -107,7 +107,7 @@ class Server(uvicorn.Server):
 
 def serve(llm_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
           api_key: str | None = None, limits: ServerLimits | None = None) -> None:
-    """Starts the engine process (``LLM(**llm_kwargs)``, warmed up), then serves until a signal stops it:
+    """Starts the engine process (``LLM(**llm_kwargs)``, warmed up on a GPU), then serves until a signal stops it:
     the server is ready when it listens. Raises ``SystemExit(1)`` if the engine stopped."""
     limits = limits or ServerLimits()
     engine = AsyncEngine.in_process(llm_kwargs)
@@ -116,6 +116,9 @@ def serve(llm_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, served_mo
                      timeout_keep_alive=max(1, round(limits.keep_alive_timeout)),
                      timeout_graceful_shutdown=limits.shutdown_timeout + 2)
     server = Server(config, engine, limits)
+    compiled = "steps compiled at start-up" if engine.model.warmed_up else "steps compile on first use"
+    print(f"jaxpaged: engine ready ({compiled}); serving {served_model_name or engine.model.model_path} on "
+          f"http://{host}:{port}", flush=True)
     server.run()  # (a signal that stopped it is raised again once it has shut down, as uvicorn does)
     if server.engine_failed or engine.error is not None:
         raise SystemExit(1)

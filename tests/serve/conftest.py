@@ -42,3 +42,4 @@ def live_server(llm, limits, api_key: str | None = None):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+        engine.shutdown()  # (a forced exit skips the app's own shutdown: the engine thread must not outlive it)
