@@ -2,8 +2,8 @@
 
 Why: between two projections a decoder layer adds the last product to the residual stream and
 normalises the sum for the next projection. XLA runs that as separate small kernels at decode batch
-sizes (the GEMV's partial sum and rounding, the residual add, the norm's reduction: 3 kernels of
-~1.4-2 us each on the H200 at batch 1, ``tools/profile_step.py``); here it is one. The product
+sizes (the GEMV's partial sum and rounding, the residual add, the norm's reduction: 3 launch-bound
+kernels, ``tools/profile_step.py`` shows them); here it is one. The product
 arrives as ``parts [P, T, H]``: the ``P`` split-K partial sums of :func:`jaxpaged.kernels.gemv.gemv_partials`
 (fp32), or ``P = 1`` finished product in the model dtype (XLA's GEMM, ``x @ w``).
 

@@ -13,8 +13,8 @@ within their ``(block, head)`` slab of ``bs x D`` entries: ``V[t, d]`` sits at r
 consecutive bytes, and columns ``[j bs, (j + 1) bs)`` of the slab are ``V^T``'s rows ``[j bs, (j + 1)
 bs)`` in order: the Mosaic GPU kernel copies ``V^T`` into shared memory with ``D / bs`` rectangular
 TMA boxes. Why: the attention's ``P @ V`` contracts over tokens, and an 8-bit operand
-whose contracted axis is strided in memory ran at half of bf16's bandwidth on the H200, while keys,
-contracted over ``d`` (contiguous), ran at full speed (``benchmarks/results/fp8/README.md``). Why:
+whose contracted axis is strided in memory runs at a fraction of bf16's bandwidth, while keys,
+contracted over ``d`` (contiguous), run at full speed (docs/DECISIONS.md). Why:
 
 * correctness never depends on a calibration step: a scale fits the values it scales, whatever the
   model, the layer or the prompt (a fixed per-tensor scale of 1.0, vLLM's default, overflows or

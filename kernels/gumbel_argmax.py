@@ -3,8 +3,8 @@ over the logits, each program a row's run of ``steps`` chunks of ``block`` logit
 best of a row's part winners.
 
 Why: XLA's sampler (two row reductions over the ``[S, V]`` float32 logits, drawing the noise in the
-first) took 155 us of a 4.4 ms batch-256 decode step on the H200 against 59 us for a bare argmax
-(measured on the H200). The pass is bound by arithmetic, not
+first) took a few times a bare argmax's time, a visible share of a batch-256 decode step
+(docs/DECISIONS.md). The pass is bound by arithmetic, not
 by the read: two accurate ``logf`` per logit (~20 instructions each), a correctly rounded division by
 the temperature and the hash. A Pallas pass with the same arithmetic was no faster. This one
 draws the same kind of noise with far fewer instructions:
@@ -23,8 +23,8 @@ which changes a token only where two candidates tie to that precision. Each row 
 logits, ``1 / T``, seed and counter only (batch invariant). Ties go to the lowest token id and a NaN
 beats every number, as with ``jnp.argmax``: values are compared as ``int32`` order keys
 (:func:`order_key`: NaN above ``+inf``, ``-0 == +0``), each lane keeps its first best across its
-chunks, then one max and one min over the lanes give a part's winner (two block reductions; with
-four, to handle NaN on the float values, the pass took 160 instead of ~125 us at 256 rows).
+chunks, then one max and one min over the lanes give a part's winner (two block reductions; four, to
+handle NaN on the float values, made the pass slower).
 
 The multiplication by ``1 / T`` is ``mul.rn.f32`` on the GPU (no fused multiply-add with the noise), so
 ``x * (1 / T) + g`` is rounded exactly as XLA's ``scaled = x * (1 / T)`` followed by ``scaled * 1 + g``:
@@ -165,9 +165,7 @@ class SamplerConfig:
 def choose_config(num_rows: int, vocab: int) -> SamplerConfig:
     """Chunks of 4,096, 2,048 or 1,024 logits (the largest that still gives >= 2 programs per SM); with
     enough rows, 4 (or 2) chunks per program as long as that leaves >= 4 programs per SM, in two
-    pipeline stages. Measured on the H200: at 64 and 256
-    rows the looped programs are 0-25% faster than one chunk each, within that call's noise at 256
-    rows and temperature 0.6, where the pass is bound by the noise's arithmetic."""
+    pipeline stages: the looped programs are as fast or faster than one chunk each at large batches."""
     block, cores = 1024, num_cores()
     for b in (4096, 2048):
         if num_rows * pl.cdiv(vocab, b) >= 2 * cores:

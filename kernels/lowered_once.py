@@ -3,7 +3,7 @@
 A warm-up compiles one step for each token bucket and each sampler variant (``random``, ``filtered``):
 two steps of a bucket launch the same attention kernels with the same shapes, and jax would lower a
 kernel again inside each jit that calls it. Lowering a Mosaic GPU kernel (its layout inference and
-dialect lowering, in Python) takes 1-2 s a kernel at Qwen3-0.6B's shapes, most of lowering a step.
+dialect lowering, in Python) takes seconds a kernel, most of lowering a step.
 
 :func:`launch` puts a kernel into the step as one primitive, keyed by the kernel's traced program
 (which holds every static parameter) and its operands' shapes. Lowering that primitive embeds this

@@ -2,8 +2,8 @@
 
 Why: XLA and cuBLAS choose a GEMM algorithm (tile shape, split-K, reduction order) from the problem
 shape, so on the GPU row ``i`` of ``x @ w`` can change in its last bits when ``x`` gains or loses rows:
-the same request batched differently then gives different logits (measured on the H200: 3 of 8 bf16
-greedy requests changed, measured on the H200). This kernel fixes every choice that could depend on ``M``:
+the same request batched differently then gives different logits (greedy bf16 requests change
+tokens: docs/NUMERICS.md). This kernel fixes every choice that could depend on ``M``:
 
   * one launch configuration per weight shape (:func:`matmul_config` looks at ``K``, ``N`` and the
     dtype, never at ``M``): fixed ``block_m``, ``block_n``, ``block_k``, warps and stages;

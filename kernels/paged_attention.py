@@ -39,11 +39,10 @@ block id per slot (correct, slower: gathered columns). The tiles are converted e
 float32); the K scales multiply the scores' columns and the V scales, relative to each row's largest
 in the tile, the probabilities' columns (docs/NUMERICS.md). A masked tile inside one block is read whole
 and its values and V scales past ``kv_end`` zeroed (stale keys only reach scores the causal mask
-replaces). Why (measured on the H200, ``benchmarks/results/fp8/README.md``): at batch 256 x context 1,024 a
-loop over a block-64 pool in this layout took 221 us with bf16 tiles, 185 with f16 tiles, 290-302 us
-over values in key order (the 8-bit ``P @ V`` operand strided along its contracted axis) and 340-365
-us over block-16 tiles with scalar ids; bf16 took 264-271 us; load masks on the masked tiles cost
-60-100 us. The tile is 64 slots whatever the block size, so block sizes 8-128 give the same
+replaces). Why: f16 tiles over a block-64 pool in this layout were the fastest of the variants measured
+(bf16 tiles, values in key order, whose 8-bit ``P @ V`` operand is strided along its contracted axis,
+block-16 tiles with scalar ids, load masks on the masked tiles: docs/DECISIONS.md), faster than the
+bf16 pool itself. The tile is 64 slots whatever the block size, so block sizes 8-128 give the same
 arithmetic (batch-invariant mode keeps agreeing across block sizes).
 
 Batch-invariant configuration (:func:`invariant_config`, ``batch_invariant=True``): one launch
@@ -346,10 +345,10 @@ def choose_config(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads
 
     ``decode``: an explicit choice; ``None`` (the engine's) decides from the padded shapes
     (``T <= 2 S``), so a 256-slot engine runs every step of <= 512 tokens, prefill chunks included,
-    with the decode configuration. Measured on the H200 (docs/DECISIONS.md): for prefill chunks of <= 512 tokens the 16-row decode tiles are as fast as the
-    prefill tiles (0.85-1.06x), and telling the kernel what each step holds would double the compiled
-    step variants (+38 s warm-up), so the engine does not. ``fp8``: the pool is fp8 (``block_k`` is
-    ``FP8_TILE``).
+    with the decode configuration: for prefill chunks of <= 512 tokens the 16-row decode tiles are as
+    fast as the prefill tiles, and telling the kernel what each step holds would double the compiled
+    step variants (a longer warm-up), so the engine does not (docs/DECISIONS.md). ``fp8``: the pool is
+    fp8 (``block_k`` is ``FP8_TILE``).
     """
     group = num_q_heads // num_kv_heads
     if decode is None:
@@ -426,9 +425,8 @@ def paged_attention(
     Returns ``[T, Hq, D]`` in ``q.dtype``; zeros for padding tokens.
 
     The layer reaches the kernel as an operand, not a constant: every layer of a step then calls one
-    traced and lowered kernel (a model's step traces and lowers its attention once, not once a layer:
-    on the H200 lowering a Qwen3-0.6B step took 3.6-6.3 s with 57 Pallas lowerings, most of a cold
-    start's lowering time).
+    traced and lowered kernel (a model's step traces and lowers its attention once, not once a layer,
+    which was most of a cold start's lowering time).
     """
     _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables)
     return _paged_attention(q, kv_pool, jnp.asarray(layer, jnp.int32), cu_q_lens, kv_lens, block_tables,

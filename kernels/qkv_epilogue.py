@@ -4,8 +4,7 @@ v into the pool, return q.
 
 Why: XLA runs this stretch of every layer as four to five small kernels (the q norm, the k norm, the
 q rotation, the k rotation fused into the KV scatter, and the GEMV's partial sums); at decode batch
-sizes each is ~1.3-2.5 us of launch-bound GPU time, ~7 us a layer, ~0.2 ms of a Qwen3-0.6B step on
-the H200 (``tools/profile_step.py``). Here program ``(token block, head)``
+sizes each is launch-bound (``tools/profile_step.py`` shows them). Here program ``(token block, head)``
 does it all for one q head or one KV head of a few tokens (:func:`token_block`: one token and one
 warp up to 32 tokens, so a decode step of a few tokens still spreads over the SMs; 8 tokens and 4
 warps above, so a batch-256 step is 768 programs instead of 6,144; over an fp8 pool one token a
@@ -41,12 +40,10 @@ from .kv_write import check_pool
 def token_block(num_tokens: int, fp8: bool = False) -> tuple[int, int]:
     """``(tokens per program, warps)`` for a step of ``num_tokens`` writing a pool of 16-bit or (``fp8``)
     8-bit values: one token and one warp per program up to 32 tokens (a decode step of a few tokens
-    still spreads over the SMs), 8 tokens and 4 warps above, except over an fp8 pool. Why, measured on
-    the H200 at 256 tokens (Qwen3-0.6B shapes): over a bf16 pool one program per (token, head) is
-    6,144 one-warp programs, ~5.6 us a layer for ~4 MB of traffic (``tools/profile_step.py``), 8
-    tokens a program 3.9 us; over an fp8 pool, whose values are written one byte a 32-byte sector
-    (kernels/fp8.py: V transposed), 8 tokens a program take 12.5 us and one token a program 9.7 us
-    (``benchmarks/results/fp8/epilogue/``)."""
+    still spreads over the SMs), 8 tokens and 4 warps above, except over an fp8 pool. Why: at a
+    batch-256 step over a bf16 pool one program per (token, head) is 6,144 one-warp programs, slower
+    than 8 tokens a program; over an fp8 pool, whose values are written one byte a 32-byte sector
+    (kernels/fp8.py: V transposed), one token a program is the faster (docs/DECISIONS.md)."""
     return (1, 1) if num_tokens <= 32 or fp8 else (8, 4)
 
 

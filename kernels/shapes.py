@@ -14,7 +14,7 @@ def is_pow2(n: object) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n > 0 and not n & (n - 1)
 
 
-DEFAULT_NUM_CORES = 132  # an H200's SMs: used where the device does not say (a CPU in interpret mode)
+DEFAULT_NUM_CORES = 132  # a Hopper GPU's SMs: used where the device does not say (a CPU in interpret mode)
 
 
 def num_cores() -> int:

@@ -94,7 +94,8 @@ class MosaicBackend(AttentionBackend):
 
         if head_dim not in mgpu.HEAD_DIMS or block_size not in mgpu.BLOCK_SIZES:
             raise ValueError(f"attention_backend='mosaic' reads head_dim {mgpu.HEAD_DIMS} and block_size "
-                             f"{mgpu.BLOCK_SIZES}, this engine has head_dim {head_dim}, block_size {block_size}: use 'triton'")
+                             f"{mgpu.BLOCK_SIZES}, this engine has head_dim {head_dim}, block_size {block_size}: "
+                             "use 'triton'")
         if batch_invariant:
             raise ValueError("attention_backend='mosaic' does not run with batch_invariant=True: the bitwise "
                              "guarantee is verified on the Triton kernel only (use attention_backend='triton')")
@@ -105,11 +106,11 @@ class MosaicBackend(AttentionBackend):
                                  f"this one is {'.'.join(map(str, cc or (0,)))}: use 'triton'")
         if is_fp8(kv_dtype):
             if block_size < mgpu.MIN_KV_TILE:
-                raise ValueError(f"attention_backend='mosaic' reads an fp8 pool one block a KV tile: block_size must be "
-                                 f">= {mgpu.MIN_KV_TILE} (the fp8 default), this engine has {block_size}")
+                raise ValueError(f"attention_backend='mosaic' reads an fp8 pool one block a KV tile: block_size "
+                                 f"must be >= {mgpu.MIN_KV_TILE} (the fp8 default), this engine has {block_size}")
             if act_dtype is not None and jnp.dtype(act_dtype) != jnp.dtype(jnp.bfloat16):
-                raise ValueError(f"attention_backend='mosaic' reads an fp8 pool with bfloat16 activations, this model's "
-                                 f"are {jnp.dtype(act_dtype).name}: use 'triton'")
+                raise ValueError(f"attention_backend='mosaic' reads an fp8 pool with bfloat16 activations, this "
+                                 f"model's are {jnp.dtype(act_dtype).name}: use 'triton'")
             return
         ok = mgpu.pool_dtypes(interpret=not _on_gpu())
         if jnp.dtype(kv_dtype) not in ok:

@@ -73,7 +73,7 @@ def save_state(directory: Path, state: nnx.State) -> None:
     servers, a notebook and a script, test workers) each write their own copy and the last rename
     wins; a copy already there (a damaged one being rebuilt, or another writer's) is moved aside
     first, so a reader sees a whole copy or none."""
-    import orbax.checkpoint as ocp  # here, not at module level: ~0.3 s of every `import jaxpaged`
+    import orbax.checkpoint as ocp  # here, not at module level: slow to import, and most imports of jaxpaged never save
 
     tmp = _beside(directory, "tmp")
     try:

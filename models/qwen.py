@@ -57,10 +57,9 @@ def xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dty
 
 def xla_matmul_unfused_input(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=None) -> jax.Array:
     """:func:`xla_matmul` with an optimisation barrier on ``x``: XLA cannot fuse the op that produces
-    ``x`` (an RMSNorm, SiLU * up) into the GEMM kernel as a prologue. On the H200 such a prologue made
-    XLA's Triton GEMMs about 2x slower at decode sizes (M = 16, Qwen3-0.6B: qkv 5.4 vs 2.7 us, gate_up
-    8.3 vs 4.2 us), while the producer runs as its own small
-    kernel either way. Same values: the barrier changes only how the program is split into kernels."""
+    ``x`` (an RMSNorm, SiLU * up) into the GEMM kernel as a prologue, which makes XLA's Triton GEMMs
+    slower at decode sizes (docs/DECISIONS.md), while the producer runs as its own small kernel either
+    way. Same values: the barrier changes only how the program is split into kernels."""
     return xla_matmul(jax.lax.optimization_barrier(x), w, transpose_w=transpose_w, out_dtype=out_dtype)
 
 
@@ -274,8 +273,7 @@ def decoder_layer(graphdef: nnx.GraphDef, state: nnx.State, x, positions, kv_poo
     Why a jitted function with the layer as an operand: every layer of a step has the same structure
     and shapes, so the step traces and lowers one layer (its Pallas kernels included) and calls it
     ``L`` times; XLA inlines the calls, so the compiled step is the same. Tracing and lowering the
-    layers one by one took most of a cold start (Qwen3-0.6B on the H200: 1.1-2.0 s tracing and
-    3.6-6.3 s lowering per step shape, 57 Pallas lowerings each)."""
+    layers one by one took most of a cold start."""
     return nnx.merge(graphdef, state)(x, positions, kv_pool, layer, meta, attention_fn, write_kv_fn, ops, pending)
 
 

@@ -185,8 +185,8 @@ def random_leaves(shapes: Sequence[tuple[int, ...]], shardings: Sequence[Any], o
     """Random weights (normal * 0.02, or ones where ``ones``), each made directly with its sharding by one
     compiled initialiser per (shape, sharding, ones), which layers share (compiled in parallel); leaf ``i`` draws from the
     ``i``-th key of ``seed``, so the values do not depend on how a leaf is split. Why not the model's
-    eager initialisers: one small compilation per draw (6.8 s for Qwen3-0.6B shapes on the H200), and
-    one program for the whole model compiled for as long."""
+    eager initialisers: one small compilation per draw (seconds for a whole model), and one program for
+    the whole model compiled for as long."""
     keys = jax.random.split(jax.random.key(seed), len(shapes))
     kinds = list(dict.fromkeys(zip(map(tuple, shapes), shardings, ones)))
 
@@ -200,7 +200,7 @@ def random_leaves(shapes: Sequence[tuple[int, ...]], shardings: Sequence[Any], o
         return fn.lower(keys[0]).compile()
 
     with concurrent.futures.ThreadPoolExecutor(min(len(kinds), os.cpu_count() or 1) or 1) as pool:
-        makers = dict(zip(kinds, pool.map(compile_maker, kinds)))  # (compiled in parallel: ~0.5 s each on a GPU)
+        makers = dict(zip(kinds, pool.map(compile_maker, kinds)))  # (compiled in parallel)
     return [makers[(tuple(shape), sharding, one)](keys[i])
             for i, (shape, sharding, one) in enumerate(zip(shapes, shardings, ones))]
 

@@ -1,8 +1,8 @@
 """Compiled steps kept on disk whole, so a new process skips tracing, lowering and compiling them.
 
 Why: JAX's persistent compilation cache keeps XLA's output only. A new process still traces the
-model, lowers it (the Pallas-Triton kernels compile during lowering) and looks the result up: on the
-H200 that was half of a cold start. Here each warmed-up step is stored as a serialised executable
+model, lowers it (the Pallas-Triton kernels compile during lowering) and looks the result up, a large
+part of a cold start. Here each warmed-up step is stored as a serialised executable
 (``jax.experimental.serialize_executable``) and loaded back as a callable ``jax.stages.Compiled``.
 
 Entries live in ``<compilation cache dir>-steps/<key>/``, where ``<key>`` hashes everything an
@@ -83,7 +83,7 @@ def execution_devices(compiled) -> list:
 
 def clone(compiled):
     """A second, independent executable of ``compiled`` (serialised and loaded again: no tracing, lowering or
-    compiling; ~0.1-0.2 s for a Qwen3-0.6B step on the H200). Each copy keeps its own CUDA graphs."""
+    compiling). Each copy keeps its own CUDA graphs."""
     from jax.experimental.serialize_executable import deserialize_and_load, serialize
 
     return deserialize_and_load(*serialize(compiled), execution_devices=execution_devices(compiled))

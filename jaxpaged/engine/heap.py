@@ -2,12 +2,10 @@
 cyclic garbage collector's reach once the engine is warmed up.
 
 Why: Python's full (generation-2) collection walks every tracked object. After compiling the steps the
-process holds hundreds of thousands of them (289k on a CPU with a tiny model, more with the real
-one on a GPU), and the requests' allocations trigger a full collection sooner or later: on the H200
-machines' hosts it stopped nano-vllm's workload for 0.70-0.92 s at the same engine step in every run
-(11-15% of the workload's time). ``gc.freeze()`` (vLLM
-does the same after start-up) moves every object alive now to a permanent generation the collector
-skips: on a CPU that collection went from 171 ms to 4.8 ms.
+process holds hundreds of thousands of them, and the requests' allocations trigger a full collection
+sooner or later, which stops the engine for most of a second in the middle of a workload.
+``gc.freeze()`` (vLLM does the same after start-up) moves every object alive now to a permanent
+generation the collector skips, so that collection takes milliseconds.
 
 The cost: a frozen object that later becomes cyclic garbage is never collected (objects freed by their
 reference count, like a dropped engine and its KV pool, still are). So it runs once, after the warm-up

@@ -7,15 +7,13 @@ copies, in the order they were decided, before the engine's next step:
   every layer, ``pool[:, b]``, one contiguous array); after the engine has dispatched its next step,
   ``finish_offloads`` moves them to host memory (``pinned_host``: page-locked) with one batched
   ``jax.device_put``, on the runtime's own transfer stream. The step, which may overwrite the evicted
-  blocks, waits for the gather only; the ``device_put`` (~45 us of host time a block on the H200) runs
-  while the device computes the step, not before it is launched (a host-tier hit's TTFT at 7B shapes
-  paid 5-8 ms for 127 blocks that way). Until then, staged blocks hold device memory (at most one
-  step's evictions);
+  blocks, waits for the gather only; the ``device_put`` (host time per block) runs while the device
+  computes the step, not before it is launched, where a host-tier hit's TTFT would pay for it. Until
+  then, staged blocks hold device memory (at most one step's evictions);
 * reload: one jitted update takes the host arrays, brings them to the device and writes them into the
   pool, donated: in place, no copy of the pool. The step that reads them needs them anyway, so this
-  copy is on its path: it is made inside the executable (XLA's host-memory transfers), which on the
-  H200 reloaded 128 blocks of Qwen2.5-7B (112 MiB) at 32.6 GB/s, against 12.6 GB/s for a
-  ``device_put`` of the blocks and 42.9 GB/s for one contiguous ``device_put`` (docs/DECISIONS.md).
+  copy is on its path: it is made inside the executable (XLA's host-memory transfers), faster than a
+  ``device_put`` of the blocks and near one contiguous ``device_put`` (docs/DECISIONS.md).
 
 Both are dispatched asynchronously, like the step: the host goes on scheduling while the copies run,
 and the step that reads a reloaded block follows its update in the device's stream order (it takes
@@ -96,8 +94,7 @@ class KVTransfers:
     def reserve_host_memory(self, kv_pool: jax.Array, chunk_bytes: int = 1 << 30) -> None:
         """Allocates the tier's pinned host memory once, in 1 GiB pieces, and frees it: the runtime's
         host allocator keeps it for the blocks to come. Why: page-locking memory is slow, and a tier that
-        grew while serving stalled requests (the first offload of 127 blocks took 90 ms instead of 5,
-        and TTFT p99 reached 2.5 s on the H200 with a 13 GiB tier filling up)."""
+        grew while serving stalled the requests waiting on its first offloads."""
         t0 = time.perf_counter()
         self._shardings(kv_pool)
         total = self.num_slots * self.block_bytes // max(1, len(self._device_sharding.device_set))

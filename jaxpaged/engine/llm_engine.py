@@ -138,8 +138,8 @@ class LLMEngine:
         # Decode steps as steps of their own where the backend runs them on a kernel of their own.
         self._uniform_decode = backend.decode_steps_apart(self.kv_dtype)
         if jax.default_backend() == "gpu":
-            # The warm-up's executables are read from disk while the pool's memory is mapped (~2 s for
-            # 93 GiB on the H200); the pool is still made before anything else can allocate.
+            # The warm-up's executables are read from disk while the pool's memory is mapped (seconds for
+            # a pool of most of the GPU); the pool is still made before anything else can allocate.
             self._preload_warmup()
         self.kv_pool = make_kv_pool(params, self.num_blocks, config.block_size, self.kv_dtype)
         self.kv_transfers = KVTransfers(self.kv_pool, num_host_blocks) if self.kv.host is not None else None
@@ -538,8 +538,8 @@ class LLMEngine:
         ``freeze_gc``: once the steps are compiled, moves the process's long-lived objects out of the
         cyclic garbage collector's reach (``heap.freeze_long_lived_heap``), so a full collection in the
         middle of a workload takes milliseconds, not most of a second. It runs before the warm-up's
-        launches, not after them: a collection walks the whole heap (~0.1 s), and a request right
-        after it found the launch path's host caches cold (as after any idle).
+        launches, not after them: a collection walks the whole heap, and a request right after it found
+        the launch path's host caches cold (as after any idle).
         """
         t0 = time.perf_counter()
         steps = self._warmup_steps()
@@ -560,9 +560,8 @@ class LLMEngine:
         if jax.default_backend() == "gpu":
             # Each shape runs a few times in a row, each copy in turn (the runner alternates them), with
             # the token buffers passed around as a run of real steps passes them: XLA builds a step's
-            # CUDA graph over its first launches and re-patches it whenever a buffer it reads moved
-            # (~2.5 ms on a first request after a warm-up on fresh buffers), which the first request
-            # must not pay for.
+            # CUDA graph over its first launches and re-patches it whenever a buffer it reads moved,
+            # which the first request must not pay for.
             for inputs, turn in compiled:
                 if turn:
                     continue
@@ -608,8 +607,8 @@ class LLMEngine:
         every counter, step record, KV event and random draw they left, so the engine looks as if none
         ran.
 
-        Why: XLA re-records a step's CUDA graph (~1.2 ms for a Qwen3-0.6B step on the H200) when a
-        buffer the graph reads has moved since its last launch. Real steps reach the addresses they
+        Why: XLA re-records a step's CUDA graph (milliseconds of host time) when a buffer the graph
+        reads has moved since its last launch. Real steps reach the addresses they
         keep reusing only after a few requests (the allocator's free space after the warm-up differs
         from a serving loop's), so without this the first three requests each paid a re-record.
         Measured with XLA's command-buffer log (docs/DECISIONS.md): after three throwaway requests the

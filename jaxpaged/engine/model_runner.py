@@ -36,10 +36,9 @@ from .tuning import StepTuning
 def gspmd_partitioner():
     """A context in which jit partitions with GSPMD instead of Shardy (the tensor-parallel step only).
 
-    Why: on the H200 machine (jax 0.11.2, CUDA 13, 2026-11-29) XLA's GPU compiler segfaults while
-    compiling the tensor-parallel step (shard_map over the ``tp`` mesh) when Shardy partitions it, at
-    every size, with either attention backend and with command buffers, Triton GEMMs, autotuning or
-    the latency-hiding scheduler off; with GSPMD it compiles and runs (``benchmarks/bench_tp.py``).
+    Why: XLA's GPU compiler segfaults while compiling the tensor-parallel step (shard_map over the
+    ``tp`` mesh) when Shardy partitions it, whatever the step's options; with GSPMD it compiles and
+    runs (``benchmarks/bench_tp.py``; docs/DECISIONS.md has the versions).
     Scoped to the step's trace and compile, never set globally; it is part of jit's cache key, so every
     call of the step runs inside it.
     """
@@ -78,7 +77,7 @@ def make_step_fn(graphdef: nnx.GraphDef, attention_fn: Callable, write_kv_fn: Ca
     """The pure step function (not jitted): used by ``ModelRunner`` and by HLO inspection tests.
     ``ops``: the model's matmul / RMSNorm (``models.ops.get_model_ops``); ``batch_invariant``:
     fixed-order sums in the sampler. A ``uniform_decode`` step (``StepInputs``) tells ``attention_fn``
-    so (its ``uniform_decode=True``; only the Mosaic GPU kernel reads it)."""
+    so (its ``uniform_decode=True``; the backends that compile decode steps apart read it)."""
     decode_attention_fn = functools.partial(attention_fn, uniform_decode=True)  # (one object: jit's cache key)
 
     def step(state: nnx.State, kv_pool: KVPool, inputs: StepInputs,
@@ -104,8 +103,7 @@ def make_step_fn(graphdef: nnx.GraphDef, attention_fn: Callable, write_kv_fn: Ca
 # XLA options of the steps that ``StepTuning.cublas_max_tokens`` covers: XLA's GEMMs through cuBLAS.
 CUBLAS_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 # Every step: no HLO rematerialisation. The pass sizes a program against the device's memory and
-# counts the donated KV pool more than once (280 GiB for a 93 GiB pool on the H200), so a pool of most
-# of the GPU made it print "Can't reduce memory use below ... by rematerialization" at every compile
+# counts the donated KV pool more than once, so a pool of most of the GPU made it print "Can't reduce memory use below ... by rematerialization" at every compile
 # while finding nothing to recompute (an inference step keeps no activations to trade).
 # Autotuning at level 2: XLA still times its GEMM candidates on initialised buffers and keeps the
 # fastest, but does not check each candidate's output against a reference GEMM (level 4, the default),
@@ -122,15 +120,15 @@ class ModelRunner:
     (docs/NUMERICS.md). ``tuning``: bucketing and compilation choices (``tuning.StepTuning``).
 
     The weights are passed to the jitted function as a flat list of arrays, flattened once per
-    state object: flattening an NNX ``State`` in Python on every call costs ~0.3 ms a step, while a
-    list of arrays goes through jit's C++ fast path. The step's inputs travel packed in one buffer
+    state object: flattening an NNX ``State`` in Python on every call would cost host time every step,
+    while a list of arrays goes through jit's C++ fast path. The step's inputs travel packed in one buffer
     (``step_inputs.pack``: one host-to-device copy instead of 13) with a static ``StepLayout``.
 
     Copies (``tuning.step_executables``): a step's CUDA graph records the address of every buffer its
     kernels touch, and XLA patches the nodes whose buffers moved before each launch. With async
     scheduling the token buffers a step reads and writes alternate between two; with two copies of
-    each small step used in turn, each copy always sees the same two (batch-1 ITL on the H200 1.37 ->
-    1.02 ms). Steps above ``tuning.copies_max_tokens`` keep one copy and one compile.
+    each small step used in turn, each copy always sees the same two, and no launch waits for a
+    patch. Steps above ``tuning.copies_max_tokens`` keep one copy and one compile.
     Decode-sized steps (more than the GEMV's 32 rows, at most ``tuning.cublas_max_tokens``) compile
     with ``CUBLAS_OPTIONS``; larger (prefill) steps keep XLA's Triton GEMM fusions.
     """
@@ -222,9 +220,8 @@ class ModelRunner:
         writes its tokens into it (default: a fresh one). Why: XLA allocates a step's outputs just
         before its temporary buffer; a fresh 1 KB token array each step lands at the start of the free
         space and pushes the temporary buffer up by 1 KB, so every kernel node of the step's CUDA graph
-        had to be re-patched before each launch (1.6-2.8 ms of host time at batch 256 on the H200;
-        XLA's allocator log). Written into a recycled buffer, the
-        temporary buffer keeps its address.
+        had to be re-patched before each launch (XLA's allocator log). Written into a recycled buffer,
+        the temporary buffer keeps its address.
         """
         if prev_tokens is None:
             prev_tokens = self.token_buffer(inputs.logits_indices.shape[0])
@@ -235,8 +232,8 @@ class ModelRunner:
         copies, leaves = self._flat(state, cublas)
         if self.mesh is not None:  # one executable for fresh and fed-back tokens (committed or not)
             prev_tokens, spare_tokens = self._replicate(prev_tokens), self._replicate(spare_tokens)
-        packed, layout = pack(inputs)  # (a numpy argument: jit's own transfer was measured cheaper
-        # than a jax.device_put before the call, 350 vs 467 us a call on the H200)
+        packed, layout = pack(inputs)  # (a numpy argument: jit's own transfer costs the host less
+        # than a jax.device_put before the call)
         base_key = self._base_key(layout, prev_tokens, kv_pool, cublas)
         n = min(len(copies), self.num_copies(num_tokens))
         self._turns[base_key] = turn = (self._turns.get(base_key, -1) + 1) % n  # in turn, per shape
@@ -340,7 +337,7 @@ class ModelRunner:
                 return [exe] + [clone(exe) for _ in range(1, turns)] if self.mesh is None else [exe]
 
             with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
-                # Executables on disk load in parallel (each ~0.25 s on the H200, mostly in XLA's runtime).
+                # Executables on disk load in parallel (each load is mostly XLA's runtime, not Python).
                 loads = (list(pool.map(lambda w: self._load(repr(w[0] + (0,))), wanted)) if cache
                          else [None] * len(wanted))
                 futures = {}

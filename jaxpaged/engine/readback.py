@@ -4,8 +4,8 @@ Why: the engine needs each step's ``int32[R]`` tokens on the host as soon as the
 first token waits for it, and at batch 1 so does the next step's launch). Through jax
 (``copy_to_host_async`` + ``np.asarray``) the copy is issued only after the computation's completion
 has travelled through a CUDA host function and two PjRt worker threads, and its own completion
-through another host function before Python wakes: a traced TTFT step on the H200 showed ~0.48 ms
-from the last kernel to ``np.asarray`` returning for 1 KB.
+through another host function before Python wakes: a fraction of a millisecond from the last kernel
+to ``np.asarray`` returning for 1 KB, on the path of every first token.
 
 :class:`StreamReader` skips that machinery. It exports the array through DLPack *with a stream of
 its own*: jax then makes that stream wait, on the GPU, for the step's completion event (no host wait)
@@ -18,9 +18,8 @@ The DLPack export holds a reference to the buffer; the reader drops it before re
 engine can donate the buffer to a later step (``ModelRunner.step``'s ``spare_tokens``).
 
 :func:`make_token_reader` gives the stream reader where it can (one CUDA device, the driver found),
-else jax's (``np.asarray``; every CPU, and tensor parallelism). On the H200 the stream reader cut the
-batch-1 TTFT of a 32-token prompt from 2.13-2.26 to 1.73-1.79 ms and the ITL from 0.94-0.98 to
-0.88-0.89 ms, with the same tokens. The reader holds a stream and a pinned buffer: ``close()`` (the
+else jax's (``np.asarray``; every CPU, and tensor parallelism). Both give the same tokens; the stream
+reader's are there sooner (docs/DECISIONS.md). The reader holds a stream and a pinned buffer: ``close()`` (the
 engine's) releases them.
 """
 

@@ -140,9 +140,9 @@ def longest_first(scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence,
     first; ties keep their order (a stable sort).
 
     The attention kernel launches its programs in row order; starting the longest KV reads first
-    lets the short ones fill the end of the launch instead of one long sequence running alone
-    (``EngineConfig.longest_first``). Every consumer of a step's rows (inputs, sampling, output
-    bookkeeping) follows this one list, so the order changes no result."""
+    lets the short ones fill the end of the launch instead of one long sequence running alone. Every
+    consumer of a step's rows (inputs, sampling, output bookkeeping) follows this one list, so the order
+    changes no result."""
     return sorted(scheduled, key=lambda sn: -(sn[0].num_computed_tokens + sn[1]))
 
 
@@ -170,7 +170,7 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
 
     The arrays are views of one int32 buffer (:func:`input_buffer`), kept on the result
     (its ``packed`` field) so ``pack`` sends it without copying;
-    a step with sampler features packs the usual way (``pack`` at batch 1 on a CPU: 10 -> 1 us).
+    a step with sampler features packs the usual way.
     """
     seqs = [s for s, _ in scheduled]
     new_list = [n for _, n in scheduled]
@@ -268,7 +268,7 @@ class StepLayout:
     uniform_decode: bool = False
 
     def fields(self) -> tuple[tuple[str, tuple[int, ...], np.dtype], ...]:
-        """``(name, shape, dtype)`` in buffer order: ``batch.input_fields``, then the features' arrays."""
+        """``(name, shape, dtype)`` in buffer order: :func:`input_fields`, then the features' arrays."""
         s = self.num_seqs
         return input_fields(self.num_tokens, s, self.width) + (self.features.fields(s) if self.features else ())
 
@@ -328,9 +328,9 @@ def to_step_memory(*arrays: jax.Array) -> tuple[jax.Array, ...]:
     buffers moved since the last launch. A step's inputs arrive in a fresh buffer every step; read
     in place, the packed inputs make every kernel that reads a slot mapping, a block table or a
     length (the attention and the qkv epilogue of every layer) a node to patch: 295 of a batch-1
-    step's nodes, 0.1-0.18 ms of host time per launch on the H200 (``TF_CPP_VMODULE=
-    command_buffer_thunk=3``). Copied first, only the copy reads the
-    new buffer; the step's temporary memory keeps its address from step to step. The zero is hidden
+    step's nodes, patched on the host before every launch (``TF_CPP_VMODULE=command_buffer_thunk=3``
+    shows them). Copied first, only the copy reads the new buffer; the step's temporary memory keeps its
+    address from step to step. The zero is hidden
     from XLA's simplifier behind an optimisation barrier, and the barrier on the result keeps the copy
     from being fused back into its readers.
     """

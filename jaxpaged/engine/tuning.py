@@ -15,17 +15,17 @@ import jax
 @dataclasses.dataclass(frozen=True)
 class StepTuning:
     """min_token_bucket: a step's tokens are padded to a power of two of at least this many (one
-      compiled step per size). A GPU uses 1 (a batch-1 step computes one row in every projection:
-      its GPU time -8% against 16, four more shapes to compile); a CPU 16 (compilation, not padding,
-      dominates there).
+      compiled step per size). A GPU uses 1 (a batch-1 step computes one row in every projection,
+      at the cost of four more shapes to compile); a CPU 16 (compilation, not padding, dominates
+      there).
     step_executables: copies of each compiled step of at most ``copies_max_tokens`` tokens, launched
       in turn, so each copy's CUDA graph finds the two token buffers where its previous launch left
-      them and XLA patches no graph node before the launch (batch-1 ITL on the H200 1.16-1.37 ->
-      0.98-1.02 ms). 2 on a GPU, 1 elsewhere (a CPU has no CUDA graphs) and with tensor parallelism.
+      them and XLA patches no graph node before the launch. 2 on a GPU, 1 elsewhere (a CPU has no
+      CUDA graphs) and with tensor parallelism.
     cublas_max_tokens: steps of more than 32 and at most this many padded tokens (decode-sized) compile
-      XLA's GEMMs as cuBLAS calls instead of Triton fusions (a batch-256 decode step's GPU time -4% on
-      the H200; cuBLAS for prefill-sized steps made the whole workload slower). 512 on a GPU, 0 on a
-      CPU and with ``batch_invariant`` (whose matmuls are Pallas kernels).
+      XLA's GEMMs as cuBLAS calls instead of Triton fusions (faster there; cuBLAS for prefill-sized
+      steps made the whole workload slower). 512 on a GPU, 0 on a CPU and with ``batch_invariant``
+      (whose matmuls are Pallas kernels).
     copies_max_tokens: the largest padded step that uses every copy (``step_executables``).
     """
 
