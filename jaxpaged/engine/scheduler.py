@@ -1,8 +1,8 @@
-"""Scheduler: FCFS continuous batching with a token budget, chunked prefill and preemption by recompute.
+"""Scheduler: continuous batching with a token budget, chunked prefill and preemption by recompute.
 
 Each step gives every scheduled sequence ``n`` new tokens to compute: running sequences first (a
 decode is ``n == 1``; a prompt still being prefilled in chunks gets what is left of the budget), then
-waiting sequences in arrival order, admitted while the budget, ``max_num_seqs`` and the KV pool
+waiting sequences in the policy's order, admitted while the budget, ``max_num_seqs`` and the KV pool
 allow. A prefix-cache hit is decided at admission (``KVCacheManager.admit``): cached tokens count as
 computed, so only the rest costs budget. When a running sequence needs a block and none is free, the
 newest running sequence is preempted: its blocks are freed (full ones stay in the prefix cache) and it
