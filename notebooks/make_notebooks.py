@@ -2,12 +2,15 @@
 
 Edit the cells here, then run ``python notebooks/make_notebooks.py``: the ``.ipynb`` files are
 generated, so a review reads this file. A cell whose id and source are unchanged keeps the outputs
-stored in the existing notebook (e.g. from a run on a GPU); ``--clear-outputs`` drops them all.
-``tests/test_notebooks_and_experiments.py`` checks the sources match this file and runs every code
-cell of every notebook on a CPU, on a copy.
+stored in the existing notebook; ``--clear-outputs`` drops them all.
+``tests/benchmarks/test_notebooks_and_experiments.py`` checks the sources match this file and runs
+every code cell of every notebook on a CPU, on a copy.
 
-Every notebook runs on a CPU in about a minute or less on the packaged tiny random Qwen3 checkpoint
-(its text is gibberish; every mechanism is real). Install with ``pip install -e '.[notebooks]'``.
+The model follows the device, inside the cells (so one source serves both): on a GPU, Qwen3-0.6B's
+shapes with random bfloat16 weights; on a CPU, the packaged tiny random Qwen3 checkpoint, where every
+notebook runs in seconds. The committed outputs come from ``python tools/run_notebooks.py
+notebooks/*.ipynb`` (no Jupyter needed); each notebook's first output names the device. Install with
+``pip install -e '.[notebooks]'``; the first cell of each notebook does that when jaxpaged is missing.
 """
 
 from __future__ import annotations
@@ -20,30 +23,51 @@ from pathlib import Path
 HERE = Path(__file__).parent
 
 INSTALL = """\
-# Installing jaxpaged. Locally: `pip install -e '.[notebooks]'` in a clone of the repository (add the
-# `cuda12` extra, i.e. `jax[cuda12]`, on an NVIDIA GPU), then start Jupyter; this cell does nothing.
-# In Colab: upload or clone the repository to /content/jaxpaged (or set JAXPAGED_DIR), then run this
-# cell: it installs it with its notebook extras, plus `jax[cuda12]` on a GPU runtime.
+# Installs jaxpaged if this kernel cannot import it yet, from the checkout this notebook sits in: the first
+# folder at or above the working directory (Jupyter starts in the notebook's folder) that holds jaxpaged's
+# pyproject.toml, else $JAXPAGED_DIR, else /content/jaxpaged (a clone or upload in Colab). It runs
+# `pip install -e '<checkout>[notebooks]'` (with the `cuda12` extra where nvidia-smi exists). Already
+# installed: it does nothing.
+import importlib
 import os
 import shutil
+import site
 import subprocess
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-if "google.colab" in sys.modules:
-    JAXPAGED_DIR = Path(os.environ.get("JAXPAGED_DIR", "/content/jaxpaged"))
-    if not (JAXPAGED_DIR / "pyproject.toml").is_file():
-        raise FileNotFoundError(f"no jaxpaged clone at {JAXPAGED_DIR}: upload or clone it there first")
+
+def find_checkout():
+    env = [Path(os.environ["JAXPAGED_DIR"])] if os.environ.get("JAXPAGED_DIR") else []
+    for folder in [*env, Path.cwd(), *Path.cwd().parents, Path("/content/jaxpaged")]:
+        if (folder / "pyproject.toml").is_file() and (folder / "jaxpaged" / "__init__.py").is_file():
+            return folder
+    raise FileNotFoundError(f"jaxpaged is not installed and no checkout holds {Path.cwd()}: "
+                            "clone the repository (or set JAXPAGED_DIR to a clone) first")
+
+
+try:
+    version("jaxpaged")
+except PackageNotFoundError:
+    checkout = find_checkout()
     extras = "notebooks,cuda12" if shutil.which("nvidia-smi") else "notebooks"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"{JAXPAGED_DIR}[{extras}]"], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{checkout}[{extras}]"], check=True)
+    for folder in [*site.getsitepackages(), site.getusersitepackages()]:
+        site.addsitedir(folder)  # reads the editable install's .pth hook, so no kernel restart is needed
+    importlib.invalidate_caches()
+    print("installed jaxpaged from", checkout)
 """
 
-REAL_MODEL_NOTE = """\
-**Runs anywhere.** On a CPU this uses the packaged tiny random Qwen3 checkpoint (`float32`, text is
-gibberish, every mechanism is real) and the `jnp` reference attention. For a real model on a GPU, install
-`pip install -e '.[cuda12,notebooks]'`, set `MODEL` to a Hugging Face Qwen2 / Qwen2.5 / Qwen3 folder
-(e.g. `"/models/Qwen3-0.6B"`) and `DTYPE = "bfloat16"` (the weights' dtype; the KV cache follows it);
-`attention_backend="auto"` then picks the Pallas kernels, and you can raise the pool sizes below."""
+MODEL_NOTE = """\
+**Runs anywhere; the model follows the device.** On a GPU: Qwen3-0.6B's shapes (28 layers, 16 query and 8 KV
+heads of 128) with random `bfloat16` weights (`load_format="dummy"`: nothing is downloaded) and the Pallas
+attention kernels. On a CPU: the packaged tiny random Qwen3 checkpoint in `float32` with the `jnp` reference
+attention. Random weights make gibberish, and every mechanism shown is real. Text goes through the tiny
+checkpoint's tokenizer on both, which knows 512 tokens: on the GPU, generated ids past those decode to nothing, so
+read the token ids. For a real model, end the next cell with e.g.
+`MODEL, DTYPE, LOAD_FORMAT = "/models/Qwen3-0.6B", "bfloat16", "auto"` (any Hugging Face Qwen2 / Qwen2.5 / Qwen3
+folder)."""
 
 
 def md(*parts: str) -> dict:
@@ -93,10 +117,28 @@ def keep_outputs(nb: dict, old: dict) -> dict:
 
 
 SETUP = """\
-from jaxpaged.models.tiny import tiny_checkpoint_path
+import json
+import shutil
+import tempfile
+from pathlib import Path
 
-MODEL = tiny_checkpoint_path("qwen3")   # or "/path/to/Qwen3-0.6B": any Qwen2 / Qwen2.5 / Qwen3 HF folder
-DTYPE = "float32"                       # "bfloat16" for a real checkpoint on a GPU
+import jax
+
+from jaxpaged.models.tiny import tiny_checkpoint_path
+from jaxpaged.workloads import QWEN3_0_6B
+
+if jax.default_backend() == "gpu":
+    # A folder with Qwen3-0.6B's config.json (the weights are made from it) and the tiny checkpoint's tokenizer.
+    MODEL = Path(tempfile.gettempdir()) / "jaxpaged-qwen3-0.6b-random"
+    MODEL.mkdir(exist_ok=True)
+    (MODEL / "config.json").write_text(json.dumps(QWEN3_0_6B))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_checkpoint_path("qwen3") / name, MODEL / name)
+    DTYPE, LOAD_FORMAT, ABOUT = "bfloat16", "dummy", "Qwen3-0.6B shapes, random bfloat16 weights"
+else:
+    MODEL, DTYPE, LOAD_FORMAT = tiny_checkpoint_path("qwen3"), "float32", "auto"
+    ABOUT = "the packaged tiny random Qwen3 checkpoint, float32"
+print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}); model: {ABOUT}")
 """
 
 QUICKSTART = [
@@ -107,7 +149,7 @@ QUICKSTART = [
         prefix-cache hits, `explain_prefix` (why two prompts did not share more cached blocks), the block event
         log and the per-step metrics.
         """),
-    md(REAL_MODEL_NOTE),
+    md(MODEL_NOTE),
     code(SETUP, """
         from collections import Counter
 
@@ -121,20 +163,24 @@ QUICKSTART = [
         block allocation, prefix hit, cache insertion, free and eviction (leave it off in production).
         """),
     code("""
-        llm = LLM(MODEL, dtype=DTYPE, block_size=16, num_blocks=128, max_model_len=512,
+        llm = LLM(MODEL, dtype=DTYPE, load_format=LOAD_FORMAT, block_size=16, num_blocks=128, max_model_len=512,
                   max_num_batched_tokens=64, event_log=True)
         s = llm.stats()
+        compiled = (f"{s['compiled_shapes']} step shapes compiled at start-up ({s['compile_seconds']:.1f} s)"
+                    if s["compiled_shapes"] else "step shapes compiled on first use")
         print(f"pool: {s['num_blocks']} blocks x {s['block_size']} tokens = {s['kv_pool_bytes'] / 2**20:.2f} MiB "
-              f"of {s['kv_dtype']} ({s['kv_bytes_per_token']} bytes of K+V per token), "
-              f"attention: {s['attention_backend']}, {s['compiled_shapes']} step shapes compiled")
+              f"of {s['kv_dtype']} ({s['kv_bytes_per_token']:,} bytes of K+V per token), "
+              f"attention: {s['attention_backend']}, {compiled}")
         """),
     md("""
         ## Generate
 
         Prompts are text (tokenized with the checkpoint's `tokenizer.json`) or lists of token ids. Outputs come back in
-        input order, vLLM-shaped. `temperature=0` is greedy. `LLM(...)` compiled every step shape when it was made
-        (the progress bar above; `LLM(..., warmup=False)` skips that and compiles each shape on first use), so no
-        request waits for a compilation.
+        input order, vLLM-shaped. `temperature=0` is greedy. On a GPU (the Pallas attention kernels) `LLM(...)`
+        compiles every step shape when it is made (the progress bar above; `LLM(..., warmup=False)` skips that), so
+        no request waits for a compilation. On a CPU (the `jnp` reference attention, whose block tables are padded per
+        step) it does not: each step shape compiles on first use, and the first requests' TTFT includes that. The line
+        above says which happened here.
         """),
     code("""
         greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -270,7 +316,7 @@ MEMORY = [
         The question: how many requests run at once, and how much of the reserved KV memory ever holds a token.
         The full experiment is `benchmarks/experiments/exp_memory.py` (`--full` for Qwen3-0.6B shapes on a GPU).
         """),
-    md(REAL_MODEL_NOTE),
+    md(MODEL_NOTE),
     code(SETUP, """
         import random
 
@@ -280,7 +326,7 @@ MEMORY = [
         from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
         from jaxpaged.llm import run_to_completion
 
-        params = load_params(MODEL, DTYPE)
+        params = load_params(MODEL, DTYPE, load_format=LOAD_FORMAT)
 
         def utilisation(cols):
             # filled / allocated KV slots per step; NaN on steps that end holding no block (reported as 1.0)
@@ -309,7 +355,10 @@ MEMORY = [
                   f"peak {s['peak_blocks_used']}/{s['num_blocks']} blocks, "
                   f"mean utilisation {np.nanmean(utilisation(cols)):.1%}, "
                   f"preemptions {s['preemptions']}, admission refusals {s['max_len_admission_failures']}")
-        assert [o.outputs[0].token_ids for o in runs["paged"][1]] == [o.outputs[0].token_ids for o in runs["max_len"][1]]
+        paged, max_len = ([o.outputs[0].token_ids for o in outs] for _, outs in runs.values())
+        differ = sum(a != b for a, b in zip(paged, max_len))
+        print(f"greedy outputs that differ between the policies: {differ} of {len(prompts)} requests")
+        assert differ == 0 or DTYPE != "float32"   # float32: identical; bfloat16: not promised (see below)
         """),
     md("""
         Per step: requests in the batch, KV bytes reserved, and the fraction of reserved slots that hold a token.
@@ -331,8 +380,10 @@ MEMORY = [
         plt.show()
         """),
     md("""
-        Greedy outputs are identical under both policies (asserted above): the reservation changes where K/V live and
-        when a request may start, never what the model computes.
+        The reservation changes where K/V live and when a request may start, never what the model computes: in `float32`
+        the greedy outputs are identical under both policies (asserted above). In `bfloat16` a request batched with
+        other neighbours goes through matmuls of other shapes, whose rounding differs, so a near-tie between two tokens
+        can flip; `EngineConfig(batch_invariant=True)` makes outputs independent of the batch (docs/NUMERICS.md).
         """),
 ]
 
@@ -345,7 +396,7 @@ PREFIX_CACHE = [
         time to first token (TTFT) is its own prefill latency. Then the classic miss (a timestamp inside the system
         prompt), diagnosed with `explain_prefix`. The full experiment is `benchmarks/experiments/exp_prefix_cache.py`.
         """),
-    md(REAL_MODEL_NOTE),
+    md(MODEL_NOTE),
     code(SETUP, """
         import random
 
@@ -356,7 +407,7 @@ PREFIX_CACHE = [
         from jaxpaged.llm import run_to_completion
         from jaxpaged.io.tokenizer import load_tokenizer
 
-        params = load_params(MODEL, DTYPE)
+        params = load_params(MODEL, DTYPE, load_format=LOAD_FORMAT)
         vocab = params.config.vocab_size
         greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8)
         """),
@@ -388,12 +439,14 @@ PREFIX_CACHE = [
                   f"cached per request {[o.num_cached_tokens for o in outs]}, "
                   f"TTFT ms {[round(t, 1) for t in ttft]}")
         same = [o.outputs[0].token_ids for o in results[True][1]] == [o.outputs[0].token_ids for o in results[False][1]]
-        print("greedy outputs identical with and without caching:", same)
+        print("greedy outputs identical with and without caching:", same,
+              "" if DTYPE == "float32" else "(bfloat16: not promised, a cached prefix changes the shapes computed)")
+        assert same or DTYPE != "float32"
         """),
     md("""
         Left: TTFT per request (request 0 fills the cache, the others hit). Right: prefill tokens computed in each
-        engine step: with caching, after the first request only the questions are computed. (CPU timings show the
-        trend; the sizes of the gaps are a GPU matter.)
+        engine step: with caching, after the first request only the questions are computed (one step of at most
+        `max_num_batched_tokens=64` tokens instead of five).
         """),
     code("""
         fig, axes = plt.subplots(1, 2, figsize=(12, 3.6))
@@ -443,10 +496,12 @@ BLOCK_SIZE = [
         - coarser prefix hits: only full blocks are shared, so a 120-token shared prefix gives 120 cached tokens per
           request at block size 8, 112 at 16 and 96 at 32.
 
-        Greedy outputs must not depend on the block size at all. The full sweep (with throughput, which is only
-        meaningful on a GPU) is `benchmarks/experiments/exp_block_size.py`.
+        Greedy outputs do not depend on the block size in `float32` (asserted below); in `bfloat16` they are not
+        promised to (the attention kernel's tiles follow the block size, and rounding with them) unless
+        `batch_invariant=True`. The full sweep (with throughput, which is only meaningful on a GPU) is
+        `benchmarks/experiments/exp_block_size.py`.
         """),
-    md(REAL_MODEL_NOTE),
+    md(MODEL_NOTE),
     code(SETUP, """
         import random
 
@@ -456,7 +511,7 @@ BLOCK_SIZE = [
         from jaxpaged import EngineConfig, LLMEngine, SamplingParams, load_params
         from jaxpaged.llm import run_to_completion
 
-        params = load_params(MODEL, DTYPE)
+        params = load_params(MODEL, DTYPE, load_format=LOAD_FORMAT)
         vocab = params.config.vocab_size
         BLOCK_SIZES, KV_TOKENS = (8, 16, 32), 2048
 
@@ -488,8 +543,10 @@ BLOCK_SIZE = [
             print(f"block size {bs:2d}: {s['num_blocks']:3d} blocks, mean utilisation {util:.1%} "
                   f"(fragmentation {1 - util:.1%}), peak batch {max(cols['num_seqs'])}, "
                   f"preemptions {s['preemptions']}, {s['steps']} steps")
-        assert all(mixed[bs][1] == mixed[BLOCK_SIZES[0]][1] for bs in BLOCK_SIZES), "outputs depend on the block size"
-        print("greedy outputs identical at every block size")
+        for bs in BLOCK_SIZES[1:]:
+            differ = sum(a != b for a, b in zip(mixed[bs][1], mixed[BLOCK_SIZES[0]][1]))
+            print(f"greedy outputs differing between block sizes {BLOCK_SIZES[0]} and {bs}: {differ} of {len(prompts)}")
+            assert differ == 0 or DTYPE != "float32", "outputs depend on the block size"
         """),
     md("""
         ## Coarser hits: a shared prefix
