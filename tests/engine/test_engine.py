@@ -156,7 +156,7 @@ def test_generate_is_all_or_nothing(qwen3):
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("temperature", -0.5, "temperature must be finite (in float32) and >= 0"), ("temperature", float("inf"), "must be finite"),
+    ("temperature", -0.5, r"temperature must be finite \(in float32\) and >= 0"), ("temperature", float("inf"), "must be finite"),
     ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
     ("top_k", -3, "top_k must be -1"), ("max_tokens", 0, "max_tokens must be a positive"),
     ("seed", -1, "seed must be")])
