@@ -5,10 +5,10 @@ import os
 from typing import TYPE_CHECKING
 
 # JAX's GPU client takes 75% of the GPU's memory on its first allocation by default, and mapping that
-# arena cost 1.7 s of every start on the H200 (one tiny array's transfer; 7 ms without it), even for a
-# model whose weights and pool need a few MiB. The engine sizes its pool from the allocator's limit
-# either way (``kv/pool_size.py``), so it grows the arena as it needs instead; effective only when set
-# before JAX starts its GPU client, and a user's own setting wins (docs/DECISIONS.md).
+# arena is a cost every start pays, even for a model whose weights and pool need a few MiB. The engine sizes
+# its pool from the allocator's limit either way (``models/kv_pool.py``), so it grows the arena as it needs
+# instead; effective only when set before JAX starts its GPU client, and a user's own setting wins
+# (docs/DECISIONS.md).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 # The public names and the modules that define them, imported on first use (PEP 562): `import jaxpaged`
