@@ -127,6 +127,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
+@pytest.mark.slow
 def test_faults_leave_nothing_behind(live):
     rss_before = rss_bytes()
     aborted_before = metric(live, "num_requests_aborted_total")
@@ -188,6 +189,7 @@ def test_faults_leave_nothing_behind(live):
     assert growth < 256 << 20
 
 
+@pytest.mark.slow
 def test_a_short_request_while_huge_prompts_are_refused(live):
     huge = json.dumps({"prompt": "a " * (4 << 20), "max_tokens": 2}).encode()  # 8 MB of text
     short = {"prompt": "Hi", "max_tokens": 2, "temperature": 0}

@@ -18,6 +18,7 @@ from jaxpaged.serve.limits import ServerLimits
 
 from conftest import live_server  # noqa: E402  (tests/serve/conftest.py)
 
+pytestmark = pytest.mark.slow  # (end-to-end: a server per test)
 LIMITS = ServerLimits(shutdown_timeout=1.0, header_timeout=2.0, keep_alive_timeout=2.0)
 LONG = {"prompt": "Tell", "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
 
