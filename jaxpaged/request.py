@@ -21,6 +21,9 @@ from typing import Any, Hashable, Sequence as SequenceT
 
 
 PLACEHOLDER = -1  # a token sampled by the step in flight, not yet on the host (async scheduling)
+# Why a sequence ended. "abort" and "error" withdraw it wherever it is (its tokens in flight are dropped).
+FINISH_REASONS = ("stop", "length", "abort", "error")
+WITHDRAWN = frozenset(("abort", "error"))
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no blocks
@@ -63,7 +66,7 @@ class Sequence:
         self.num_host_cached_tokens: int = 0
         self.num_computed_tokens: int = 0
         self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (FINISH_REASONS)
         self.sampling_params = sampling_params
         self.cache_salt = cache_salt
         self.arrival_time: float = time.monotonic() if arrival_time is None else arrival_time

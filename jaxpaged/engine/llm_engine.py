@@ -48,7 +48,7 @@ from .metrics import EngineMetrics, StepRecord
 from .model_runner import ModelRunner, enable_compilation_cache
 from .readback import make_token_reader
 from .scheduler import Samples, ScheduledBatch, Scheduler
-from ..request import PLACEHOLDER, Sequence
+from ..request import PLACEHOLDER, WITHDRAWN, Sequence
 from .step_inputs import MIN_SEQS, bucket, build_step_inputs, longest_first, padding_step_inputs
 from .tuning import StepTuning
 
@@ -284,19 +284,20 @@ class LLMEngine:
             states.append(state)
         return [self._queue(st, True) for st in states]
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, reason: str = "abort") -> None:
         """Withdraws a queued or running request (all its samples), releasing its blocks. The next
-        ``step()`` returns its output with ``finish_reason == "abort"``."""
+        ``step()`` returns its output with ``finish_reason == reason`` ("abort"; "error" for a request
+        that failed)."""
         if request_id not in self._requests:
             raise KeyError(f"no unfinished request with id {request_id!r}")
         state = self._requests.pop(request_id)
         self._num_feature_requests -= state.seqs[0].sampling_params.uses_device_features
         for seq in state.seqs:
             if not seq.is_finished:
-                self.scheduler.abort(seq)
+                self.scheduler.abort(seq, reason)
             if seq.token_ids[-1] == PLACEHOLDER:  # its token is still on the device: drop it
                 seq.token_ids.pop()
-                seq.finish_reason = "abort"  # (also tells resolve() to skip it)
+                seq.finish_reason = reason  # (also tells resolve() to skip it)
         self._aborted.append(state)
 
     def has_unfinished_requests(self) -> bool:
@@ -409,11 +410,8 @@ class LLMEngine:
         for state in states:
             if self._requests.get(state.request_id) is not state:
                 continue  # finished or aborted already
-            self.abort_request(state.request_id)
+            self.abort_request(state.request_id, "error")
             self._aborted.pop()  # (its output is returned now, not by the next step)
-            for seq in state.seqs:
-                if seq.finish_reason == "abort":
-                    seq.finish_reason = "error"
             out = self._outputs.make_output(state)
             if out is not None:
                 outputs.append(out)
@@ -465,14 +463,9 @@ class LLMEngine:
         self.metrics.device_seconds += time.perf_counter() - t  # (waiting for the device, and the copy)
         got = self.scheduler.resolve(step.samples, host_tokens)
         for seq, stop in self._outputs.stop_strings(got):
-            if seq.is_finished:
-                if seq.finish_reason == "length":  # a stop string on the last allowed token
-                    seq.finish_reason, seq.stop_reason = "stop", stop
-            else:
-                seq.stop_reason = stop
-                self.scheduler.finish(seq, "stop")
-        live = [(row, seq, pos) for row, seq, pos in step.samples if seq.finish_reason != "abort"]
-        self._record_logprobs(live, step.aux, [r for r in step.prompt_rows if r[1].finish_reason != "abort"])
+            self.scheduler.stop_on_string(seq, stop)
+        live = [(row, seq, pos) for row, seq, pos in step.samples if seq.finish_reason not in WITHDRAWN]
+        self._record_logprobs(live, step.aux, [r for r in step.prompt_rows if r[1].finish_reason not in WITHDRAWN])
         return got
 
     def _record_step(self, scheduled: ScheduledBatch, num_decode: int, inputs, t0: float, t1: float) -> None:

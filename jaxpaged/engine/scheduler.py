@@ -11,6 +11,10 @@ goes back to the front of the queue, to be recomputed, usually mostly from cache
 Waiting requests are considered in the order the scheduling policy gives (``scheduling_policy.py``):
 arrival order (``fcfs``) or, with ``scheduling_policy="prefix_affinity"``, requests whose prefix is cached
 or being computed first, with a bounded wait.
+
+The scheduler is the one place that ends a sequence: by length when a step is booked (``advance``), by
+EOS or a stop token when its token arrives (``resolve``), by a stop string the output side found in its
+text (``stop_on_string``), and withdrawn (``abort``: "abort", or "error" for a request that failed).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import numpy as np
 
 from ..kv import KVCacheManager
 from .scheduling_policy import make_policy
-from ..request import PLACEHOLDER, Sequence, SequenceStatus
+from ..request import PLACEHOLDER, WITHDRAWN, Sequence, SequenceStatus
 
 ScheduledBatch = list[tuple[Sequence, int]]
 Samples = list[tuple[int, Sequence, int]]  # (row in the step's output, sequence, index in its token_ids)
@@ -214,7 +218,7 @@ class Scheduler:
         got = []
         finished_status, is_stop = SequenceStatus.FINISHED, self._is_stop_token
         for (row, seq, pos), token in zip(samples, np.asarray(tokens)[[r for r, _, _ in samples]].tolist()):
-            if seq.finish_reason == "abort":  # aborted while this step ran: already removed
+            if seq.finish_reason in WITHDRAWN:  # aborted (or failed) while this step ran: already removed
                 continue
             seq.token_ids[pos] = token
             if seq.first_token_time is None:
@@ -252,12 +256,23 @@ class Scheduler:
             return True
         return False
 
-    def abort(self, seq: Sequence) -> None:
-        """Removes a request wherever it is, releasing its blocks."""
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+        """Removes a request wherever it is, releasing its blocks (``reason``: "abort", or "error" for a
+        request that failed)."""
         if seq in self.running:
             self.running.remove(seq)
             self.kv.free(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
             self.policy.remove(seq)
-        seq.finish("abort")
+        seq.finish(reason)
+
+    def stop_on_string(self, seq: Sequence, stop: str) -> None:
+        """The output side found the stop string ``stop`` in ``seq``'s text: it ends with "stop" (also
+        when its last allowed token already ended it by length; a stop token that ended it stays its reason)."""
+        if seq.is_finished:
+            if seq.finish_reason == "length":
+                seq.finish_reason, seq.stop_reason = "stop", stop
+        else:
+            seq.stop_reason = stop
+            self.finish(seq, "stop")

@@ -43,7 +43,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS, stop token/string), "length", "abort"; None while running
+    finish_reason: str | None  # "stop" (EOS, stop token/string), "length", "abort", "error"; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None

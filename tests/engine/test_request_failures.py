@@ -76,3 +76,20 @@ def test_a_failure_with_nothing_to_blame_stops_the_engine(llm, monkeypatch):
     monkeypatch.setattr(engine.scheduler, "schedule", broken)
     with pytest.raises(EngineDeadError, match="injected scheduler failure"):
         engine.step()
+
+
+def test_a_request_failing_mid_decode_drops_its_token_in_flight(llm):
+    """Async scheduling: the failing request has a token in flight when it fails; that token is dropped
+    when its step resolves, and the others keep decoding."""
+    engine = llm.engine
+    want = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    good = engine.add_request([1, 2, 3], GREEDY)
+    bad = engine.add_request([7, 8, 9, 10], GREEDY)
+    outs = {}
+    for _ in range(3):  # prefill, then decodes: a token of each is in flight now
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    engine._requests[bad].seqs[0].sampling_params.top_k = 2**40
+    outs.update(run(engine))
+    assert outs[bad].outputs[0].finish_reason == "error" and len(outs[bad].outputs[0].token_ids) < 6
+    assert outs[good].outputs[0].token_ids == want
+    assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished_requests()
