@@ -159,10 +159,16 @@ def test_faults_leave_nothing_behind(live):
             await asyncio.wait_for(client.post("/v1/completions", json=body), 0.05)
         counts["left"] += 1
 
+    async def scrapes(client):  # Prometheus scraping while requests run and wait
+        for _ in range(10):
+            r = await client.get("/metrics")
+            assert r.status_code == 200 and "jaxpaged:num_requests_running" in r.text, r.text[:300]
+            await asyncio.sleep(0.02)
+
     async def main():
         async with httpx.AsyncClient(base_url=live, timeout=60) as client:
             kinds = [valid, invalid, leaves_mid_stream, leaves_before_the_answer]
-            await asyncio.gather(*(kinds[i % 4](client, i) for i in range(64)))
+            await asyncio.gather(scrapes(client), *(kinds[i % 4](client, i) for i in range(64)))
 
     asyncio.run(main())
     # Gone before the first byte of the request, and halfway through its headers.
