@@ -181,7 +181,7 @@ class Scheduler:
         samples: Samples = []
         running_status, finished_status = SequenceStatus.RUNNING, SequenceStatus.FINISHED
         kv, max_model_len = self.kv, self.max_model_len
-        has_new_full_blocks = kv.has_new_full_blocks  # (the hot loop: one call per sequence)
+        has_new_full_blocks = kv.has_new_full_blocks  # (the hot loop: once per sequence)
         decode_tokens = prefill_tokens = 0
         for row, (seq, n) in enumerate(scheduled):
             if seq.status is not running_status:  # finished (stop token) while this step ran

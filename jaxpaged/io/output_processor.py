@@ -1,6 +1,6 @@
 """From sequences to ``RequestOutput``s: one user request (``n`` samples), streamed or final.
 
-A ``RequestState`` is one call of ``add_request``: the prompt, its sampling params and its ``n``
+A ``RequestState`` is what one ``add_request`` queued: the prompt, its sampling params and its ``n``
 sequences (``seq.parent`` points back, ``seq.index`` is the sample's index). After each engine step
 ``make_outputs`` turns the sequences that got a token or finished into outputs, by the request's
 ``output_kind`` (vLLM's ``RequestOutputKind``):

@@ -142,7 +142,7 @@ class PrefixTrie:
         """Makes the first ``num_blocks`` full blocks of ``tokens`` findable.
 
         ``block_ids[i]`` is the physical block holding block ``i``'s K/V. ``parent`` is a cursor: the
-        node reached after ``start_block`` blocks by an earlier call, so a growing sequence inserts
+        node reached after ``start_block`` blocks by an earlier insert, so a growing sequence inserts
         each new block in O(1) instead of re-walking its prefix. A dead or missing cursor restarts
         from the root. If a node for a block's tokens already exists (another request computed the
         same prefix at the same time), that node is kept and followed; the duplicate block is not

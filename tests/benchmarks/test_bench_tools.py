@@ -263,7 +263,7 @@ def test_throughput_tiny(tmp_path, capsys):
 
 def test_time_variants_rounds(capsys):
     """Kernel A/Bs compile each variant once and time the variants in turn over several rounds: every
-    variant gets one time a round (the mean returned), its output from one call, and a variant that
+    variant gets one time a round (the mean returned), its output from one run, and a variant that
     fails is reported and left out while the others are timed."""
     mod = load("bench_attention")
     from jaxpaged.kernels.paged_attention_reference import paged_attention_reference
