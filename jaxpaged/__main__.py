@@ -406,8 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG} {args.cmd}: interrupted", file=sys.stderr)
         return 130
     except (Exception, SystemExit) as err:
-        if args.debug or (isinstance(err, SystemExit) and err.code in (None, 0)):
-            raise
+        if args.debug or (isinstance(err, SystemExit) and (err.code is None or isinstance(err.code, int))):
+            raise  # (an exit status a command chose, e.g. serve's 1 when its engine stopped, is kept)
         print(f"{PROG} {args.cmd}: error: {_one_line(err)} (--debug for the traceback)", file=sys.stderr)
         return 2
     return 0

@@ -245,7 +245,9 @@ class _ProcessTransport:
                 else:
                     raise RuntimeError(msg[1])
         except (EOFError, OSError) as err:
-            self._fail(RuntimeError(f"the engine process exited ({err or self._proc.exitcode})"))
+            self._proc.join(timeout=1)
+            self._fail(RuntimeError(f"the engine process exited (exit code {self._proc.exitcode}; "
+                                    f"{type(err).__name__} on its pipe)"))
         except BaseException as err:  # noqa: BLE001
             self._fail(err)
 
