@@ -1,6 +1,6 @@
 """No request can take the server down (CPU, tiny checkpoint, a live server in this process):
 
-* a property-based fuzz of the API from its own OpenAPI schema (schemathesis): 700 requests that break
+* a property-based fuzz of the API from its own OpenAPI schema (schemathesis): 520 requests that break
   the schema or keep it (``JAXPAGED_FUZZ_SCALE`` scales that), each answered without a 5xx, every error
   in OpenAI's shape, and the engine still answering a plain request afterwards;
 * a fault test: concurrent clients mixing valid and invalid requests, leaving before the first byte,
@@ -33,10 +33,10 @@ LIMITS = ServerLimits(max_body_bytes=16 << 20, max_n=4, max_stop=4, max_concurre
                       header_timeout=1.0, keep_alive_timeout=2.0, shutdown_timeout=1.0)
 ERROR_FIELDS = {"message", "type", "param", "code"}
 # Requests per route and generation mode, scaled by JAXPAGED_FUZZ_SCALE (the suite's 1 keeps the fuzz near half a
-# minute on 2 cores: a chat body takes ~4x a completion's time to generate; 6 fuzzes 4,200 requests).
+# minute on 2 cores: a chat body takes ~4x a completion's time to generate; 8 fuzzes 4,160 requests).
 SCALE = float(os.environ.get("JAXPAGED_FUZZ_SCALE", "1"))
-FUZZ_EXAMPLES = {("/v1/completions", "negative"): 300, ("/v1/completions", "positive"): 200,
-                 ("/v1/chat/completions", "negative"): 100, ("/v1/chat/completions", "positive"): 100}
+FUZZ_EXAMPLES = {("/v1/completions", "negative"): 250, ("/v1/completions", "positive"): 150,
+                 ("/v1/chat/completions", "negative"): 60, ("/v1/chat/completions", "positive"): 60}
 # Sampling fields that select a compiled step variant of their own: a fuzzed body keeps them at their defaults
 # (their bounds are fuzzed by the negative cases; their effects are the sampling tests'), so the fuzz does
 # not spend its time compiling.
@@ -110,7 +110,7 @@ def test_fuzzed_requests_get_no_server_error(live):
             call()
     print(f"fuzzed {sum(statuses.values())} requests: {dict(sorted(statuses.items()))}")
     assert sum(statuses.values()) >= 0.95 * SCALE * sum(FUZZ_EXAMPLES.values())
-    assert statuses.get(200, 0) > 50 * SCALE and statuses.get(400, 0) > 250 * SCALE
+    assert statuses.get(200, 0) > 30 * SCALE and statuses.get(400, 0) > 200 * SCALE
     plain_request_works(live)
     assert not any(settled(live).values())
 
