@@ -107,6 +107,7 @@ def test_interpreted_kernels_are_not_exported(fresh):
     assert lowered_once.exports() == 0
 
 
+@pytest.mark.slow  # (worker processes: end-to-end)
 def test_workers_export_what_the_steps_traced_and_the_steps_embed_the_same_kernels(fresh):
     """A warm-up's order: trace the steps, export their kernels in a worker process, then lower the
     steps; each embeds the kernel it would have lowered itself, and lowering exports nothing more."""

@@ -86,6 +86,7 @@ print(load_params(ckpt, cache_dir=cache).from_cache)
 """
 
 
+@pytest.mark.slow  # (two processes: end-to-end)
 def test_two_processes_loading_a_checkpoint_first_at_once_share_one_cache(ckpt, tmp_path):
     """Two servers (or test workers) converting the same checkpoint at the same moment each write the
     Orbax cache: both load, neither warns, and one whole copy is left, which the next load reads."""
