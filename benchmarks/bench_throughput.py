@@ -36,6 +36,7 @@ import jax
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.llm import run_to_completion
+import floor
 from jaxpaged.workloads import QWEN2_5_0_5B, QWEN2_5_7B, QWEN3_0_6B, nano_vllm_workload, random_model
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
@@ -109,7 +110,8 @@ def run_ours(params, prompts, sps, args):
         if trace_dir:
             jax.profiler.stop_trace()
         finish_steps()
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    out_lens = [len(o.outputs[0].token_ids) for o in outs]
+    out_tokens = sum(out_lens)
     st = engine.stats()
     ttft = sorted(o.metrics.time_to_first_token for o in outs)
     return dict(seconds=seconds, output_tokens=out_tokens, tok_per_s=out_tokens / seconds, warmup_compile_s=compile_s,
@@ -117,12 +119,13 @@ def run_ours(params, prompts, sps, args):
                 peak_kv_gib=st["peak_kv_bytes_in_use"] / 2**30, compiled_shapes=st["compiled_shapes"],
                 total_compile_s=st["compile_seconds"], ttft_p50=ttft[len(ttft) // 2], ttft_max=ttft[-1],
                 backend=st["attention_backend"], host_s=st["host_seconds"], device_wait_s=st["device_wait_seconds"],
-                traced=bool(trace_dir or windows), step_end_s=[t - t0 for t in step_times])
+                traced=bool(trace_dir or windows), step_end_s=[t - t0 for t in step_times],
+                kv_dtype=str(engine.kv_pool.dtype), block_size=engine.config.block_size, output_lens=out_lens)
 
 
 def brief(run: dict) -> dict:
     """A run's result without its per-step end times (for the log; the JSON keeps them)."""
-    return {k: v for k, v in run.items() if k != "step_end_s"}
+    return {k: v for k, v in run.items() if k not in ("step_end_s", "output_lens")}
 
 
 def parse_windows(text: str | None) -> list[tuple[int, int]]:
@@ -315,6 +318,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--trace-steps", default=None,
                     help="a:b[,c:d...]: after the untraced run, run the workload again tracing engine steps [a, b) "
                          "and print their GPU busy time per step against the untraced run's wall per step")
+    ap.add_argument("--no-floor", action="store_true",
+                    help="skip the workload's floor (benchmarks/floor.py; measures the device's bandwidth and "
+                         "matmul rate after the run)")
     ap.add_argument("--trace", action="store_true",
                     help="run the full workload under jax.profiler (its tok/s then include the profiler's "
                          "overhead) and report GPU busy time and kernel totals over the whole run")
@@ -369,6 +375,8 @@ def main(argv: list[str] | None = None) -> dict:
         other = argparse.Namespace(**{**vars(args), "async_scheduling": not args.async_scheduling})
         result["ours_full_other"] = run_ours(params, prompts, sps, other)
         print("ours full (other scheduling):", json.dumps(brief(result["ours_full_other"])), flush=True)
+    if not args.no_floor:
+        result["floor"] = workload_floor(params, prompts, result["ours_full"])
     n = args.hf_requests
     if n:
         result["ours_subset"] = run_ours(params, prompts[:n], sps[:n], args)
@@ -391,7 +399,24 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"compile (warm-up, {r['compiled_shapes']} shapes): {r['warmup_compile_s']:.1f} s; steps {r['steps']}; "
           f"preemptions {r['preemptions']}; peak KV {r['peak_kv_gib']:.2f} GiB; TTFT p50 {r['ttft_p50']:.2f} s; "
           f"pool {r['num_blocks']} blocks; host {r['host_s']:.2f} s")
+    if "floor" in result:
+        f = result["floor"]
+        print(f"floor ({f['device']}: read {f['read_tb_per_s']:.2f} TB/s, bf16 matmul {f['matmul_tflops']:.0f} TFLOP/s, "
+              f"measured after the run): {f['seconds']:.2f} s = {f['tok_per_s']:.0f} tok/s (prefill {f['prefill_s']:.2f} s, "
+              f"decode {f['decode_s']:.2f} s); the run at {f['pct_of_floor']:.0f}% of its floor")
     return result
+
+
+def workload_floor(params, prompts, run: dict) -> dict:
+    """The run's floor (``benchmarks/floor.py``: prefill at the matmul rate, every step reading the
+    weights, every output token its context) on ceilings measured now; the run's seconds against it."""
+    on_gpu = jax.default_backend() == "gpu"
+    device = floor.measure_device(*((4 << 30, 8192) if on_gpu else (64 << 20, 512)))
+    f = floor.workload_floor(params.config, device, [len(p) for p in prompts], run["output_lens"], kv_dtype=run["kv_dtype"],
+                             block_size=run["block_size"], decode_steps=run["steps"], weight_dtype=params.dtype)
+    return dict(f, device=device.name, read_tb_per_s=device.read_bytes_per_s / 1e12,
+                matmul_tflops=device.matmul_flops_per_s / 1e12, tok_per_s=run["output_tokens"] / f["seconds"],
+                pct_of_floor=100 * f["seconds"] / run["seconds"])
 
 
 if __name__ == "__main__":

@@ -50,6 +50,9 @@ from jaxpaged.engine.tuning import StepTuning  # noqa: E402
 from jaxpaged.config import FP8_DTYPES  # noqa: E402
 from jaxpaged.workloads import BENCHMARK_MODELS, benchmark_params  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import floor  # noqa: E402  (benchmarks/floor.py: the step's floor)
+
 MODELS = BENCHMARK_MODELS
 # Lines the profiler derives from the streams (or from the host): never counted as device work.
 DERIVED_LINES = ("xla ops", "xla modules", "steps", "framework", "tensorflow", "source", "name scope",
@@ -444,6 +447,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="--ttft: the engine's max_model_len (default --ctx + 8). The block tables' width follows "
                          "it, and with it the split-K of Mosaic's decode-shaped launches: bench_latency's engine "
                          "fits its longest prompt")
+    ap.add_argument("--no-floor", action="store_true",
+                    help="skip the floor (benchmarks/floor.py: measures the device's bandwidth and matmul rate)")
     args = ap.parse_args(argv)
     if args.ttft:
         return main_ttft(args)
@@ -464,6 +469,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  temperature=args.temperature,
                                  warmup_steps=max(args.warmup_steps, engine.runner.step_executables))  # every copy
     freeze_long_lived_heap()  # as LLMEngine.warmup does
+    context_before = [s.num_tokens for s in engine.scheduler.running]
     untraced = timed_steps(engine, args.steps)
 
     trace_dir = args.trace_dir or os.path.join(args.out, "trace")
@@ -490,10 +496,30 @@ def main(argv: list[str] | None = None) -> dict:
             kernels_per_step=analysis["kernel_count_per_step"],
             h2d_per_step=analysis["copies"].get("h2d", {}).get("count_per_step", 0.0),
             d2h_per_step=analysis["copies"].get("d2h", {}).get("count_per_step", 0.0))
+        if not args.no_floor:
+            result["floor"] = step_floor_rows(engine, context_before, analysis, untraced["wall_median_s"])
     with open(os.path.join(args.out, "profile_step.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     print_report(result, args.top)
+    if result.get("floor"):
+        print()
+        floor.print_floor_table(result["floor"]["rows"], floor.Device(**result["floor"]["device"]))
     return result
+
+
+def step_floor_rows(engine: LLMEngine, context_before: list[int], analysis: dict, wall_s: float) -> dict:
+    """The decode step's floor (``benchmarks/floor.py``) at the traced steps' mean context, against the
+    kernels' time per group and the untraced wall per step; the device's ceilings measured now."""
+    mean_ctx = np.asarray(context_before, np.float64) + analysis["steps"]  # the middle of the timed steps
+    device = floor.measure_device()
+    cfg = engine.params.config
+    f = floor.step_floor(cfg, device, num_tokens=len(context_before), context_lens=mean_ctx,
+                         kv_dtype=engine.kv_pool.dtype, block_size=engine.config.block_size)
+    measured = floor.group_times(analysis["kernels"])
+    return dict(device=dataclasses.asdict(device), rows=floor.floor_table(f, measured, wall_s),
+                kernel_rows=floor.floor_table(f, measured, analysis["kernel_us_per_step"] / 1e6),
+                bytes=dict(kv_read=f.kv_read_bytes, kv_write=f.kv_write_bytes, weights=f.weight_bytes),
+                flops=dict(gemm=f.gemm_flops, attention=f.attention_flops))
 
 
 def main_ttft(args) -> dict:
