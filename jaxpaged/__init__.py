@@ -17,7 +17,7 @@ _PUBLIC = {
     "LLM": ".llm", "generate": ".llm", "run_to_completion": ".llm",
     "LLMEngine": ".engine.llm_engine",
     "EngineConfig": ".config",
-    "SamplingParams": ".sampling", "RequestOutputKind": ".sampling",
+    "SamplingParams": ".sampling", "RequestOutputKind": ".sampling", "StructuredOutputsParams": ".sampling",
     "RequestOutput": ".io.outputs", "CompletionOutput": ".io.outputs", "RequestMetrics": ".io.outputs",
     "Logprob": ".io.outputs",
     "ModelParams": ".models.checkpoint", "load_params": ".models.checkpoint",
@@ -51,4 +51,4 @@ if TYPE_CHECKING:
     from .llm import LLM, generate, run_to_completion
     from .models.checkpoint import ModelParams, load_params
     from .models.config import CheckpointError, QwenConfig
-    from .sampling import RequestOutputKind, SamplingParams
+    from .sampling import RequestOutputKind, SamplingParams, StructuredOutputsParams

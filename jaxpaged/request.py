@@ -48,6 +48,8 @@ class Sequence:
         # Output side (engine / output processor): the user request this sequence is sample ``index`` of,
         # what stopped it (a stop token id or string), its incremental detokenizer, and its logprobs.
         "parent", "index", "stop_reason", "detokenizer", "logprobs", "prompt_logprobs",
+        # Structured outputs: the sequence's grammar and matcher (``sampling.grammar.StructuredState``), or None.
+        "structured",
     )
 
     def __init__(
@@ -78,6 +80,7 @@ class Sequence:
         self.detokenizer = None
         self.logprobs: list | None = None  # one raw entry per output token (engine)
         self.prompt_logprobs: dict | None = None  # prompt position -> raw entry (engine)
+        self.structured = None
 
     # ---- tokens --------------------------------------------------------------------------------
     @property

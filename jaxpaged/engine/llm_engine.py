@@ -17,6 +17,7 @@ while the device runs step N. Both modes share one bookkeeping path (advance, th
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import dataclasses
 import logging
@@ -39,7 +40,8 @@ from ..models.kv_pool import (bytes_per_token_slot, check_holds_one_sequence, ch
 from ..models.attention_backends import choose_attention_backend, resolve_backend
 from ..models.sharding import params_tp
 from ..sampling import RequestOutputKind, SamplingParams
-from ..sampling.features import prompt_logprob_positions
+from ..sampling import grammar
+from ..sampling.features import SamplerFeatures, prompt_logprob_positions
 from ..sampling.sampler import SAMPLING_MODES
 from .executable_cache import ExecutableCache, cache_key
 from .heap import freeze_long_lived_heap
@@ -156,6 +158,8 @@ class LLMEngine:
         self._requests: dict[str, RequestState] = {}  # unfinished user requests by id
         self._aborted: list[RequestState] = []  # aborted since the last step (their outputs are due)
         self._num_feature_requests = 0  # unfinished requests using penalties / min_p / logprobs / ...
+        self._grammars: grammar.GrammarCompiler | None = None  # structured outputs' compiler (made on first use)
+        self._compiling: list[RequestState] = []  # queued requests whose grammar may still be compiling
         self._outputs = OutputProcessor(tokenizer)
         # Async scheduling: the step in flight and the rows of its placeholders (by sequence identity).
         self._in_flight: InFlight | None = None
@@ -229,6 +233,14 @@ class LLMEngine:
                              f"({max_tokens})")
         if sp.stop and self.tokenizer is None:
             raise ValueError(f"request {rid!r}: stop strings need a tokenizer (use stop_token_ids)")
+        compiled = None
+        if sp.structured_outputs is not None:  # compiled in the compiler's threads (cached by its text)
+            try:
+                compiled = self.grammar_compiler().submit(sp.structured_outputs)
+            except ValueError as err:
+                raise ValueError(f"request {rid!r}: {err}") from None
+            if compiled.done() and compiled.exception() is not None:  # (known to fail: the cache)
+                raise ValueError(f"request {rid!r}: {compiled.exception()}")
         state = RequestState(rid, text, ids, sp)
         if sp.prompt_logprobs is not None:
             # Cached prompt blocks would skip their logprobs (vLLM: such requests do not read the
@@ -246,6 +258,8 @@ class LLMEngine:
                 seq.logprobs = []
             if sp.prompt_logprobs is not None:
                 seq.prompt_logprobs = {}
+            if compiled is not None:
+                seq.structured = grammar.StructuredState(compiled)  # (a matcher of its own per sample)
             state.seqs.append(seq)
         state.sent_tokens, state.sent_chars, state.sent_finished = [0] * sp.n, [0] * sp.n, [False] * sp.n
         return state
@@ -256,6 +270,8 @@ class LLMEngine:
         self._requests[state.request_id] = state
         # (counted from a sample's params: a private copy, so a user mutating theirs cannot skew it)
         self._num_feature_requests += state.seqs[0].sampling_params.uses_device_features
+        if state.seqs[0].structured is not None and not state.seqs[0].structured.ready:
+            self._compiling.append(state)
         for seq in state.seqs:  # the n samples of a prompt arrive together: the first computes the prompt,
             self.scheduler.add(seq)  # the others wait one step and take its blocks from the prefix cache
         return state.request_id
@@ -269,8 +285,19 @@ class LLMEngine:
         """
         return self._queue(self._prepare(prompt, sampling_params, request_id, cache_salt), request_id is None)
 
+    def grammar_compiler(self) -> grammar.GrammarCompiler:
+        """The compiler of structured outputs' grammars for this model's tokenizer (made on first use)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer")
+            self._grammars = grammar.GrammarCompiler(self.tokenizer.to_json(), self.params.config.vocab_size,
+                                                     self.params.config.eos_token_id)
+        return self._grammars
+
     def add_requests(self, prompts, sampling_params=None) -> list[str]:
-        """Checks every prompt first, then queues them all: a bad one leaves nothing queued."""
+        """Checks every prompt first, then queues them all: a bad one leaves nothing queued (a grammar
+        of a structured output is compiled first, all of them at once: one that cannot be compiled is
+        a ``ValueError`` naming its field)."""
         parsed = parse_prompts(prompts)
         sps = broadcast_sampling_params(sampling_params, len(parsed), SamplingParams)
         states, reserved = [], set()
@@ -282,6 +309,10 @@ class LLMEngine:
                 raise type(err)(f"prompt {i}: {err}") from None
             reserved.add(state.request_id)
             states.append(state)
+        for i, state in enumerate(states):
+            structured = state.seqs[0].structured
+            if structured is not None and structured.grammar.exception() is not None:  # (waits for it)
+                raise ValueError(f"prompt {i}: request {state.request_id!r}: {structured.grammar.exception()}")
         return [self._queue(st, True) for st in states]
 
     def abort_request(self, request_id: str, reason: str = "abort") -> None:
@@ -324,6 +355,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         aborted, self._aborted = self._aborted, []
         outputs = [o for o in map(self._outputs.make_output, aborted) if o is not None]
+        if self._compiling:
+            outputs += self._check_compiling()
         scheduled = self.scheduler.schedule()
         if self.kv_transfers is not None:  # offloads of evicted blocks, reloads of host hits: before the step
             transfers = self.kv.take_transfers()
@@ -333,7 +366,10 @@ class LLMEngine:
             if self.kv_transfers is not None:
                 self.kv_transfers.finish_offloads()
             touched = self._resolve(self._in_flight)
-            if not touched and not aborted and self.scheduler.has_unfinished():
+            if not touched and self._compiling:  # only grammars compiling: wait for one (briefly)
+                concurrent.futures.wait([st.seqs[0].structured.grammar for st in self._compiling], timeout=0.01,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+            elif not touched and not aborted and self.scheduler.has_unfinished():
                 raise RuntimeError("no request could be scheduled although some are waiting (pool exhausted)")
             return outputs + self._make_outputs(touched)
         scheduled = longest_first(scheduled)  # the longest KV reads launch first (same results)
@@ -365,6 +401,20 @@ class LLMEngine:
         self._record_step(scheduled, num_decode, inputs, t0, t1)
         return outputs
 
+    def _check_compiling(self) -> list[RequestOutput]:
+        """Ends the queued requests whose grammar failed to compile (``finish_reason == "error"``); forgets
+        those compiled."""
+        done = [st for st in self._compiling if st.seqs[0].structured.ready]
+        if not done:
+            return []
+        self._compiling = [st for st in self._compiling if not st.seqs[0].structured.ready]
+        outputs = []
+        for st in done:
+            failure = st.seqs[0].structured.failure
+            if failure is not None:
+                outputs += self._fail_requests([st], failure)
+        return outputs
+
     def _build_inputs(self, scheduled: ScheduledBatch):
         """The step's padded inputs; notes each request's first scheduling (its queueing time ends)."""
         now = time.monotonic()
@@ -378,7 +428,7 @@ class LLMEngine:
                                  max_seqs=self.config.max_num_seqs, prev_rows=self._pending_rows,
                                  eos_token_ids=self.params.config.eos_token_id,
                                  maybe_features=self._num_feature_requests > 0, min_tokens=self.min_token_bucket,
-                                 uniform_decode=self._uniform_decode)
+                                 uniform_decode=self._uniform_decode, vocab_size=self.params.config.vocab_size)
 
     def _build_inputs_isolating(self, scheduled: ScheduledBatch):
         """``(inputs, scheduled, error outputs)``: the step's inputs; if building them fails, each
@@ -462,6 +512,12 @@ class LLMEngine:
         host_tokens = self._read_tokens(step.tokens)
         self.metrics.device_seconds += time.perf_counter() - t  # (waiting for the device, and the copy)
         got = self.scheduler.resolve(step.samples, host_tokens)
+        if self.scheduler.grammar_failures:  # a matcher refused its token: that request ends, alone
+            failures, self.scheduler.grammar_failures = self.scheduler.grammar_failures, []
+            for seq, why in failures:
+                if self._requests.get(seq.parent.request_id) is seq.parent:
+                    log.error("jaxpaged: request %s failed and was ended: %s", seq.parent.request_id, why)
+                    self.abort_request(seq.parent.request_id, "error")
         for seq, stop in self._outputs.stop_strings(got):
             self.scheduler.stop_on_string(seq, stop)
         live = [(row, seq, pos) for row, seq, pos in step.samples if seq.finish_reason not in WITHDRAWN]
@@ -524,8 +580,9 @@ class LLMEngine:
         read), so its first real launch finds everything loaded, and three throwaway requests follow
         (``settle``). Returns the seconds spent.
 
-        Not compiled here, on first use instead: the variants of penalties, min_p, min_tokens with
-        stop tokens, and logprobs (``sampling/features.py``: one per combination in use); on the jnp
+        Structured outputs' variant (a token mask per row, ``sampling/bitmask.py``) is compiled here too
+        when llguidance is installed. Not compiled here, on first use instead: the variants of
+        penalties, min_p, min_tokens with stop tokens, and logprobs (``sampling/features.py``: one per combination in use); on the jnp
         reference backend (a CPU's default), steps whose block tables are narrower than
         ``max_model_len`` needs (their width is padded per step there).
         ``freeze_gc``: once the steps are compiled, moves the process's long-lived objects out of the
@@ -582,17 +639,23 @@ class LLMEngine:
                             jax.ShapeDtypeStruct((rows,), jnp.int32))
 
     def _warmup_steps(self) -> list:
-        """The padded inputs of every step ``warmup`` compiles: each token bucket, each sampler variant,
-        and where the engine marks decode steps (``uniform_decode``) each bucket a decode step can fill
-        (a step of one token is always one: that bucket has no other variant)."""
+        """The padded inputs of every step ``warmup`` compiles: each token bucket, each sampler variant
+        (with and without structured outputs' token masks, when llguidance is installed), and where the
+        engine marks decode steps (``uniform_decode``) each bucket a decode step can fill (a step of one
+        token is always one: that bucket has no other variant)."""
         sizes, t = [], self.min_token_bucket
         s_max = bucket(self.config.max_num_seqs, MIN_SEQS)
         while t < bucket(self.config.max_num_batched_tokens, self.min_token_bucket) * 2:
             sizes.append(t)
             t *= 2
         decode_buckets = bucket(self.config.max_num_seqs, self.min_token_bucket) if self._uniform_decode else 0
-        return [padding_step_inputs(t_pad, min(t_pad, s_max), self._table_width or self._max_width, mode, uniform)
-                for t_pad in sizes for mode in SAMPLING_MODES for uniform in (False, True)
+        # Structured outputs' variant (a token mask per row) too, where the grammar backend is installed.
+        variants = [SamplerFeatures()]
+        if grammar.available() and self.tokenizer is not None:
+            variants.append(SamplerFeatures(bitmask_width=grammar.bitmask_width(self.params.config.vocab_size)))
+        return [padding_step_inputs(t_pad, min(t_pad, s_max), self._table_width or self._max_width, mode, uniform,
+                                    features)
+                for t_pad in sizes for mode in SAMPLING_MODES for uniform in (False, True) for features in variants
                 if (uniform and t_pad <= decode_buckets) or (not uniform and not (t_pad == 1 and decode_buckets))]
 
     def settle(self, num_requests: int = SETTLE_REQUESTS) -> None:

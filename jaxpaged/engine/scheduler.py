@@ -15,6 +15,12 @@ or being computed first, with a bounded wait.
 The scheduler is the one place that ends a sequence: by length when a step is booked (``advance``), by
 EOS or a stop token when its token arrives (``resolve``), by a stop string the output side found in its
 text (``stop_on_string``), and withdrawn (``abort``: "abort", or "error" for a request that failed).
+
+Structured outputs (``seq.structured``): a sequence waits in the queue while its grammar compiles (the
+requests behind it go meanwhile); its matcher takes each token when it arrives (``resolve``) and the
+sequence ends ("stop") when the grammar is complete. Its next token mask needs that token, so with async
+scheduling a constrained sequence whose token is still in flight sits out one step (it decodes every
+other step while the batch keeps running; docs/DECISIONS.md).
 """
 
 from __future__ import annotations
@@ -60,6 +66,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
         self.policy = make_policy(scheduling_policy)
+        # Constrained sequences whose matcher refused their token (the engine ends their requests).
+        self.grammar_failures: list[tuple[Sequence, str]] = []
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -87,6 +95,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
+            if seq.structured is not None and seq.token_ids[-1] == PLACEHOLDER:
+                i += 1  # its token mask needs the token in flight: it sits this step out
+                continue
             uncomputed = len(seq.token_ids) - seq.num_computed_tokens
             n = uncomputed if uncomputed < budget else budget
             if n < uncomputed and not chunked:
@@ -114,6 +125,9 @@ class Scheduler:
         i = 0  # under fcfs always 0: the head of the queue or nobody
         while not preempted and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
+            if seq.structured is not None and (not seq.structured.ready or seq.token_ids[-1] == PLACEHOLDER):
+                i += 1  # its grammar is compiling (or its token in flight): the requests behind it go first
+                continue
             if not self.kv.can_admit(seq):
                 break
             if not self.enable_chunked_prefill and seq.num_tokens > budget:
@@ -211,9 +225,10 @@ class Scheduler:
 
     def resolve(self, samples: Samples, tokens: np.ndarray) -> list[Sequence]:
         """Fills the placeholders of a step with its sampled ``tokens`` and stops the sequences that
-        sampled EOS or one of their ``stop_token_ids`` (after ``min_tokens``). Returns the sequences
-        that got their token (not those aborted meanwhile). Stop strings are the output side's
-        (``OutputProcessor.stop_strings``), which then calls :meth:`finish`."""
+        sampled EOS or one of their ``stop_token_ids`` (after ``min_tokens``), or whose grammar is
+        complete. Returns the sequences that got their token (not those aborted meanwhile). Stop
+        strings are the output side's (``OutputProcessor.stop_strings``), which then calls :meth:`finish`.
+        A token a sequence's grammar refuses is noted in ``grammar_failures`` for the engine."""
         now = time.monotonic()
         got = []
         finished_status, is_stop = SequenceStatus.FINISHED, self._is_stop_token
@@ -224,14 +239,23 @@ class Scheduler:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             got.append(seq)
+            complete = seq.structured is not None and self._grammar_complete(seq, token)
             if seq.status is finished_status:  # finished by length when booked (advance)
-                if seq.finish_reason == "length" and is_stop(seq, token):
+                if seq.finish_reason == "length" and (complete or is_stop(seq, token)):
                     seq.finish_reason = "stop"
                 seq.finish_time = now
-            elif is_stop(seq, token):
+            elif complete or is_stop(seq, token):
                 self.finish(seq, "stop", now)
         self.counters.generated_tokens += len(got)
         return got
+
+    def _grammar_complete(self, seq: Sequence, token: int) -> bool:
+        """Advances ``seq``'s matcher by ``token``; True if its grammar is now complete."""
+        matcher = seq.structured.matcher
+        if not matcher.accept(token):
+            self.grammar_failures.append((seq, f"token {token} refused by its grammar: {matcher.error}"))
+            return False
+        return matcher.is_terminated()
 
     def finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
         """Ends an unfinished sequence now (running, or waiting after a preemption), releasing its blocks."""

@@ -150,7 +150,7 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
                       width: int | None = None, max_seqs: int | None = None,
                       prev_rows: dict[Sequence, int] | None = None, eos_token_ids=(),
                       maybe_features: bool = True, min_tokens: int = MIN_TOKENS,
-                      uniform_decode: bool = False) -> StepInputs:
+                      uniform_decode: bool = False, vocab_size: int = 0) -> StepInputs:
     """Numpy arrays for ``scheduled`` (host side, no per-token Python loops), padded to buckets.
 
     ``tables``: the KV manager's block tables; each scheduled sequence's row is gathered.
@@ -163,7 +163,8 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
     ``prev_rows`` maps a sequence (by identity) to its row in the previous step's output, for sequences whose last
     token is still a ``PLACEHOLDER`` (the device fills it in from that output). ``eos_token_ids``: the
     tokens min_tokens masks (with each request's stop_token_ids). ``maybe_features=False``: the caller
-    knows no request uses penalties / min_p / min_tokens / logprobs (skips even looking).
+    knows no request uses penalties / min_p / min_tokens / logprobs / structured outputs (skips even
+    looking). ``vocab_size``: the model's, the width of structured outputs' token masks.
     ``min_tokens``: the smallest padded token count (``StepTuning.min_token_bucket``).
     ``uniform_decode``: mark a step of one new token a sequence as such (its ``uniform_decode``: a
     compiled variant of its own, for an attention backend that reads it; vLLM's "uniform decode" batch).
@@ -231,7 +232,7 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
     mode = sampling_mode(temperature[:num_seqs], top_k[:num_seqs], top_p[:num_seqs])
     features, extras = NO_FEATURES, None
     if maybe_features:
-        features, extras = build_feature_inputs(scheduled, s_pad, cu, eos_token_ids)
+        features, extras = build_feature_inputs(scheduled, s_pad, cu, eos_token_ids, vocab_size)
     # (the feature variants' extra arrays are not in the buffer: pack() lays those out anew)
     return StepInputs(token_ids=token_ids, positions=positions, meta=meta, prev_index=prev_index,
                       logits_indices=logits_indices, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -241,7 +242,7 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], tables: BlockTables
 
 
 def padding_step_inputs(num_tokens: int, num_seqs: int, width: int, mode: str = "random",
-                        uniform_decode: bool = False) -> StepInputs:
+                        uniform_decode: bool = False, features: SamplerFeatures = NO_FEATURES) -> StepInputs:
     """A step of the given padded shape and variants with no real token (ahead-of-time compilation)."""
     z = lambda n, dt=np.int32: np.zeros(n, dt)  # noqa: E731
     meta = AttentionMetadata(slot_mapping=np.full(num_tokens, -1, np.int32), cu_q_lens=z(num_seqs + 1),
@@ -250,7 +251,8 @@ def padding_step_inputs(num_tokens: int, num_seqs: int, width: int, mode: str = 
                       prev_index=np.full(num_tokens, -1, np.int32), logits_indices=z(num_seqs),
                       temperature=z(num_seqs, np.float32), top_k=np.full(num_seqs, -1, np.int32),
                       top_p=np.ones(num_seqs, np.float32), seeds=z(num_seqs, np.uint32), counters=z(num_seqs),
-                      sampling_mode=mode, uniform_decode=uniform_decode)
+                      sampling_mode=mode, uniform_decode=uniform_decode, features=features,
+                      extras=features.padding_inputs(num_seqs) if features else None)
 
 
 # ---- the packed form: one host-to-device copy per step ------------------------------------------

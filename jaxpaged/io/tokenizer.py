@@ -37,6 +37,16 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text, without padding or truncation (what a grammar backend
+        reads to learn each token's bytes)."""
+        import copy
+
+        tok = copy.copy(self._tok)
+        tok.no_padding()
+        tok.no_truncation()
+        return tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()

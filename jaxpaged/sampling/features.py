@@ -11,7 +11,8 @@ Inputs (``FeatureInputs``, all 32-bit, packed with the rest of the step; ``S`` p
   tokens so far, prompt first, -1 padding; the last one may be a placeholder the device fills in);
   history_len, num_prompt i32[S]; min_p f32[S]; min_tokens i32[S]; stop_ids i32[S, K] (EOS unless
   ignore_eos, and stop_token_ids; -1 padding); prompt_indices, prompt_targets i32[P] (a prompt token's
-  index in the step and the prompt token that follows it, for prompt_logprobs).
+  index in the step and the prompt token that follows it, for prompt_logprobs); bitmask i32[S, W] (the
+  tokens each row may sample, structured outputs: ``bitmask.py``; -1, all allowed, in other rows).
 Outputs (``aux`` dict): "logprobs" and "prompt_logprobs", each ``logprobs.token_logprobs``' dict.
 """
 
@@ -25,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..kernels.shapes import next_pow2
+from .bitmask import apply_token_bitmask
+from .grammar import fill_bitmasks
 from .logprobs import token_logprobs
 from .penalties import apply_penalties, mask_stop_tokens
 from .sampler import sample
@@ -42,6 +45,7 @@ class SamplerFeatures:
     history_width: int = 0  # H
     num_stop_ids: int = 0  # K
     num_prompt_positions: int = 0  # P
+    bitmask_width: int = 0  # W = ceil(V / 32) when some row is constrained (structured outputs), else 0
 
     def __bool__(self) -> bool:
         return self != NO_FEATURES
@@ -53,7 +57,12 @@ class SamplerFeatures:
         return (("presence_penalty", (s,), f32), ("frequency_penalty", (s,), f32),
                 ("repetition_penalty", (s,), f32), ("history", (s, h), i32), ("history_len", (s,), i32),
                 ("num_prompt", (s,), i32), ("min_p", (s,), f32), ("min_tokens", (s,), i32),
-                ("stop_ids", (s, k), i32), ("prompt_indices", (p,), i32), ("prompt_targets", (p,), i32))
+                ("stop_ids", (s, k), i32), ("prompt_indices", (p,), i32), ("prompt_targets", (p,), i32),
+                ("bitmask", (s, self.bitmask_width), i32))
+
+    def padding_inputs(self, s: int) -> "FeatureInputs":
+        """Inputs of this variant for ``s`` padded sequences and no real one (ahead-of-time compilation)."""
+        return FeatureInputs(**{name: np.zeros(shape, dtype) for name, shape, dtype in self.fields(s)})
 
 
 NO_FEATURES = SamplerFeatures()
@@ -75,6 +84,7 @@ class FeatureInputs:
     stop_ids: jax.Array
     prompt_indices: jax.Array
     prompt_targets: jax.Array
+    bitmask: jax.Array
 
 
 def prompt_logprob_positions(scheduled) -> list[tuple[int, object, int]]:
@@ -91,9 +101,11 @@ def prompt_logprob_positions(scheduled) -> list[tuple[int, object, int]]:
     return out
 
 
-def build_feature_inputs(scheduled, s_pad: int, cu_q_lens: np.ndarray,
-                         eos_token_ids=()) -> tuple[SamplerFeatures, FeatureInputs | None]:
-    """Host side: the features ``scheduled`` needs and their padded numpy inputs."""
+def build_feature_inputs(scheduled, s_pad: int, cu_q_lens: np.ndarray, eos_token_ids=(),
+                         vocab_size: int = 0) -> tuple[SamplerFeatures, FeatureInputs | None]:
+    """Host side: the features ``scheduled`` needs and their padded numpy inputs. A sequence with a
+    structured output (``seq.structured``, ``grammar.StructuredState``) gets its matcher's token mask
+    (``vocab_size``: the model's, the mask's width); a matcher that fails raises here."""
     if not any(s.sampling_params._device_features for s, _ in scheduled):  # the default step: one pass
         return NO_FEATURES, None
     seqs = [s for s, _ in scheduled]
@@ -105,17 +117,22 @@ def build_feature_inputs(scheduled, s_pad: int, cu_q_lens: np.ndarray,
     plp = prompt_logprob_positions(scheduled)
     lps = [sp.logprobs for sp in sps if sp.logprobs is not None]
     plps = [sp.prompt_logprobs for sp in sps if sp.prompt_logprobs is not None]
+    constrained = [i for i, s in enumerate(seqs) if s.structured is not None]
     features = SamplerFeatures(
         penalties=bool(pen_rows), min_p=any(sp.min_p > 0 for sp in sps),
         min_tokens=any(stop_lists), logprobs=max(lps, default=-1),
         prompt_logprobs=max(plps, default=-1) if plp else -1,
         history_width=next_pow2(max(len(seqs[i].token_ids) for i in pen_rows), 16) if pen_rows else 0,
         num_stop_ids=next_pow2(max(map(len, stop_lists)), 4) if any(stop_lists) else 0,
-        num_prompt_positions=next_pow2(len(plp), 16) if plp else 0)
+        num_prompt_positions=next_pow2(len(plp), 16) if plp else 0,
+        bitmask_width=-(-vocab_size // 32) if constrained else 0)
     arrays = {name: np.zeros(shape, dtype) for name, shape, dtype in features.fields(s_pad)}
     arrays["repetition_penalty"][:] = 1.0
     arrays["history"][:] = -1
     arrays["stop_ids"][:] = -1
+    if constrained:
+        arrays["bitmask"][:] = -1
+        fill_bitmasks([(seqs[i].structured.matcher, i) for i in constrained], arrays["bitmask"])
     arrays["presence_penalty"][:n] = [sp.presence_penalty for sp in sps]
     arrays["frequency_penalty"][:n] = [sp.frequency_penalty for sp in sps]
     arrays["repetition_penalty"][:n] = [sp.repetition_penalty for sp in sps]
@@ -148,6 +165,8 @@ def sample_step(hidden: jax.Array, compute_logits: Callable[[jax.Array], jax.Arr
         return sample(logits, inputs.temperature, inputs.top_k, inputs.top_p, inputs.seeds, inputs.counters,
                       inputs.sampling_mode, batch_invariant=batch_invariant), {}
     processed = logits.astype(jnp.float32)
+    if f.bitmask_width:  # structured outputs: first, as vLLM (penalties and filters see the masked logits)
+        processed = apply_token_bitmask(processed, x.bitmask)
     if f.penalties:
         rows = jnp.arange(x.history.shape[0])
         last = jnp.maximum(x.history_len - 1, 0)

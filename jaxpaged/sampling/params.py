@@ -18,6 +18,9 @@ Semantics (vLLM's):
   the ``k`` most likely tokens and of the sampled one; ``prompt_logprobs = k`` likewise per prompt token.
 * ``n``: independent samples of one prompt (sharing its cached prompt blocks); with a ``seed``, sample
   ``i`` uses ``seed + i``.
+* ``structured_outputs``: a ``StructuredOutputsParams`` (JSON schema, regex, choice, grammar or any JSON
+  object): only tokens that keep the output inside it can be sampled, and the request ends ("stop")
+  once it is complete; EOS only where it may end. Other settings apply among the allowed tokens.
 * ``output_kind``: what ``LLMEngine.step()`` returns for this request: ``FINAL_ONLY`` (default, one
   output when it finishes), ``CUMULATIVE`` (everything so far, every step) or ``DELTA`` (what is new).
 """
@@ -28,6 +31,8 @@ import dataclasses
 import enum
 import math
 import numbers
+
+from .structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_TOP_K = 2**31 - 1  # top_k travels to the device as int32
@@ -96,6 +101,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -148,11 +154,17 @@ class SamplingParams:
                 raise TypeError(f"SamplingParams.{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise TypeError(f"SamplingParams.output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise TypeError(f"SamplingParams.structured_outputs must be a StructuredOutputsParams or None, got "
+                                f"{type(self.structured_outputs).__name__}")
+            self.structured_outputs.validate()
         if self.stop and not self.detokenize:
             raise ValueError("SamplingParams.stop strings need detokenize=True")
         # Read by the step builder for every request of every step: computed once here, not per step.
         self._device_features = (self.uses_penalties or self.min_p > 0 or self.min_tokens > 0
-                                 or self.logprobs is not None or self.prompt_logprobs is not None)
+                                 or self.logprobs is not None or self.prompt_logprobs is not None
+                                 or self.structured_outputs is not None)
 
     @staticmethod
     def _token_ids(name: str, ids) -> list[int] | None:
