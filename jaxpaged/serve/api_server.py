@@ -38,7 +38,7 @@ from .async_engine import AsyncEngine, EngineStopped, RequestAborted
 from .formatting import chat_logprobs, completion_logprobs, interleave, usage
 from .guard import GuardMiddleware
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, ServerLimits, error_body
+from .protocol import ChatCompletionRequest, CompletionRequest, FieldError, SamplingFields, ServerLimits, error_body
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = ServerLimits.max_body_bytes
@@ -185,16 +185,31 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
     def sse(obj: dict | str) -> str:
         return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
-    def sampling(body, max_tokens, logprobs):
+    def compile_grammar(field: str, params) -> None:
+        """Compiles a structured output's grammar (in a worker thread; cached): a 400 naming ``field`` if it
+        cannot be compiled, before the request reaches the engine."""
         try:
-            return body.sampling_params(model.default_sampling_params, max_tokens, logprobs, body.stream)
+            model.grammars.submit(params).result()
+        except ValueError as err:
+            raise APIError(400, f"{field}: {err}", param=field) from None
+
+    async def sampling(body, max_tokens, logprobs):
+        try:
+            found = body.structured()
+        except FieldError as err:
+            raise APIError(400, str(err), param=err.field) from None
+        if found is not None:
+            await in_worker(compile_grammar, *found)
+        try:
+            return body.sampling_params(model.default_sampling_params, max_tokens, logprobs, body.stream,
+                                        found[1] if found else None)
         except (ValueError, TypeError) as err:
             raise APIError(400, str(err)) from err
 
     async def run(request: Request, body, token_prompts: list[list[int]], max_tokens, logprobs, chunk_choice,
                   final_choice, obj: str, prefix: str):
         """Runs the prompts and answers: one JSON body, or (``stream``) server-sent events of deltas."""
-        sp = sampling(body, max_tokens, logprobs)
+        sp = await sampling(body, max_tokens, logprobs)
         rid, now = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         chunk_obj = f"{obj}.chunk" if obj == "chat.completion" else obj
         added = await start(token_prompts, sp, body.cache_salt)

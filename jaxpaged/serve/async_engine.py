@@ -52,6 +52,18 @@ class ServedModel:
     default_sampling_params: SamplingParams
     max_model_len: int
     warmed_up: bool = False  # the steps were compiled at start-up (else they compile on first use)
+    vocab_size: int = 0  # the model's (the width of structured outputs' token masks)
+    eos_token_ids: tuple[int, ...] = ()
+
+    @functools.cached_property
+    def grammars(self):
+        """Structured outputs' compiler, to refuse a grammar that cannot be compiled with a 400 before the
+        request reaches the engine (which compiles it again, from its own cache)."""
+        from ..sampling.grammar import GrammarCompiler
+
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer")
+        return GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, self.eos_token_ids)
 
     def chat_prompts(self, messages, chat_template_kwargs: dict | None = None) -> list[str]:
         return chat_prompts(self.tokenizer, messages, chat_template_kwargs=chat_template_kwargs)
@@ -182,8 +194,9 @@ def _engine_process(conn, llm_kwargs: dict) -> None:
         from ..llm import LLM
 
         llm = LLM(**llm_kwargs)
+        cfg = llm.engine.params.config
         conn.send(("ready", (str(llm.model_path), llm.default_sampling_params, llm.engine.max_model_len,
-                             llm.warmed_up)))
+                             llm.warmed_up, cfg.vocab_size, tuple(cfg.eos_token_id))))
         core = EngineCore(llm.engine, lambda outs: conn.send(("outputs", [_pack(o) for o in outs])))
         while True:
             while conn.poll(0 if core.busy() else 0.1):
@@ -305,8 +318,10 @@ class AsyncEngine:
     @classmethod
     def in_thread(cls, llm, on_abort: Callable[[], None] | None = None) -> AsyncEngine:
         """Over ``llm`` (``jaxpaged.LLM``, already built) stepping in a thread of this process."""
+        cfg = llm.engine.params.config
         self = cls(ServedModel(llm.model_path, llm.tokenizer, llm.default_sampling_params,
-                               llm.engine.max_model_len, llm.warmed_up), on_abort)
+                               llm.engine.max_model_len, llm.warmed_up, cfg.vocab_size, tuple(cfg.eos_token_id)),
+                   on_abort)
         self._transport = _ThreadTransport(llm.engine, self._post_outputs, self._post_error)
         return self
 
@@ -317,8 +332,9 @@ class AsyncEngine:
 
         self = cls(None, on_abort)  # (its model is known once the engine process is ready)
         transport = _ProcessTransport(llm_kwargs, self._post_outputs, self._post_error)
-        path, defaults, max_model_len, warmed_up = transport.ready
-        self.model = ServedModel(Path(path), load_tokenizer(path), defaults, max_model_len, warmed_up)
+        path, defaults, max_model_len, warmed_up, vocab_size, eos_token_ids = transport.ready
+        self.model = ServedModel(Path(path), load_tokenizer(path), defaults, max_model_len, warmed_up, vocab_size,
+                                 eos_token_ids)
         self._transport = transport
         return self
 

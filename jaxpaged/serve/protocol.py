@@ -12,12 +12,14 @@ naming them when they ask for something (``unsupported``).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field_validator
 
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, StructuredOutputsParams
 from ..sampling.params import MAX_COUNT, MAX_FLOAT32, MAX_LOGPROBS, MAX_SEED, MAX_TOP_K
+from ..sampling.structured import MAX_CHOICE_CHARS, MAX_CHOICES, MAX_SPEC_BYTES
 from .limits import MAX_N, MAX_STOP_STRINGS, ServerLimits  # noqa: F401  (ServerLimits: re-exported)
 
 # Sampling fields whose default comes from the checkpoint's generation_config.json when a request omits them.
@@ -30,6 +32,7 @@ MAX_PROMPTS = 1024  # prompts in one completions request
 MAX_MESSAGES = 4096
 MAX_NAME_CHARS = 1024  # model names, user, cache_salt, message names
 MAX_TEMPLATE_KWARGS_DEPTH = 8
+MAX_SCHEMA_DEPTH = 32  # a JSON schema's nesting (its size is bounded by MAX_SPEC_BYTES)
 
 Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]
@@ -38,8 +41,68 @@ Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
+class FieldError(ValueError):
+    """A request field's value the models accept but the request cannot use (``field``: its name)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
 class StreamOptions(BaseModel):
     include_usage: Bool = False
+
+
+Spec = Annotated[str, Field(min_length=1, max_length=MAX_SPEC_BYTES)]  # a regex or a grammar (chars <= bytes)
+Choices = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]],
+                    Field(min_length=1, max_length=MAX_CHOICES)]
+
+
+def _bounded_schema(value: dict | str | None) -> dict | str | None:
+    """A JSON schema (a dict, or its text) of at most ``MAX_SPEC_BYTES`` and ``MAX_SCHEMA_DEPTH`` levels."""
+    if value is None:
+        return value
+    if isinstance(value, dict) and _deeper_than(value, MAX_SCHEMA_DEPTH):
+        raise ValueError(f"nested deeper than {MAX_SCHEMA_DEPTH} levels")
+    size = len(value.encode()) if isinstance(value, str) else len(json.dumps(value).encode())
+    if size > MAX_SPEC_BYTES:
+        raise ValueError(f"{size} bytes, more than {MAX_SPEC_BYTES}")
+    return value
+
+
+Schema = Annotated[dict[str, Any] | str, AfterValidator(_bounded_schema)]
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's ``structured_outputs`` object: one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: Schema | None = Field(None, alias="json")
+    regex: Spec | None = None
+    choice: Choices | None = None
+    grammar: Spec | None = None
+    json_object: Bool | None = None
+    disable_any_whitespace: Bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``: ``name``, ``schema``, ``strict`` (the schema's own
+    ``additionalProperties`` / ``required`` are what the output follows, strict or not)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: Annotated[str, Field(max_length=MAX_NAME_CHARS)] = "schema"
+    description: Annotated[str, Field(max_length=MAX_SPEC_BYTES)] | None = None
+    schema_: Schema | None = Field(None, alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(BaseModel):
@@ -70,6 +133,13 @@ class SamplingFields(BaseModel):
     skip_special_tokens: Bool = True
     cache_salt: Name | None = None
     return_token_ids: Bool = False  # each choice also carries its (new) tokens' ids as ``token_ids``
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: Schema | None = None
+    guided_regex: Spec | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Spec | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """``(field, message)`` for an OpenAI field that asks for what jaxpaged does not do, else None."""
@@ -77,10 +147,41 @@ class SamplingFields(BaseModel):
             return "logit_bias", "logit_bias is not supported"
         return None
 
+    def structured(self) -> tuple[str, StructuredOutputsParams] | None:
+        """``(field, params)``: the request's structured output and the field that asked for it, else None.
+        More than one such field, or a bad one, is a ``FieldError`` naming it."""
+        given = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", dict(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise FieldError("response_format", "json_schema.schema is required for type 'json_schema'")
+            given.append(("response_format", dict(json=rf.json_schema.schema_)))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            given.append(("structured_outputs", dict(json=so.json_, regex=so.regex, choice=so.choice,
+                                                     grammar=so.grammar, json_object=so.json_object,
+                                                     disable_any_whitespace=so.disable_any_whitespace)))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                given.append((name, {kind: getattr(self, name)}))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise FieldError(given[1][0], f"only one structured output may be given (also {given[0][0]})")
+        field, kwargs = given[0]
+        try:
+            return field, StructuredOutputsParams(**kwargs)
+        except (ValueError, TypeError) as err:
+            raise FieldError(field, str(err)) from None
+
     def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None,
-                        streaming: bool) -> SamplingParams:
+                        streaming: bool, structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """The request's ``SamplingParams``: its own fields, else the checkpoint's defaults
-        (``GENERATION_DEFAULTS``), else ``SamplingParams``'. Raises what ``SamplingParams`` raises."""
+        (``GENERATION_DEFAULTS``), else ``SamplingParams``'; ``structured``: its structured output
+        (``structured()``). Raises what ``SamplingParams`` raises."""
         from ..sampling import RequestOutputKind
 
         given = {k: getattr(self, k) for k in GENERATION_DEFAULTS}
@@ -90,7 +191,8 @@ class SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
-            output_kind=RequestOutputKind.DELTA if streaming else RequestOutputKind.FINAL_ONLY, **chosen)
+            output_kind=RequestOutputKind.DELTA if streaming else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=structured, **chosen)
 
 
 MaxTokens = Annotated[int, Strict(), Field(ge=1, le=MAX_COUNT)]
@@ -147,12 +249,6 @@ def _deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: Literal["text", "json_object", "json_schema"]
-
-
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
 
@@ -162,7 +258,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: Bool = False
     top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None  # unsupported unless "text"
     tools: list[dict[str, Any]] | None = None  # unsupported when not empty
     tool_choice: str | dict[str, Any] | None = None  # "none" / "auto" without tools: accepted
     parallel_tool_calls: Bool | None = None  # accepted, not used
@@ -179,8 +274,6 @@ class ChatCompletionRequest(SamplingFields):
             return "tools", "tools are not supported"
         if self.tool_choice not in (None, "none", "auto"):
             return "tool_choice", "tool_choice is not supported"
-        if self.response_format is not None and self.response_format.type != "text":
-            return "response_format", f"response_format {self.response_format.type!r} is not supported"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
         return super().unsupported()

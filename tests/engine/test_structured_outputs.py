@@ -1,0 +1,140 @@
+"""Structured outputs end to end on the tiny checkpoint (random weights: the mask does all the work):
+every output parses and validates against its JSON schema, matches its regex, is one of its choices,
+through ``LLM.generate`` (n > 1, prefix caching, async scheduling) and ``jaxpaged.generate``; constrained
+requests leave the unconstrained ones in their batch bitwise unchanged (``batch_invariant=True``); a
+constraint that cannot be compiled is a ``ValueError`` naming its field; a matcher's failure ends its
+request only."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+import jaxpaged
+from jaxpaged import LLM, EngineConfig, SamplingParams, StructuredOutputsParams
+from jaxpaged.models.tiny import tiny_checkpoint_path
+
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+
+# Small schemas whose every value is bounded (random weights never choose to stop a free string or number):
+# nested objects, enums, arrays, required fields, optional ones.
+SCHEMAS = [
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["S", "M", "L"]}},
+     "required": ["ok", "size"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "u": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "on": {"type": "boolean"}},
+              "required": ["id"], "additionalProperties": False},
+        "t": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+     "required": ["u", "t"], "additionalProperties": False},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 3}, "n": {"type": "null"}},
+     "required": ["name"], "additionalProperties": False},
+]
+REGEX = r"[a-c]{2}-\d{1,2}"
+CHOICES = ["yes", "no", "maybe"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(tiny_checkpoint_path("qwen3"), dtype="float32", max_model_len=128, num_blocks=64,
+             max_num_seqs=16) as llm:
+        yield llm
+
+
+def so(**kwargs) -> SamplingParams:
+    kwargs.setdefault("max_tokens", 48)
+    return SamplingParams(**kwargs)
+
+
+def check_json(text: str, schema: dict) -> None:
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_outputs_follow_their_constraints(llm):
+    prompts, sps, checks = [], [], []
+    for i, schema in enumerate(SCHEMAS):
+        prompts.append(f"JSON {i}:")
+        sps.append(so(temperature=1.0, seed=i, n=2,
+                      structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True)))
+        checks.append(lambda t, s=schema: check_json(t, s))
+    prompts += ["Code:", "Answer:", "Anything:"]
+    sps += [so(temperature=0.9, seed=7, n=3, structured_outputs=StructuredOutputsParams(regex=REGEX)),
+            so(temperature=0.0, structured_outputs=StructuredOutputsParams(choice=CHOICES)),
+            so(temperature=1.0, seed=3, top_k=20, top_p=0.9, structured_outputs=StructuredOutputsParams(
+                grammar='start: "(" num ("," num)? ")"\nnum: /[0-9]/'))]
+    checks += [lambda t: re.fullmatch(REGEX, t) or pytest.fail(t), lambda t: t in CHOICES or pytest.fail(t),
+               lambda t: re.fullmatch(r"\(\d(,\d)?\)", t) or pytest.fail(t)]
+    prompts.append("Free text")
+    sps.append(so(temperature=1.0, seed=1, max_tokens=12, ignore_eos=True))
+    outs = llm.generate(prompts, sps, use_tqdm=False)
+    for out, check in zip(outs[:-1], checks):
+        for c in out.outputs:
+            assert c.finish_reason == "stop", (c.text, c.finish_reason)
+            check(c.text)
+    assert len(outs[-1].outputs[0].token_ids) == 12 and outs[-1].outputs[0].finish_reason == "length"
+    # The same schema again: its grammar comes from the cache, its prompt from the prefix cache.
+    again = llm.generate(prompts[0], sps[0], use_tqdm=False)[0]
+    assert [c.text for c in again.outputs] == [c.text for c in outs[0].outputs]
+    # json_object: any JSON object; max_tokens still ends a request its grammar has not finished
+    obj = llm.generate("Object:", so(temperature=1.0, seed=5, max_tokens=4, structured_outputs=StructuredOutputsParams(
+        json_object=True)), use_tqdm=False)[0].outputs[0]
+    assert obj.finish_reason == "length" and obj.text.startswith("{") and len(obj.token_ids) == 4
+
+
+def test_uncompilable_constraint_is_a_value_error_naming_the_field(llm):
+    for kwargs, field in ((dict(json={"type": "object", "properties": {"a": {"$ref": "#/nope"}}}), "json"),
+                          (dict(regex="(unclosed"), "regex"), (dict(grammar="start: missing"), "grammar")):
+        with pytest.raises(ValueError, match=f"StructuredOutputsParams.{field}"):
+            llm.generate(["fine", "bad"], [so(), so(structured_outputs=StructuredOutputsParams(**kwargs))],
+                         use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()  # nothing of the refused batch was queued
+
+
+def test_a_failing_matcher_ends_its_request_only(llm, monkeypatch):
+    from jaxpaged.sampling.grammar import GrammarMatcher
+
+    def refuse(self, token):  # a matcher that refuses every token (as a broken grammar backend would)
+        return False
+
+    monkeypatch.setattr(GrammarMatcher, "accept", refuse)
+    outs = llm.generate(["a", "b"], [so(structured_outputs=StructuredOutputsParams(choice=CHOICES)),
+                                     so(max_tokens=6, ignore_eos=True)], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 6
+
+
+def test_functional_generate():
+    path = tiny_checkpoint_path("qwen3")
+    outs = jaxpaged.generate(jaxpaged.load_params(path, "float32"), ["Hi", "Yo"],
+                             config=EngineConfig(max_model_len=64, num_blocks=16),
+                             sampling_params=so(temperature=1.0, seed=4, structured_outputs=StructuredOutputsParams(
+                                 json=SCHEMAS[0], disable_any_whitespace=True)),
+                             tokenizer=jaxpaged.load_tokenizer(path))
+    for out in outs:
+        check_json(out.outputs[0].text, SCHEMAS[0])
+
+
+@pytest.mark.parametrize("backend", ["triton"])
+def test_unconstrained_requests_keep_their_tokens(backend):
+    """Unconstrained requests batched with constrained ones get bitwise the tokens they get alone
+    (``batch_invariant=True``; the constrained rows' masks and their steps sat out change nothing else)."""
+    from jaxpaged import LLMEngine
+    from jaxpaged.llm import run_to_completion
+
+    path = tiny_checkpoint_path("qwen3")
+    eng = LLMEngine(jaxpaged.load_params(path, "float32"), EngineConfig(
+        max_model_len=64, num_blocks=16, block_size=16, max_num_batched_tokens=16, batch_invariant=True,
+        attention_backend=backend, enable_prefix_caching=False), tokenizer=jaxpaged.load_tokenizer(path))
+    free = [[5, 6, 7], [9, 10]]
+    free_sps = [so(temperature=0.0, max_tokens=5, ignore_eos=True),
+                so(temperature=1.0, seed=3, top_p=0.9, max_tokens=6, ignore_eos=True)]
+    alone = [run_to_completion(eng, [p], sp)[0].outputs[0].token_ids for p, sp in zip(free, free_sps)]
+    constrained = [so(temperature=1.0, seed=1, structured_outputs=StructuredOutputsParams(choice=CHOICES)),
+                   so(temperature=0.0, structured_outputs=StructuredOutputsParams(regex=REGEX))]
+    outs = run_to_completion(eng, [[11, 12], free[0], [13], free[1]],
+                             [constrained[0], free_sps[0], constrained[1], free_sps[1]])
+    assert [outs[1].outputs[0].token_ids, outs[3].outputs[0].token_ids] == alone
+    assert outs[0].outputs[0].text in CHOICES and re.fullmatch(REGEX, outs[2].outputs[0].text)
