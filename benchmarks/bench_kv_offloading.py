@@ -23,6 +23,7 @@ Three measurements, one process (run in the order 3, 2, 1):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -83,8 +84,10 @@ def workload_run(params, config: EngineConfig, prompts, sp, concurrency: int) ->
                ttft_p50_ms=percentile(ttft, 50), ttft_p99_ms=percentile(ttft, 99),
                evictions=s["evictions"], preemptions=s["preemptions"], num_blocks=s["num_blocks"],
                host_blocks=s["host_blocks"], blocks_offloaded=s["blocks_offloaded"],
-               blocks_reloaded=s["blocks_reloaded"],
-               **{k: s[k] for k in ("offload_bytes", "reload_bytes", "host_reserve_seconds") if k in s})
+               blocks_reloaded=s["blocks_reloaded"], host_hits_recomputed=s["host_hits_recomputed"],
+               reload_cost=dataclasses.asdict(engine.reload_cost) if engine.reload_cost else None,
+               **{k: s[k] for k in ("offload_bytes", "reload_bytes", "offload_gbps", "reload_gbps",
+                                    "host_reserve_seconds") if k in s})
     return row, [o.outputs[0].token_ids for o in outs]
 
 
@@ -230,7 +233,8 @@ def main() -> None:
         a, b = result["workload"]["rows"]
         for k, fmt in (("prefix_hit_rate", "{:.1%}"), ("host_hit_rate", "{:.1%}"), ("prefill_tokens", "{:,}"),
                        ("output_tok_s", "{:,.0f}"), ("total_tok_s", "{:,.0f}"), ("ttft_p50_ms", "{:.1f}"),
-                       ("ttft_p99_ms", "{:.1f}"), ("blocks_reloaded", "{:,}")):
+                       ("ttft_p99_ms", "{:.1f}"), ("blocks_offloaded", "{:,}"), ("blocks_reloaded", "{:,}"),
+                       ("host_hits_recomputed", "{:,}")):
             print(f"| {k} | {fmt.format(a[k])} | {fmt.format(b[k])} |")
         print(f"| speedup (output tok/s) | | {result['workload']['speedup']:.2f}x |")
         w = result["workload"]

@@ -70,8 +70,9 @@ def _scatter(pool: jax.Array, blocks: tuple[jax.Array, ...], block_ids: jax.Arra
 class KVTransfers:
     """Runs ``Transfer`` lists against one pool; holds the host tier's arrays (one per used slot).
 
-    Counters (``stats``): blocks and bytes copied each way, and seconds from dispatch until the copy was
-    seen complete (polled at each ``run`` and ``stats``, so an upper bound of the copy's time).
+    Counters (``stats``): blocks and bytes copied each way; the copies' own bandwidth each way comes from
+    ``measure`` (timed alone at warm-up: in a serving loop a copy's end is only seen when the engine next
+    looks, which times the waiting, not the copy).
     """
 
     def __init__(self, kv_pool: jax.Array, num_slots: int, reserve: bool | None = None) -> None:
@@ -83,10 +84,10 @@ class KVTransfers:
         self._host_sharding = None  # a block's sharding in host memory (made on the first offload)
         self._device_sharding = None  # ... and on the device
         self._compiled: dict[tuple[str, int], object] = {}
-        self._pending: list[tuple[str, float, int, jax.Array]] = []  # (kind, dispatched at, bytes, last array)
         self._staged: list[tuple[list[Transfer], tuple[jax.Array, ...]]] = []  # gathered, not yet sent to host
         self._staged_slots: set[int] = set()
-        self.counts = {"offload": [0, 0, 0.0], "reload": [0, 0, 0.0]}  # blocks, bytes, seconds
+        self.counts = {"offload": [0, 0], "reload": [0, 0]}  # blocks, bytes
+        self.measured: dict[str, tuple[float, float]] = {}  # kind -> (fixed seconds, seconds per block)
         self.reserve_seconds = 0.0
         if reserve if reserve is not None else jax.default_backend() == "gpu":
             self.reserve_host_memory(kv_pool)
@@ -110,7 +111,6 @@ class KVTransfers:
     def run(self, kv_pool: jax.Array, transfers: SequenceT[Transfer]) -> jax.Array:
         """Dispatches ``transfers`` in order (consecutive ones of a kind batched); returns the pool. The
         offloads' copies to the host follow in ``finish_offloads`` (call it after the next step's launch)."""
-        self._poll()
         for kind, group in itertools.groupby(transfers, key=lambda t: t.kind):
             group = list(group)
             for start in range(0, len(group), MAX_BLOCKS):
@@ -167,7 +167,7 @@ class KVTransfers:
         host = jax.device_put(blocks, self._host_sharding)
         for t, array in zip(chunks, host):  # (in order: a slot given twice keeps the later block)
             self.slots[t.slot] = array
-        self._dispatched("offload", len(chunks), host[-1])
+        self._dispatched("offload", len(chunks))
 
     def _reload(self, kv_pool: jax.Array, chunk: list[Transfer]) -> jax.Array:
         if self._staged_slots.intersection(t.slot for t in chunk):  # offloaded in this very pass
@@ -180,8 +180,8 @@ class KVTransfers:
         ids = np.array([t.block_id for t in chunk] + [chunk[-1].block_id] * (size - n), np.int32)
         blocks = tuple(blocks) + (blocks[-1],) * (size - n)
         exe = self._executable("reload", kv_pool, size)
-        kv_pool, done = exe(kv_pool, blocks, ids)
-        self._dispatched("reload", n, done)
+        kv_pool, _ = exe(kv_pool, blocks, ids)
+        self._dispatched("reload", n)
         return kv_pool
 
     def warmup(self, kv_pool: jax.Array) -> None:
@@ -192,28 +192,52 @@ class KVTransfers:
             self._executable("reload", kv_pool, size)
             size *= 2
 
+    def measure(self, kv_pool: jax.Array, repeats: int = 3) -> jax.Array:
+        """Times each way alone, 1 and ``MAX_BLOCKS`` blocks (medians of ``repeats``), into ``measured``:
+        ``(fixed seconds, seconds per block)``. Run it at warm-up, before any block is cached: the reloads
+        write blocks ``0 .. MAX_BLOCKS - 1`` of the pool (unused then; blocks are never read unwritten).
+        Returns the pool (donated through the reloads)."""
+        def timed(fn) -> float:
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn())
+                times.append(time.perf_counter() - t0)
+            return sorted(times)[len(times) // 2]
+
+        n_max = min(MAX_BLOCKS, kv_pool.shape[1])
+        block = jax.device_put(jnp.zeros(kv_pool.shape[:1] + kv_pool.shape[2:], kv_pool.dtype), self._host_sharding)
+        pool = [kv_pool]
+        for kind in ("offload", "reload"):
+            seconds = []
+            for n in (1, n_max):
+                ids = np.arange(n, dtype=np.int32)
+                exe = self._executable(kind, kv_pool, n if n == 1 else bucket(n, 1))
+                ids = np.resize(ids, bucket(n, 1))
+                if kind == "offload":
+                    seconds.append(timed(lambda: jax.device_put(exe(pool[0], ids), self._host_sharding)))
+                else:
+                    def reload():
+                        pool[0], done = exe(pool[0], (block,) * len(ids), ids)
+                        return done
+                    seconds.append(timed(reload))
+            per_block = max(seconds[1] - seconds[0], 0.0) / max(n_max - 1, 1)
+            self.measured[kind] = (max(seconds[0] - per_block, 0.0), per_block)
+        return pool[0]
+
     # ---- observability ---------------------------------------------------------------------------
-    def _dispatched(self, kind: str, n: int, last: jax.Array) -> None:
+    def _dispatched(self, kind: str, n: int) -> None:
         count = self.counts[kind]
         count[0] += n
         count[1] += n * self.block_bytes
-        self._pending.append((kind, time.perf_counter(), n * self.block_bytes, last))
-
-    def _poll(self) -> None:
-        now, still = time.perf_counter(), []
-        for kind, t0, nbytes, array in self._pending:
-            if array.is_ready():
-                self.counts[kind][2] += now - t0
-            else:
-                still.append((kind, t0, nbytes, array))
-        self._pending = still
 
     def stats(self) -> dict:
-        """Blocks, bytes and seconds of copies each way, and the effective bandwidth (GB/s)."""
-        self._poll()
+        """Blocks and bytes copied each way, and each way's bandwidth measured at warm-up (GB/s; 0 if not
+        measured)."""
         out = {"host_block_bytes": self.block_bytes, "host_reserve_seconds": self.reserve_seconds}
-        for kind, (blocks, nbytes, seconds) in self.counts.items():
+        for kind, (blocks, nbytes) in self.counts.items():
+            out[f"{kind}_blocks"] = blocks
             out[f"{kind}_bytes"] = nbytes
-            out[f"{kind}_seconds"] = seconds
-            out[f"{kind}_gbps"] = nbytes / seconds / 1e9 if seconds else 0.0
+            per_block = self.measured.get(kind, (0.0, 0.0))[1]
+            out[f"{kind}_gbps"] = self.block_bytes / per_block / 1e9 if per_block else 0.0
         return out

@@ -34,6 +34,7 @@ from ..io.output_processor import OutputProcessor, RequestState, make_detokenize
 from ..io.outputs import RequestOutput
 from ..io.prompts import broadcast_sampling_params, parse_prompt, parse_prompts
 from ..kv import KVCacheManager, PrefixDivergence, explain_prefix
+from ..kv.host_tier import ReloadCost
 from ..models.checkpoint import ModelParams
 from ..models.kv_pool import (bytes_per_token_slot, check_holds_one_sequence, check_kv_dtype, engine_pool_shape,
                               make_kv_pool, size_pool)
@@ -153,6 +154,7 @@ class LLMEngine:
                  self.num_blocks * config.block_size * self.bytes_per_token / 2**30, self.kv_dtype, self.max_model_len)
         self.metrics = EngineMetrics()
         self.warmup_profile: dict = {}  # where the last warm-up's time went (``warmup``)
+        self.reload_cost: ReloadCost | None = None  # the host tier's, measured at a GPU warm-up
         self._rng = np.random.default_rng(config.seed)
         self._next_id = 0
         self._requests: dict[str, RequestState] = {}  # unfinished user requests by id
@@ -621,6 +623,8 @@ class LLMEngine:
                     self._free_tokens.append(self._prev_tokens)
                     self._prev_tokens = tokens
             jax.block_until_ready(self._prev_tokens)  # (nothing ran if every shape was compiled before)
+            if self.kv_transfers is not None:
+                self._measure_reload_cost(compiled)
             self.settle()
             if bar is not None:
                 bar.update(1)
@@ -629,6 +633,31 @@ class LLMEngine:
         self.warmup_profile = dict(self.runner.last_precompile, run_seconds=time.perf_counter() - t_run,
                                    total_seconds=time.perf_counter() - t0)
         return self.warmup_profile["total_seconds"]
+
+    def _measure_reload_cost(self, compiled) -> None:
+        """Times the host tier's copies and the largest prefill step (all padding: its matmuls, which is
+        most of what recomputing a block costs) and tells the KV manager when a reload beats
+        recomputing (``kv.host_tier.ReloadCost``)."""
+        self.kv_pool = self.kv_transfers.measure(self.kv_pool)
+        inputs = max((i for i, turn in compiled if not turn and not i.uniform_decode),
+                     key=lambda i: i.token_ids.shape[0])
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs, self._prev_tokens,
+                                                    self._take_free_tokens())
+            jax.block_until_ready(tokens)
+            times.append(time.perf_counter() - t0)
+            self._free_tokens.append(self._prev_tokens)
+            self._prev_tokens = tokens
+        fixed, per_block = self.kv_transfers.measured["reload"]
+        self.reload_cost = ReloadCost(seconds_per_block=per_block, fixed_seconds=fixed, block_size=self.config.block_size,
+                                      recompute_seconds_per_token=sorted(times)[1] / inputs.token_ids.shape[0])
+        self.kv.set_reload_cost(self.reload_cost)
+        log.info("KV host tier: a reload of n blocks %.0f + n x %.1f us, recomputing a block %.1f us: %s",
+                 fixed * 1e6, per_block * 1e6, self.reload_cost.recompute_seconds_per_token * self.config.block_size * 1e6,
+                 "reloads pay from %d blocks" % next(n for n in range(1, 1 << 20) if self.reload_cost.worth_reloading(n))
+                 if self.reload_cost.ever_worth_reloading else "recomputing is cheaper: the tier stays unused")
 
     def _preload_warmup(self) -> None:
         """Starts reading the warm-up's executables from disk in threads (``ModelRunner.preload``); they

@@ -17,6 +17,7 @@ device side (``engine/kv_transfer.py``) must copy before the next step runs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict, deque
 from typing import Callable, NamedTuple
 
@@ -30,6 +31,30 @@ class Transfer(NamedTuple):
     kind: str
     block_id: int
     slot: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReloadCost:
+    """What a host-tier hit costs either way, measured on the device at warm-up: copying ``n`` blocks back
+    takes ``fixed_seconds + n * seconds_per_block``; computing their tokens again takes ``n * block_size
+    * recompute_seconds_per_token``. A hit is reloaded only where the copy is the cheaper, so the tier
+    never makes a request slower than no tier would (small models prefill a block faster than a PCIe
+    copy moves it)."""
+
+    seconds_per_block: float
+    fixed_seconds: float
+    recompute_seconds_per_token: float
+    block_size: int
+
+    def worth_reloading(self, num_blocks: int) -> bool:
+        """Whether copying ``num_blocks`` blocks back beats computing their tokens again."""
+        return (self.fixed_seconds + num_blocks * self.seconds_per_block
+                < num_blocks * self.block_size * self.recompute_seconds_per_token)
+
+    @property
+    def ever_worth_reloading(self) -> bool:
+        """Whether a long enough run of blocks is worth reloading (else offloading is wasted work)."""
+        return self.seconds_per_block < self.block_size * self.recompute_seconds_per_token
 
 
 class HostBlockPool:

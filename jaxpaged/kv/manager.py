@@ -105,6 +105,12 @@ class KVCacheManager:
         """The host tier's slots (``kv.host_tier.HostBlockPool``; ``None`` without one): for inspection."""
         return getattr(self.policy, "host", None)
 
+    def set_reload_cost(self, cost) -> None:
+        """From now on reload a host-tier hit only where copying it back beats recomputing it
+        (``kv.host_tier.ReloadCost``; ``None``: always), and offload no block when that can never pay."""
+        if self.host is not None:
+            self.policy.reload_cost = cost
+
     def take_transfers(self) -> list:
         """Block copies between the tiers decided since the last call (``kv.host_tier.Transfer``), in
         the order they must run, before the next step reads or writes the pool."""

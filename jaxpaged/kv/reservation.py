@@ -18,7 +18,7 @@ from typing import Protocol
 
 from jaxpaged.kv.allocator import BlockAllocator
 from jaxpaged.kv.errors import BlockStateError, OutOfBlocksError
-from jaxpaged.kv.host_tier import HostBlockPool, Transfer
+from jaxpaged.kv.host_tier import HostBlockPool, ReloadCost, Transfer
 from jaxpaged.kv.prefix_trie import PrefixTrie, TrieNode
 from jaxpaged.kv.stats import EventLog, KVCounters
 from jaxpaged.request import Sequence
@@ -82,6 +82,8 @@ class PagedReservation:
         self.host = (HostBlockPool(num_host_slots, on_evict=self._on_host_evict)
                      if enable_prefix_caching and num_host_slots > 0 else None)
         self.transfers: list[Transfer] = []
+        # Set by the engine once measured (``None``: every host hit is reloaded, every eviction offloaded).
+        self.reload_cost: ReloadCost | None = None
         self._cursors: dict[str, tuple[int, TrieNode | None]] = {}  # blocks in trie, deepest node
         self._last_match: tuple | None = None  # (seq, num_tokens, version, hits)
 
@@ -112,9 +114,19 @@ class PagedReservation:
         version = (self.allocator.num_evictions, self.counters.blocks_inserted, self.counters.host_evictions)
         if last is not None and last[0] is seq and last[1] == seq.num_tokens and last[2] == version:
             return last[3]
-        hits = self.trie.longest_prefix(seq.token_ids, seq.cache_salt)
-        self._last_match = (seq, seq.num_tokens, version, hits)
+        hits, recomputed = self._worth_reloading(self.trie.longest_prefix(seq.token_ids, seq.cache_salt))
+        self._last_match = (seq, seq.num_tokens, version, hits, recomputed)
         return hits
+
+    def _worth_reloading(self, hits: list[TrieNode]) -> tuple[list[TrieNode], int]:
+        """``(hits, host blocks left out)``: ``hits`` cut at their first host-only block where reloading
+        the host-only blocks would cost more than computing their tokens again (``reload_cost``)."""
+        cost = self.reload_cost
+        on_host = sum(1 for node in hits if node.block_id < 0)
+        if cost is None or on_host == 0 or cost.worth_reloading(on_host):
+            return hits, 0
+        first = next(i for i, node in enumerate(hits) if node.block_id < 0)
+        return hits[:first], on_host
 
     def prefix_hit_blocks(self, seq: Sequence) -> int:
         return len(self._match(seq))
@@ -139,6 +151,7 @@ class PagedReservation:
         hits, need, available = self._shortfall(seq)
         if need > available:
             raise OutOfBlocksError(f"request {seq.request_id!r} needs {need} new blocks, {available} free or evictable")
+        self.counters.host_hits_recomputed += self._last_match[4] if self._last_match is not None else 0
         on_host = [node for node in hits if node.block_id < 0]
         for node in hits:
             if node.block_id >= 0:
@@ -226,6 +239,8 @@ class PagedReservation:
         if node.host_slot >= 0:
             self.host.touch(node.host_slot)
         else:
+            if self.reload_cost is not None and not self.reload_cost.ever_worth_reloading:
+                return False  # a copy no hit would ever use
             slot = self.host.allocate()  # (evicting on the host may remove this very node)
             if slot is None:
                 return False

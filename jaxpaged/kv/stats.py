@@ -34,6 +34,7 @@ class KVCounters:
     blocks_offloaded: int = 0  # evicted cached blocks copied to the host tier
     blocks_reloaded: int = 0  # host-tier blocks copied back into the device pool
     host_evictions: int = 0  # host slots reclaimed from the host tier's LRU
+    host_hits_recomputed: int = 0  # host-tier hit blocks computed again: cheaper than copying them back
     max_len_admission_failures: int = 0  # max_len admissions refused (no contiguous run)
     max_len_fragmentation_failures: int = 0  # ... although enough blocks were free in total
     peak_blocks_used: int = 0
@@ -72,6 +73,7 @@ class KVStats:
     blocks_offloaded: int = 0
     blocks_reloaded: int = 0
     host_evictions: int = 0
+    host_hits_recomputed: int = 0
 
     def as_dict(self) -> dict[str, float | int | None]:
         return dataclasses.asdict(self)
@@ -141,6 +143,7 @@ def make_stats(
         host_blocks=host_blocks, host_blocks_used=host_blocks_used, host_blocks_free=host_blocks - host_blocks_used,
         host_hit_blocks=c.host_hit_blocks, host_hit_tokens=c.host_hit_blocks * block_size,
         blocks_offloaded=c.blocks_offloaded, blocks_reloaded=c.blocks_reloaded, host_evictions=c.host_evictions,
+        host_hits_recomputed=c.host_hits_recomputed,
     )
 
 

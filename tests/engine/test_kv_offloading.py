@@ -44,6 +44,23 @@ def test_transfers_round_trip_blocks_exactly_and_in_place(dtype):
     np.testing.assert_array_equal(got[:, 4], original[:, 4])
     s = t.stats()
     assert s["offload_bytes"] == s["reload_bytes"] == 3 * pool.nbytes // 10
+    assert s["offload_blocks"] == s["reload_blocks"] == 3
+    assert s["reload_gbps"] == 0.0  # not measured: no bandwidth made up from waiting
+
+
+def test_measured_copy_costs_leave_the_pool_in_place():
+    """``measure`` times each way alone (1 and up to ``MAX_BLOCKS`` blocks): both measured, the pool still
+    updated in its own buffer, the bandwidth reported from the per-block time."""
+    pool = jax.device_put(jnp.ones((2, 12, 4, 2, 2, 8), jnp.bfloat16), jax.local_devices()[0])
+    t = KVTransfers(pool, num_slots=2, reserve=False)
+    before = pool.unsafe_buffer_pointer()
+    pool = t.measure(pool, repeats=1)
+    assert pool.unsafe_buffer_pointer() == before
+    assert set(t.measured) == {"offload", "reload"}
+    for fixed, per_block in t.measured.values():
+        assert fixed >= 0 and per_block >= 0
+    _, per_block = t.measured["reload"]
+    assert t.stats()["reload_gbps"] == (pytest.approx(t.block_bytes / per_block / 1e9) if per_block else 0.0)
 
 
 def test_transfers_keep_the_decided_order():

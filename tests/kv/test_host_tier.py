@@ -9,7 +9,7 @@ import pytest
 from jaxpaged.request import Sequence
 from jaxpaged.kv import KVCacheManager, explain_prefix
 from jaxpaged.kv.errors import BlockStateError
-from jaxpaged.kv.host_tier import HostBlockPool, Transfer
+from jaxpaged.kv.host_tier import HostBlockPool, ReloadCost, Transfer
 
 
 def test_host_block_pool_lru_pins_and_release():
@@ -146,3 +146,50 @@ def test_transfer_names_and_manager_without_a_tier():
     assert mgr.host is None and mgr.take_transfers() == [] and mgr.stats().host_blocks == 0
     with pytest.raises(ValueError, match="reservation='paged'"):
         KVCacheManager(4, 2, reservation="max_len", enable_prefix_caching=False, max_model_len=4, num_host_blocks=2)
+
+
+def test_reload_cost_weighs_the_copy_against_recomputing():
+    cost = ReloadCost(seconds_per_block=10e-6, fixed_seconds=50e-6, recompute_seconds_per_token=1e-6, block_size=16)
+    # a block: 16 us to recompute, 10 us to copy plus the reload's 50 us launch
+    assert not cost.worth_reloading(1) and not cost.worth_reloading(8)
+    assert cost.worth_reloading(9) and cost.ever_worth_reloading  # 140 < 144
+    never = ReloadCost(seconds_per_block=20e-6, fixed_seconds=0.0, recompute_seconds_per_token=1e-6, block_size=16)
+    assert not never.ever_worth_reloading and not never.worth_reloading(10_000)
+
+
+def test_host_hits_cheaper_to_recompute_are_recomputed():
+    mgr = KVCacheManager(4, 2, num_host_blocks=8)
+    first = list(range(1, 8))  # 3 full blocks + 1 token
+    run(mgr, "a", first)
+    run(mgr, "b", [50 + t for t in range(7)])  # the 3 cached blocks go to the host
+    assert [t.kind for t in mgr.take_transfers()] == ["offload"] * 3
+    # Reloads pay from 4 blocks on: a hit of 3 host blocks is recomputed, no reload queued.
+    mgr.set_reload_cost(ReloadCost(seconds_per_block=1.0, fixed_seconds=1.5, recompute_seconds_per_token=0.6,
+                                   block_size=2))
+    s = Sequence("c", first)
+    assert mgr.prefix_hit_blocks(s) == 0
+    mgr.admit(s)
+    assert s.num_cached_tokens == 0
+    assert [t.kind for t in mgr.take_transfers()] == ["offload"] * 3  # b's blocks make room: no reload
+    stats = mgr.stats()
+    assert stats.host_hits_recomputed == 3 and stats.blocks_reloaded == 0
+    mgr.free(s)
+    # Cheap copies: the same hit is reloaded.
+    mgr.set_reload_cost(ReloadCost(seconds_per_block=0.1, fixed_seconds=0.0, recompute_seconds_per_token=1.0,
+                                   block_size=2))
+    s = Sequence("d", [50, 51, 52, 53, 54, 55, 9])  # b's prefix, on the host now
+    mgr.admit(s)
+    assert [t.kind for t in mgr.take_transfers() if t.kind == "reload"] == ["reload"] * 3
+    mgr.free(s)
+    mgr.check_invariants()
+
+
+def test_no_offload_when_a_reload_can_never_pay():
+    mgr = KVCacheManager(4, 2, num_host_blocks=8)
+    mgr.set_reload_cost(ReloadCost(seconds_per_block=5.0, fixed_seconds=0.0, recompute_seconds_per_token=1.0,
+                                   block_size=2))
+    run(mgr, "a", list(range(1, 8)))
+    run(mgr, "b", [50 + t for t in range(7)])  # evicts the 3 cached blocks: dropped, not copied
+    assert mgr.take_transfers() == [] and mgr.host.num_used_slots == 0
+    assert mgr.stats().blocks_offloaded == 0
+    mgr.check_invariants()
