@@ -35,6 +35,7 @@ Layer = int | jax.Array  # a pool layer: a Python int, or an i32[] operand (one 
 # jax's Pallas-Triton lowering addresses an array with 32-bit offsets unless it is larger than 2**32
 # *bytes*, and Triton sign-extends them: an array of more than 2**31 elements and at most 2**32 bytes
 # (one-byte elements: an fp8 pool of 2-4 GiB) would be read and written outside itself past element 2**31.
+# Mosaic GPU kernels (TMA descriptors, 64-bit addresses) and XLA's scatter address any pool.
 I32_OFFSET_ELEMENTS, I64_OFFSET_BYTES = 2**31, 2**32
 
 
@@ -44,17 +45,25 @@ def pallas_addressable(num_bytes: int, itemsize: int) -> bool:
     return num_bytes // itemsize <= I32_OFFSET_ELEMENTS or num_bytes > I64_OFFSET_BYTES
 
 
+def triton_addressable(kv_pool: jax.Array) -> bool:
+    """Whether the Pallas-Triton kernels can address ``kv_pool`` (:func:`pallas_addressable`)."""
+    return pallas_addressable(kv_pool.size * kv_pool.dtype.itemsize, kv_pool.dtype.itemsize)
+
+
+def check_triton_addressable(kv_pool: jax.Array) -> None:
+    """Raises a ValueError if a Pallas-Triton kernel cannot address ``kv_pool``."""
+    if not triton_addressable(kv_pool):
+        raise ValueError(f"a {kv_pool.dtype} kv_pool of {kv_pool.size * kv_pool.dtype.itemsize / 2**30:.2f} GiB "
+                         "cannot be addressed by the Pallas-Triton kernels (32-bit offsets past element 2**31): "
+                         "use at most 2 GiB or more than 4 GiB of one-byte elements, or the Mosaic GPU kernels")
+
+
 def check_pool(kv_pool: jax.Array, layer: Layer) -> None:
-    """Raises a ValueError naming the problem if ``kv_pool`` is not ``[L, N, bs, 2, Hkv, D]``, is too
-    large for 32-bit offsets but not for 64-bit ones (:func:`pallas_addressable`), or ``layer`` is not
-    one of its layers (a Python int in range, or an integer scalar array: its value is the caller's to
-    keep in range, as the model's layer loop does)."""
+    """Raises a ValueError naming the problem if ``kv_pool`` is not ``[L, N, bs, 2, Hkv, D]`` or ``layer``
+    is not one of its layers (a Python int in range, or an integer scalar array: its value is the
+    caller's to keep in range, as the model's layer loop does)."""
     if kv_pool.ndim != 6 or kv_pool.shape[3] != 2:
         raise ValueError(f"kv_pool must be [L, num_blocks, block_size, 2, Hkv, D]; got {kv_pool.shape}")
-    if not pallas_addressable(kv_pool.size * kv_pool.dtype.itemsize, kv_pool.dtype.itemsize):
-        raise ValueError(f"a {kv_pool.dtype} kv_pool of {kv_pool.size * kv_pool.dtype.itemsize / 2**30:.2f} GiB "
-                         "cannot be addressed by the Pallas kernels (32-bit offsets past element 2**31): "
-                         "use at most 2 GiB or more than 4 GiB of one-byte elements")
     if isinstance(layer, jax.Array) and layer.shape == () and jnp.issubdtype(layer.dtype, jnp.integer):
         return
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < kv_pool.shape[0]:

@@ -69,7 +69,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxpaged.kernels.fp8 import is_fp8, power_of_two, scale_rows, v_slab_index
-from jaxpaged.kernels.kv_write import block_size_of, check_pool
+from jaxpaged.kernels.kv_write import block_size_of, check_pool, check_triton_addressable
 from jaxpaged.kernels.metadata import check_ragged_metadata
 from jaxpaged.kernels.shapes import next_pow2, num_cores as device_num_cores
 from jaxpaged.kernels.split_k import decode_splits, merge_splits
@@ -383,6 +383,7 @@ def _validate(q, kv_pool, layer, cu_q_lens, kv_lens, block_tables):
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
     check_pool(kv_pool, layer)
+    check_triton_addressable(kv_pool)
     num_q_heads, head_dim = q.shape[1:]
     _, _, _, _, num_kv_heads, d = kv_pool.shape
     block_size = block_size_of(kv_pool)

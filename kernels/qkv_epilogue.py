@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .fp8 import is_fp8, quantize, scale_rows, v_slab_index
-from .kv_write import check_pool
+from .kv_write import check_pool, check_triton_addressable
 
 
 def token_block(num_tokens: int, fp8: bool = False) -> tuple[int, int]:
@@ -150,6 +150,7 @@ def qkv_epilogue(parts: jax.Array, bias: jax.Array | None, q_norm: jax.Array | N
     ``block_tokens``: tokens per program (default :func:`token_block`; any value gives the same result).
     The layer reaches the kernel as an operand (as in ``paged_attention``): one lowering serves every layer."""
     check_pool(kv_pool, layer)
+    check_triton_addressable(kv_pool)
     return _qkv_epilogue(parts, bias, q_norm, k_norm, cos, sin, kv_pool, jnp.asarray(layer, jnp.int32), slot_mapping,
                          eps=eps, dtype=dtype, block_tokens=block_tokens, interpret=interpret)
 

@@ -124,25 +124,28 @@ def free_device_memory(device) -> int | None:
     return None
 
 
-def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dtype: str) -> int:
+def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dtype: str,
+              triton_attention: bool = True) -> int:
     """Blocks in the pool: ``num_blocks`` if given; on a GPU ``memory_fraction`` of the free device
     memory (with tensor parallelism: of the device with the least free memory, per device's share of a
     block), at most ``GPU_POOL_CAP_SEQUENCES`` times what ``max_num_seqs`` full-length sequences need;
     on a CPU ``CPU_POOL_FRACTION`` of the available host memory, at most ``CPU_POOL_CAP_BYTES``
-    and at most what ``min(max_num_seqs, 16)`` full-length sequences need. A one-byte (fp8) pool of
-    2-4 GiB a device is moved out of that range (:func:`addressable_blocks`); a ``num_blocks`` in it is an
-    error."""
+    and at most what ``min(max_num_seqs, 16)`` full-length sequences need. Where the Pallas-Triton
+    attention kernel reads the pool (``triton_attention``), a one-byte (fp8) pool of 2-4 GiB a device is
+    moved out of that range (:func:`addressable_blocks`) and a ``num_blocks`` in it is an error; the Mosaic
+    GPU kernels and XLA address a pool of any size."""
     bs = config.resolved_block_size(params.config.head_dim)
-    itemsize = jnp.dtype(dtype).itemsize
     block_bytes = block_bytes_per_device(params, bs, dtype)
+    # The element size the Triton kernel's addressing depends on (0: no such kernel reads the pool).
+    itemsize = jnp.dtype(dtype).itemsize if triton_attention else 0
     if config.num_blocks is not None:
         lo, hi = addressable_block_range(block_bytes, itemsize)
         if lo < config.num_blocks < hi:
             raise ValueError(
                 f"num_blocks={config.num_blocks} gives a {dtype} pool of "
-                f"{config.num_blocks * block_bytes / 2**30:.2f} GiB per device, which the GPU kernels cannot "
-                f"address (32-bit offsets between 2 and 4 GiB of one-byte elements): use num_blocks <= {lo} "
-                f"or >= {hi}")
+                f"{config.num_blocks * block_bytes / 2**30:.2f} GiB per device, which the Pallas-Triton attention "
+                f"kernel cannot address (32-bit offsets between 2 and 4 GiB of one-byte elements): use "
+                f"num_blocks <= {lo} or >= {hi}, or attention_backend='mosaic' (Hopper)")
         return config.num_blocks
     devices = [jax.devices()[0]] if params.mesh is None else \
         [d for d in params.mesh.devices.flat if d.process_index == jax.process_index()]
@@ -160,9 +163,9 @@ def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dty
 
 
 def addressable_block_range(block_bytes: int, itemsize: int) -> tuple[int, int]:
-    """``(lo, hi)``: block counts strictly between them make a pool the GPU kernels cannot address
-    (one-byte elements, more than 2**31 of them, at most 2**32 bytes: ``kv_write.pallas_addressable``);
-    none for wider elements."""
+    """``(lo, hi)``: block counts strictly between them make a pool the Pallas-Triton kernels cannot
+    address (one-byte elements, more than 2**31 of them, at most 2**32 bytes: ``kv_write.pallas_addressable``);
+    none for wider elements (or ``itemsize`` 0: no such kernel reads the pool)."""
     if itemsize != 1:
         return 0, 1
     return I32_OFFSET_ELEMENTS // block_bytes, I64_OFFSET_BYTES // block_bytes + 1

@@ -18,7 +18,7 @@ import warnings
 import jax
 
 from jaxpaged.kernels import add_rms_norm, gemv, matmul, qkv_epilogue, rms_norm
-from jaxpaged.kernels.kv_write import write_kv
+from jaxpaged.kernels.kv_write import triton_addressable, write_kv
 from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps, qkv_epilogue_ops, rope_cos_sin, rotary, xla_matmul_unfused_input
 
 
@@ -99,7 +99,9 @@ def fused_qkv(x: jax.Array, w: jax.Array, bias, q_norm, k_norm, positions: jax.A
     applies, else XLA's product), then :func:`qkv_epilogue.qkv_epilogue` (bias, q/k
     norm, RoPE, KV write in one kernel). ``x [T, H]`` -> ``(q [T, Hq, D], kv_pool)``."""
     head_dim = kv_pool.shape[-1]
-    if head_dim & (head_dim - 1):  # not a Triton tile: the model's XLA ops for this stretch
+    # Not a Triton tile, or a pool the Triton kernel cannot address (kv_write.pallas_addressable): XLA's
+    # ops for this stretch, whose scatter addresses any pool.
+    if head_dim & (head_dim - 1) or not triton_addressable(kv_pool):
         return qkv_epilogue_ops(xla_matmul(x, w), bias, q_norm, k_norm, positions, kv_pool, layer, slot_mapping,
                                 eps=eps, theta=theta, ops=DEFAULT_OPS, write_kv_fn=write_kv)
     if gemv.supported(x, w):

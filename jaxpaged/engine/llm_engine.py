@@ -106,7 +106,8 @@ class LLMEngine:
                                            cfg.head_dim, config.block_size, params.dtype, params_tp(params))
         check_kv_dtype(config.kv_cache_dtype, self.kv_dtype, config.block_size, cfg.head_dim)
         self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)
-        self.num_blocks = size_pool(params, config, self.max_model_len, self.kv_dtype)
+        self.num_blocks = size_pool(params, config, self.max_model_len, self.kv_dtype,
+                                    triton_attention=backend.name == "triton")
         if config.max_model_len is None and self.num_blocks * config.block_size < self.max_model_len:
             # The default max_model_len does not fit the pool (a small CPU host): use what fits.
             self.max_model_len = self.num_blocks * config.block_size

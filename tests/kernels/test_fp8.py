@@ -257,12 +257,29 @@ def test_fused_qkv_epilogue_writes_what_write_kv_writes(family, t):
     assert not np.all(np.isnan(got[1]))
 
 
+@pytest.mark.parametrize("gib, fused", [(1, True), (3, False), (4.5, True)])
+def test_the_kv_write_of_a_pool_the_triton_kernels_cannot_address_is_xla_s(gib, fused):
+    """``models.ops.fused_qkv`` runs the fused epilogue kernel (Triton) where it can address the pool, and
+    XLA's ops (whose scatter addresses any pool) over a 2-4 GiB fp8 pool: traced only, nothing allocated."""
+    from jaxpaged.models.ops import fused_qkv
+
+    hq, hkv, d, t = 16, 8, 128, 4
+    s = jax.ShapeDtypeStruct
+    pool = s(pool_shape(28, int(gib * 2**30 // (28 * 65 * 2 * hkv * d)), 64, hkv, d, E4M3), E4M3)
+    args = (s((t, 1024), jnp.bfloat16), s((1024, (hq + 2 * hkv) * d), jnp.bfloat16), None, s((d,), jnp.bfloat16),
+            s((d,), jnp.bfloat16), s((t,), jnp.int32), pool, 3, s((t,), jnp.int32))
+    jaxpr = jax.make_jaxpr(lambda *a: fused_qkv(*a[:7], 3, a[8], eps=1e-6, theta=1e6))(*args[:7], 3, args[8])
+    assert ("qkv_epilogue" in str(jaxpr)) == fused
+    assert ("scatter" in str(jaxpr)) != fused
+
+
 def test_triton_lowering_addresses_fp8_pools_up_to_4_gib_with_32_bit_offsets(monkeypatch):
     """Why ``models/kv_pool`` keeps a one-byte pool out of 2-4 GiB: jax's Pallas-Triton lowering picks
     64-bit offsets only for an array of more than 2**32 bytes, so in a 3 GiB fp8 pool (1.5 x 2**31
     elements) every pointer is a 32-bit offset, which Triton sign-extends. The attention kernel is
     lowered for an sm_90 GPU here, without one (no pool is allocated), once its own refusal of such a
-    pool (``kv_write.check_pool``) is checked and then stepped around to see what it guards against."""
+    pool (``kv_write.check_triton_addressable``) is checked and then stepped around to see what it guards
+    against."""
     import types
 
     from jax._src.pallas.triton import pallas_call_registration as registration
@@ -284,9 +301,9 @@ def test_triton_lowering_addresses_fp8_pools_up_to_4_gib_with_32_bit_offsets(mon
     args = [s((4, 4, 128), jnp.bfloat16), None, s((), jnp.int32), s((5,), jnp.int32), s((4,), jnp.int32),
             s((4, w), jnp.int32)]
     pool = lambda gib: s((28, int(gib * 2**30 // (28 * 65 * 2 * 2 * 128)), 65, 2, 2, 128), jnp.float8_e4m3fn)  # noqa: E731
-    with pytest.raises(ValueError, match="cannot be addressed by the Pallas kernels"):
+    with pytest.raises(ValueError, match="cannot be addressed by the Pallas-Triton kernels"):
         jax.jit(module.paged_attention).trace(*args[:1], pool(3), *args[2:])
-    monkeypatch.setattr(module, "check_pool", lambda kv_pool, layer: None)
+    monkeypatch.setattr(module, "check_triton_addressable", lambda kv_pool: None)
     offset_bits = {}
     for gib in (3, 4.5):
         args[1] = pool(gib)  # 28 layers, 2 KV heads, head_dim 128
@@ -413,6 +430,12 @@ def test_mosaic_kernel_over_fp8_lowers_for_hopper_and_refuses_what_it_cannot_rea
         lowering_platforms=("cuda",)).as_text()
     assert "wgmma.mma_async" in text and "cp.async.bulk.tensor" in text
     assert kernel_names(text) == ["paged_prefill"]
+    # a 3 GiB pool (1.5 x 2**31 one-byte elements: past the Triton kernels' 32-bit offsets) lowers too
+    big = jax.ShapeDtypeStruct(pool_shape(28, 864, 64, 8, 128, E4M3), E4M3)
+    assert 2**31 < big.size <= 2**32
+    text = fn.trace(q, big, i32(5), i32(4), i32(4, 20), uniform_decode=True).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert kernel_names(text) == ["paged_decode_fp8"]
     small = jnp.zeros(pool_shape(1, 4, 16, 1, 64, E4M3), E4M3)
     meta = (jnp.asarray([0, 1], jnp.int32), jnp.asarray([3], jnp.int32), jnp.zeros((1, 1), jnp.int32))
     with pytest.raises(ValueError, match="one block a KV tile"):

@@ -89,3 +89,16 @@ def test_num_blocks_that_make_an_unaddressable_fp8_pool_are_an_error():
     for n in (1, lo, hi):
         assert pool_size.size_pool(params, EngineConfig(num_blocks=n, kv_cache_dtype="fp8"), 1024, "float8_e4m3fn") == n
     assert pool_size.size_pool(params, EngineConfig(num_blocks=900), 1024, "bfloat16") == 900
+
+
+def test_an_fp8_pool_of_any_size_where_no_triton_kernel_reads_it(monkeypatch):
+    """The Mosaic GPU attention kernels (TMA: 64-bit addresses) and XLA's scatter, which writes the KV where
+    the Triton epilogue cannot, address any pool: neither a given num_blocks nor the sized pool moves."""
+    params = types.SimpleNamespace(config=QWEN3_06B, mesh=None)
+    lo, hi = pool_size.addressable_block_range(FP8_BLOCK_BYTES, 1)
+    config = EngineConfig(num_blocks=lo + 100, kv_cache_dtype="fp8")
+    assert pool_size.size_pool(params, config, 1024, "float8_e4m3fn", triton_attention=False) == lo + 100
+    monkeypatch.setattr(pool_size, "free_device_memory", lambda d: 100 << 30)
+    config = EngineConfig(max_model_len=1024, max_num_seqs=16, kv_cache_dtype="fp8")
+    blocks = pool_size.size_pool(params, config, 1024, "float8_e4m3fn", triton_attention=False)
+    assert blocks == 4 * 16 * 16 and lo < blocks < hi  # the cap, inside 2-4 GiB
