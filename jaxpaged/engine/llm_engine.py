@@ -584,7 +584,7 @@ class LLMEngine:
         (``settle``). Returns the seconds spent.
 
         Structured outputs' variant (a token mask per row, ``sampling/bitmask.py``) is compiled here too
-        when llguidance is installed. Not compiled here, on first use instead: the variants of
+        on a GPU when llguidance is installed (``warms_up_structured_outputs``). Not compiled here, on first use instead: the variants of
         penalties, min_p, min_tokens with stop tokens, and logprobs (``sampling/features.py``: one per combination in use); on the jnp
         reference backend (a CPU's default), steps whose block tables are narrower than
         ``max_model_len`` needs (their width is padded per step there).
@@ -668,6 +668,12 @@ class LLMEngine:
         self.runner.preload(jax.ShapeDtypeStruct(shape, jnp.dtype(self.kv_dtype)), self._warmup_steps(),
                             jax.ShapeDtypeStruct((rows,), jnp.int32))
 
+    @property
+    def warms_up_structured_outputs(self) -> bool:
+        """Whether ``warmup`` compiles structured outputs' step variants: on a GPU, with llguidance
+        installed and a tokenizer to build grammars from."""
+        return jax.default_backend() == "gpu" and self.tokenizer is not None and grammar.available()
+
     def _warmup_steps(self) -> list:
         """The padded inputs of every step ``warmup`` compiles: each token bucket, each sampler variant
         (with and without structured outputs' token masks, when llguidance is installed), and where the
@@ -679,9 +685,10 @@ class LLMEngine:
             sizes.append(t)
             t *= 2
         decode_buckets = bucket(self.config.max_num_seqs, self.min_token_bucket) if self._uniform_decode else 0
-        # Structured outputs' variant (a token mask per row) too, where the grammar backend is installed.
+        # Structured outputs' variant (a token mask per row) too, on a GPU where the grammar backend is
+        # installed (on a CPU, where compiling is slow and nothing is served, it compiles on first use).
         variants = [SamplerFeatures()]
-        if grammar.available() and self.tokenizer is not None:
+        if self.warms_up_structured_outputs:
             variants.append(SamplerFeatures(bitmask_width=grammar.bitmask_width(self.params.config.vocab_size)))
         return [padding_step_inputs(t_pad, min(t_pad, s_max), self._table_width or self._max_width, mode, uniform,
                                     features)

@@ -34,13 +34,15 @@ def test_llm_warms_up_and_no_request_compiles_afterwards():
     llm = LLM(tiny_checkpoint_path("qwen3"), warmup=True, **SMALL)
     runner = llm.engine.runner
     # Both sampler variants of both token buckets (16, 32), each with and without structured outputs' token
-    # masks where llguidance is installed: compiled at construction.
-    expected = 4 * (2 if grammar.available() else 1)
+    # masks on a GPU where llguidance is installed: compiled at construction.
+    structured = llm.engine.warms_up_structured_outputs
+    assert structured == (jax.default_backend() == "gpu" and grammar.available())
+    expected = 4 * (2 if structured else 1)
     assert runner.num_compiled_executables == expected
     counter.active = True
     sps = [SamplingParams(temperature=0, max_tokens=5), SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=5),
            SamplingParams(temperature=0.7, top_k=5, seed=2, max_tokens=5), SamplingParams(temperature=1.0, seed=3)]
-    if grammar.available():
+    if structured:
         sps[3].structured_outputs = StructuredOutputsParams(choice=["yes", "no"])
     outs = llm.generate([[1, 2, 3], [4, 5, 6, 7], list(range(1, 30)), [9]], sps, use_tqdm=False)
     counter.active = False
