@@ -360,6 +360,8 @@ class LLMEngine:
         outputs = [o for o in map(self._outputs.make_output, aborted) if o is not None]
         if self._compiling:
             outputs += self._check_compiling()
+        if self._in_flight is not None and self._num_feature_requests and self._constrained_majority_waits():
+            outputs += self._make_outputs(self._resolve(self._in_flight))  # their tokens first: a sync step
         scheduled = self.scheduler.schedule()
         if self.kv_transfers is not None:  # offloads of evicted blocks, reloads of host hits: before the step
             transfers = self.kv.take_transfers()
@@ -403,6 +405,15 @@ class LLMEngine:
             outputs += self._make_outputs(self._resolve(step))
         self._record_step(scheduled, num_decode, inputs, t0, t1)
         return outputs
+
+    def _constrained_majority_waits(self) -> bool:
+        """Whether at least half the running sequences are constrained ones whose token is in flight: this
+        step then waits for that token (as with sync scheduling) instead of leaving them out of it. A
+        constrained sequence sits a step out while other work fills the batch (the device never waits);
+        where that would leave out most of the batch, waiting costs less (docs/DECISIONS.md)."""
+        running = self.scheduler.running
+        waiting = sum(1 for seq in running if seq.structured is not None and seq.token_ids[-1] == PLACEHOLDER)
+        return waiting > 0 and 2 * waiting >= len(running)
 
     def _check_compiling(self) -> list[RequestOutput]:
         """Ends the queued requests whose grammar failed to compile (``finish_reason == "error"``); forgets

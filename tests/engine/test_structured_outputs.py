@@ -139,3 +139,27 @@ def test_unconstrained_requests_keep_their_tokens(backend):
                              [constrained[0], free_sps[0], constrained[1], free_sps[1]])
     assert [outs[1].outputs[0].token_ids, outs[3].outputs[0].token_ids] == alone
     assert outs[0].outputs[0].text in CHOICES and re.fullmatch(REGEX, outs[2].outputs[0].text)
+
+
+def test_constrained_rows_sit_out_a_step_unless_they_are_most_of_the_batch(llm):
+    """Async scheduling: a constrained row whose token is in flight sits the step out while unconstrained work
+    fills the batch (it decodes every other step); when constrained rows are at least half of the batch the
+    step waits for their tokens instead, so each gets a token every step."""
+    engine = llm.engine
+    assert engine.config.async_scheduling
+    letters = StructuredOutputsParams(regex="[a-z]{400}")  # longer than 24 tokens can write
+
+    def steps_for(sps) -> tuple[int, list[int]]:
+        before = engine.metrics.total_steps
+        outs = llm.generate(["Go:"] * len(sps), sps, use_tqdm=False)
+        return engine.metrics.total_steps - before, [len(o.outputs[0].token_ids) for o in outs]
+
+    # Constrained rows only: every step waits for their tokens (sync), one token a row a step.
+    steps, lengths = steps_for([so(temperature=1.0, seed=s, max_tokens=24, structured_outputs=letters)
+                                for s in range(4)])
+    assert lengths == [24] * 4 and steps <= 24 + 3, steps
+    # One constrained row among three unconstrained ones: it sits out every other step while they run (~12
+    # tokens in their 24 steps), then, alone, gets a token every step (12 more).
+    free = [so(temperature=1.0, seed=s, max_tokens=24, ignore_eos=True) for s in range(3)]
+    steps, lengths = steps_for([so(temperature=1.0, seed=9, max_tokens=24, structured_outputs=letters)] + free)
+    assert lengths == [24] * 4 and 24 + 12 - 3 <= steps <= 24 + 12 + 3, steps
