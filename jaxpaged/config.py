@@ -14,6 +14,7 @@ RESERVATIONS = ("paged", "max_len")
 SCHEDULING_POLICIES = ("fcfs", "prefix_affinity")  # jaxpaged/engine/scheduling_policy.py
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names
 FP8_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}  # name -> jnp dtype
+QUANTIZATIONS = ("fp8",)  # vLLM's names of the weight formats the engine runs (models/quantization.py)
 # vLLM's names of EngineConfig fields (its LLM arguments and command-line flags): LLM(...) takes either.
 VLLM_NAMES = {"gpu_memory_utilization": "memory_fraction", "num_gpu_blocks_override": "num_blocks"}
 
@@ -81,6 +82,11 @@ class EngineConfig:
       (``kv/host_tier.py``). With tensor parallelism, the total over all devices (vLLM's meaning).
     tensor_parallel_size: devices the model is split over (heads, MLP columns, vocabulary, KV heads;
       ``models/sharding.py``); load the weights with the same ``tensor_parallel_size``.
+    quantization: the linear layers' weights: ``None`` (the checkpoint's: bf16/f32, or the fp8 weights
+      and block scales of an fp8 checkpoint such as Qwen's ``-FP8`` ones, read from its ``config.json``)
+      or ``"fp8"`` (e4m3; a bf16/f32 checkpoint is quantized at load with one scale per output channel).
+      Embeddings, LM head and norms stay in the model's dtype (``models/quantization.py``); load the
+      weights with the same ``quantization``.
     Precision: float32 weights mean IEEE float32 in every matmul and kernel dot (never TF32); bfloat16
     means bf16 storage and operands with fp32 accumulation.
     """
@@ -104,6 +110,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
     kv_offloading_size: float = 0
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size is not None:
@@ -126,6 +133,8 @@ class EngineConfig:
         if size and not (self.enable_prefix_caching and self.reservation == "paged"):
             raise ValueError("kv_offloading_size is a tier of the prefix cache: it needs enable_prefix_caching=True "
                              f"and reservation='paged' (got {self.enable_prefix_caching}, {self.reservation!r})")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.reservation not in RESERVATIONS:

@@ -131,7 +131,8 @@ class LLM:
         engine_config = EngineConfig.from_kwargs(**config)  # before loading: a wrong name fails at once
         self.model_path = resolve_model_path(model)
         self.params = load_params(self.model_path, None if dtype == "auto" else dtype, cache_dir=cache_dir,
-                                  load_format=load_format, tensor_parallel_size=engine_config.tensor_parallel_size)
+                                  load_format=load_format, tensor_parallel_size=engine_config.tensor_parallel_size,
+                                  quantization=engine_config.quantization)
         self.tokenizer = load_tokenizer(self.model_path)
         self.engine = LLMEngine(self.params, engine_config, self.tokenizer)
         self.default_sampling_params = default_sampling_params(self.model_path)

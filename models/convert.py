@@ -19,19 +19,49 @@ import numpy as np
 from flax import nnx
 
 from .config import CheckpointError, QwenConfig, canonical_dtype
+from .quantization import BLOCK_SCALE, SCALE, Fp8Config, expand_block_scale, quantizer
 from .qwen import Qwen
 from .safetensors_io import read_safetensors
 
-_NP_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
+_NP_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
+              "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn)}
 
 
 @dataclasses.dataclass(frozen=True)
 class WeightRule:
-    """One of our parameters: the HF tensors it is built from, their shapes, and the combination."""
+    """One of our parameters: the HF tensors it is built from, their shapes, and the combination.
+
+    ``storage``: the dtype the sources are read in (None: the model's). ``linear``: a projection's weight,
+    quantized per output channel after the combination when the model's weights are fp8 but the
+    checkpoint's are not (read in float32 first, so only that one rounding happens). ``block``: the
+    sources are the ``weight_scale_inv`` of weights of shapes ``scaled`` in blocks of that size, read
+    (``read``) expanded to their weights' rows, ``[out, in / g]`` (``expand_block_scale``)."""
 
     path: tuple[str | int, ...]
     sources: tuple[tuple[str, tuple[int, ...]], ...]
     combine: Callable[[list[np.ndarray]], np.ndarray]
+    storage: str | None = None
+    linear: bool = False
+    block: tuple[int, int] | None = None
+    scaled: tuple[tuple[int, int], ...] = ()
+
+    def read(self, tensors: dict[str, np.ndarray], i: int) -> np.ndarray:
+        """Source ``i``, shape-checked (and expanded, for block scales), not yet cast. An fp8 weight must be
+        stored in fp8: casting another dtype to it would drop its scale."""
+        name, shape = self.sources[i]
+        t = checked_tensor(tensors, name, shape)
+        if self.storage == "float8_e4m3fn" and t.dtype != _NP_DTYPES["float8_e4m3fn"]:
+            raise CheckpointError(f"tensor {name!r} is {t.dtype}, but config.json's quantization_config says the "
+                                  "linear weights are fp8 (float8_e4m3fn)")
+        if self.block is None:
+            return t
+        return expand_block_scale(np.asarray(t), *self.scaled[i], self.block)
+
+    def read_dtype(self, dtype: str, quant: Fp8Config | None) -> np.dtype:
+        """The numpy dtype this rule's sources are cast to for a model of ``dtype``."""
+        if self.linear and quant is not None:
+            return _NP_DTYPES["float32"]
+        return _NP_DTYPES[self.storage or dtype]
 
 
 def _transpose(ts: list[np.ndarray]) -> np.ndarray:
@@ -50,8 +80,24 @@ def _same(ts: list[np.ndarray]) -> np.ndarray:
     return ts[0]
 
 
-def name_table(cfg: QwenConfig) -> list[WeightRule]:
-    """Every parameter of ``Qwen(cfg)`` with the Hugging Face tensors (and shapes) it comes from."""
+def linear_rules(path: tuple[str | int, ...], sources: tuple[tuple[str, tuple[int, int]], ...],
+                 combine: Callable[[list[np.ndarray]], np.ndarray], quant: Fp8Config | None) -> list[WeightRule]:
+    """A projection's rules: its weight, and from an fp8 checkpoint (block scales) its e4m3 weight as
+    stored and the ``_block_scale`` built from each source's ``weight_scale_inv``, expanded to its rows
+    and then combined as the weights are."""
+    if quant is None or quant.weight_block_size is None:
+        return [WeightRule(path, sources, combine, linear=True)]
+    bo, bi = quant.weight_block_size
+    scales = tuple((name.removesuffix("weight") + "weight_scale_inv", (-(-out // bo), -(-inp // bi)))
+                   for name, (out, inp) in sources)
+    return [WeightRule(path, sources, combine, storage="float8_e4m3fn"),
+            WeightRule(path[:-1] + (path[-1] + BLOCK_SCALE,), scales, combine, storage="float32", block=(bo, bi),
+                       scaled=tuple(shape for _, shape in sources))]
+
+
+def name_table(cfg: QwenConfig, quant: Fp8Config | None = None) -> list[WeightRule]:
+    """Every parameter of ``Qwen(cfg, quantization=quant)`` with the Hugging Face tensors (and shapes) it
+    comes from (``linear_rules`` for the four projections)."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.q_size, cfg.kv_size
     rules = [WeightRule(("embed_tokens",), (("model.embed_tokens.weight", (cfg.vocab_size, h)),), _same),
@@ -65,14 +111,15 @@ def name_table(cfg: QwenConfig) -> list[WeightRule]:
             WeightRule(("layers", n, "input_layernorm", "weight"), ((p + "input_layernorm.weight", (h,)),), _same),
             WeightRule(("layers", n, "post_attention_layernorm", "weight"),
                        ((p + "post_attention_layernorm.weight", (h,)),), _same),
-            WeightRule(("layers", n, "attn", "qkv_proj"),
-                       ((a + "q_proj.weight", (q, h)), (a + "k_proj.weight", (kv, h)), (a + "v_proj.weight", (kv, h))),
-                       _concat_rows_then_transpose),
-            WeightRule(("layers", n, "attn", "o_proj"), ((a + "o_proj.weight", (h, q)),), _transpose),
-            WeightRule(("layers", n, "mlp", "gate_up_proj"),
-                       ((p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h))),
-                       _concat_rows_then_transpose),
-            WeightRule(("layers", n, "mlp", "down_proj"), ((p + "mlp.down_proj.weight", (h, i)),), _transpose),
+            *linear_rules(("layers", n, "attn", "qkv_proj"),
+                          ((a + "q_proj.weight", (q, h)), (a + "k_proj.weight", (kv, h)),
+                           (a + "v_proj.weight", (kv, h))), _concat_rows_then_transpose, quant),
+            *linear_rules(("layers", n, "attn", "o_proj"), ((a + "o_proj.weight", (h, q)),), _transpose, quant),
+            *linear_rules(("layers", n, "mlp", "gate_up_proj"),
+                          ((p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h))),
+                          _concat_rows_then_transpose, quant),
+            *linear_rules(("layers", n, "mlp", "down_proj"), ((p + "mlp.down_proj.weight", (h, i)),), _transpose,
+                          quant),
         ]
         if cfg.attention_bias:
             rules.append(WeightRule(("layers", n, "attn", "qkv_bias"),
@@ -120,9 +167,10 @@ def warn_non_finite(name: str, array: np.ndarray) -> None:
                       RuntimeWarning, stacklevel=3)
 
 
-def abstract_model(cfg: QwenConfig, dtype: str) -> tuple[nnx.GraphDef, nnx.State]:
-    """Graph definition and shape-only state of ``Qwen(cfg)``, without allocating weights."""
-    model = nnx.eval_shape(lambda: Qwen(cfg, dtype, rngs=nnx.Rngs(0)))
+def abstract_model(cfg: QwenConfig, dtype: str, quant: Fp8Config | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """Graph definition and shape-only state of ``Qwen(cfg, dtype, quantization=quant)``, without
+    allocating weights."""
+    model = nnx.eval_shape(lambda: Qwen(cfg, dtype, rngs=nnx.Rngs(0), quantization=quant))
     return nnx.split(model)
 
 
@@ -136,15 +184,18 @@ def checked_tensor(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, 
     return tensors[name]
 
 
-def convert_tensors(cfg: QwenConfig, tensors: dict[str, np.ndarray], dtype: str) -> nnx.State:
-    """Builds our state from HF tensors, checking every name and shape; arrays land on the default device."""
+def convert_tensors(cfg: QwenConfig, tensors: dict[str, np.ndarray], dtype: str,
+                    quant: Fp8Config | None = None) -> nnx.State:
+    """Builds our state from HF tensors, checking every name and shape; arrays land on the default device.
+    ``quant``: fp8 linear weights, as the checkpoint stores them (block scales) or quantized here, one
+    projection at a time (per output channel), so a whole unquantized model is never on the device."""
     dtype = canonical_dtype(dtype)
-    _, state = abstract_model(cfg, dtype)
+    _, state = abstract_model(cfg, dtype, quant)
     pure = nnx.to_pure_dict(state)
-    for rule in name_table(cfg):
+    for rule in name_table(cfg, quant):
         parts = []
-        for name, shape in rule.sources:
-            part = np.asarray(checked_tensor(tensors, name, shape)).astype(_NP_DTYPES[dtype])
+        for i, (name, _) in enumerate(rule.sources):
+            part = np.asarray(rule.read(tensors, i)).astype(rule.read_dtype(dtype, quant))
             warn_non_finite(name, part)
             parts.append(part)
         node = pure
@@ -153,15 +204,19 @@ def convert_tensors(cfg: QwenConfig, tensors: dict[str, np.ndarray], dtype: str)
         expected = node[rule.path[-1]].shape
         value = rule.combine(parts)
         assert value.shape == expected, (rule.path, value.shape, expected)
-        node[rule.path[-1]] = jnp.asarray(value)
+        if rule.linear and quant is not None:
+            node[rule.path[-1]], node[rule.path[-1] + SCALE] = quantizer(None)(jnp.asarray(value))
+        else:
+            node[rule.path[-1]] = jnp.asarray(value)
     nnx.replace_by_pure_dict(state, pure)
     return state
 
 
-def load_hf_checkpoint(path: str | Path, dtype: str | None = None) -> tuple[QwenConfig, nnx.GraphDef, nnx.State]:
+def load_hf_checkpoint(path: str | Path, dtype: str | None = None,
+                       quant: Fp8Config | None = None) -> tuple[QwenConfig, nnx.GraphDef, nnx.State]:
     """Reads a Hugging Face Qwen folder: ``(config, graphdef, state)`` in ``dtype`` (default: the checkpoint's)."""
     cfg = QwenConfig.from_pretrained(path)
     dtype = canonical_dtype(dtype or cfg.dtype)
-    state = convert_tensors(cfg, read_hf_tensors(path), dtype)
-    graphdef, _ = abstract_model(cfg, dtype)
+    state = convert_tensors(cfg, read_hf_tensors(path), dtype, quant)
+    graphdef, _ = abstract_model(cfg, dtype, quant)
     return cfg, graphdef, state

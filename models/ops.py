@@ -19,6 +19,7 @@ import jax
 
 from jaxpaged.kernels import add_rms_norm, gemv, matmul, qkv_epilogue, rms_norm
 from jaxpaged.kernels.kv_write import triton_addressable, write_kv
+from jaxpaged.models.quantization import Fp8Weight, accepting_fp8
 from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps, qkv_epilogue_ops, rope_cos_sin, rotary, xla_matmul_unfused_input
 
 
@@ -53,11 +54,17 @@ def prepare_triton_lowering() -> None:
     sys.modules.setdefault("jaxlib.mlir.dialects.tt", triton.dialect)
 
 
+def gemv_reads(x: jax.Array, w, transpose_w: bool = False) -> bool:
+    """Whether the Pallas GEMV computes ``x @ w`` (``gemv.supported``). An fp8 weight (:class:`Fp8Weight`)
+    goes to XLA's matmul, which dequantizes it (no GEMV reads fp8 weights yet)."""
+    return not isinstance(w, Fp8Weight) and gemv.supported(x, w, transpose_w)
+
+
 def gemv_or_xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=None,
                        interpret: bool = False, xla_matmul=xla_matmul_unfused_input) -> jax.Array:
     """``x @ w`` by the Pallas GEMV when it supports the operands (``gemv.supported``: at most 32 rows,
     bf16/fp16), else by XLA. Chosen at trace time from static shapes: each compiled step has one path."""
-    if gemv.supported(x, w, transpose_w):
+    if gemv_reads(x, w, transpose_w):
         return gemv.gemv(x, w, transpose_w=transpose_w, out_dtype=out_dtype, interpret=interpret)
     return xla_matmul(x, w, transpose_w=transpose_w, out_dtype=out_dtype)
 
@@ -66,7 +73,7 @@ def matmul_parts(x: jax.Array, w: jax.Array, *, interpret: bool = False,
                  xla_matmul=xla_matmul_unfused_input) -> jax.Array:
     """``ModelOps.matmul_parts``: the GEMV's split-K partials ``f32[S, M, N]`` when it supports the
     operands, else XLA's product as ``[1, M, N]``."""
-    if gemv.supported(x, w):
+    if gemv_reads(x, w):
         return gemv.gemv_partials(x, w, interpret=interpret)
     return xla_matmul(x, w)[None]
 
@@ -104,7 +111,7 @@ def fused_qkv(x: jax.Array, w: jax.Array, bias, q_norm, k_norm, positions: jax.A
     if head_dim & (head_dim - 1) or not triton_addressable(kv_pool):
         return qkv_epilogue_ops(xla_matmul(x, w), bias, q_norm, k_norm, positions, kv_pool, layer, slot_mapping,
                                 eps=eps, theta=theta, ops=DEFAULT_OPS, write_kv_fn=write_kv)
-    if gemv.supported(x, w):
+    if gemv_reads(x, w):
         parts = gemv.gemv_partials(x, w, interpret=interpret)
     else:
         parts = xla_matmul(x, w)[None]
@@ -129,7 +136,7 @@ def get_model_ops(batch_invariant: bool = False) -> ModelOps:
         prepare_triton_lowering()
     if batch_invariant:
         interpret = not _on_gpu()
-        return ModelOps(matmul=functools.partial(matmul.matmul, interpret=interpret),
+        return ModelOps(matmul=accepting_fp8(functools.partial(matmul.matmul, interpret=interpret)),
                         rms_norm=functools.partial(rms_norm.rms_norm, interpret=interpret),
                         rotary=functools.partial(rotary, separate_products=True))
     if not _on_gpu():

@@ -28,6 +28,7 @@ from flax import nnx
 from ..kernels.matmul import dot_precision
 from ..kernels.metadata import AttentionMetadata
 from .config import QwenConfig
+from .quantization import Fp8Config, Fp8Weight, fp8_matmul, linear_weight, quantize_per_channel
 
 KVPool = jax.Array  # [L, num_blocks, block_size, 2, Hkv, D]: keys at [..., 0, :, :], values at [..., 1, :, :]
 AttentionFn = Callable[..., jax.Array]  # (q, kv_pool, layer, cu_q_lens, kv_lens, block_tables) -> out
@@ -36,6 +37,18 @@ WriteKVFn = Callable[..., jax.Array]  # (kv_pool, layer, k, v, slot_mapping) -> 
 
 def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, std: float = 0.02) -> nnx.Param:
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype))
+
+
+def _init_linear(module: nnx.Module, name: str, rngs: nnx.Rngs, shape: tuple[int, int], dtype: jnp.dtype,
+                 quant: Fp8Config | None) -> None:
+    """A linear layer's weight ``[in, out]`` as ``module.<name>``: in ``dtype``, or (``quant``) e4m3 with
+    its scale beside it (``models/quantization.py``; block scales start equal along each column)."""
+    if quant is None:
+        setattr(module, name, _init(rngs, shape, dtype))
+        return
+    weight, scale = quantize_per_channel(jax.random.normal(rngs.params(), shape, jnp.float32) * 0.02)
+    setattr(module, name, nnx.Param(weight))
+    setattr(module, name + quant.scale_suffix, nnx.Param(jnp.broadcast_to(scale, quant.scale_shape(shape))))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -47,7 +60,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=None) -> jax.Array:
     """``x [M, K] @ w`` (``w [K, N]``, or ``[N, K]`` with ``transpose_w``) by XLA. bf16: exactly
-    ``x @ w`` (fp32 accumulation); float32: ``precision=HIGHEST`` (IEEE, not the GPU's TF32 default)."""
+    ``x @ w`` (fp32 accumulation); float32: ``precision=HIGHEST`` (IEEE, not the GPU's TF32 default);
+    an fp8 weight (:class:`Fp8Weight`): :func:`fp8_matmul` around this."""
+    if isinstance(w, Fp8Weight):
+        return fp8_matmul(x, w, matmul=xla_matmul, transpose_w=transpose_w, out_dtype=out_dtype)
     w = w.T if transpose_w else w
     precision = dot_precision(x.dtype, w.dtype)
     if out_dtype is None:
@@ -189,12 +205,12 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
     """GQA self-attention over the paged pool: fused qkv, optional q/k norm, RoPE, o-proj."""
 
-    def __init__(self, cfg: QwenConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: QwenConfig, dtype: jnp.dtype, rngs: nnx.Rngs, quant: Fp8Config | None = None):
         self.cfg = cfg
-        self.qkv_proj = _init(rngs, (cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), dtype)
+        _init_linear(self, "qkv_proj", rngs, (cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), dtype, quant)
         self.qkv_bias = (nnx.Param(jnp.zeros((cfg.q_size + 2 * cfg.kv_size,), dtype))
                          if cfg.attention_bias else None)
-        self.o_proj = _init(rngs, (cfg.q_size, cfg.hidden_size), dtype)
+        _init_linear(self, "o_proj", rngs, (cfg.q_size, cfg.hidden_size), dtype, quant)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
@@ -204,13 +220,14 @@ class Attention(nnx.Module):
         cfg = self.cfg
         if ops.qkv_epilogue is not None:
             q, kv_pool = ops.qkv_epilogue(
-                x, self.qkv_proj[...], None if self.qkv_bias is None else self.qkv_bias[...],
+                x, linear_weight(self, "qkv_proj", x.dtype), None if self.qkv_bias is None else self.qkv_bias[...],
                 None if self.q_norm is None else self.q_norm.weight[...],
                 None if self.k_norm is None else self.k_norm.weight[...],
                 positions, kv_pool, layer, meta.slot_mapping, eps=cfg.rms_norm_eps, theta=cfg.rope_theta)
             return self._attend(q, x.dtype, kv_pool, layer, meta, attention_fn, ops)
         q, kv_pool = qkv_epilogue_ops(
-            ops.matmul(x, self.qkv_proj[...]), None if self.qkv_bias is None else self.qkv_bias[...],
+            ops.matmul(x, linear_weight(self, "qkv_proj", x.dtype)),
+            None if self.qkv_bias is None else self.qkv_bias[...],
             None if self.q_norm is None else self.q_norm.weight[...],
             None if self.k_norm is None else self.k_norm.weight[...],
             positions, kv_pool, layer, meta.slot_mapping, eps=cfg.rms_norm_eps, theta=cfg.rope_theta, ops=ops,
@@ -222,31 +239,33 @@ class Attention(nnx.Module):
         t = q.shape[0]
         out = attention_fn(q, kv_pool, layer, meta.cu_q_lens, meta.kv_lens, meta.block_tables)
         out = out.reshape(t, -1).astype(dtype)
+        w = linear_weight(self, "o_proj", dtype)
         if ops.matmul_parts is not None:  # o_proj's partials, added to the residual by the next norm
-            return ops.matmul_parts(out, self.o_proj[...]), kv_pool
-        return ops.all_reduce(ops.matmul(out, self.o_proj[...])), kv_pool
+            return ops.matmul_parts(out, w), kv_pool
+        return ops.all_reduce(ops.matmul(out, w)), kv_pool
 
 
 class MLP(nnx.Module):
     """SiLU-gated MLP with gate and up fused: ``[H, 2I]`` then ``[I, H]``."""
 
-    def __init__(self, cfg: QwenConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.gate_up_proj = _init(rngs, (cfg.hidden_size, 2 * cfg.intermediate_size), dtype)
-        self.down_proj = _init(rngs, (cfg.intermediate_size, cfg.hidden_size), dtype)
+    def __init__(self, cfg: QwenConfig, dtype: jnp.dtype, rngs: nnx.Rngs, quant: Fp8Config | None = None):
+        _init_linear(self, "gate_up_proj", rngs, (cfg.hidden_size, 2 * cfg.intermediate_size), dtype, quant)
+        _init_linear(self, "down_proj", rngs, (cfg.intermediate_size, cfg.hidden_size), dtype, quant)
 
     def __call__(self, x: jax.Array, ops: ModelOps = DEFAULT_OPS) -> jax.Array:
+        gate_up, down = linear_weight(self, "gate_up_proj", x.dtype), linear_weight(self, "down_proj", x.dtype)
         if ops.matmul_parts is not None:  # down_proj's partials, added to the residual by the next norm
-            return ops.silu_mul_matmul_parts(ops.matmul_parts(x, self.gate_up_proj[...]), self.down_proj[...])
-        gate, up = jnp.split(ops.matmul(x, self.gate_up_proj[...]), 2, axis=-1)
-        return ops.all_reduce(ops.matmul(jax.nn.silu(gate) * up, self.down_proj[...]))
+            return ops.silu_mul_matmul_parts(ops.matmul_parts(x, gate_up), down)
+        gate, up = jnp.split(ops.matmul(x, gate_up), 2, axis=-1)
+        return ops.all_reduce(ops.matmul(jax.nn.silu(gate) * up, down))
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: QwenConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: QwenConfig, dtype: jnp.dtype, rngs: nnx.Rngs, quant: Fp8Config | None = None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attn = Attention(cfg, dtype, rngs)
+        self.attn = Attention(cfg, dtype, rngs, quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp = MLP(cfg, dtype, rngs, quant)
 
     def __call__(self, x, positions, kv_pool, layer, meta, attention_fn, write_kv_fn,
                  ops: ModelOps = DEFAULT_OPS, pending: jax.Array | None = None):
@@ -278,13 +297,17 @@ def decoder_layer(graphdef: nnx.GraphDef, state: nnx.State, x, positions, kv_poo
 
 
 class Qwen(nnx.Module):
-    """The decoder: embed -> layers -> final norm; ``compute_logits`` applies the (tied) LM head."""
+    """The decoder: embed -> layers -> final norm; ``compute_logits`` applies the (tied) LM head.
 
-    def __init__(self, cfg: QwenConfig, dtype: str | jnp.dtype = "float32", *, rngs: nnx.Rngs):
+    ``quantization``: the linear layers' weights in fp8 (``models/quantization.py``); embeddings, LM
+    head, norms and biases stay in ``dtype``, the dtype of the activations."""
+
+    def __init__(self, cfg: QwenConfig, dtype: str | jnp.dtype = "float32", *, rngs: nnx.Rngs,
+                 quantization: Fp8Config | None = None):
         dtype = jnp.dtype(dtype)
         self.cfg = cfg
         self.embed_tokens = _init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, quantization) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _init(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 

@@ -2,7 +2,7 @@
 
 The format is an 8-byte little-endian header length, a JSON header (name -> dtype, shape, byte
 offsets), then raw little-endian tensor bytes. Reading by memory map touches only the tensors used,
-and bfloat16 works without torch (numpy has no bfloat16; ml_dtypes, a jax dependency, does).
+and bfloat16 and float8_e4m3fn work without torch (numpy has neither; ml_dtypes, a jax dependency, does).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ _DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
     "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),  # fp8 checkpoints' weights (models/quantization.py)
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
 

@@ -20,6 +20,7 @@ model expects (see ``jaxpaged.models.sharding``).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import jax
@@ -28,7 +29,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from .config import QwenConfig, canonical_dtype
-from .convert import _NP_DTYPES, abstract_model, checked_tensor, name_table, read_hf_tensors
+from .convert import abstract_model, name_table, read_hf_tensors
+from .quantization import SCALE, Fp8Config, quantizer
 
 
 def _source_slice(name: str, cfg: QwenConfig, tp: int, shard: int) -> tuple[int, slice] | None:
@@ -59,31 +61,48 @@ def _source_slice(name: str, cfg: QwenConfig, tp: int, shard: int) -> tuple[int,
 
 
 def shard_block(rule, tensors: dict[str, np.ndarray], cfg: QwenConfig, tp: int, shard: int,
-                dtype: str) -> np.ndarray:
-    """Shard ``shard``'s block of the parameter ``rule`` describes (shape-checked sources)."""
+                dtype: str, quant: Fp8Config | None = None) -> np.ndarray:
+    """Shard ``shard``'s block of the parameter ``rule`` describes (shape-checked sources). Block scales
+    are read expanded to their weight's rows (``[out, in / g]``) and sliced as the weight is, their
+    input columns in groups of ``g``."""
     parts = []
-    for name, shape in rule.sources:
-        t = checked_tensor(tensors, name, shape)
+    for i, (name, _) in enumerate(rule.sources):
+        t = rule.read(tensors, i)
         cut = _source_slice(name, cfg, tp, shard) if tp > 1 else None
         if cut is not None:
             axis, sl = cut
+            if rule.block is not None and axis == 1:
+                g = rule.scaled[i][1] // t.shape[1]
+                sl = slice(sl.start // g, sl.stop // g)  # (load_sharded_state checked that g divides them)
             t = t[sl] if axis == 0 else t[:, sl]
-        parts.append(np.asarray(t).astype(_NP_DTYPES[dtype]))
+        parts.append(np.asarray(t).astype(rule.read_dtype(dtype, quant)))
     return np.ascontiguousarray(rule.combine(parts))
 
 
-def load_sharded_state(path: str | Path, cfg: QwenConfig, mesh: Mesh, dtype: str):
+def load_sharded_state(path: str | Path, cfg: QwenConfig, mesh: Mesh, dtype: str, quant: Fp8Config | None = None):
     """``(graphdef, state)`` for ``mesh``: the per-shard model's graph and global arrays split as
-    ``jaxpaged.models.sharding.PARAM_SPECS`` says, every block read from the safetensors for its device."""
-    from jaxpaged.models.sharding import TP_AXIS, global_shape, param_spec, shard_config, shard_index
+    ``jaxpaged.models.sharding.PARAM_SPECS`` says, every block read from the safetensors for its device.
+    ``quant``: fp8 weights; per output channel, each projection quantized once split, its scale split
+    alike; with block scales (an fp8 checkpoint), the scales split with their weights' columns, or rows
+    where the rows are split (each shard's rows a whole number of the scale's row groups)."""
+    from jaxpaged.models.sharding import TP_AXIS, global_shape, param_spec, scale_placement, shard_config, shard_index
 
     dtype = canonical_dtype(dtype)
     tp = mesh.shape[TP_AXIS]
+    if quant is not None and quant.weight_block_size is not None:
+        for what, k in (("o_proj's input (q heads x head_dim)", cfg.q_size),
+                        ("intermediate_size", cfg.intermediate_size)):
+            g = math.gcd(quant.weight_block_size[1], k)
+            if (k // tp) % g:
+                raise ValueError(f"tensor_parallel_size={tp} splits {what} ({k}) into {k // tp} rows a device, "
+                                 f"not a multiple of the fp8 checkpoint's {g}-row scale blocks (weight_block_size "
+                                 f"{list(quant.weight_block_size)}): use a tensor_parallel_size that keeps them whole")
     local_cfg = shard_config(cfg, tp)
-    graphdef, state = abstract_model(local_cfg, dtype)
+    graphdef, state = abstract_model(local_cfg, dtype, quant)
     pure = nnx.to_pure_dict(state)
     tensors = read_hf_tensors(path)
-    for rule in name_table(cfg):
+    place = scale_placement(mesh)
+    for rule in name_table(cfg, quant):
         node = pure
         for key in rule.path[:-1]:
             node = node[key]
@@ -92,10 +111,15 @@ def load_sharded_state(path: str | Path, cfg: QwenConfig, mesh: Mesh, dtype: str
         shape = global_shape(local_shape, spec, tp)
 
         def block(index, rule=rule, spec=spec, local_shape=local_shape):
-            out = shard_block(rule, tensors, cfg, tp, shard_index(index, spec, local_shape), dtype)
+            out = shard_block(rule, tensors, cfg, tp, shard_index(index, spec, local_shape), dtype, quant)
             assert out.shape == local_shape, (rule.path, out.shape, local_shape)
             return out
 
-        node[rule.path[-1]] = jax.make_array_from_callback(shape, NamedSharding(mesh, spec), block)
+        value = jax.make_array_from_callback(shape, NamedSharding(mesh, spec), block)
+        if rule.linear and quant is not None:
+            name = rule.path[-1]
+            node[name], node[name + SCALE] = quantizer(place(rule.path, value))(value)
+        else:
+            node[rule.path[-1]] = value
     nnx.replace_by_pure_dict(state, pure)
     return graphdef, state

@@ -34,9 +34,11 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import QwenConfig
+from .quantization import BLOCK_SCALE, SCALE, Fp8Config, quantize_linears
 from .qwen import ModelOps
 
 TP_AXIS = "tp"
@@ -52,6 +54,17 @@ PARAM_SPECS = {
     "o_proj": P(TP_AXIS, None),  # [q, H]: rows of this shard's heads; output psum'd
     "gate_up_proj": P(None, TP_AXIS),  # [H, tp * 2 I_shard]: per-shard [gate | up]
     "down_proj": P(TP_AXIS, None),  # [I, H]: rows; output psum'd
+    # fp8 weights' per-output-channel scales (models/quantization.py): split with the output columns, whole
+    # where the rows are split (each shard's partial product scaled alike, then summed)
+    "qkv_proj" + SCALE: P(TP_AXIS),
+    "o_proj" + SCALE: P(),
+    "gate_up_proj" + SCALE: P(TP_AXIS),
+    "down_proj" + SCALE: P(),
+    # an fp8 checkpoint's block scales [K / g, N]: split as their weights are
+    "qkv_proj" + BLOCK_SCALE: P(None, TP_AXIS),
+    "o_proj" + BLOCK_SCALE: P(TP_AXIS, None),
+    "gate_up_proj" + BLOCK_SCALE: P(None, TP_AXIS),
+    "down_proj" + BLOCK_SCALE: P(TP_AXIS, None),
 }
 
 
@@ -205,12 +218,32 @@ def random_leaves(shapes: Sequence[tuple[int, ...]], shardings: Sequence[Any], o
             for i, (shape, sharding, one) in enumerate(zip(shapes, shardings, ones))]
 
 
-def random_state(cfg: QwenConfig, dtype: str, seed: int = 0, mesh: Mesh | None = None):
+def scale_placement(mesh: Mesh) -> Callable[[tuple, Any], tuple[NamedSharding, NamedSharding]]:
+    """``quantize_linears``' ``place``: a linear weight keeps its split, its scale is split as ``PARAM_SPECS``."""
+    def place(path: tuple, _w) -> tuple[NamedSharding, NamedSharding]:
+        return (NamedSharding(mesh, param_spec(path)),
+                NamedSharding(mesh, param_spec(path[:-1] + (path[-1] + SCALE,))))
+    return place
+
+
+def random_state(cfg: QwenConfig, dtype: str, seed: int = 0, mesh: Mesh | None = None,
+                 quant: Fp8Config | None = None):
     """``(graphdef, state)`` of random weights (normal * 0.02, RMSNorm weights one; ``random_leaves``).
     ``mesh``: created directly split over its ``tp`` axis (random bits are generated per shard, no device
     ever holds a whole matrix), ``cfg`` then being the per-shard config and ``graphdef`` the per-shard
-    model, as ``load_params(..., tensor_parallel_size)``; ``None``: committed to the first device."""
+    model, as ``load_params(..., tensor_parallel_size)``; ``None``: committed to the first device.
+    ``quant``: the linear weights then quantized per output channel (a bf16 checkpoint loaded as fp8)."""
     from .convert import abstract_model
+
+    if quant is not None:
+        if quant.weight_block_size is not None:
+            raise ValueError("random weights are quantized per output channel (weight_block_size None)")
+        _, state = random_state(cfg, dtype, seed, mesh)
+        pure = quantize_linears(nnx.to_pure_dict(state), None if mesh is None else scale_placement(mesh))
+        del state
+        graphdef, state = abstract_model(cfg, dtype, quant)
+        nnx.replace_by_pure_dict(state, pure)
+        return graphdef, state
 
     graphdef, abstract = abstract_model(cfg, dtype)
     paths, treedef = jax.tree.flatten_with_path(abstract)

@@ -101,6 +101,9 @@ class LLMEngine:
             raise ValueError(f"EngineConfig(tensor_parallel_size={config.tensor_parallel_size}) but the weights "
                              f"were loaded for {params_tp(params)} device(s): load them with "
                              f"load_params(path, tensor_parallel_size={config.tensor_parallel_size})")
+        if config.quantization is not None and params.quantization is None:
+            raise ValueError(f"EngineConfig(quantization={config.quantization!r}) but the weights are not quantized: "
+                             f"load them with load_params(path, quantization={config.quantization!r})")
         self.kv_dtype = config.resolved_kv_cache_dtype(params.dtype)
         backend = choose_attention_backend(config.attention_backend, self.kv_dtype, config.batch_invariant,
                                            cfg.head_dim, config.block_size, params.dtype, params_tp(params))
