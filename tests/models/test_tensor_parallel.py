@@ -157,6 +157,22 @@ for name, tp in (("qwen2", 2), ("qwen3", 4)):
     assert got == ref, (name, tp, got, ref)
 print("OK fused qkv epilogue")
 
+# fp8 weights quantized at load (a scale per output channel) split over 2 devices: each shard holds its
+# columns' scales (whole ones where the rows are split, every shard scaling its partial product alike):
+# the row-split weights and scales bitwise the one-device ones, the same greedy tokens.
+q1 = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False, quantization="fp8")
+q2 = load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False, quantization="fp8", tensor_parallel_size=2)
+for module, name, cols in (("attn", "qkv_proj", True), ("attn", "o_proj", False), ("mlp", "gate_up_proj", True),
+                           ("mlp", "down_proj", False)):
+    w, scale = (q2.state["layers"][0][module][name + k][...] for k in ("", "_scale"))
+    assert w.dtype == jax.numpy.float8_e4m3fn and len(w.sharding.device_set) == 2
+    assert {s.data.shape for s in scale.addressable_shards} == {(scale.shape[0] // 2,) if cols else scale.shape}
+    if not cols:
+        for a, b in ((w, q1.state["layers"][0][module][name][...]), (scale, q1.state["layers"][0][module][name + "_scale"][...])):
+            assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)), name
+assert tokens(engine(q2, 2)) == tokens(engine(q1, 1))
+print("OK fp8 weights")
+
 try:
     engine(load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False), 2)
 except ValueError as err:
@@ -183,7 +199,7 @@ def run_forced(script: str, devices: int, timeout: int = 600) -> str:
 
 def test_tensor_parallel_engine_on_four_cpu_devices():
     out = run_forced(SCRIPT, 4)
-    assert out.count("OK ") == 5 and "DONE" in out, out
+    assert out.count("OK ") == 6 and "DONE" in out, out
 
 
 def test_shard_config_and_kv_head_replication():
