@@ -1,6 +1,7 @@
 """Latency: time to first token (TTFT) and inter-token latency (ITL) at batch 1, 8, 64 and prompts of 32 and
-1,536 tokens; Qwen3-0.6B shapes with random bf16 weights (``--model tiny``: the packaged tiny checkpoint,
-for a CPU), greedy, ``ignore_eos``, 64 output tokens per request.
+1,536 tokens; Qwen3-0.6B shapes with random bf16 weights (``--model qwen2.5-7b``: Qwen2.5-7B's; ``--model
+tiny``: the packaged tiny checkpoint, for a CPU; ``--quantization fp8``: the linear weights quantized at
+load), greedy, ``ignore_eos``, 64 output tokens per request.
 
 For each (batch, prompt length): first one run per copy of the step (``StepTuning.step_executables``:
 2 on a GPU) compiles every shape and copy that configuration needs (compile seconds reported
@@ -33,6 +34,7 @@ measured; runs in turn in one process share whatever causes that.
     python benchmarks/bench_latency.py --backend mosaic,triton --kv-cache-dtype fp8 --batches 1 --prompts 32,256 \
         --prefix-len 4096 --max-num-seqs 256 --max-tokens 16 --out $OUT
     python benchmarks/bench_latency.py --model tiny --batches 1,2 --prompts 8,24 --max-tokens 4 --out /tmp/l
+    python benchmarks/bench_latency.py --model qwen2.5-7b --quantization fp8 --batches 1 --prompts 32 --out $OUT
 """
 
 from __future__ import annotations
@@ -141,6 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prefix-len", type=int, default=0,
                     help="tokens of a shared prefix cached before each run (0: none; module docstring)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig(kv_cache_dtype=...): auto, fp8, ...")
+    ap.add_argument("--quantization", default=None, help="fp8: the weights quantized at load (EngineConfig(quantization=...))")
     ap.add_argument("--block-size", type=int, default=None, help="default: the engine's (16; 64 for fp8 KV)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--backend", default="auto",
@@ -166,8 +169,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     os.makedirs(args.out, exist_ok=True)
     t_load = time.perf_counter()
-    params = load_params(args.model)
-    config = EngineConfig(block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype)
+    params = load_params(args.model, args.quantization)
+    config = EngineConfig(block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     bs = config.resolved_block_size(params.config.head_dim)
     longest = args.prefix_len + max(prompt_lens) + args.max_tokens
     max_model_len = -(-longest // bs) * bs

@@ -15,6 +15,10 @@ padding, same sampling) on the first ``--hf-requests`` requests, and jaxpaged on
 
     python benchmarks/bench_throughput.py --out $OUT [--model qwen2.5-7b] [--hf-requests 32]
     python benchmarks/bench_throughput.py --model tiny --out /tmp/t        # CPU
+    python benchmarks/bench_throughput.py --model qwen2.5-7b --quantization fp8 --hf-requests 0 --out $OUT
+
+``--quantization fp8``: the random weights' linear layers quantized at load (per output channel), as
+``LLM(path, quantization="fp8")`` does with a bf16 checkpoint.
 
 ``--trace``: the full workload runs under ``jax.profiler`` and the script adds where the run's GPU time
 went (busy seconds against the wall, kernels grouped by name with their total seconds); its tok/s then
@@ -59,17 +63,18 @@ def trace_tools():
     return profile_step
 
 
-def load_model(model: str, dtype: str | None = None):
+def load_model(model: str, dtype: str | None = None, quantization: str | None = None):
     """``--model``'s weights: random at the model's shapes (``dtype``, bfloat16 by default) or the tiny
-    checkpoint (float32 by default)."""
+    checkpoint (float32 by default); ``quantization="fp8"``: the linear weights quantized at load."""
     if model not in MODELS:
         raise SystemExit(f"--model must be one of {sorted(MODELS)}, got {model!r}")
     if MODELS[model] is None:
         from jaxpaged import load_params
         from jaxpaged.models.tiny import tiny_checkpoint_path
 
-        return load_params(tiny_checkpoint_path("qwen3"), dtype or "float32", use_cache=False)
-    return random_model(MODELS[model], dtype or "bfloat16")
+        return load_params(tiny_checkpoint_path("qwen3"), dtype or "float32", use_cache=False,
+                           quantization=quantization)
+    return random_model(MODELS[model], dtype or "bfloat16", quantization=quantization)
 
 
 def workload(args, vocab_size: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -92,7 +97,8 @@ def run_ours(params, prompts, sps, args):
                           max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.backend,
                           memory_fraction=0.9, async_scheduling=args.async_scheduling,
                           batch_invariant=getattr(args, "batch_invariant", False),
-                          kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+                          kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                          quantization=getattr(args, "quantization", None))
     engine = LLMEngine(params, config)
     compile_s = engine.warmup(use_tqdm=False)
     run_to_completion(engine, [prompts[0][:16]], SamplingParams(max_tokens=4))  # one tiny real request
@@ -314,6 +320,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="read each step's tokens back before dispatching the next (default: async)")
     ap.add_argument("--batch-invariant", action="store_true", help="EngineConfig(batch_invariant=True)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig(kv_cache_dtype=...): auto, fp8, ...")
+    ap.add_argument("--quantization", default=None, help="fp8: the weights quantized at load (EngineConfig(quantization=...))")
     ap.add_argument("--compare-async", action="store_true", help="also run the full workload the other way")
     ap.add_argument("--trace-steps", default=None,
                     help="a:b[,c:d...]: after the untraced run, run the workload again tracing engine steps [a, b) "
@@ -345,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
     windows = parse_windows(args.trace_steps)  # checked before minutes of GPU time
     if windows and args.trace:
         raise SystemExit("--trace-steps compares with an untraced run: do not combine it with --trace")
-    params = load_model(args.model, args.dtype)
+    params = load_model(args.model, args.dtype, args.quantization)
     if args.max_model_len > params.config.max_position_embeddings:
         raise SystemExit(f"--max-model-len {args.max_model_len} exceeds the model's "
                          f"{params.config.max_position_embeddings} positions")
@@ -412,8 +419,10 @@ def workload_floor(params, prompts, run: dict) -> dict:
     weights, every output token its context) on ceilings measured now; the run's seconds against it."""
     on_gpu = jax.default_backend() == "gpu"
     device = floor.measure_device(*((4 << 30, 8192) if on_gpu else (64 << 20, 512)))
+    # fp8 weights: every product read at one byte a weight (the bf16 LM head too: still a lower bound)
+    weight_dtype = "float8_e4m3fn" if params.quantization is not None else params.dtype
     f = floor.workload_floor(params.config, device, [len(p) for p in prompts], run["output_lens"], kv_dtype=run["kv_dtype"],
-                             block_size=run["block_size"], decode_steps=run["steps"], weight_dtype=params.dtype)
+                             block_size=run["block_size"], decode_steps=run["steps"], weight_dtype=weight_dtype)
     return dict(f, device=device.name, read_tb_per_s=device.read_bytes_per_s / 1e12,
                 matmul_tflops=device.matmul_flops_per_s / 1e12, tok_per_s=run["output_tokens"] / f["seconds"],
                 pct_of_floor=100 * f["seconds"] / run["seconds"])

@@ -18,7 +18,7 @@ import dataclasses
 import sys
 import time
 
-from .config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
+from .config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig
 
 PROG = "python -m jaxpaged"
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -104,6 +104,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="the weights' dtype; auto: the checkpoint's (config.json), bfloat16 for random weights")
     g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="dummy: random weights of the folder's config.json (no weight files needed)")
+    g.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=None,
+                   help="fp8: e4m3 linear weights (a bf16 checkpoint quantized at load; default: the "
+                        "checkpoint's, so an fp8 checkpoint loads as fp8)")
     g.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
                    help="prompt + output tokens per request (default: the model's max_position_embeddings, "
                         "at most 8192, lowered to what the KV pool holds)")
@@ -261,7 +264,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 async_scheduling=args.async_scheduling, scheduling_policy=args.scheduling_policy,
                 kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
                 attention_backend=args.attention_backend, num_blocks=args.num_blocks, seed=args.seed,
-                kv_offloading_size=args.kv_offloading_size)
+                kv_offloading_size=args.kv_offloading_size, quantization=args.quantization)
 
 
 def serve_llm_args(args: argparse.Namespace) -> dict:
@@ -349,9 +352,10 @@ def bench(args: argparse.Namespace) -> None:
     dtype = None if args.dtype == "auto" else args.dtype
     if args.model:
         params = load_params(model_path(args.model), dtype, load_format=args.load_format,
-                             tensor_parallel_size=args.tensor_parallel_size)
+                             tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
     else:
-        params = random_model(QWEN3_0_6B, dtype or "bfloat16", tensor_parallel_size=args.tensor_parallel_size)
+        params = random_model(QWEN3_0_6B, dtype or "bfloat16", tensor_parallel_size=args.tensor_parallel_size,
+                              quantization=args.quantization)
     prompts, sps = nano_vllm_workload(args.num_seqs, half, half)
     vocab = params.config.vocab_size
     prompts = [[t % vocab for t in p] for p in prompts]

@@ -68,15 +68,18 @@ def agent_workload(agents: int, prefix_len: tuple[int, int], question_len: tuple
 
 
 def random_model(raw_config: dict, dtype: str = "bfloat16", seed: int = 0,
-                 tensor_parallel_size: int = 1) -> ModelParams:
+                 tensor_parallel_size: int = 1, quantization: str | None = None) -> ModelParams:
     """A randomly initialised model of the given Hugging Face config (no download needed): weights
     normal * 0.02 and norms one (``models.sharding.random_state``), committed to the first device.
 
     ``tensor_parallel_size > 1``: created directly split over that many devices, never whole on one
-    device (the same values as on one device)."""
+    device (the same values as on one device). ``quantization="fp8"``: the linear weights then quantized
+    at load (per output channel), as a bf16 checkpoint with ``LLM(path, quantization="fp8")``."""
     from .models.checkpoint import random_params
+    from .models.quantization import resolve_quantization
 
-    return random_params(QwenConfig.from_dict(raw_config), dtype, seed, tensor_parallel_size)
+    return random_params(QwenConfig.from_dict(raw_config), dtype, seed, tensor_parallel_size,
+                         quantization=resolve_quantization(quantization, None))
 
 
 def experiment_params(full: bool, model: str | None = None) -> ModelParams:
@@ -111,16 +114,22 @@ def device_memory() -> dict:
     return {k: stats.get(k) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
 
 
-BENCHMARK_MODELS = ("qwen3-0.6b", "tiny")
+BENCHMARK_MODELS = ("qwen3-0.6b", "qwen2.5-7b", "tiny")
 
 
-def benchmark_params(model: str) -> ModelParams:
-    """The benchmarks' ``--model``: ``qwen3-0.6b`` (full-size shapes, random bf16 weights) or ``tiny``
-    (the packaged tiny checkpoint, for CPU runs)."""
-    if model == "qwen3-0.6b":
-        return random_model(QWEN3_0_6B)
+def benchmark_params(model: str, quantization: str | None = None) -> ModelParams:
+    """The benchmarks' ``--model``: ``qwen3-0.6b`` or ``qwen2.5-7b`` (full-size shapes, random bf16
+    weights) or ``tiny`` (the packaged tiny checkpoint, for CPU runs). ``quantization="fp8"``: the linear
+    weights quantized at load (per output channel), as ``LLM(path, quantization="fp8")`` does."""
+    if model in ("qwen3-0.6b", "qwen2.5-7b"):
+        return random_model({"qwen3-0.6b": QWEN3_0_6B, "qwen2.5-7b": QWEN2_5_7B}[model], quantization=quantization)
     if model == "tiny":
-        return experiment_params(full=False)
+        from .models.checkpoint import load_params
+        from .models.tiny import tiny_checkpoint_path
+
+        if quantization is None:
+            return experiment_params(full=False)
+        return load_params(tiny_checkpoint_path("qwen3"), "float32", use_cache=False, quantization=quantization)
     raise ValueError(f"--model must be one of {BENCHMARK_MODELS}, got {model!r}")
 
 

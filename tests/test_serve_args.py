@@ -11,13 +11,13 @@ def test_serve_flags_reach_the_engine_config():
     args = build_parser().parse_args([
         "serve", "tiny", "--kv-offloading-size", "2.5", "--kv-cache-dtype", "fp8", "--max-model-len", "512",
         "--block-size", "32", "--num-blocks", "64", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
-        "--gpu-memory-utilization", "0.5", "--seed", "3", "--attention-backend", "reference"])
+        "--gpu-memory-utilization", "0.5", "--seed", "3", "--attention-backend", "reference", "--quantization", "fp8"])
     kwargs = serve_llm_args(args)
     assert kwargs["kv_offloading_size"] == 2.5 and kwargs["memory_fraction"] == 0.5
     config = EngineConfig(**{k: v for k, v in kwargs.items() if k not in ("model", "dtype", "load_format")})
     assert (config.kv_offloading_size, config.kv_cache_dtype, config.max_model_len, config.block_size,
-            config.num_blocks, config.max_num_seqs, config.max_num_batched_tokens, config.seed) == \
-        (2.5, "fp8", 512, 32, 64, 8, 256, 3)
+            config.num_blocks, config.max_num_seqs, config.max_num_batched_tokens, config.seed, config.quantization) == \
+        (2.5, "fp8", 512, 32, 64, 8, 256, 3, "fp8")
     default = serve_llm_args(build_parser().parse_args(["serve", "tiny"]))
     assert default["kv_offloading_size"] == 0 and default["enable_prefix_caching"] is True
 
