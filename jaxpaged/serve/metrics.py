@@ -1,5 +1,6 @@
 """``/metrics``: the engine's state and counters in Prometheus' text format, vLLM's metric names under a
-``jaxpaged:`` prefix.
+``jaxpaged:`` prefix, and those with a vLLM meaning under ``vllm:`` too (``VLLM_NAMES``), so routers that read a vLLM
+server's gauges (the Gateway API inference extension's endpoint picker, llm-d, KServe) read jaxpaged's.
 
 Gauges and counters are read from ``LLMEngine.stats()`` when scraped (a snapshot the engine thread takes,
 ``AsyncEngine.snapshot``: nothing is kept twice); the latency histograms are observed as requests finish.
@@ -12,6 +13,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..io.outputs import RequestOutput
 
+# jaxpaged's metrics that mean what a vLLM server's of the same name mean (vLLM v1's names; Prometheus adds
+# "_total" to counters in the text format, as vLLM's exporter does).
+VLLM_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
+              "prefix_cache_hits", "num_preemptions", "time_to_first_token_seconds", "e2e_request_latency_seconds",
+              "time_per_output_token_seconds")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -29,33 +35,46 @@ class _EngineCollector:
         label = list(self.labels)
         values = list(self.labels.values())
 
+        def families(kind, name, doc, value):
+            for prefix in ("jaxpaged", "vllm") if name in VLLM_NAMES else ("jaxpaged",):
+                family = kind(f"{prefix}:{name}", doc, labels=label)
+                family.add_metric(values, value)
+                yield family
+
         def gauge(name, doc, value):
-            g = GaugeMetricFamily(f"jaxpaged:{name}", doc, labels=label)
-            g.add_metric(values, value)
-            return g
+            return families(GaugeMetricFamily, name, doc, value)
 
         def counter(name, doc, value):
-            c = CounterMetricFamily(f"jaxpaged:{name}", doc, labels=label)
-            c.add_metric(values, value)
-            return c
+            return families(CounterMetricFamily, name, doc, value)
 
-        yield gauge("num_requests_running", "Requests with sequences in the running batch.", running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", waiting)
-        yield gauge("kv_blocks_used", "KV blocks referenced by running sequences.", s["blocks_used"])
-        yield gauge("kv_blocks_cached", "Unreferenced KV blocks holding a cached prefix.", s["blocks_cached"])
-        yield gauge("kv_blocks_total", "KV blocks in the pool.", s["num_blocks"])
-        yield gauge("kv_cache_usage_perc", "Share of the pool's blocks in use (0-1).", s["blocks_used"] / s["num_blocks"])
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s["prefix_query_tokens"])
-        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s["prefix_hit_tokens"])
-        yield counter("num_preemptions", "Sequences preempted for lack of KV blocks.", s["preemptions"])
+        yield from gauge("num_requests_running", "Requests with sequences in the running batch.", running)
+        yield from gauge("num_requests_waiting", "Requests waiting to be scheduled.", waiting)
+        yield from gauge("kv_blocks_used", "KV blocks referenced by running sequences.", s["blocks_used"])
+        yield from gauge("kv_blocks_cached", "Unreferenced KV blocks holding a cached prefix.", s["blocks_cached"])
+        yield from gauge("kv_blocks_total", "KV blocks in the pool.", s["num_blocks"])
+        yield from gauge("kv_cache_usage_perc", "Share of the pool's blocks in use (0-1).", s["blocks_used"] / s["num_blocks"])
+        yield from counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s["prefix_query_tokens"])
+        yield from counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s["prefix_hit_tokens"])
+        yield from counter("num_preemptions", "Sequences preempted for lack of KV blocks.", s["preemptions"])
         if s.get("host_blocks"):  # the host tier (kv_offloading_size)
-            yield gauge("kv_host_blocks_used", "Host-tier blocks holding an evicted cached prefix.", s["host_blocks_used"])
-            yield gauge("kv_host_blocks_total", "Blocks in the host tier.", s["host_blocks"])
-            yield counter("prefix_cache_host_hits", "Prompt tokens served from the host tier (reloaded).",
+            yield from gauge("kv_host_blocks_used", "Host-tier blocks holding an evicted cached prefix.", s["host_blocks_used"])
+            yield from gauge("kv_host_blocks_total", "Blocks in the host tier.", s["host_blocks"])
+            yield from counter("prefix_cache_host_hits", "Prompt tokens served from the host tier (reloaded).",
                           s["host_hit_tokens"])
-            yield counter("kv_offloaded_bytes", "Bytes copied from the device pool to the host tier.", s["offload_bytes"])
-            yield counter("kv_reloaded_bytes", "Bytes copied from the host tier back to the device pool.",
+            yield from counter("kv_offloaded_bytes", "Bytes copied from the device pool to the host tier.", s["offload_bytes"])
+            yield from counter("kv_reloaded_bytes", "Bytes copied from the host tier back to the device pool.",
                           s["reload_bytes"])
+
+
+class _Twins:
+    """Histograms observed together (one metric under two names)."""
+
+    def __init__(self, histograms):
+        self.histograms = histograms
+
+    def observe(self, value: float) -> None:
+        for h in self.histograms:
+            h.observe(value)
 
 
 class ServerMetrics:
@@ -68,12 +87,14 @@ class ServerMetrics:
         labels = ["model_name"]
 
         def histogram(name, doc):
-            return Histogram(f"jaxpaged:{name}", doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+            """The histogram under ``jaxpaged:`` and, where vLLM has it, ``vllm:`` (``_Twins`` observes both)."""
+            return _Twins([Histogram(f"{prefix}:{name}", doc, labels, buckets=LATENCY_BUCKETS,
+                                     registry=self.registry).labels(model_name)
+                           for prefix in (("jaxpaged", "vllm") if name in VLLM_NAMES else ("jaxpaged",))])
 
-        self.ttft = histogram("time_to_first_token_seconds", "Time to the first output token.").labels(model_name)
-        self.tpot = histogram("time_per_output_token_seconds",
-                              "Mean time between output tokens of a finished request.").labels(model_name)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.").labels(model_name)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to the first output token.")
+        self.tpot = histogram("time_per_output_token_seconds", "Mean time between output tokens of a finished request.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
         self.aborted = Counter("jaxpaged:num_requests_aborted", "Requests withdrawn before they finished "
                                "(a client that went away).", labels, registry=self.registry).labels(model_name)
 

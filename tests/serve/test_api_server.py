@@ -132,6 +132,13 @@ def test_models_health_and_metrics(server, client):
                  "jaxpaged:e2e_request_latency_seconds"):
         assert name in families, sorted(families)
     assert families["jaxpaged:kv_blocks_used"].samples[0].value == 0  # nothing running, nothing leaked
+    # vLLM's names for what means the same (routers that read vLLM's gauges read these): equal values
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
+                 "prefix_cache_hits", "num_preemptions", "time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        ours, vllm = families[f"jaxpaged:{name}"], families[f"vllm:{name}"]
+        assert [(s.name.split(":")[1], s.value) for s in ours.samples] == \
+            [(s.name.split(":")[1], s.value) for s in vllm.samples], name
+    assert "vllm:kv_blocks_cached" not in families  # no vLLM metric of that meaning
 
 
 @pytest.mark.parametrize("body, status, needle", [
