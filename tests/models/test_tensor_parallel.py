@@ -222,33 +222,6 @@ def test_shard_config_and_kv_head_replication():
     assert param_spec(("layers", 0, "input_layernorm", "weight")) == param_spec(("norm", "weight"))
 
 
-def test_bench_tp_tiny_on_two_cpu_devices(tmp_path):
-    """benchmarks/bench_tp.py's 8B parts (each its own process) on 2 forced CPU devices, tiny shapes (the
-    72B part is the same code over another workload; the engine's tensor parallelism over a Qwen2
-    checkpoint is the four-device test's)."""
-    env = dict(os.environ, XLA_FLAGS=with_device_count(2), JAX_PLATFORMS="cpu")
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_tp.py"), "--tiny", "--parts",
-                          "8b-tp1,8b-tp2", "--out", str(tmp_path)], env=env, capture_output=True, text=True,
-                         timeout=600, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
-    import json
-
-    summary = json.loads((tmp_path / "tp.json").read_text())
-    parts = summary["parts"]
-    assert set(parts) == {"8b-tp1", "8b-tp2"}
-    for r in parts.values():
-        assert "error" not in r, r
-        assert r["output_tokens"] == 16 and r["tok_per_s"] > 0 and r["itl_b1_p50_ms"] > 0
-        assert len(r["weights_gib_per_device"]) == r["tp"] == len(r["kv_pool_gib_per_device"])
-    one, two = parts["8b-tp1"], parts["8b-tp2"]
-    # Split weights: each device holds half of every matrix (only the small norms are replicated).
-    w1, w2 = max(one["weights_gib_per_device"].values()), max(two["weights_gib_per_device"].values())
-    assert 0.5 * w1 <= w2 < 0.51 * w1
-    assert max(two["kv_pool_gib_per_device"].values()) == 0.5 * max(one["kv_pool_gib_per_device"].values())
-    assert summary["scaling_8b"]["throughput"] > 0
-    assert "scaling efficiency" in res.stdout.splitlines()[-1]
-
-
 MULTI_PROCESS = r"""
 import sys
 import jax
