@@ -205,6 +205,7 @@ class KVTransfers:
                 times.append(time.perf_counter() - t0)
             return sorted(times)[len(times) // 2]
 
+        self._shardings(kv_pool)
         n_max = min(MAX_BLOCKS, kv_pool.shape[1])
         block = jax.device_put(jnp.zeros(kv_pool.shape[:1] + kv_pool.shape[2:], kv_pool.dtype), self._host_sharding)
         pool = [kv_pool]
