@@ -134,3 +134,25 @@ def test_kv_offloading_size_is_checked():
         EngineConfig(kv_offloading_size=-1)
     with pytest.raises(ValueError, match="enable_prefix_caching=True"):
         EngineConfig(kv_offloading_size=1, enable_prefix_caching=False)
+
+
+def test_the_measured_reload_rule_keeps_the_tokens():
+    """The GPU warm-up's measurement (``LLMEngine._measure_reload_cost``), run here on the CPU: a ``ReloadCost``
+    from timed copies and a timed prefill step reaches the KV manager, and the engine's tokens stay those of
+    an engine without a tier whichever way it decides."""
+    _, base, _ = rounds(0)
+    eng = LLMEngine(params(), EngineConfig(block_size=16, num_blocks=16, max_model_len=128, max_num_batched_tokens=128,
+                                           kv_offloading_size=0.01))
+    compiled = eng.runner.precompile(eng.params.state, eng.kv_pool, eng._warmup_steps(), eng._prev_tokens)
+    eng._measure_reload_cost(compiled)
+    cost = eng.reload_cost
+    assert cost is not None and eng.kv.policy.reload_cost is cost and cost.block_size == 16
+    assert cost.seconds_per_block >= 0 and cost.recompute_seconds_per_token > 0
+    got = [[o.outputs[0].token_ids for o in run_to_completion(eng, PROMPTS, SP)] for _ in range(3)]
+    assert got == base
+    s = eng.stats()
+    if cost.ever_worth_reloading:  # later rounds hit the host tier: reloaded or, if cheaper, recomputed
+        assert s["blocks_offloaded"] > 0 and s["blocks_reloaded"] + s["host_hits_recomputed"] > 0
+    else:  # copies that could never pay are not made
+        assert s["blocks_offloaded"] == s["blocks_reloaded"] == 0
+    eng.kv.check_invariants()
