@@ -10,7 +10,7 @@ what they do (:func:`kernel_group`), so a profile says how far each group is fro
 * ``attention``: reads the KV of every sequence (its floor: KV bytes / bandwidth);
 * ``gemm``: the projections, MLP and LM head (``max(weight bytes / bandwidth, FLOPs / matmul rate)`` for
   each product, summed);
-* ``epilogue``: the qkv epilogue and the KV write (its floor: the K/V rows written and the projection read);
+* ``epilogue``: the qkv epilogue and the KV write (its floor: the new tokens' K/V rows written);
 * ``other``: norms, sampling, gathers (no floor of their own: what is left).
 
 Measured ceilings (:func:`measure_device`): the fastest XLA reduction over ``read_bytes`` of bf16 (a

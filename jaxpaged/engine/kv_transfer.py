@@ -86,7 +86,7 @@ class KVTransfers:
         self._compiled: dict[tuple[str, int], object] = {}
         self._staged: list[tuple[list[Transfer], tuple[jax.Array, ...]]] = []  # gathered, not yet sent to host
         self._staged_slots: set[int] = set()
-        self.counts = {"offload": [0, 0], "reload": [0, 0]}  # blocks, bytes
+        self.blocks_copied = {"offload": 0, "reload": 0}
         self.measured: dict[str, tuple[float, float]] = {}  # kind -> (fixed seconds, seconds per block)
         self.reserve_seconds = 0.0
         if reserve if reserve is not None else jax.default_backend() == "gpu":
@@ -228,17 +228,15 @@ class KVTransfers:
 
     # ---- observability ---------------------------------------------------------------------------
     def _dispatched(self, kind: str, n: int) -> None:
-        count = self.counts[kind]
-        count[0] += n
-        count[1] += n * self.block_bytes
+        self.blocks_copied[kind] += n
 
     def stats(self) -> dict:
         """Blocks and bytes copied each way, and each way's bandwidth measured at warm-up (GB/s; 0 if not
         measured)."""
         out = {"host_block_bytes": self.block_bytes, "host_reserve_seconds": self.reserve_seconds}
-        for kind, (blocks, nbytes) in self.counts.items():
+        for kind, blocks in self.blocks_copied.items():
             out[f"{kind}_blocks"] = blocks
-            out[f"{kind}_bytes"] = nbytes
+            out[f"{kind}_bytes"] = blocks * self.block_bytes
             per_block = self.measured.get(kind, (0.0, 0.0))[1]
             out[f"{kind}_gbps"] = self.block_bytes / per_block / 1e9 if per_block else 0.0
         return out

@@ -151,7 +151,7 @@ def test_the_measured_reload_rule_keeps_the_tokens():
     got = [[o.outputs[0].token_ids for o in run_to_completion(eng, PROMPTS, SP)] for _ in range(3)]
     assert got == base
     s = eng.stats()
-    if cost.ever_worth_reloading:  # later rounds hit the host tier: reloaded or, if cheaper, recomputed
+    if cost.ever_worth_reloading:  # the 2nd and 3rd pass hit the host tier: reloaded or, if cheaper, recomputed
         assert s["blocks_offloaded"] > 0 and s["blocks_reloaded"] + s["host_hits_recomputed"] > 0
     else:  # copies that could never pay are not made
         assert s["blocks_offloaded"] == s["blocks_reloaded"] == 0
