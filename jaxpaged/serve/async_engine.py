@@ -242,6 +242,9 @@ class _ProcessTransport:
         self._futures: dict[int, concurrent.futures.Future] = {}
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
+        # One thread at a time waits for the child: two that reap it at once can each miss its exit code
+        # (one's waitpid finds it already reaped), and a stopped child then looks alive.
+        self._reap_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="jaxpaged-engine-reader", daemon=True)
         self._reader.start()
 
@@ -258,8 +261,10 @@ class _ProcessTransport:
                 else:
                     raise RuntimeError(msg[1])
         except (EOFError, OSError) as err:
-            self._proc.join(timeout=1)
-            self._fail(RuntimeError(f"the engine process exited (exit code {self._proc.exitcode}; "
+            with self._reap_lock:
+                self._proc.join(timeout=1)
+                exitcode = self._proc.exitcode
+            self._fail(RuntimeError(f"the engine process exited (exit code {exitcode}; "
                                     f"{type(err).__name__} on its pipe)"))
         except BaseException as err:  # noqa: BLE001
             self._fail(err)
@@ -287,9 +292,10 @@ class _ProcessTransport:
                 self._conn.send(("stop", None, None))
         except (OSError, ValueError):  # the engine process is gone already
             pass
-        self._proc.join(timeout=10)
-        if self._proc.is_alive():
-            self._proc.terminate()
+        with self._reap_lock:
+            self._proc.join(timeout=10)
+            if self._proc.is_alive():
+                self._proc.terminate()
         self._conn.close()
 
 
