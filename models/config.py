@@ -1,8 +1,11 @@
-"""QwenConfig: the architecture numbers of a Qwen2 / Qwen2.5 / Qwen3 checkpoint, read from config.json.
+"""QwenConfig: the architecture numbers of a Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE checkpoint, read from config.json.
 
 Qwen2 and Qwen2.5 share ``model_type == "qwen2"`` (q/k/v projections with bias, ``head_dim`` derived
 from the hidden size); Qwen3 is ``"qwen3"`` (no q/k/v bias by default, per-head RMSNorm on q and k,
-an explicit ``head_dim``). Anything else is refused with an error that says what was found.
+an explicit ``head_dim``); Qwen3-MoE is ``"qwen3_moe"`` (Qwen3's attention; the MLP of most layers a
+mixture of experts: ``num_experts``, ``num_experts_per_tok`` of them per token, each of
+``moe_intermediate_size``; the layers in ``mlp_only_layers`` or not on ``decoder_sparse_step`` keep a dense
+MLP of ``intermediate_size``). Anything else is refused with an error that says what was found.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe")
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
           "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
 
@@ -22,7 +25,10 @@ class CheckpointError(ValueError):
 
 
 _REQUIRED_INT = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-_OPTIONAL_INT = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+_OPTIONAL_INT = ("num_key_value_heads", "head_dim", "max_position_embeddings", "num_experts", "num_local_experts",
+                 "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
+_UNSUPPORTED = ("model_type {!r} is not supported: jaxpaged runs Qwen2, Qwen2.5 (model_type 'qwen2'), Qwen3 "
+                "('qwen3') and Qwen3-MoE ('qwen3_moe')")
 
 
 def canonical_dtype(dtype: Any) -> str:
@@ -54,12 +60,20 @@ class QwenConfig:
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
     eos_token_id: tuple[int, ...] = ()
     dtype: str = "bfloat16"  # the checkpoint's storage dtype
+    # Qwen3-MoE (all zero / empty for the dense families): Hugging Face's names and meanings.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to one
+    decoder_sparse_step: int = 1  # layer i is a MoE layer when (i + 1) % decoder_sparse_step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    # The experts are split over this many devices (expert parallelism: ``sharding.shard_config``); one
+    # shard's model holds ``num_experts / expert_shards`` of them and routes over all ``num_experts``.
+    expert_shards: int = 1
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise CheckpointError(
-                f"model_type {self.model_type!r} is not supported: jaxpaged runs Qwen2, Qwen2.5 "
-                f"(model_type 'qwen2') and Qwen3 ('qwen3')")
+            raise CheckpointError(_UNSUPPORTED.format(self.model_type))
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
             if getattr(self, name) <= 0:
@@ -68,6 +82,34 @@ class QwenConfig:
             raise CheckpointError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.model_type == "qwen3_moe":
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        """A Qwen3-MoE config's expert fields, each bounded (the field named when it is not)."""
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+                     "expert_shards"):
+            if getattr(self, name) <= 0:
+                raise CheckpointError(f"config field {name} must be positive, got {getattr(self, name)}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise CheckpointError(f"config field num_experts_per_tok ({self.num_experts_per_tok}) must be at most "
+                                  f"num_experts ({self.num_experts})")
+        if self.num_experts % self.expert_shards:
+            raise CheckpointError(f"num_experts ({self.num_experts}) is not a multiple of the {self.expert_shards} "
+                                  "devices the experts are split over")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise CheckpointError(f"config field mlp_only_layers lists layers {bad} outside 0..{self.num_hidden_layers - 1}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` has the mixture of experts (Hugging Face's rule) or a dense MLP."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def num_local_experts(self) -> int:
+        """The experts one device holds (all of them without expert parallelism)."""
+        return self.num_experts // self.expert_shards
 
     @property
     def q_size(self) -> int:
@@ -109,9 +151,7 @@ class QwenConfig:
     def _from_dict(cls, raw: dict[str, Any]) -> "QwenConfig":
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise CheckpointError(
-                f"model_type {model_type!r} is not supported: jaxpaged runs Qwen2, Qwen2.5 "
-                f"(model_type 'qwen2') and Qwen3 ('qwen3')")
+            raise CheckpointError(_UNSUPPORTED.format(model_type))
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         if not isinstance(rope, dict):
             raise CheckpointError(f"field 'rope_scaling' must be an object or null, got {rope!r}")
@@ -152,6 +192,7 @@ class QwenConfig:
             qk_norm=qk_norm,
             eos_token_id=eos_ids,
             dtype=dtype,
+            **(_moe_fields(raw) if model_type == "qwen3_moe" else {}),
         )
 
     @classmethod
@@ -168,3 +209,23 @@ class QwenConfig:
         except json.JSONDecodeError as err:
             raise CheckpointError(f"{cfg_file} is not valid JSON: {err}") from err
         return cls.from_dict(raw, str(cfg_file))
+
+
+def _moe_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen3-MoE config.json's expert fields (``num_experts``, or ``num_local_experts`` as transformers 5
+    writes it), type-checked; their bounds are checked by ``QwenConfig``."""
+    experts = raw.get("num_experts", raw.get("num_local_experts"))
+    for key, value in (("num_experts", experts), ("num_experts_per_tok", raw.get("num_experts_per_tok")),
+                       ("moe_intermediate_size", raw.get("moe_intermediate_size"))):
+        if value is None:
+            raise CheckpointError(f"required field {key!r} is missing (model_type 'qwen3_moe')")
+    norm = raw.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise CheckpointError(f"field 'norm_topk_prob' must be true or false, got {norm!r}")
+    only = raw.get("mlp_only_layers") or []
+    if not (isinstance(only, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in only)):
+        raise CheckpointError(f"field 'mlp_only_layers' must be a list of layer indices, got {only!r:.100}")
+    return dict(num_experts=experts, num_experts_per_tok=raw["num_experts_per_tok"],
+                moe_intermediate_size=raw["moe_intermediate_size"], norm_topk_prob=norm,
+                decoder_sparse_step=1 if raw.get("decoder_sparse_step") is None else raw["decoder_sparse_step"],
+                mlp_only_layers=tuple(sorted(set(only))))

@@ -35,7 +35,9 @@ class WeightRule:
     quantized per output channel after the combination when the model's weights are fp8 but the
     checkpoint's are not (read in float32 first, so only that one rounding happens). ``block``: the
     sources are the ``weight_scale_inv`` of weights of shapes ``scaled`` in blocks of that size, read
-    (``read``) expanded to their weights' rows, ``[out, in / g]`` (``expand_block_scale``)."""
+    (``read``) expanded to their weights' rows, ``[out, in / g]`` (``expand_block_scale``).
+    ``experts``: the parameter stacks one block per expert along its first axis, built from this many
+    sources per expert in expert order (a device that holds some of the experts reads only theirs)."""
 
     path: tuple[str | int, ...]
     sources: tuple[tuple[str, tuple[int, ...]], ...]
@@ -44,6 +46,7 @@ class WeightRule:
     linear: bool = False
     block: tuple[int, int] | None = None
     scaled: tuple[tuple[int, int], ...] = ()
+    experts: int = 0
 
     def read(self, tensors: dict[str, np.ndarray], i: int) -> np.ndarray:
         """Source ``i``, shape-checked (and expanded, for block scales), not yet cast. An fp8 weight must be
@@ -80,6 +83,29 @@ def _same(ts: list[np.ndarray]) -> np.ndarray:
     return ts[0]
 
 
+def _stack_gate_up(ts: list[np.ndarray]) -> np.ndarray:
+    """``[gate_0, up_0, gate_1, up_1, ...]`` (each ``[I, H]``) -> ``[E, H, 2 I]``: per expert ``[gate | up]``."""
+    return np.stack([np.concatenate(ts[e:e + 2], axis=0).T for e in range(0, len(ts), 2)])
+
+
+def _stack_transposed(ts: list[np.ndarray]) -> np.ndarray:
+    """``[down_0, down_1, ...]`` (each ``[H, I]``) -> ``[E, I, H]``."""
+    return np.stack([t.T for t in ts])
+
+
+def moe_rules(cfg: QwenConfig, n: int) -> list[WeightRule]:
+    """Layer ``n``'s mixture of experts, from Hugging Face's per-expert tensors (as published:
+    ``mlp.gate.weight [E, H]``, ``mlp.experts.<e>.{gate,up,down}_proj.weight``)."""
+    h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    p = f"model.layers.{n}.mlp."
+    gate_up = tuple(src for x in range(e) for src in ((p + f"experts.{x}.gate_proj.weight", (i, h)),
+                                                       (p + f"experts.{x}.up_proj.weight", (i, h))))
+    down = tuple((p + f"experts.{x}.down_proj.weight", (h, i)) for x in range(e))
+    return [WeightRule(("layers", n, "mlp", "gate"), ((p + "gate.weight", (e, h)),), _transpose),
+            WeightRule(("layers", n, "mlp", "experts_gate_up"), gate_up, _stack_gate_up, experts=2),
+            WeightRule(("layers", n, "mlp", "experts_down"), down, _stack_transposed, experts=1)]
+
+
 def linear_rules(path: tuple[str | int, ...], sources: tuple[tuple[str, tuple[int, int]], ...],
                  combine: Callable[[list[np.ndarray]], np.ndarray], quant: Fp8Config | None) -> list[WeightRule]:
     """A projection's rules: its weight, and from an fp8 checkpoint (block scales) its e4m3 weight as
@@ -97,7 +123,7 @@ def linear_rules(path: tuple[str | int, ...], sources: tuple[tuple[str, tuple[in
 
 def name_table(cfg: QwenConfig, quant: Fp8Config | None = None) -> list[WeightRule]:
     """Every parameter of ``Qwen(cfg, quantization=quant)`` with the Hugging Face tensors (and shapes) it
-    comes from (``linear_rules`` for the four projections)."""
+    comes from (``linear_rules`` for the four projections, ``moe_rules`` for a MoE layer's experts)."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.q_size, cfg.kv_size
     rules = [WeightRule(("embed_tokens",), (("model.embed_tokens.weight", (cfg.vocab_size, h)),), _same),
@@ -115,12 +141,16 @@ def name_table(cfg: QwenConfig, quant: Fp8Config | None = None) -> list[WeightRu
                           ((a + "q_proj.weight", (q, h)), (a + "k_proj.weight", (kv, h)),
                            (a + "v_proj.weight", (kv, h))), _concat_rows_then_transpose, quant),
             *linear_rules(("layers", n, "attn", "o_proj"), ((a + "o_proj.weight", (h, q)),), _transpose, quant),
-            *linear_rules(("layers", n, "mlp", "gate_up_proj"),
-                          ((p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h))),
-                          _concat_rows_then_transpose, quant),
-            *linear_rules(("layers", n, "mlp", "down_proj"), ((p + "mlp.down_proj.weight", (h, i)),), _transpose,
-                          quant),
         ]
+        if cfg.is_moe_layer(n):
+            rules += moe_rules(cfg, n)
+        else:
+            rules += [
+                *linear_rules(("layers", n, "mlp", "gate_up_proj"),
+                              ((p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h))),
+                              _concat_rows_then_transpose, quant),
+                *linear_rules(("layers", n, "mlp", "down_proj"), ((p + "mlp.down_proj.weight", (h, i)),),
+                              _transpose, quant)]
         if cfg.attention_bias:
             rules.append(WeightRule(("layers", n, "attn", "qkv_bias"),
                                     ((a + "q_proj.bias", (q,)), (a + "k_proj.bias", (kv,)), (a + "v_proj.bias", (kv,))),
@@ -214,7 +244,7 @@ def convert_tensors(cfg: QwenConfig, tensors: dict[str, np.ndarray], dtype: str,
 
 def load_hf_checkpoint(path: str | Path, dtype: str | None = None,
                        quant: Fp8Config | None = None) -> tuple[QwenConfig, nnx.GraphDef, nnx.State]:
-    """Reads a Hugging Face Qwen folder: ``(config, graphdef, state)`` in ``dtype`` (default: the checkpoint's)."""
+    """Reads a Hugging Face Qwen folder (sharded safetensors too): ``(config, graphdef, state)`` in ``dtype`` (default: the checkpoint's)."""
     cfg = QwenConfig.from_pretrained(path)
     dtype = canonical_dtype(dtype or cfg.dtype)
     state = convert_tensors(cfg, read_hf_tensors(path), dtype, quant)

@@ -1,4 +1,4 @@
-"""Flax NNX Qwen2 / Qwen2.5 / Qwen3 decoder whose attention reads and writes the paged KV pool.
+"""Flax NNX Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE decoder whose attention reads and writes the paged KV pool.
 
 One forward call processes a ragged batch of new tokens (prefill chunks and decodes mixed), given as
 flat ``token_ids i32[T]`` and ``positions i32[T]``. Each layer writes its new K/V into its layer of the
@@ -13,6 +13,8 @@ Weights are stored ``[in, out]``; q/k/v and gate/up are fused into one matmul ea
 concatenates Hugging Face's separate tensors). Differences between the families:
   * Qwen2 / Qwen2.5: bias on q/k/v, ``head_dim = hidden / heads``.
   * Qwen3: per-head RMSNorm on q and k before RoPE, explicit ``head_dim``, no q/k/v bias.
+  * Qwen3-MoE: Qwen3's attention; the MLP of the layers ``cfg.is_moe_layer`` names is a mixture of
+    experts (``models/moe.py``).
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..kernels.grouped_matmul import grouped_matmul
 from ..kernels.matmul import dot_precision
 from ..kernels.metadata import AttentionMetadata
 from .config import QwenConfig
+from .moe import SparseMoeBlock
 from .quantization import Fp8Config, Fp8Weight, fp8_matmul, linear_weight, quantize_per_channel
 
 KVPool = jax.Array  # [L, num_blocks, block_size, 2, Hkv, D]: keys at [..., 0, :, :], values at [..., 1, :, :]
@@ -114,6 +118,11 @@ def no_collective(x: jax.Array) -> jax.Array:
     return x
 
 
+def only_expert_shard() -> int:
+    """One device (no expert parallelism): it holds every expert, from expert 0."""
+    return 0
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelOps:
     """The row-wise maths of the model, chosen by the caller like ``attention_fn``.
@@ -127,6 +136,11 @@ class ModelOps:
     embed: ``(table [V, H], token_ids i32[T]) -> [T, H]`` (vocabulary-parallel: masked lookup + psum).
     all_reduce: ``[T, H] -> [T, H]`` after o_proj and down_proj (row-parallel partial sums: psum).
     gather_vocab: ``logits [N, V_shard] -> [N, V]`` (all-gather of the vocabulary-parallel LM head).
+    expert_shard: ``() -> i32[]``, which slice of the experts this device holds (expert parallelism: the
+    ``tp`` axis index; a MoE layer's output then goes through ``all_reduce`` too).
+
+    grouped_matmul: ``(x [M, K], w [G, K, N], group_sizes i32[G]) -> [M, N]`` (a MoE layer's expert GEMMs,
+    rows sorted by expert: ``kernels/grouped_matmul.py``).
 
     qkv_epilogue: ``None`` (the steps above, then ``write_kv_fn``), or one function for the whole
     stretch from the qkv matmul to the KV write: ``(x [T, H], w_qkv, bias | None, q_norm | None,
@@ -150,6 +164,8 @@ class ModelOps:
     embed: Callable[..., jax.Array] = embed_rows
     all_reduce: Callable[..., jax.Array] = no_collective
     gather_vocab: Callable[..., jax.Array] = no_collective
+    expert_shard: Callable[[], jax.Array | int] = only_expert_shard
+    grouped_matmul: Callable[..., jax.Array] = grouped_matmul
     qkv_epilogue: Callable[..., tuple[jax.Array, jax.Array]] | None = None
     matmul_parts: Callable[..., jax.Array] | None = None
     silu_mul_matmul_parts: Callable[..., jax.Array] | None = None
@@ -261,11 +277,12 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: QwenConfig, dtype: jnp.dtype, rngs: nnx.Rngs, quant: Fp8Config | None = None):
+    def __init__(self, cfg: QwenConfig, dtype: jnp.dtype, rngs: nnx.Rngs, quant: Fp8Config | None = None,
+                 moe: bool = False):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.attn = Attention(cfg, dtype, rngs, quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs, quant)
+        self.mlp = SparseMoeBlock(cfg, dtype, rngs) if moe else MLP(cfg, dtype, rngs, quant)
 
     def __call__(self, x, positions, kv_pool, layer, meta, attention_fn, write_kv_fn,
                  ops: ModelOps = DEFAULT_OPS, pending: jax.Array | None = None):
@@ -300,14 +317,20 @@ class Qwen(nnx.Module):
     """The decoder: embed -> layers -> final norm; ``compute_logits`` applies the (tied) LM head.
 
     ``quantization``: the linear layers' weights in fp8 (``models/quantization.py``); embeddings, LM
-    head, norms and biases stay in ``dtype``, the dtype of the activations."""
+    head, norms and biases stay in ``dtype``, the dtype of the activations. Not for Qwen3-MoE: its
+    experts have no fp8 path (refused with a ``ValueError``)."""
 
     def __init__(self, cfg: QwenConfig, dtype: str | jnp.dtype = "float32", *, rngs: nnx.Rngs,
                  quantization: Fp8Config | None = None):
+        if quantization is not None and cfg.num_experts:
+            raise ValueError(f"fp8 weights (quantization='fp8', or an fp8 checkpoint) are not supported for "
+                             f"{cfg.model_type!r} (Qwen3-MoE): its expert weights have no fp8 path; load it in "
+                             "bfloat16 or float32")
         dtype = jnp.dtype(dtype)
         self.cfg = cfg
         self.embed_tokens = _init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, quantization) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, quantization, cfg.is_moe_layer(i))
+                                for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _init(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
