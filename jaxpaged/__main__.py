@@ -18,7 +18,7 @@ import dataclasses
 import sys
 import time
 
-from .config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig
+from .config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig, KVEventsConfig
 
 PROG = "python -m jaxpaged"
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -81,9 +81,16 @@ def _gib(text: str) -> float:
     return value
 
 
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.parse(text)
+    except (ValueError, TypeError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 # Registering the names lets argparse print "invalid positive integer value: '0'".
 for _f, _name in ((_positive_int, "positive integer"), (_power_of_two, "power of two"), (_fraction, "fraction"),
-                  (_gib, "GiB")):
+                  (_gib, "GiB"), (_kv_events_config, "KV events config")):
     _f.__name__ = _name
 
 
@@ -173,6 +180,11 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="on SIGTERM, seconds running requests may finish before they are aborted "
                         "(a second signal exits at once)")
+    g = p.add_argument_group("scale-out (what routers and orchestrators read)")
+    g.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON",
+                   help="publish the prefix cache's changes in vLLM's KV-events format, e.g. "
+                        "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+                        "\"topic\": \"kv-events\"}' (pip install 'jaxpaged[kv-events]'; default: none)")
 
 
 def _set_defaults(p: argparse.ArgumentParser, note: str = "", **values) -> None:
@@ -269,7 +281,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 def serve_llm_args(args: argparse.Namespace) -> dict:
     """The ``LLM`` keyword arguments of a ``serve`` command line (its engine flags under vLLM's names)."""
-    return dict(model=model_path(args.model or args.model_flag), **engine_kwargs(args))
+    return dict(model=model_path(args.model or args.model_flag), kv_events_config=args.kv_events_config,
+                **engine_kwargs(args))
 
 
 # ---- output --------------------------------------------------------------------------------------

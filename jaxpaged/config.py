@@ -8,6 +8,7 @@ in ``jaxpaged/engine/tuning.py``.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 ATTENTION_BACKENDS = ("auto", "triton", "mosaic", "reference")  # models/attention_backends.py
 RESERVATIONS = ("paged", "max_len")
@@ -28,6 +29,75 @@ def check_block_size(block_size: int) -> int:
             and not block_size & (block_size - 1)):
         raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
     return block_size
+
+
+KV_EVENT_PUBLISHERS = ("null", "zmq")  # vLLM's names (engine/kv_events.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVEventsConfig:
+    """KV-cache events: which prefix blocks the engine holds, published for routers (llm-d's prefix-cache
+    scorer) in vLLM's format and under vLLM's names (``--kv-events-config``).
+
+    enable_kv_cache_events: publish them at all.
+    publisher: ``"zmq"`` (a ZeroMQ PUB socket; ``pip install 'jaxpaged[kv-events]'``) or ``"null"`` (none).
+    endpoint: the PUB socket's address; one with ``*`` (``tcp://*:5557``), ``ipc://`` or ``inproc://`` is
+      bound, any other (``tcp://router:5557``) connected to.
+    replay_endpoint: a ROUTER socket a subscriber asks for batches it missed (``None``: no replay).
+    buffer_steps: batches kept for replay.
+    hwm: the PUB socket's high-water mark (messages queued per subscriber before ZeroMQ drops).
+    max_queue_size: batches waiting for the publisher thread; a batch that finds the queue full is dropped
+      and counted (the engine never waits for the publisher).
+    topic: the first frame of each message (llm-d reads ``kv@<pod>@<model>``).
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(f"kv_events_config.enable_kv_cache_events must be a bool, got {self.enable_kv_cache_events!r}")
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise ValueError(f"kv_events_config.publisher must be one of {KV_EVENT_PUBLISHERS}, got {self.publisher!r}")
+        for name in ("endpoint", "topic"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"kv_events_config.{name} must be a string, got {getattr(self, name)!r}")
+        if self.replay_endpoint is not None and not isinstance(self.replay_endpoint, str):
+            raise ValueError(f"kv_events_config.replay_endpoint must be a string or None, got {self.replay_endpoint!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10**8:
+                raise ValueError(f"kv_events_config.{name} must be an integer in [1, 1e8], got {value!r}")
+
+    @property
+    def enabled(self) -> bool:
+        """Events are recorded and published."""
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+    @classmethod
+    def parse(cls, value) -> KVEventsConfig | None:
+        """A ``KVEventsConfig`` from itself, a dict of its fields or that dict as JSON (vLLM's
+        ``--kv-events-config``); ``None`` stays ``None``. An unknown field is a ``ValueError`` naming it."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"kv_events_config is not valid JSON: {err}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_events_config must be a KVEventsConfig, a dict or JSON, got {type(value).__name__}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown field {unknown[0]!r}; the fields: {', '.join(sorted(fields))}")
+        return cls(**value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +157,10 @@ class EngineConfig:
       or ``"fp8"`` (e4m3; a bf16/f32 checkpoint is quantized at load with one scale per output channel).
       Embeddings, LM head and norms stay in the model's dtype (``models/quantization.py``); load the
       weights with the same ``quantization``.
+    kv_events_config: KV-cache events for routers (``KVEventsConfig``, or its fields as a dict or JSON,
+      vLLM's ``--kv-events-config``); ``None``: none.
+    data_parallel_rank: this engine's rank among data-parallel replicas (its KV events say it; a tcp
+      endpoint's port is offset by it, as vLLM does).
     Precision: float32 weights mean IEEE float32 in every matmul and kernel dot (never TF32); bfloat16
     means bf16 storage and operands with fp32 accumulation.
     """
@@ -111,8 +185,14 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     kv_offloading_size: float = 0
     quantization: str | None = None
+    kv_events_config: KVEventsConfig | None = None
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
+        rank = self.data_parallel_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 65536:
+            raise ValueError(f"data_parallel_rank must be an integer in [0, 65536), got {rank!r}")
         if self.block_size is not None:
             check_block_size(self.block_size)
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):

@@ -35,6 +35,7 @@ from ..io.outputs import RequestOutput
 from ..io.prompts import broadcast_sampling_params, parse_prompt, parse_prompts
 from ..kv import KVCacheManager, PrefixDivergence, explain_prefix
 from ..kv.host_tier import ReloadCost
+from ..kv.kv_events import AllBlocksCleared
 from ..models.checkpoint import ModelParams
 from ..models.kv_pool import (bytes_per_token_slot, check_holds_one_sequence, check_kv_dtype, engine_pool_shape,
                               make_kv_pool, size_pool)
@@ -46,6 +47,7 @@ from ..sampling.features import SamplerFeatures, prompt_logprob_positions
 from ..sampling.sampler import SAMPLING_MODES
 from .executable_cache import ExecutableCache, cache_key
 from .heap import freeze_long_lived_heap
+from .kv_events import make_publisher
 from .kv_transfer import KVTransfers
 from .metrics import EngineMetrics, StepRecord
 from .model_runner import ModelRunner, enable_compilation_cache
@@ -122,7 +124,12 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, config.block_size, enable_prefix_caching=prefix_caching,
                                  reservation=config.reservation, max_model_len=self.max_model_len,
                                  event_log=config.event_log, bytes_per_token_slot=self.bytes_per_token,
-                                 num_host_blocks=num_host_blocks)
+                                 num_host_blocks=num_host_blocks,
+                                 kv_events=config.kv_events_config is not None and config.kv_events_config.enabled)
+        # KV-cache events for routers: each step's prefix-cache changes, published by a thread of their own.
+        self.kv_event_publisher = make_publisher(config.kv_events_config, config.data_parallel_rank)
+        if self.kv_event_publisher is not None:  # a router's view of an engine that (re)starts: empty
+            self.kv_event_publisher.publish([AllBlocksCleared()])
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len, eos_token_ids=cfg.eos_token_id,
@@ -356,6 +363,11 @@ class LLMEngine:
             return self._step()
         except Exception as err:  # noqa: BLE001  (turned into errors of the requests it touched)
             return self._fail_step(err)
+        finally:
+            if self.kv_event_publisher is not None:  # the step's prefix-cache changes, one batch
+                events = self.kv.take_kv_events()
+                if events:
+                    self.kv_event_publisher.publish(events)
 
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -756,6 +768,8 @@ class LLMEngine:
         close = getattr(self._read_tokens, "close", None)
         if close is not None:
             close()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
 
     # ---- observability -------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -772,6 +786,8 @@ class LLMEngine:
                  token_readback=self.token_readback)
         if self.kv_transfers is not None:
             s.update(self.kv_transfers.stats())
+        if self.kv_event_publisher is not None:
+            s.update(self.kv_event_publisher.stats())
         return s
 
     def explain_prefix(self, a: str | SequenceT[int], b: str | SequenceT[int]) -> PrefixDivergence:

@@ -2,6 +2,7 @@
 
 * ``allocator``: free list, ref counts, LRU pool of unreferenced cached blocks;
 * ``prefix_trie``: token-exact trie of full blocks (prefix caching), ``cache_salt`` roots;
+* ``kv_events``: the prefix cache's changes as vLLM's KV-cache events (for routers);
 * ``block_tables``: the block-table matrix (the only copy; a request holds a row);
 * ``reservation``: the policy protocol and ``paged``; ``max_len``: the contiguous-cache policy;
 * ``stats``: counters, snapshot, utilisation, event log, ``explain_prefix``;

@@ -16,6 +16,9 @@ protocol:
 3. After the step, the scheduler advances ``seq.num_computed_tokens`` and calls
    ``cache_full_blocks(seq)``: blocks that are now full of computed K/V enter the prefix cache.
 4. ``free(seq)`` when the request finishes or is preempted: its full blocks stay cached (LRU pool).
+
+With ``kv_events``, the prefix cache's changes are recorded as vLLM's KV-cache events
+(``kv/kv_events.py``); ``take_kv_events()`` hands over those since the last call.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from jaxpaged.kv.allocator import BlockAllocator
 from jaxpaged.kv.block_tables import BlockTables
 from jaxpaged.kv.errors import BlockStateError, DoubleFreeError, RequestTooLargeError
 from jaxpaged.kv.invariants import check_invariants
+from jaxpaged.kv.kv_events import KVCacheEvent, KVEventRecorder
 from jaxpaged.kv.max_len import MaxLenReservation
 from jaxpaged.kv.prefix_trie import PrefixTrie
 from jaxpaged.kv.reservation import PagedReservation, ReservationPolicy
@@ -47,9 +51,10 @@ class KVCacheManager:
         bytes_per_token_slot: int | None = None,
         reserve_request_max_len: bool = False,
         num_host_blocks: int = 0,
+        kv_events: bool = False,
     ) -> None:
         """``num_host_blocks``: slots of the host tier under the prefix cache (0: none; ``paged`` with
-        prefix caching only)."""
+        prefix caching only). ``kv_events``: record the prefix cache's changes (``take_kv_events``)."""
         self.block_size = check_block_size(block_size)
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -59,10 +64,12 @@ class KVCacheManager:
         self.events: EventLog | None = None
         if event_log:
             self.events = EventLog(None if event_log is True else int(event_log))
+        self.kv_events = KVEventRecorder(self.block_size) if kv_events else None
         self.policy: ReservationPolicy
         if reservation == "paged":
             self.policy = PagedReservation(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
-                                           counters=self.counters, events=self.events, num_host_slots=num_host_blocks)
+                                           counters=self.counters, events=self.events, num_host_slots=num_host_blocks,
+                                           kv_events=self.kv_events)
         elif reservation == "max_len":
             if enable_prefix_caching:
                 raise ValueError(
@@ -115,6 +122,11 @@ class KVCacheManager:
         """Block copies between the tiers decided since the last call (``kv.host_tier.Transfer``), in
         the order they must run, before the next step reads or writes the pool."""
         return self.policy.take_transfers() if self.host is not None else []
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's changes since the last call, as vLLM's KV-cache events (none unless
+        ``kv_events``; none without prefix caching, which caches nothing)."""
+        return self.kv_events.take() if self.kv_events is not None and self.kv_events.events else []
 
     @property
     def num_free_blocks(self) -> int:

@@ -13,6 +13,10 @@ salts never share blocks. Only full blocks enter the trie; a partially filled la
 The trie does not own memory: the ``BlockAllocator`` (device) and the ``HostBlockPool`` (host) decide
 when a cached block is reclaimed; the reservation policy then moves the node to the other tier
 (``drop_gpu`` / ``drop_host``) or removes it with its subtree (``remove``).
+
+With a ``KVEventRecorder`` (KV-cache events on), every change of where a node lives is recorded as vLLM's
+``BlockStored`` / ``BlockRemoved`` of that tier, and each node carries the hash that names it in them
+(``kv/kv_events.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 from typing import Hashable, Sequence as SequenceT
 
 from jaxpaged.config import check_block_size
+from jaxpaged.kv.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVEventRecorder, block_hash, root_hash
 
 
 class TrieNode:
@@ -27,10 +32,11 @@ class TrieNode:
 
     ``key`` is the block's tuple of token ids; for a root it is the root's cache salt. ``block_id``: the
     device pool's block holding its K/V (-1: not on the device); ``host_slot``: the host tier's slot
-    holding a copy (-1: none).
+    holding a copy (-1: none). ``hash``: its name in KV-cache events (0 when they are off; for a root,
+    its salt's seed).
     """
 
-    __slots__ = ("key", "block_id", "host_slot", "parent", "children", "alive")
+    __slots__ = ("key", "block_id", "host_slot", "parent", "children", "alive", "hash")
 
     def __init__(self, key: Hashable, block_id: int, parent: TrieNode | None) -> None:
         self.key = key
@@ -39,6 +45,7 @@ class TrieNode:
         self.parent = parent
         self.children: dict[tuple[int, ...], TrieNode] = {}
         self.alive = True  # False once evicted or detached: a stale cursor must not be followed
+        self.hash = 0
 
     @property
     def tier(self) -> str:
@@ -58,8 +65,9 @@ def _as_list(tokens: SequenceT[int]) -> list[int]:
 class PrefixTrie:
     """Maps token prefixes (whole blocks at a time) to the physical blocks that hold their K/V."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, events: KVEventRecorder | None = None) -> None:
         self.block_size = check_block_size(block_size)
+        self.events = events
         self._roots: dict[Hashable, TrieNode] = {}
         self._nodes: dict[int, TrieNode] = {}  # device block id -> node
         self._host_nodes: dict[int, TrieNode] = {}  # host slot -> node
@@ -98,7 +106,20 @@ class PrefixTrie:
         if root is None and create:
             # A root's key holds its salt, so an emptied root can be dropped in O(1).
             root = self._roots[cache_salt] = TrieNode(cache_salt, -1, None)
+            if self.events is not None:
+                root.hash = root_hash(cache_salt)
         return root
+
+    def _stored(self, node: TrieNode, medium: str) -> None:
+        parent = node.parent
+        self.events.stored(node.hash, parent.hash if parent.parent is not None else None, node.key, medium)
+
+    def _removed(self, node: TrieNode) -> None:
+        """Records that ``node`` left the trie: removed from each tier it lived in."""
+        if node.block_id >= 0:
+            self.events.removed(node.hash, MEDIUM_GPU)
+        if node.host_slot >= 0:
+            self.events.removed(node.hash, MEDIUM_CPU)
 
     # ---- lookup --------------------------------------------------------------------------------
     def longest_prefix(self, tokens: SequenceT[int], cache_salt: Hashable = None) -> list[TrieNode]:
@@ -179,10 +200,14 @@ class PrefixTrie:
                     )
                 if child is None:
                     child = node.children[key] = TrieNode(key, block_id, node)
+                    if self.events is not None:
+                        child.hash = block_hash(node.hash, key)
                 else:
                     child.block_id = block_id
                 self._nodes[block_id] = child
                 new.append(block_id)
+                if self.events is not None:
+                    self._stored(child, MEDIUM_GPU)
             node = child
         return new, node
 
@@ -193,6 +218,8 @@ class PrefixTrie:
             raise ValueError(f"cannot attach block {block_id} to {node!r}")
         node.block_id = block_id
         self._nodes[block_id] = node
+        if self.events is not None:
+            self._stored(node, MEDIUM_GPU)
 
     def drop_gpu(self, block_id: int) -> TrieNode:
         """The device block of a node that also has a host copy is reclaimed: the node stays, host only."""
@@ -200,6 +227,8 @@ class PrefixTrie:
         if node.host_slot < 0:
             raise ValueError(f"block {block_id} has no host copy: remove its node instead")
         node.block_id = -1
+        if self.events is not None:
+            self.events.removed(node.hash, MEDIUM_GPU)
         return node
 
     def set_host(self, node: TrieNode, slot: int) -> None:
@@ -208,6 +237,8 @@ class PrefixTrie:
             raise ValueError(f"cannot give host slot {slot} to {node!r}")
         node.host_slot = slot
         self._host_nodes[slot] = node
+        if self.events is not None:
+            self._stored(node, MEDIUM_CPU)
 
     def drop_host(self, slot: int) -> TrieNode:
         """The host copy of a node that also lives on the device is reclaimed: the node stays."""
@@ -215,11 +246,15 @@ class PrefixTrie:
         if node.block_id < 0:
             raise ValueError(f"host slot {slot} is its node's only copy: remove the node instead")
         node.host_slot = -1
+        if self.events is not None:
+            self.events.removed(node.hash, MEDIUM_CPU)
         return node
 
     def remove(self, node: TrieNode) -> list[TrieNode]:
         """Removes ``node`` and its subtree (no longer reachable from the root); returns the removed
         descendants (not ``node``), whose device blocks and host slots the caller releases."""
+        if self.events is not None:
+            self._removed(node)
         for index, key in ((self._nodes, node.block_id), (self._host_nodes, node.host_slot)):
             if key >= 0:
                 del index[key]
@@ -234,6 +269,8 @@ class PrefixTrie:
         while stack:
             child = stack.pop()
             child.alive = False
+            if self.events is not None:
+                self._removed(child)
             if child.block_id >= 0:
                 del self._nodes[child.block_id]
             if child.host_slot >= 0:

@@ -19,6 +19,7 @@ from typing import Protocol
 from jaxpaged.kv.allocator import BlockAllocator
 from jaxpaged.kv.errors import BlockStateError, OutOfBlocksError
 from jaxpaged.kv.host_tier import HostBlockPool, ReloadCost, Transfer
+from jaxpaged.kv.kv_events import KVEventRecorder
 from jaxpaged.kv.prefix_trie import PrefixTrie, TrieNode
 from jaxpaged.kv.stats import EventLog, KVCounters
 from jaxpaged.request import Sequence
@@ -72,13 +73,14 @@ class PagedReservation:
     name = "paged"
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool,
-                 counters: KVCounters, events: EventLog | None, num_host_slots: int = 0) -> None:
+                 counters: KVCounters, events: EventLog | None, num_host_slots: int = 0,
+                 kv_events: KVEventRecorder | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.counters = counters
         self.events = events
         self.allocator = BlockAllocator(num_blocks, block_size, on_evict=self._on_evict)
-        self.trie = PrefixTrie(block_size) if enable_prefix_caching else None
+        self.trie = PrefixTrie(block_size, kv_events) if enable_prefix_caching else None
         self.host = (HostBlockPool(num_host_slots, on_evict=self._on_host_evict)
                      if enable_prefix_caching and num_host_slots > 0 else None)
         self.transfers: list[Transfer] = []

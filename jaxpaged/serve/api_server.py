@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP app (FastAPI): ``/v1/completions``, ``/v1/chat/completions`` (both with
-``stream: true`` as server-sent events), ``/v1/models``, ``/health`` and ``/metrics``.
+``stream: true`` as server-sent events), ``/v1/models``, ``/health``, ``/ready`` and ``/metrics``.
 
 ``build_app(engine, ...)`` returns the app over an ``AsyncEngine``; ``http_server.serve``
 runs it. A request's way in: ``GuardMiddleware`` (key, limits, body), the pydantic models of
@@ -14,6 +14,12 @@ key, 404 for an unknown model or route, 405 for a wrong method, 408 / 413 for a 
 large, 429 over the concurrency limit, 500 for a request that failed inside the engine (no stack trace;
 the request id to find it in the server's log), 503 while shutting down or once the engine stopped.
 ``/health`` and ``/metrics`` are open (as vLLM's are); the API key guards ``/v1``.
+
+Probes (Kubernetes, KServe): ``/health`` (also ``/v2/health/live``) is liveness: 200 while the engine runs,
+503 once it stopped (the process then exits). ``/ready`` (also ``/v2/health/ready``) is readiness: 200 while
+the server takes new requests, 503 once it drains for shutdown or the engine stopped, so a Service stops
+sending it traffic before it goes. Before the engine has loaded and warmed up nothing listens at all
+(``http_server.serve`` builds the app over a ready engine): a startup probe covers that time.
 """
 
 from __future__ import annotations
@@ -362,10 +368,24 @@ def build_app(engine: AsyncEngine, served_model_name: str | None = None, api_key
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "jaxpaged", "max_model_len": model.max_model_len}]}
 
+    def stopped() -> JSONResponse:
+        return JSONResponse(error_body(f"the engine stopped: {engine.error}", "server_error"), status_code=503)
+
     @app.get("/health")
+    @app.get("/v2/health/live")
     async def health():
         if engine.error is not None:
-            return JSONResponse(error_body(f"the engine stopped: {engine.error}", "server_error"), status_code=503)
+            return stopped()
+        return PlainTextResponse("")
+
+    @app.get("/ready")
+    @app.get("/v2/health/ready")
+    async def ready():
+        if engine.error is not None:
+            return stopped()
+        if app.state.guard is not None and app.state.guard.draining:
+            return JSONResponse(error_body("the server is shutting down", "server_error", code="shutting_down"),
+                                status_code=503)
         return PlainTextResponse("")
 
     @app.get("/metrics")
