@@ -17,7 +17,7 @@ import warnings
 
 import jax
 
-from jaxpaged.kernels import add_rms_norm, gemv, matmul, qkv_epilogue, rms_norm
+from jaxpaged.kernels import add_rms_norm, gemv, grouped_matmul, matmul, qkv_epilogue, rms_norm
 from jaxpaged.kernels.kv_write import triton_addressable, write_kv
 from jaxpaged.models.quantization import Fp8Weight, accepting_fp8
 from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps, qkv_epilogue_ops, rope_cos_sin, rotary, xla_matmul_unfused_input
@@ -55,9 +55,17 @@ def prepare_triton_lowering() -> None:
 
 
 def gemv_reads(x: jax.Array, w, transpose_w: bool = False) -> bool:
-    """Whether the Pallas GEMV computes ``x @ w`` (``gemv.supported``). An fp8 weight (:class:`Fp8Weight`)
-    goes to XLA's matmul, which dequantizes it (no GEMV reads fp8 weights yet)."""
-    return not isinstance(w, Fp8Weight) and gemv.supported(x, w, transpose_w)
+    """Whether the Pallas GEMV computes ``x @ w`` (``gemv.supported``), reading an fp8 weight
+    (:class:`Fp8Weight`) as e4m3 with its scales."""
+    if isinstance(w, Fp8Weight):
+        return w.dtype == x.dtype and gemv.supported(x, w.weight, transpose_w, scale=w.scale)
+    return gemv.supported(x, w, transpose_w)
+
+
+def _gemv_partials(x: jax.Array, w, interpret: bool) -> jax.Array:
+    if isinstance(w, Fp8Weight):
+        return gemv.gemv_partials(x, w.weight, w.scale, interpret=interpret)
+    return gemv.gemv_partials(x, w, interpret=interpret)
 
 
 def gemv_or_xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=None,
@@ -65,6 +73,8 @@ def gemv_or_xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
     """``x @ w`` by the Pallas GEMV when it supports the operands (``gemv.supported``: at most 32 rows,
     bf16/fp16), else by XLA. Chosen at trace time from static shapes: each compiled step has one path."""
     if gemv_reads(x, w, transpose_w):
+        if isinstance(w, Fp8Weight):
+            return gemv.gemv(x, w.weight, w.scale, out_dtype=out_dtype, interpret=interpret)
         return gemv.gemv(x, w, transpose_w=transpose_w, out_dtype=out_dtype, interpret=interpret)
     return xla_matmul(x, w, transpose_w=transpose_w, out_dtype=out_dtype)
 
@@ -74,7 +84,7 @@ def matmul_parts(x: jax.Array, w: jax.Array, *, interpret: bool = False,
     """``ModelOps.matmul_parts``: the GEMV's split-K partials ``f32[S, M, N]`` when it supports the
     operands, else XLA's product as ``[1, M, N]``."""
     if gemv_reads(x, w):
-        return gemv.gemv_partials(x, w, interpret=interpret)
+        return _gemv_partials(x, w, interpret)
     return xla_matmul(x, w)[None]
 
 
@@ -112,7 +122,7 @@ def fused_qkv(x: jax.Array, w: jax.Array, bias, q_norm, k_norm, positions: jax.A
         return qkv_epilogue_ops(xla_matmul(x, w), bias, q_norm, k_norm, positions, kv_pool, layer, slot_mapping,
                                 eps=eps, theta=theta, ops=DEFAULT_OPS, write_kv_fn=write_kv)
     if gemv_reads(x, w):
-        parts = gemv.gemv_partials(x, w, interpret=interpret)
+        parts = _gemv_partials(x, w, interpret)
     else:
         parts = xla_matmul(x, w)[None]
     # The same cos/sin in every layer of a step: XLA computes them once (common-subexpression elimination).
@@ -125,8 +135,8 @@ def fused_qkv(x: jax.Array, w: jax.Array, bias, q_norm, k_norm, positions: jax.A
 def get_model_ops(batch_invariant: bool = False) -> ModelOps:
     """The model's row-wise ops for this process's device.
 
-    ``batch_invariant``: the fixed-tile Pallas matmul and row-kernel RMSNorm whose per-row results never
-    depend on the number of rows (interpret mode off the GPU). Otherwise on a CPU XLA's ops
+    ``batch_invariant``: the fixed-tile Pallas matmul, grouped matmul (a MoE layer's experts) and row-kernel
+    RMSNorm whose per-row results never depend on the number of rows (interpret mode off the GPU). Otherwise on a CPU XLA's ops
     (``x @ w``, IEEE fp32 for float32 weights), and on a GPU the decode-path kernels (each measured,
     docs/DECISIONS.md): matmuls of at most 32 rows with 16-bit weights by the split-K Pallas GEMV, the
     stretch from the qkv projection to the KV write as one kernel, the residual add and RMSNorm summing
@@ -138,7 +148,9 @@ def get_model_ops(batch_invariant: bool = False) -> ModelOps:
         interpret = not _on_gpu()
         return ModelOps(matmul=accepting_fp8(functools.partial(matmul.matmul, interpret=interpret)),
                         rms_norm=functools.partial(rms_norm.rms_norm, interpret=interpret),
-                        rotary=functools.partial(rotary, separate_products=True))
+                        rotary=functools.partial(rotary, separate_products=True),
+                        grouped_matmul=functools.partial(grouped_matmul.grouped_matmul_fixed_tile,
+                                                         interpret=interpret))
     if not _on_gpu():
         return DEFAULT_OPS
     base = xla_matmul_unfused_input
