@@ -14,6 +14,8 @@ Which slice a shard reads, per Hugging Face tensor (``[out, in]`` as stored):
   gate_proj, up_proj   rows ``[s I/tp, (s+1) I/tp)``            -> gate_up_proj columns
   down_proj            columns of the same range               -> down_proj rows
   embed_tokens, lm_head  rows ``[s V/tp, (s+1) V/tp)``          -> embedding rows / LM-head columns
+  mlp.experts.<e>.*    whole, for the shard's experts only      -> experts_gate_up / experts_down (stacked)
+  mlp.gate (router)    whole on every shard
 The per-shard result is ``[q_s | k_s | v_s]`` and ``[gate_s | up_s]``: the fused layout the per-shard
 model expects (see ``jaxpaged.models.sharding``).
 """
@@ -37,6 +39,8 @@ def _source_slice(name: str, cfg: QwenConfig, tp: int, shard: int) -> tuple[int,
     """``(axis, slice)`` of HF tensor ``name`` that shard ``shard`` reads, or ``None`` (whole tensor)."""
     from jaxpaged.models.sharding import kv_heads_of_shard
 
+    if ".mlp.experts." in name or name.endswith(".mlp.gate.weight"):  # experts whole (chosen by rule), router whole
+        return None
     d = cfg.head_dim
     q_per = cfg.num_attention_heads // tp * d
     i_per = cfg.intermediate_size // tp
@@ -64,9 +68,15 @@ def shard_block(rule, tensors: dict[str, np.ndarray], cfg: QwenConfig, tp: int, 
                 dtype: str, quant: Fp8Config | None = None) -> np.ndarray:
     """Shard ``shard``'s block of the parameter ``rule`` describes (shape-checked sources). Block scales
     are read expanded to their weight's rows (``[out, in / g]``) and sliced as the weight is, their
-    input columns in groups of ``g``."""
+    input columns in groups of ``g``. Stacked experts (``rule.experts``): the sources of the shard's
+    ``E / tp`` experts."""
     parts = []
-    for i, (name, _) in enumerate(rule.sources):
+    picked = range(len(rule.sources))
+    if rule.experts and tp > 1:
+        per = len(rule.sources) // tp  # sources per shard: its experts' (rule.experts each), in expert order
+        picked = range(shard * per, (shard + 1) * per)
+    for i in picked:
+        name = rule.sources[i][0]
         t = rule.read(tensors, i)
         cut = _source_slice(name, cfg, tp, shard) if tp > 1 else None
         if cut is not None:

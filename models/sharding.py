@@ -17,6 +17,11 @@ columns are laid out per shard: ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` and ``[gat
 dimension in ``tp`` equal pieces gives each device exactly its heads' fused block, and the model code
 (which splits its local ``qkv`` as ``[q | k | v]``) runs unchanged on every shard.
 
+Expert parallelism (Qwen3-MoE) on the same axis: each device holds ``E / tp`` whole experts
+(``experts_gate_up`` / ``experts_down`` split along the expert axis) and the whole router; it routes every
+token, runs the pairs of its own experts (``models/moe.py``) and its partial sum joins the all-reduce, as
+a row-parallel ``down_proj``'s does. The tokens are already on every device, so no all-to-all is needed.
+
 KV heads: with ``tp <= num_key_value_heads`` each shard owns ``Hkv / tp`` of them; with more shards
 than KV heads each KV head is replicated on ``tp / Hkv`` consecutive shards (the ones whose query
 heads read it), so every shard holds exactly one. The pool is ``[L, num_blocks, block_size, 2, tp *
@@ -54,6 +59,8 @@ PARAM_SPECS = {
     "o_proj": P(TP_AXIS, None),  # [q, H]: rows of this shard's heads; output psum'd
     "gate_up_proj": P(None, TP_AXIS),  # [H, tp * 2 I_shard]: per-shard [gate | up]
     "down_proj": P(TP_AXIS, None),  # [I, H]: rows; output psum'd
+    "experts_gate_up": P(TP_AXIS, None, None),  # [E, H, 2 I]: whole experts per device (expert parallelism)
+    "experts_down": P(TP_AXIS, None, None),  # [E, I, H]; output psum'd
     # fp8 weights' per-output-channel scales (models/quantization.py): split with the output columns, whole
     # where the rows are split (each shard's partial product scaled alike, then summed)
     "qkv_proj" + SCALE: P(TP_AXIS),
@@ -86,18 +93,22 @@ def check_divisible(cfg: QwenConfig, tp: int) -> None:
                 ("num_attention_heads", "intermediate_size", "vocab_size") if getattr(cfg, name) % tp]
     if hkv % tp and tp % hkv:
         problems.append(f"num_key_value_heads ({hkv}: neither a multiple nor a divisor of tp)")
+    if cfg.num_experts % tp:
+        problems.append(f"num_experts ({cfg.num_experts})")
     if problems:
         raise ValueError(f"tensor_parallel_size={tp} does not divide {', '.join(problems)}")
 
 
 def shard_config(cfg: QwenConfig, tp: int) -> QwenConfig:
-    """The model one shard runs: ``Hq/tp`` query heads, ``max(Hkv/tp, 1)`` KV heads, ``I/tp``, ``V/tp``."""
+    """The model one shard runs: ``Hq/tp`` query heads, ``max(Hkv/tp, 1)`` KV heads, ``I/tp``, ``V/tp``, and
+    ``E/tp`` of the experts (``expert_shards``; the router still sees all ``E``)."""
     check_divisible(cfg, tp)
     if tp == 1:
         return cfg
     return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
                                num_key_value_heads=max(cfg.num_key_value_heads // tp, 1),
-                               intermediate_size=cfg.intermediate_size // tp, vocab_size=cfg.vocab_size // tp)
+                               intermediate_size=cfg.intermediate_size // tp, vocab_size=cfg.vocab_size // tp,
+                               expert_shards=tp if cfg.num_experts else 1)
 
 
 def kv_heads_of_shard(cfg: QwenConfig, tp: int, shard: int) -> range:
@@ -158,11 +169,18 @@ def gather_vocab(logits: jax.Array) -> jax.Array:
     return jax.lax.all_gather(logits, TP_AXIS, axis=1, tiled=True)
 
 
+def tp_shard_index() -> jax.Array:
+    """This device's index on the ``tp`` axis: which slice of the experts it holds."""
+    return jax.lax.axis_index(TP_AXIS)
+
+
 def tp_model_ops(ops: ModelOps) -> ModelOps:
-    """``ops`` with the tensor-parallel embedding, all-reduce and logits gather. Products stay summed
-    per shard before their all-reduce (no ``matmul_parts`` / ``add_rms_norm`` residual fusion)."""
+    """``ops`` with the tensor-parallel embedding, all-reduce and logits gather, and the experts' shard index.
+    Products stay summed per shard before their all-reduce (no ``matmul_parts`` / ``add_rms_norm``
+    residual fusion)."""
     return dataclasses.replace(ops, embed=vocab_parallel_embed, all_reduce=tp_all_reduce, gather_vocab=gather_vocab,
-                               matmul_parts=None, silu_mul_matmul_parts=None, add_rms_norm=None)
+                               expert_shard=tp_shard_index, matmul_parts=None, silu_mul_matmul_parts=None,
+                               add_rms_norm=None)
 
 
 def shard_step(step: Callable, mesh: Mesh, treedef) -> Callable:
