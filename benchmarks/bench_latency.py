@@ -1,7 +1,8 @@
 """Latency: time to first token (TTFT) and inter-token latency (ITL) at batch 1, 8, 64 and prompts of 32 and
 1,536 tokens; Qwen3-0.6B shapes with random bf16 weights (``--model qwen2.5-7b``: Qwen2.5-7B's; ``--model
-tiny``: the packaged tiny checkpoint, for a CPU; ``--quantization fp8``: the linear weights quantized at
-load), greedy, ``ignore_eos``, 64 output tokens per request.
+qwen3-30b-a3b``: Qwen3-30B-A3B's, a mixture of experts; ``--model tiny``: the packaged tiny checkpoint, for a
+CPU; ``--quantization fp8``: the linear weights quantized at load), greedy, ``ignore_eos``, 64 output tokens
+per request.
 
 For each (batch, prompt length): first one run per copy of the step (``StepTuning.step_executables``:
 2 on a GPU) compiles every shape and copy that configuration needs (compile seconds reported

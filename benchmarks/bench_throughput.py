@@ -6,8 +6,9 @@ then per request ``max_tokens = randint(100, --max-output-len)``, ``temperature=
 ``ignore_eos=True``. Throughput = output tokens / wall seconds of the whole run, after every step
 bucket is compiled ahead of time (``LLMEngine.warmup``; compile time reported separately).
 
-``--model``: ``qwen3-0.6b`` (default), ``qwen2.5-0.5b``, ``qwen2.5-7b`` (random weights of those shapes,
-``--dtype``, bfloat16 by default; a GPU) or ``tiny`` (the packaged tiny Qwen3 checkpoint, float32: 16
+``--model``: ``qwen3-0.6b`` (default), ``qwen2.5-0.5b``, ``qwen2.5-7b``, ``qwen3-30b-a3b`` (Qwen3-MoE: 128
+experts, 8 a token, ~61 GB of bf16 weights) (random weights of those shapes, ``--dtype``, bfloat16 by
+default; a GPU) or ``tiny`` (the packaged tiny Qwen3 checkpoint, float32: 16
 requests of at most 128 + 128 tokens by default, which runs in seconds on a CPU).
 
 Baseline in the same run (on a GPU, not for ``tiny``): Hugging Face ``generate`` (static batch, left
@@ -41,12 +42,13 @@ import jax
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.llm import run_to_completion
 import floor
-from jaxpaged.workloads import QWEN2_5_0_5B, QWEN2_5_7B, QWEN3_0_6B, nano_vllm_workload, random_model
+from jaxpaged.workloads import QWEN2_5_0_5B, QWEN2_5_7B, QWEN3_0_6B, QWEN3_30B_A3B, nano_vllm_workload, random_model
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 # --model -> Hugging Face config of the shapes (random weights); None: the packaged tiny checkpoint.
-MODELS = {"qwen3-0.6b": QWEN3_0_6B, "qwen2.5-0.5b": QWEN2_5_0_5B, "qwen2.5-7b": QWEN2_5_7B, "tiny": None}
+MODELS = {"qwen3-0.6b": QWEN3_0_6B, "qwen2.5-0.5b": QWEN2_5_0_5B, "qwen2.5-7b": QWEN2_5_7B,
+          "qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": None}
 # Defaults per model: requests, prompt / output length bounds, step budget and sequences per step.
 FULL_DEFAULTS = dict(num_seqs=256, max_input_len=1024, max_output_len=1024, max_num_seqs=256,
                      max_num_batched_tokens=8192)

@@ -96,12 +96,20 @@ def kv_bytes_per_token(cfg, kv_dtype, block_size: int) -> float:
 
 def gemm_shapes(cfg) -> dict[str, tuple[int, int, int]]:
     """The step's weight matrices as ``name -> (K, N, count)``: ``count`` of them per step (one a layer,
-    the LM head once)."""
+    the LM head once). A Qwen3-MoE layer counts its router and the ``num_experts_per_tok`` experts one
+    token runs (the bytes a lone token must read: a lower bound for a batch, which reads more experts)."""
     h, d, layers = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    return {"qkv": (h, q + 2 * kv, layers), "o_proj": (q, h, layers),
-            "gate_up": (h, 2 * cfg.intermediate_size, layers), "down": (cfg.intermediate_size, h, layers),
-            "lm_head": (h, cfg.vocab_size, 1)}
+    moe = sum(cfg.is_moe_layer(i) for i in range(layers)) if getattr(cfg, "num_experts", 0) else 0
+    shapes = {"qkv": (h, q + 2 * kv, layers), "o_proj": (q, h, layers)}
+    if moe < layers:
+        shapes.update(gate_up=(h, 2 * cfg.intermediate_size, layers - moe), down=(cfg.intermediate_size, h, layers - moe))
+    if moe:
+        i, k = cfg.moe_intermediate_size, cfg.num_experts_per_tok
+        shapes.update(router=(h, cfg.num_experts, moe), experts_gate_up=(h, 2 * i, moe * k),
+                      experts_down=(i, h, moe * k))
+    shapes["lm_head"] = (h, cfg.vocab_size, 1)
+    return shapes
 
 
 @dataclasses.dataclass(frozen=True)

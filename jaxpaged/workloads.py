@@ -31,6 +31,13 @@ QWEN2_5_7B = dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, inter
                   rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
                   max_position_embeddings=32768, attention_bias=True, eos_token_id=151645,
                   architectures=["Qwen2ForCausalLM"])
+# Qwen3-30B-A3B's shapes: 128 experts of which 8 run per token, every layer MoE (random bf16 weights, ~61 GB).
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                     moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False, max_position_embeddings=40960, attention_bias=False,
+                     eos_token_id=151645, architectures=["Qwen3MoeForCausalLM"])
 # The experiments' --model choices: "tiny" is the packaged tiny Qwen3 checkpoint (fp32, CPU-friendly).
 EXPERIMENT_MODELS = {"tiny": None, "qwen3-0.6b": QWEN3_0_6B, "qwen2.5-7b": QWEN2_5_7B}
 # Larger shapes for the tensor-parallel benchmark (benchmarks/bench_tp.py).
@@ -114,15 +121,17 @@ def device_memory() -> dict:
     return {k: stats.get(k) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
 
 
-BENCHMARK_MODELS = ("qwen3-0.6b", "qwen2.5-7b", "tiny")
+BENCHMARK_MODELS = ("qwen3-0.6b", "qwen2.5-7b", "qwen3-30b-a3b", "tiny")
+_BENCHMARK_SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen2.5-7b": QWEN2_5_7B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 
 
 def benchmark_params(model: str, quantization: str | None = None) -> ModelParams:
-    """The benchmarks' ``--model``: ``qwen3-0.6b`` or ``qwen2.5-7b`` (full-size shapes, random bf16
-    weights) or ``tiny`` (the packaged tiny checkpoint, for CPU runs). ``quantization="fp8"``: the linear
-    weights quantized at load (per output channel), as ``LLM(path, quantization="fp8")`` does."""
-    if model in ("qwen3-0.6b", "qwen2.5-7b"):
-        return random_model({"qwen3-0.6b": QWEN3_0_6B, "qwen2.5-7b": QWEN2_5_7B}[model], quantization=quantization)
+    """The benchmarks' ``--model``: ``qwen3-0.6b``, ``qwen2.5-7b`` or ``qwen3-30b-a3b`` (full-size shapes,
+    random bf16 weights) or ``tiny`` (the packaged tiny checkpoint, for CPU runs). ``quantization="fp8"``:
+    the linear weights quantized at load (per output channel), as ``LLM(path, quantization="fp8")`` does
+    (not for the MoE model, whose experts have no fp8 path)."""
+    if model in _BENCHMARK_SHAPES:
+        return random_model(_BENCHMARK_SHAPES[model], quantization=quantization)
     if model == "tiny":
         from .models.checkpoint import load_params
         from .models.tiny import tiny_checkpoint_path

@@ -186,3 +186,20 @@ def test_moe_layer_batch_invariant():
     np.testing.assert_array_equal(alone[0], batch[7])
     shuffled = np.asarray(moe(x[::-1]).astype(jnp.float32))
     np.testing.assert_array_equal(shuffled[::-1], batch)
+
+
+def test_benchmark_shapes_are_qwen3_30b_a3b():
+    """``--model qwen3-30b-a3b``'s shapes: 30.5B parameters (the abstract model, nothing allocated), of which
+    the floor's products per token (``benchmarks/floor.py``: attention, router, 8 experts, LM head) plus
+    the embedding row are the ~3.3B active ones."""
+    import floor
+
+    from jaxpaged.models.convert import abstract_model
+    from jaxpaged.workloads import BENCHMARK_MODELS, QWEN3_30B_A3B
+
+    assert "qwen3-30b-a3b" in BENCHMARK_MODELS
+    cfg = QwenConfig.from_dict(QWEN3_30B_A3B)
+    _, state = abstract_model(cfg, "bfloat16")
+    assert round(sum(x.size for x in jax.tree.leaves(state)) / 1e9, 1) == 30.5
+    active = sum(k * n * count for k, n, count in floor.gemm_shapes(cfg).values())
+    assert abs(active + cfg.vocab_size * cfg.hidden_size - 3.3e9) < 0.1e9
