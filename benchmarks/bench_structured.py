@@ -25,14 +25,17 @@ import itertools
 import json
 import os
 import string
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from jaxpaged import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams, load_tokenizer
-from jaxpaged.llm import run_to_completion
-from jaxpaged.models.tiny import tiny_checkpoint_path
-from jaxpaged.workloads import benchmark_params, nano_vllm_workload
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from jaxpaged import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams, load_tokenizer  # noqa: E402
+from jaxpaged.llm import run_to_completion  # noqa: E402
+from jaxpaged.models.tiny import tiny_checkpoint_path  # noqa: E402
+from jaxpaged.workloads import benchmark_params, nano_vllm_workload  # noqa: E402
 
 FIELDS = {"id": {"type": "integer"}, "name": {"type": "string"}, "email": {"type": "string"},
           "age": {"type": "integer", "minimum": 0, "maximum": 150}, "active": {"type": "boolean"},

@@ -81,8 +81,8 @@ def supported(x: jax.Array, w: jax.Array, transpose_w: bool = False, config: Gem
               scale: jax.Array | None = None) -> bool:
     """True when :func:`gemv` can compute ``x @ w``: 2-D, ``M <= 32``, ``K`` a multiple of the
     configuration's ``splits * block_k``, and either the same 16-bit float dtype, or a 16-bit ``x``
-    with an e4m3 ``[K, N]`` weight and its ``scale`` (``f32[N]``, or ``f32[K / g, N]`` with ``g`` a
-    multiple of ``block_k``)."""
+    with an e4m3 ``[K, N]`` weight (``N`` a multiple of ``block_n``) and its ``scale`` (``f32[N]``, or
+    ``f32[K / g, N]`` with ``g`` a multiple of ``block_k``)."""
     if x.ndim != 2 or w.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float16):
         return False
     if scale is None:
@@ -94,6 +94,8 @@ def supported(x: jax.Array, w: jax.Array, transpose_w: bool = False, config: Gem
     if x.shape[1] != k or not 0 < x.shape[0] <= ROWS:
         return False
     cfg = config or gemv_config(k, n, transpose_w)
+    if scale is not None and n % cfg.block_n:
+        return False
     if scale is not None and scale.ndim == 2 and (k % scale.shape[0] or (k // scale.shape[0]) % cfg.block_k):
         return False
     if scale is not None and scale.ndim not in (1, 2):
@@ -124,7 +126,10 @@ def _gemv_kernel(x_ref, w_ref, *refs, cfg: GemvConfig, transpose_w: bool, scale_
             w = plgpu.load(w_ref.at[cols[:, None], ks[None, :]], mask=col_ok[:, None], other=0)
             dims = (((1,), (1,)), ((), ()))
         else:
-            w = plgpu.load(w_ref.at[ks[:, None], cols[None, :]], mask=col_ok[None, :], other=0)
+            if scale_rows:  # N is a multiple of block_n (``supported``): Triton cannot fill fp8 with 0
+                w = plgpu.load(w_ref.at[ks[:, None], cols[None, :]])
+            else:
+                w = plgpu.load(w_ref.at[ks[:, None], cols[None, :]], mask=col_ok[None, :], other=0)
             dims = (((1,), (0,)), ((), ()))
         if w.dtype != x.dtype:  # e4m3 -> bf16/fp16: exact
             w = w.astype(x.dtype)

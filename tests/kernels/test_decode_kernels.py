@@ -48,7 +48,7 @@ def test_gemv_matches_fp32_product(m, k, n, splits, transpose_w):
     np.testing.assert_array_equal(np.asarray(total.astype(jnp.bfloat16), np.float32), np.asarray(out, np.float32))
 
 
-@pytest.mark.parametrize("m,k,n,splits,groups", [(1, 256, 96, 2, 0), (5, 512, 72, 2, 4), (20, 256, 64, 1, 2)])
+@pytest.mark.parametrize("m,k,n,splits,groups", [(1, 256, 96, 2, 0), (5, 512, 64, 2, 4), (20, 256, 128, 1, 2)])
 def test_gemv_reads_fp8_weights_with_their_scales(m, k, n, splits, groups):
     """An e4m3 weight with per-channel (``groups`` 0) or per-``K/groups``-rows block scales: the
     partials sum to the numpy dequantize-then-multiply product, NaN never leaks from masked columns."""
@@ -69,6 +69,7 @@ def test_gemv_reads_fp8_weights_with_their_scales(m, k, n, splits, groups):
     assert not supported(x, w, config=cfg, scale=jnp.ones((k // 32, n), jnp.float32))
     assert not supported(x, w.T, transpose_w=True, config=cfg, scale=scale)
     assert not supported(x, w, config=cfg)
+    assert not supported(x, w[:, :n - 8], config=cfg, scale=scale[..., :n - 8])  # a partial column tile
 
 
 def test_gemv_supported_shapes_and_config():
