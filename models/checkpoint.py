@@ -113,8 +113,8 @@ def restore_state(directory: Path, abstract_state: nnx.State) -> nnx.State:
 def load_params(path: str | Path, dtype: str | None = None, *, cache_dir: str | Path | None = None,
                 use_cache: bool = True, tensor_parallel_size: int = 1, load_format: str = "auto",
                 quantization: str | None = None) -> ModelParams:
-    """Loads a Qwen2 / Qwen2.5 / Qwen3 Hugging Face folder (or a Hub id already in the local Hugging
-    Face cache) as params in ``dtype`` (default: the checkpoint's).
+    """Loads a Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE Hugging Face folder (or a Hub id already in the local
+    Hugging Face cache) as params in ``dtype`` (default: the checkpoint's).
 
     The first load converts the safetensors and saves an Orbax copy; later loads restore that copy.
     ``tensor_parallel_size > 1``: split over that many devices, each reading only its slices of the
