@@ -1,5 +1,5 @@
 """Qwen3-MoE: greedy tokens equal to Hugging Face transformers' (float32, recorded fixtures) through the engine with
-prefix caching, chunked prefill and preemption, on one device and with the experts split over devices;
+prefix caching, chunked prefill and preemption, on one device and with the experts split over 4 devices;
 the MoE layer against a loop over experts; its config; batch invariance; fp8 refused.
 
 The tiny checkpoints under ``tests/fixtures/qwen3_moe/`` were written by transformers
@@ -65,10 +65,10 @@ def test_greedy_matches_hf_through_the_engine(variant):
 
 
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (the suite forces 4 CPU devices without a GPU)")
-@pytest.mark.parametrize("variant,tp", [("e8_k3_step2", 4), ("e6_k4_norm", 2)])
-def test_expert_parallel_matches_hf(variant, tp):
-    """Experts split over devices (2 of 8 each at tp=4, 3 of 6 at tp=2), attention and dense MLPs split as
-    tensor parallelism does: the same greedy tokens; each device holds its experts' weights only."""
+def test_expert_parallel_matches_hf(variant="e8_k3_step2", tp=4):
+    """Experts split over 4 devices (2 of 8 each), attention and the dense layers' MLPs split as tensor
+    parallelism does (KV heads replicated): the same greedy tokens; each device holds its experts' weights
+    only. (Two shards' partial outputs summing to the whole layer's: ``test_moe_layer_matches_expert_loop``.)"""
     p = load_params(FIXTURES / variant, "float32", use_cache=False, tensor_parallel_size=tp)
     cfg = p.config
     one = load_params(FIXTURES / variant, "float32", use_cache=False)
