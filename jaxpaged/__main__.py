@@ -185,6 +185,10 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    help="publish the prefix cache's changes in vLLM's KV-events format, e.g. "
                         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
                         "\"topic\": \"kv-events\"}' (pip install 'jaxpaged[kv-events]'; default: none)")
+    g.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1, metavar="N",
+                   help="N engines (each of --tensor-parallel-size devices) on Ray Serve behind one HTTP endpoint, "
+                        "requests routed by prefix-cache affinity and load (pip install 'jaxpaged[ray]'; "
+                        "RAY_ADDRESS: an existing cluster, else a local one)")
 
 
 def _set_defaults(p: argparse.ArgumentParser, note: str = "", **values) -> None:
@@ -400,8 +404,19 @@ def serve_cmd(args: argparse.Namespace) -> None:
         limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
     except ValueError as err:
         raise CLIError(f"serve: {err}") from err
-    serve(serve_llm_args(args), args.host, args.port, args.served_model_name or args.model,
-          args.api_key or os.environ.get("JAXPAGED_API_KEY"), limits)
+    api_key = args.api_key or os.environ.get("JAXPAGED_API_KEY")
+    if args.data_parallel_size > 1:
+        if api_key:
+            raise CLIError("serve: --api-key is not supported with --data-parallel-size yet (put the key check "
+                           "in front of Ray Serve's proxy)")
+        try:
+            from .serve.ray_serve import run
+        except ImportError as err:
+            raise CLIError(f"serve --data-parallel-size needs Ray Serve: pip install 'jaxpaged[ray]' ({err})") from err
+        run(serve_llm_args(args), args.data_parallel_size, args.host, args.port,
+            args.served_model_name or args.model, limits)
+        return
+    serve(serve_llm_args(args), args.host, args.port, args.served_model_name or args.model, api_key, limits)
 
 
 COMMANDS = {"demo": demo, "generate": generate_cmd, "bench": bench, "serve": serve_cmd}
