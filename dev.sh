@@ -43,6 +43,13 @@ if [ ! -f .venv/.installed ] || [ pyproject.toml -nt .venv/.installed ]; then
   touch .venv/.installed
 fi
 
+# Byte-compiled modules are kept under .venv, written by the first process that imports a module and read by
+# every later one: where the environment sets PYTHONDONTWRITEBYTECODE, each Python process (the test workers,
+# and the CLI, server, notebook and benchmark subprocesses the tests start) would otherwise compile jax's,
+# transformers' and jaxpaged's sources again on import.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX="$PWD/.venv/pycache"
+
 job=${1:-demo}
 shift || true
 case "$job" in
