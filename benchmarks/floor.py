@@ -103,7 +103,8 @@ def gemm_shapes(cfg) -> dict[str, tuple[int, int, int]]:
     moe = sum(cfg.is_moe_layer(i) for i in range(layers)) if getattr(cfg, "num_experts", 0) else 0
     shapes = {"qkv": (h, q + 2 * kv, layers), "o_proj": (q, h, layers)}
     if moe < layers:
-        shapes.update(gate_up=(h, 2 * cfg.intermediate_size, layers - moe), down=(cfg.intermediate_size, h, layers - moe))
+        dense = layers - moe
+        shapes.update(gate_up=(h, 2 * cfg.intermediate_size, dense), down=(cfg.intermediate_size, h, dense))
     if moe:
         i, k = cfg.moe_intermediate_size, cfg.num_experts_per_tok
         shapes.update(router=(h, cfg.num_experts, moe), experts_gate_up=(h, 2 * i, moe * k),

@@ -99,7 +99,8 @@ class QwenConfig:
                                   "devices the experts are split over")
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
-            raise CheckpointError(f"config field mlp_only_layers lists layers {bad} outside 0..{self.num_hidden_layers - 1}")
+            raise CheckpointError(f"config field mlp_only_layers lists layers {bad} outside "
+                                  f"0..{self.num_hidden_layers - 1}")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer`` has the mixture of experts (Hugging Face's rule) or a dense MLP."""

@@ -74,7 +74,8 @@ def test_expert_parallel_matches_hf(variant="e8_k3_step2", tp=4):
     one = load_params(FIXTURES / variant, "float32", use_cache=False)
     layer = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
     for name in ("experts_gate_up", "experts_down"):
-        split, whole = p.state["layers"][layer]["mlp"][name][...], np.asarray(one.state["layers"][layer]["mlp"][name][...])
+        split = p.state["layers"][layer]["mlp"][name][...]
+        whole = np.asarray(one.state["layers"][layer]["mlp"][name][...])
         per = cfg.num_experts // tp
         assert len(split.addressable_shards) == tp
         for shard in split.addressable_shards:
@@ -109,15 +110,19 @@ def test_logits_match_hf():
 def test_config_fields_and_bounds():
     raw = json.loads((FIXTURES / "e8_k3_step2" / "config.json").read_text())
     cfg = QwenConfig.from_dict(raw)
-    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (8, 3, 16, False)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (8, 3, 16)
+    assert not cfg.norm_topk_prob
     assert [cfg.is_moe_layer(i) for i in range(3)] == [False, True, False]  # decoder_sparse_step 2
     published = {k: v for k, v in raw.items() if k != "num_local_experts"} | {"num_experts": 8}  # the Hub's spelling
     assert QwenConfig.from_dict(published) == cfg
     only = QwenConfig.from_dict(raw | {"decoder_sparse_step": 1, "mlp_only_layers": [1]})
     assert [only.is_moe_layer(i) for i in range(3)] == [True, False, True]
-    for change, field in (({"num_experts_per_tok": 9}, "num_experts_per_tok"), ({"mlp_only_layers": [3]}, "mlp_only_layers"),
-                          ({"moe_intermediate_size": 0}, "moe_intermediate_size"), ({"norm_topk_prob": 1}, "norm_topk_prob"),
-                          ({"decoder_sparse_step": 0}, "decoder_sparse_step"), ({"num_local_experts": None}, "num_experts")):
+    for change, field in (({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+                          ({"mlp_only_layers": [3]}, "mlp_only_layers"),
+                          ({"moe_intermediate_size": 0}, "moe_intermediate_size"),
+                          ({"norm_topk_prob": 1}, "norm_topk_prob"),
+                          ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
+                          ({"num_local_experts": None}, "num_experts")):
         with pytest.raises(CheckpointError, match=field):
             QwenConfig.from_dict(raw | change)
 
