@@ -7,7 +7,8 @@ read bandwidth measured in this process (``floor.measure_device``):
 
 * ``bf16``: the bf16 weight by the engine's ops (the Pallas GEMV at <= 32 rows, else XLA's GEMM);
 * ``fp8_gemv``: the e4m3 weight and its per-channel scales read by the Pallas GEMV (<= 32 rows);
-* ``fp8_xla``: the e4m3 weight converted to bf16 and multiplied by XLA (``quantization.fp8_matmul``);
+* ``fp8_xla``: the e4m3 weight converted to bf16 and multiplied by XLA (``quantization.fp8_matmul``: what
+  the engine runs for fp8 weights);
 * ``fp8_w8a8``: activations quantized per token and both e4m3 operands multiplied on fp8 tensor cores
   by XLA (``quantization.fp8_scaled_matmul``).
 
@@ -31,6 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.floor import gemm_shapes, measure_device  # noqa: E402
+from jaxpaged.kernels import gemv  # noqa: E402
 from jaxpaged.models.ops import gemv_or_xla_matmul  # noqa: E402
 from jaxpaged.models.quantization import Fp8Weight, fp8_matmul, fp8_scaled_matmul, quantize_per_channel  # noqa: E402
 from jaxpaged.models.qwen import xla_matmul_unfused_input  # noqa: E402
@@ -74,7 +76,7 @@ def main(argv=None) -> list[dict]:
     bf16_mm = gemv_or_xla_matmul
     variants = {
         "bf16": lambda x, w: bf16_mm(x, w),
-        "fp8_gemv": lambda x, w: gemv_or_xla_matmul(x, w),
+        "fp8_gemv": lambda x, w: gemv.gemv(x, w.weight, w.scale),
         "fp8_xla": lambda x, w: fp8_matmul(x, w, matmul=xla_matmul_unfused_input),
         "fp8_w8a8": lambda x, w: fp8_scaled_matmul(jax.lax.optimization_barrier(x), w),
     }

@@ -55,17 +55,11 @@ def prepare_triton_lowering() -> None:
 
 
 def gemv_reads(x: jax.Array, w, transpose_w: bool = False) -> bool:
-    """Whether the Pallas GEMV computes ``x @ w`` (``gemv.supported``), reading an fp8 weight
-    (:class:`Fp8Weight`) as e4m3 with its scales."""
-    if isinstance(w, Fp8Weight):
-        return w.dtype == x.dtype and gemv.supported(x, w.weight, transpose_w, scale=w.scale)
-    return gemv.supported(x, w, transpose_w)
-
-
-def _gemv_partials(x: jax.Array, w, interpret: bool) -> jax.Array:
-    if isinstance(w, Fp8Weight):
-        return gemv.gemv_partials(x, w.weight, w.scale, interpret=interpret)
-    return gemv.gemv_partials(x, w, interpret=interpret)
+    """Whether the Pallas GEMV computes ``x @ w`` (``gemv.supported``). An fp8 weight (:class:`Fp8Weight`)
+    goes to XLA's GEMM, whose operand fusion reads the e4m3 bytes and converts them as it loads: the
+    GEMV's own fp8 reading (``gemv.gemv(x, w, scale)``) takes over only once a GPU measures it faster
+    (``benchmarks/bench_fp8_gemm.py``, docs/DECISIONS.md)."""
+    return not isinstance(w, Fp8Weight) and gemv.supported(x, w, transpose_w)
 
 
 def gemv_or_xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=None,
@@ -73,8 +67,6 @@ def gemv_or_xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
     """``x @ w`` by the Pallas GEMV when it supports the operands (``gemv.supported``: at most 32 rows,
     bf16/fp16), else by XLA. Chosen at trace time from static shapes: each compiled step has one path."""
     if gemv_reads(x, w, transpose_w):
-        if isinstance(w, Fp8Weight):
-            return gemv.gemv(x, w.weight, w.scale, out_dtype=out_dtype, interpret=interpret)
         return gemv.gemv(x, w, transpose_w=transpose_w, out_dtype=out_dtype, interpret=interpret)
     return xla_matmul(x, w, transpose_w=transpose_w, out_dtype=out_dtype)
 
@@ -84,7 +76,7 @@ def matmul_parts(x: jax.Array, w: jax.Array, *, interpret: bool = False,
     """``ModelOps.matmul_parts``: the GEMV's split-K partials ``f32[S, M, N]`` when it supports the
     operands, else XLA's product as ``[1, M, N]``."""
     if gemv_reads(x, w):
-        return _gemv_partials(x, w, interpret)
+        return gemv.gemv_partials(x, w, interpret=interpret)
     return xla_matmul(x, w)[None]
 
 
@@ -122,7 +114,7 @@ def fused_qkv(x: jax.Array, w: jax.Array, bias, q_norm, k_norm, positions: jax.A
         return qkv_epilogue_ops(xla_matmul(x, w), bias, q_norm, k_norm, positions, kv_pool, layer, slot_mapping,
                                 eps=eps, theta=theta, ops=DEFAULT_OPS, write_kv_fn=write_kv)
     if gemv_reads(x, w):
-        parts = _gemv_partials(x, w, interpret)
+        parts = gemv.gemv_partials(x, w, interpret=interpret)
     else:
         parts = xla_matmul(x, w)[None]
     # The same cos/sin in every layer of a step: XLA computes them once (common-subexpression elimination).
