@@ -25,8 +25,8 @@ from jaxpaged.models.checkpoint import load_params
 from jaxpaged.models.config import CheckpointError
 from jaxpaged.models.kv_pool import init_kv_pool
 from jaxpaged.models.quantization import (FP8_MAX, Fp8Config, Fp8Weight, accepting_fp8, dequantize,
-                                          expand_block_scale, fp8_matmul, from_quantization_config,
-                                          quantize_per_channel)
+                                          expand_block_scale, fp8_matmul, fp8_scaled_matmul,
+                                          from_quantization_config, quantize_per_channel, quantize_per_token)
 from jaxpaged.models.ops import fused_add_rms_norm, fused_qkv, gemv_or_xla_matmul, matmul_parts, silu_mul_matmul_parts
 from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps, xla_matmul
 from jaxpaged.models.safetensors_io import read_safetensors, write_safetensors
@@ -172,6 +172,23 @@ def test_per_channel_quantization_error_is_half_an_e4m3_step():
     plain = accepting_fp8(lambda x, w, out_dtype=None: jnp.matmul(x, w, precision="highest",
                                                                    preferred_element_type=out_dtype))
     assert rel_err(np.asarray(plain(x, fp8)), np.asarray(xla_matmul(x, deq))) < 1e-6
+
+
+def test_w8a8_product_quantizes_each_token_alone():
+    """W8A8 (``fp8_scaled_matmul``): each activation row within half an e4m3 step of its own scale, the
+    product equal to the numpy product of the two dequantized operands, a row's result independent of
+    the other rows; block-scaled weights refused."""
+    x = jax.random.normal(jax.random.key(2), (6, 128), jnp.float32) * jnp.asarray([1e-3, 0.1, 1, 10, 300, 0])[:, None]
+    xq, sx = quantize_per_token(x)
+    assert bool(jnp.all(jnp.abs(xq.astype(jnp.float32) * sx[:, None] - x) <= 2.0 ** -4 * jnp.abs(x) + 2.0 ** -10 * sx[:, None]))
+    assert float(sx[5]) == 1.0  # an all-zero row
+    w = Fp8Weight(*quantize_per_channel(jax.random.normal(jax.random.key(3), (128, 64), jnp.float32)), jnp.float32)
+    want = (np.asarray(xq, np.float32) * np.asarray(sx)[:, None]) @ np.asarray(dequantize(w))
+    got = np.asarray(fp8_scaled_matmul(x, w))
+    assert rel_err(got, want) < 1e-5
+    np.testing.assert_array_equal(np.asarray(fp8_scaled_matmul(x[2:4], w)), got[2:4])
+    with pytest.raises(ValueError, match="per-channel"):
+        fp8_scaled_matmul(x, Fp8Weight(w.weight, jnp.ones((2, 64), jnp.float32), jnp.float32))
 
 
 def test_block_scale_expansion_handles_partial_blocks():
