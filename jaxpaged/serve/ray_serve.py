@@ -55,9 +55,9 @@ class ForwardedRequest:
 
 
 def routing_text(path: str, body: bytes) -> str:
-    """The prompt's text (``/v1/completions``: the prompt, or the first of several) or the chat messages' roles and
-    contents in order (``/v1/chat/completions``), at most ``MAX_ROUTING_CHARS``; ``""`` for anything else (routed
-    by load alone)."""
+    """The prompt's text or token ids (``/v1/completions``: the prompt, or the first of several) or the chat
+    messages' roles and contents in order (``/v1/chat/completions``), at most ``MAX_ROUTING_CHARS``; ``""`` for
+    anything else (routed by load alone)."""
     if not body or not path.startswith("/v1/"):
         return ""
     try:
@@ -76,7 +76,7 @@ def routing_text(path: str, body: bytes) -> str:
                 parts.append(f"{m.get('role', '')}:{content if isinstance(content, str) else ''}\n")
         return "".join(parts)[:MAX_ROUTING_CHARS]
     prompt = data.get("prompt")
-    if isinstance(prompt, list) and prompt:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):  # several prompts
         prompt = prompt[0]
     if isinstance(prompt, list):  # token ids
         prompt = " ".join(str(t) for t in prompt[:MAX_ROUTING_CHARS // 8])
