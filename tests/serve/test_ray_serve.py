@@ -113,7 +113,8 @@ def a_replica_killed_mid_stream_ends_its_streams_cleanly_and_is_replaced(base: s
             "stream": True}
 
     def stream(started: concurrent.futures.Future) -> tuple[str, list[str]]:
-        with httpx.Client(timeout=60) as client, client.stream("POST", f"{base}/v1/completions", json=body) as r:
+        with (httpx.Client(timeout=60, headers={ROUTING_HEADER: "round-robin"}) as client,  # (one per replica)
+              client.stream("POST", f"{base}/v1/completions", json=body) as r):
             if r.status_code != 200:
                 started.set_exception(AssertionError(f"{r.status_code}: {r.read()}"))
                 return "", []
@@ -128,7 +129,7 @@ def a_replica_killed_mid_stream_ends_its_streams_cleanly_and_is_replaced(base: s
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         started = [concurrent.futures.Future() for _ in range(2)]
         streams = [pool.submit(stream, f) for f in started]
-        victim = started[0].result(timeout=60)
+        victim = started[0].result(timeout=60)  # (the first stream's replica)
         started[1].result(timeout=60)
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if victim in a["name"]]
         ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
@@ -138,7 +139,8 @@ def a_replica_killed_mid_stream_ends_its_streams_cleanly_and_is_replaced(base: s
             assert lines[-1] == "data: [DONE]" and "replica_failed" in lines[-2], lines[-3:]
         else:
             assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2].replace(" ", "")
-    assert victim in {replica for replica, _ in results}
+    other = started[1].result()
+    assert other != victim and {replica for replica, _ in results} == {victim, other}  # (a stream on each)
     deadline = time.time() + 60
     while True:  # Ray replaces the dead replica; a request then succeeds on the new one
         status = serve.status().applications["jaxpaged"].deployments["JaxpagedReplica"]
