@@ -43,8 +43,8 @@ class PrefixOrRoundRobinRouter(PrefixCacheRouter):
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        if (b"round-robin" != dict(getattr(request, "headers", [])).get(ROUTING_HEADER.encode())
-                or not candidate_replicas):
+        headers = dict(getattr(request, "headers", []))  # (the ForwardedRequest's raw HTTP headers)
+        if headers.get(ROUTING_HEADER.encode()) != b"round-robin" or not candidate_replicas:
             return await super().choose_replicas(candidate_replicas, pending_request)
         ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         self._next += 1
