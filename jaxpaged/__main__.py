@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
-from .config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig, KVEventsConfig
+from .config import (ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig, KVEventsConfig,
+                     split_host_port)
 
 PROG = "python -m jaxpaged"
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -58,6 +60,14 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def _host_port(text: str) -> str:
+    try:
+        split_host_port(text, "the address")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
 
 
 def _power_of_two(text: str) -> int:
@@ -191,6 +201,22 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                         "RAY_ADDRESS: an existing cluster, else a local one)")
 
 
+def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
+    """One engine over several hosts (``jax.distributed``): ``serve`` and ``generate``. Each flag's default is
+    its environment variable, so one command line serves every host of a deployment."""
+    env = os.environ.get
+    g = p.add_argument_group("several hosts (one process per host; --tensor-parallel-size: all their devices)")
+    g.add_argument("--coordinator-address", type=_host_port, default=env("JAXPAGED_COORDINATOR_ADDRESS"),
+                   metavar="HOST:PORT",
+                   help="process 0's address for jax.distributed (it also listens on PORT+1 for the other "
+                        "processes; default: $JAXPAGED_COORDINATOR_ADDRESS)")
+    g.add_argument("--num-processes", type=_positive_int, default=env("JAXPAGED_NUM_PROCESSES", "1"), metavar="N",
+                   help="processes, one per host (default: $JAXPAGED_NUM_PROCESSES, else 1)")
+    g.add_argument("--process-id", type=int, default=env("JAXPAGED_PROCESS_ID", "0"), metavar="I",
+                   help="this process's index; 0 takes the requests, the others follow its engine "
+                        "(default: $JAXPAGED_PROCESS_ID, else 0)")
+
+
 def _set_defaults(p: argparse.ArgumentParser, note: str = "", **values) -> None:
     """A subcommand's own defaults for shared flags, its help saying so (``note``: for ``None`` defaults)."""
     p.set_defaults(**values)
@@ -226,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=None, help="(default: the checkpoint's, else 1.0)")
     g.add_argument("--top-k", type=int, default=None, help="-1: off (default: the checkpoint's, else off)")
     add_engine_arguments(g)
+    add_distributed_arguments(g)
 
     b = command("bench", "throughput on nano-vllm's workload (random Qwen3-0.6B weights by default)",
                 "nano-vllm's throughput workload: --num-seqs requests, prompts and outputs of 100 to "
@@ -242,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_argument(s)
     add_server_arguments(s)
     add_engine_arguments(s)
+    add_distributed_arguments(s)
     return ap
 
 
@@ -271,6 +299,18 @@ def model_path(model: str) -> str:
     return model
 
 
+DISTRIBUTED_FLAGS = ("coordinator_address", "num_processes", "process_id")  # add_distributed_arguments
+
+
+def follow(llm_kwargs: dict) -> None:
+    """A process other than 0 of several: builds the same engine, then runs process 0's calls until it stops."""
+    from .llm import LLM
+
+    print(f"{PROG}: process {llm_kwargs['process_id']} of {llm_kwargs['num_processes']}, following process 0 at "
+          f"{llm_kwargs['coordinator_address']}", flush=True)
+    LLM(**llm_kwargs).follow()
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The ``LLM`` keyword arguments of the engine flags (``EngineConfig``'s names, plus dtype and load_format)."""
     return dict(dtype=args.dtype, load_format=args.load_format, block_size=args.block_size,
@@ -280,7 +320,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 async_scheduling=args.async_scheduling, scheduling_policy=args.scheduling_policy,
                 kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
                 attention_backend=args.attention_backend, num_blocks=args.num_blocks, seed=args.seed,
-                kv_offloading_size=args.kv_offloading_size, quantization=args.quantization)
+                kv_offloading_size=args.kv_offloading_size, quantization=args.quantization,
+                **{name: getattr(args, name) for name in DISTRIBUTED_FLAGS if hasattr(args, name)})
 
 
 def serve_llm_args(args: argparse.Namespace) -> dict:
@@ -345,12 +386,17 @@ def generate_cmd(args: argparse.Namespace) -> None:
     from .llm import LLM
 
     # One batch of prompts: compiling every step shape first would cost more than it saves.
-    llm = LLM(model_path(args.model), warmup=False, **engine_kwargs(args))
+    kwargs = dict(model=model_path(args.model), warmup=False, **engine_kwargs(args))
+    if args.process_id:  # (its --prompt are process 0's to run)
+        follow(kwargs)
+        return
+    llm = LLM(**kwargs)
     chosen = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
               if v is not None}
     sp = dataclasses.replace(llm.default_sampling_params, max_tokens=args.max_tokens, **chosen)
     _print_outputs(llm.generate(args.prompt, sp, use_tqdm=False))
     _print_stats(llm)
+    llm.close()  # (with several processes: the others stop following)
 
 
 def bench(args: argparse.Namespace) -> None:
@@ -391,9 +437,13 @@ def bench(args: argparse.Namespace) -> None:
 
 
 def serve_cmd(args: argparse.Namespace) -> None:
-    """The OpenAI-compatible server (``jaxpaged/serve``): loads the model, then listens."""
-    import os
-
+    """The OpenAI-compatible server (``jaxpaged/serve``): loads the model, then listens; a process other than 0
+    of several serves nothing and follows process 0's engine."""
+    if args.process_id:
+        if args.data_parallel_size > 1:
+            raise CLIError("serve: --data-parallel-size is not supported with --num-processes > 1")
+        follow(serve_llm_args(args))
+        return
     try:
         from .serve.http_server import serve
     except ImportError as err:
@@ -405,6 +455,8 @@ def serve_cmd(args: argparse.Namespace) -> None:
     except ValueError as err:
         raise CLIError(f"serve: {err}") from err
     api_key = args.api_key or os.environ.get("JAXPAGED_API_KEY")
+    if args.data_parallel_size > 1 and args.num_processes > 1:
+        raise CLIError("serve: --data-parallel-size is not supported with --num-processes > 1")
     if args.data_parallel_size > 1:
         if api_key:
             raise CLIError("serve: --api-key is not supported with --data-parallel-size yet (put the key check "

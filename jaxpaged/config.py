@@ -31,6 +31,18 @@ def check_block_size(block_size: int) -> int:
     return block_size
 
 
+MAX_PROCESSES = 4096  # EngineConfig.num_processes
+
+
+def split_host_port(address: str, field: str = "coordinator_address") -> tuple[str, int]:
+    """``("host", port)`` of ``"HOST:PORT"`` (a host name or an IPv4 address); ``ValueError`` naming ``field``
+    otherwise. The port leaves room for the next one (``engine/multihost.py`` listens there)."""
+    host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) < 65535 or len(address) > 255:
+        raise ValueError(f"{field} must be HOST:PORT with a port in [1, 65534], got {address!r}")
+    return host, int(port)
+
+
 KV_EVENT_PUBLISHERS = ("null", "zmq")  # vLLM's names (engine/kv_events.py)
 
 
@@ -161,6 +173,12 @@ class EngineConfig:
       vLLM's ``--kv-events-config``); ``None``: none.
     data_parallel_rank: this engine's rank among data-parallel replicas (its KV events say it; a tcp
       endpoint's port is offset by it, as vLLM does).
+    coordinator_address, num_processes, process_id: one engine over several processes, one per host
+      (``jax.distributed.initialize``'s arguments; ``engine/multihost.py``): ``"HOST:PORT"`` of process 0's
+      coordinator (process 0 also listens on PORT + 1 for the other processes), how many processes, and
+      this one's index. ``tensor_parallel_size`` is then every process's devices together. Process 0 (the
+      leader) takes the requests; the others replay its engine calls (``LLM.follow``). ``num_processes``
+      1: one process, no coordinator.
     Precision: float32 weights mean IEEE float32 in every matmul and kernel dot (never TF32); bfloat16
     means bf16 storage and operands with fp32 accumulation.
     """
@@ -187,6 +205,9 @@ class EngineConfig:
     quantization: str | None = None
     kv_events_config: KVEventsConfig | None = None
     data_parallel_rank: int = 0
+    coordinator_address: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
@@ -207,6 +228,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        self._check_processes()
         size = self.kv_offloading_size
         if isinstance(size, bool) or not isinstance(size, (int, float)) or not size >= 0:
             raise ValueError(f"kv_offloading_size must be a number of GiB >= 0, got {size!r}")
@@ -226,6 +248,24 @@ class EngineConfig:
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_model_len > self.max_num_batched_tokens:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+
+    def _check_processes(self) -> None:
+        """``num_processes``, ``process_id`` and ``coordinator_address`` (see the class doc)."""
+        n, i = self.num_processes, self.process_id
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_PROCESSES:
+            raise ValueError(f"num_processes must be an integer in [1, {MAX_PROCESSES}], got {n!r}")
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+            raise ValueError(f"process_id must be an integer in [0, num_processes={n}), got {i!r}")
+        if n == 1:
+            if self.coordinator_address is not None:
+                raise ValueError("coordinator_address is for several processes: set num_processes > 1 too")
+            return
+        if self.coordinator_address is None:
+            raise ValueError(f"num_processes={n} needs coordinator_address (HOST:PORT of process 0)")
+        split_host_port(self.coordinator_address)
+        if self.kv_offloading_size:
+            raise ValueError(f"kv_offloading_size is not supported with num_processes={n}: each process would "
+                             "measure its own reload cost at warm-up and decide reloads differently")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

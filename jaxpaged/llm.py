@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .config import EngineConfig
+from .engine import multihost
 from .engine.llm_engine import LLMEngine
 from .kv import PrefixDivergence
 from .models.attention_backends import KERNEL_BACKENDS
@@ -129,6 +130,9 @@ class LLM:
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", cache_dir: str | None = None,
                  warmup: bool | None = None, load_format: str = "auto", **config):
         engine_config = EngineConfig.from_kwargs(**config)  # before loading: a wrong name fails at once
+        multihost.initialize(engine_config)  # several processes: jax.distributed, before any device is used
+        if engine_config.process_id:  # (KV-cache events are the leader's to publish)
+            engine_config = dataclasses.replace(engine_config, kv_events_config=None)
         self.model_path = resolve_model_path(model)
         self.params = load_params(self.model_path, None if dtype == "auto" else dtype, cache_dir=cache_dir,
                                   load_format=load_format, tensor_parallel_size=engine_config.tensor_parallel_size,
@@ -144,9 +148,19 @@ class LLM:
               + ("compiling the steps now" if self.warmed_up else "steps compile on first use"))
         if self.warmed_up:
             e.warmup()
+        if engine_config.num_processes > 1:  # the leader's engine calls replayed on the other processes
+            self.engine = multihost.connect(e, engine_config)
+
+    def follow(self) -> None:
+        """On process 1.. of several (``num_processes``): runs process 0's engine calls until process 0 closes
+        its ``LLM`` or exits (``engine/multihost.py``). Requests go to process 0 only."""
+        if not isinstance(self.engine, multihost.MultiProcessEngine):
+            raise RuntimeError("follow() is for a process other than 0 of several (num_processes > 1)")
+        self.engine.follow()
 
     def close(self) -> None:
-        """Releases the engine's resources outside JAX (``LLMEngine.close``)."""
+        """Releases the engine's resources outside JAX (``LLMEngine.close``); on process 0 of several, also
+        ends the other processes' ``follow``."""
         self.engine.close()
 
     def __enter__(self) -> LLM:

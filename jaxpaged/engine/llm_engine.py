@@ -51,6 +51,7 @@ from .kv_events import make_publisher
 from .kv_transfer import KVTransfers
 from .metrics import EngineMetrics, StepRecord
 from .model_runner import ModelRunner, enable_compilation_cache
+from .multihost import agreed_min
 from .readback import make_token_reader
 from .scheduler import Samples, ScheduledBatch, Scheduler
 from ..request import PLACEHOLDER, WITHDRAWN, Sequence
@@ -113,6 +114,8 @@ class LLMEngine:
         self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)
         self.num_blocks = size_pool(params, config, self.max_model_len, self.kv_dtype,
                                     triton_attention=backend.name == "triton")
+        # Over several processes the pool is one array on all of them: the size every process can hold.
+        self.num_blocks = agreed_min(self.num_blocks)
         if config.max_model_len is None and self.num_blocks * config.block_size < self.max_model_len:
             # The default max_model_len does not fit the pool (a small CPU host): use what fits.
             self.max_model_len = self.num_blocks * config.block_size
