@@ -27,6 +27,7 @@ network, never through a device, so a follower waiting for the next call holds n
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import time
@@ -130,7 +131,11 @@ def connect(engine, config: EngineConfig) -> MultiProcessEngine:
         problems = [msg for ok, msg in (conn.recv() for conn in followers) if not ok]
         if problems:
             raise ValueError("; ".join(problems))
-        return MultiProcessEngine(engine, followers=followers)
+        replicated = MultiProcessEngine(engine, followers=followers)
+        # A leader that exits without closing its engine (the server's engine process) still releases the
+        # followers first: jax.distributed's own exit handler, which runs after this one, waits for every process.
+        atexit.register(replicated.end_followers)
+        return replicated
     leader = _dial((host, port + 1), authkey)
     theirs = leader.recv()
     names = ("engine settings", "model config", "dtype", "num_blocks", "max_model_len", "attention backend",
@@ -223,8 +228,8 @@ class MultiProcessEngine:
                 pass  # refused on the leader too, engine unchanged there and here; the leader's caller has the error
         self.close()
 
-    def close(self) -> None:
-        """Ends the followers' ``follow`` (on the leader), then closes the engine."""
+    def end_followers(self) -> None:
+        """Ends the followers' ``follow`` (on the leader; nothing elsewhere or a second time)."""
         for conn in self._followers:
             try:
                 conn.send(None)
@@ -232,6 +237,10 @@ class MultiProcessEngine:
             except OSError:  # (a follower already gone)
                 pass
         self._followers = []
+
+    def close(self) -> None:
+        """Ends the followers' ``follow`` (on the leader), then closes the engine."""
+        self.end_followers()
         if self._leader is not None:
             self._leader.close()
         self.engine.close()
