@@ -1,15 +1,20 @@
-"""One engine over several processes (``engine/multihost.py``): two processes of one CPU device each
-(``jax.distributed``, gloo collectives) run one tensor-parallel engine, process 0 taking the requests and the
-other, started by the command line, replaying its calls; the replay's checks in one process; the settings."""
+"""One engine over several processes (``engine/multihost.py``): two ``jaxpaged serve`` processes of one CPU device
+each (``jax.distributed``, gloo collectives) run one tensor-parallel engine, process 0 serving and the other
+replaying its engine calls; the replay's checks in one process; the settings."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -28,29 +33,6 @@ FIXTURES = ROOT / "tests" / "fixtures"
 FLAGS = ["--dtype", "float32", "--attention-backend", "reference", "--block-size", "8", "--num-blocks", "64",
          "--max-model-len", "128", "--tensor-parallel-size", "2", "--num-processes", "2"]
 
-LEADER = r"""
-import json, sys
-from jaxpaged import LLM, SamplingParams, StructuredOutputsParams
-from jaxpaged.models.tiny import tiny_checkpoint_path
-
-prompts = json.loads(sys.argv[2])
-llm = LLM(tiny_checkpoint_path("qwen3"), dtype="float32", attention_backend="reference", block_size=8, num_blocks=64,
-          max_model_len=128, tensor_parallel_size=2, coordinator_address=sys.argv[1], num_processes=2, process_id=0)
-greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-first = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-stream = llm.generate_stream(prompts[2], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-next(stream); next(stream); stream.close()  # aborted after two tokens: the abort is replayed too
-try:
-    llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a"])), use_tqdm=False)
-    refused = ""
-except ValueError as err:
-    refused = str(err)
-again = [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], greedy, use_tqdm=False)]  # prefix-cache hits
-print("RESULT", json.dumps(dict(first=first, again=again, refused=refused, stats=llm.stats())), flush=True)
-llm.close()
-"""
-
-
 def free_port() -> int:
     """A port free now whose successor is free too (process 0 listens on both)."""
     while True:
@@ -64,36 +46,67 @@ def free_port() -> int:
             return port
 
 
-def test_two_processes_one_engine_leader_and_follower():
-    """Process 0 (LLM) and process 1 (``jaxpaged serve ... --process-id 1``, which serves nothing) hold one
-    tensor-parallel engine split over their devices: process 0's greedy tokens are transformers' (the one-device
-    engine's, tests/engine/test_engine.py), through an aborted stream and prefix-cache hits; a structured output
-    is refused; process 1 stops when process 0 closes its LLM."""
+def post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)
+
+
+def test_two_processes_one_engine_behind_the_server():
+    """``jaxpaged serve --process-id 0`` and ``--process-id 1`` (which serves nothing) hold one tensor-parallel
+    engine split over their two CPU devices: the server's greedy tokens are transformers' (the one-device engine's,
+    tests/engine/test_engine.py), through a stream its client left (an abort) and prefix-cache hits; a structured
+    output is refused; on SIGTERM both processes end."""
+    pytest.importorskip("fastapi")
     ref = np.load(FIXTURES / "hf_reference_qwen3.npz")
     prompts = [list(map(int, ref[f"prompt_{i}"])) for i in range(4)]
     want = [list(map(int, ref[f"greedy_{i}"])) for i in range(4)]
-    address = f"127.0.0.1:{free_port()}"
+    coordinator, http_port = f"127.0.0.1:{free_port()}", free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=" ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f))
-    follower = subprocess.Popen([sys.executable, "-m", "jaxpaged", "serve", "tiny", *FLAGS, "--process-id", "1",
-                                 "--coordinator-address", address], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-    leader = subprocess.Popen([sys.executable, "-c", LEADER, address, json.dumps(prompts)], env=env, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    outs = []
-    for proc in (leader, follower):
-        try:
-            out, _ = proc.communicate(timeout=240)
-        finally:
-            proc.kill()  # (SIGKILL: jax's preemption notifier catches SIGTERM)
-        assert proc.returncode == 0, out[-4000:]
-        outs.append(out)
-    result = json.loads(next(line for line in outs[0].splitlines() if line.startswith("RESULT "))[7:])
-    assert result["first"] == want
-    assert result["again"] == want[::-1]
-    assert result["stats"]["prefix_hit_tokens"] > 0
-    assert "structured_outputs is not supported with several processes" in result["refused"]
-    assert "process 1 of 2, following process 0" in outs[1]
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxpaged", "serve", "tiny", *FLAGS, "--process-id", str(i),
+                               "--coordinator-address", coordinator, "--port", str(http_port)], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (1, 0)]
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert procs[1].poll() is None and time.monotonic() < deadline, procs[1].communicate()[0][-4000:]
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5)
+                break
+            except OSError:
+                time.sleep(0.2)
+        greedy = dict(model="tiny", max_tokens=24, temperature=0, ignore_eos=True, return_token_ids=True)
+        status, first = post(url + "/v1/completions", dict(greedy, prompt=prompts))
+        assert status == 200, first
+        conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=60)  # a stream left after two events
+        conn.request("POST", "/v1/completions", json.dumps(dict(greedy, prompt=prompts[2], stream=True)),
+                     {"Content-Type": "application/json"})
+        stream = conn.getresponse()
+        assert sum(line.startswith(b"data:") for line in (stream.readline() for _ in range(4))) == 2
+        conn.close()
+        status, refused = post(url + "/v1/completions", dict(model="tiny", prompt="x", max_tokens=4,
+                                                             response_format={"type": "json_object"}))
+        assert status == 400 and "not supported with several processes" in refused["error"]["message"]
+        status, again = post(url + "/v1/completions", dict(greedy, prompt=prompts[::-1]))
+        assert status == 200, again
+    finally:
+        procs[1].send_signal(signal.SIGTERM)
+        outs = []
+        for proc in procs[::-1]:
+            try:
+                outs.append(proc.communicate(timeout=60)[0])
+            finally:
+                proc.kill()  # (SIGKILL: jax's preemption notifier catches SIGTERM)
+    assert [c["token_ids"] for c in first["choices"]] == want
+    assert [c["token_ids"] for c in again["choices"]] == want[::-1]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert procs[1].returncode == -signal.SIGTERM, outs[0][-4000:]  # (drained, then the signal raised again)
+    assert procs[0].returncode == 0 and "process 1 of 2, following process 0" in outs[1], outs[1][-4000:]
 
 
 @pytest.fixture(scope="module")
