@@ -41,7 +41,7 @@ from jax.experimental import multihost_utils
 from ..config import EngineConfig, split_host_port
 from ..sampling import SamplingParams
 
-AUTHKEY_ENV = "JAXPAGED_DISTRIBUTED_AUTHKEY"  # the channel's shared key (default: derived from the settings)
+AUTHKEY_ENV = "JAXPAGED_DISTRIBUTED_AUTHKEY"  # the channel's shared secret (required: the channel carries pickles)
 CONNECT_SECONDS = 300.0  # how long a follower tries to reach the leader (jax.distributed's own start-up wait)
 # The calls that change an engine (MultiProcessEngine replays them).
 REPLAYED = ("add_request", "add_requests", "abort_request", "step", "warmup", "settle")
@@ -52,6 +52,7 @@ def initialize(config: EngineConfig) -> None:
     process); then checks that ``tensor_parallel_size`` is every process's devices together."""
     if config.num_processes == 1:
         return
+    _authkey()  # refused before anything is built, not after the engine's warm-up
     # A compiled program's locations would otherwise hold the whole Python stack it was traced under, which
     # differs between the leader (a server, LLM.generate) and a follower (follow): the executables' fingerprints
     # then differ, and so do the launch ids their cross-process collectives meet under (every process waited in
@@ -98,9 +99,16 @@ def state_fingerprint(engine) -> tuple[int, ...]:
             scheduler.counters.generated_tokens, kv.num_used_blocks, kv.num_cached_blocks)
 
 
-def _authkey(config: EngineConfig) -> bytes:
-    default = f"jaxpaged {config.coordinator_address} {config.num_processes}"
-    return os.environ.get(AUTHKEY_ENV, default).encode()
+def _authkey() -> bytes:
+    """The shared secret the processes' channel authenticates with. Required: the channel carries pickled
+    engine calls, and process 0 listens on every interface, so a key anyone could derive would let anyone
+    who reaches the port run code in process 0 while it waits for its followers."""
+    key = os.environ.get(AUTHKEY_ENV, "")
+    if len(key) < 16:
+        raise ValueError(f"several processes (num_processes > 1) need {AUTHKEY_ENV} set to the same secret of at "
+                         f"least 16 characters in every process (e.g. `export {AUTHKEY_ENV}=$(openssl rand -hex 16)` "
+                         f"and pass it to every host)")
+    return key.encode()
 
 
 def _dial(address: tuple[str, int], authkey: bytes) -> Connection:
@@ -121,7 +129,7 @@ def connect(engine, config: EngineConfig) -> MultiProcessEngine:
     settings and hears whether they match; a follower connects to the leader and checks them. Every process
     calls this once its engine is built and warmed up."""
     host, port = split_host_port(config.coordinator_address)
-    authkey, settings = _authkey(config), engine_settings(engine)
+    authkey, settings = _authkey(), engine_settings(engine)
     if config.process_id == 0:
         followers: list[Connection] = []
         with Listener(("", port + 1), authkey=authkey) as listener:  # (every interface, as jax's coordinator)

@@ -22,7 +22,7 @@ import pytest
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams, load_params
 from jaxpaged.__main__ import engine_kwargs, parse_args
-from jaxpaged.engine.multihost import MultiProcessEngine, state_fingerprint
+from jaxpaged.engine.multihost import AUTHKEY_ENV, MultiProcessEngine, initialize, state_fingerprint
 from jaxpaged.llm import run_to_completion
 from jaxpaged.models.tiny import tiny_checkpoint_path
 
@@ -65,7 +65,7 @@ def test_two_processes_one_engine_behind_the_server():
     prompts = [list(map(int, ref[f"prompt_{i}"])) for i in range(4)]
     want = [list(map(int, ref[f"greedy_{i}"])) for i in range(4)]
     coordinator, http_port = f"127.0.0.1:{free_port()}", free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAXPAGED_DISTRIBUTED_AUTHKEY="test-secret-0123456789",
                XLA_FLAGS=" ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f))
     procs = [subprocess.Popen([sys.executable, "-m", "jaxpaged", "serve", "tiny", *FLAGS, "--process-id", str(i),
                                "--coordinator-address", coordinator, "--port", str(http_port)], env=env, cwd=ROOT,
@@ -164,6 +164,19 @@ def test_process_settings_bounded_and_named():
         with pytest.raises(ValueError, match=field):
             EngineConfig(**kwargs)
     assert EngineConfig(num_processes=2, process_id=1, coordinator_address="10.0.0.1:1234").num_processes == 2
+
+
+def test_several_processes_need_a_shared_secret(monkeypatch):
+    """The processes' channel carries pickles: without a secret (or with a short one) several processes are
+    refused before jax.distributed starts, naming the variable."""
+    config = EngineConfig(num_processes=2, process_id=1, coordinator_address="127.0.0.1:1")
+    for value in (None, "short"):
+        if value is None:
+            monkeypatch.delenv(AUTHKEY_ENV, raising=False)
+        else:
+            monkeypatch.setenv(AUTHKEY_ENV, value)
+        with pytest.raises(ValueError, match=AUTHKEY_ENV):
+            initialize(config)
 
 
 def test_command_line_takes_process_settings_from_flags_or_environment(monkeypatch):
