@@ -54,8 +54,8 @@ job=${1:-demo}
 shift || true
 case "$job" in
   demo) exec .venv/bin/python -m jaxpaged demo "$@" ;;
-  # One worker more than the cores: tests wait on subprocesses, servers and the Mosaic GPU interpreter's
-  # barriers, and the extra worker fills those waits (faster than as many workers as cores, or two more).
-  test) exec .venv/bin/python -m pytest tests -n "$(( $(nproc) + 1 ))" --dist worksteal --durations=10 "$@" ;;
+  # As many workers as cores: with byte-compiled modules kept, a worker more than the cores made the suite
+  # slower, no longer faster (README: the suite's time).
+  test) exec .venv/bin/python -m pytest tests -n "$(nproc)" --dist worksteal --durations=10 "$@" ;;
   *) exec .venv/bin/"$job" "$@" ;;
 esac

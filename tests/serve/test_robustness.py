@@ -112,7 +112,9 @@ def test_fuzzed_requests_get_no_server_error(live):
             call()
     print(f"fuzzed {sum(statuses.values())} requests: {dict(sorted(statuses.items()))}")
     assert sum(statuses.values()) >= 0.95 * SCALE * sum(FUZZ_EXAMPLES.values())
-    assert statuses.get(200, 0) > 30 * SCALE and statuses.get(400, 0) > 200 * SCALE
+    # Floors, not expectations: the generated cases change from run to run (about 1 in 10 is answered 200;
+    # one run had 30 of 326), and what matters is that both valid and invalid requests were made.
+    assert statuses.get(200, 0) >= 15 * SCALE and statuses.get(400, 0) >= 150 * SCALE
     plain_request_works(live)
     assert not any(settled(live).values())
 
