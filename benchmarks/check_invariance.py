@@ -1,4 +1,4 @@
-"""Numerics check (GPU): float32 that is float32, and batch invariance, measured in one run.
+"""Numerics check (GPU): float32 that is float32, and batch invariance, measured back to back in one process.
 
 Sections (``--sections``, all by default):
   precision     float32 dots vs a float64 numpy reference: the Pallas matmul and attention kernels and

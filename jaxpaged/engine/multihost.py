@@ -4,7 +4,7 @@ Multi-controller JAX: each process runs its own copy of the program, and a compu
 several processes runs only once every process has launched it, with the same inputs. The engine's host side
 (scheduler, KV manager, step inputs) is a deterministic function of the calls it gets: scheduling counts
 steps and tokens, never time, and a request without a seed draws it from the engine's generator
-(``EngineConfig.seed``). So the processes are kept in step by making the same calls on every process's
+(``EngineConfig.seed``). So the processes are kept in step by making identical engine calls on every process's
 engine: process 0, the leader (``LLM``, the server's engine process), sends each call that changes its
 engine (``REPLAYED``) to the other processes before it runs it; each of them, a follower, runs it on its own
 engine (``MultiProcessEngine.follow``). Every process then schedules the same steps, builds the same inputs
@@ -92,7 +92,7 @@ def engine_settings(engine) -> tuple:
 
 
 def state_fingerprint(engine) -> tuple[int, ...]:
-    """What replicas of one engine agree on after the same calls: steps run, sequences running and waiting,
+    """What replicas of one engine agree on after identical engine calls: steps run, sequences running and waiting,
     tokens generated, blocks used and cached."""
     scheduler, kv = engine.scheduler, engine.kv
     return (engine.metrics.total_steps, len(scheduler.running), len(scheduler.waiting),
