@@ -73,9 +73,8 @@ def main(argv=None) -> list[dict]:
     print(f"{device.name}: read {device.read_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
           f"{device.matmul_flops_per_s / 1e12:.0f} TFLOP/s", flush=True)
     rng = np.random.default_rng(0)
-    bf16_mm = gemv_or_xla_matmul
     variants = {
-        "bf16": lambda x, w: bf16_mm(x, w),
+        "bf16": gemv_or_xla_matmul,
         "fp8_gemv": lambda x, w: gemv.gemv(x, w.weight, w.scale),
         "fp8_xla": lambda x, w: fp8_matmul(x, w, matmul=xla_matmul_unfused_input),
         "fp8_w8a8": lambda x, w: fp8_scaled_matmul(jax.lax.optimization_barrier(x), w),
