@@ -72,6 +72,34 @@ def test_gemv_reads_fp8_weights_with_their_scales(m, k, n, splits, groups):
     assert not supported(x, w[:, :n - 8], config=cfg, scale=scale[..., :n - 8])  # a partial column tile
 
 
+def test_fp8_gemv_lowers_for_hopper_with_unmasked_weight_loads(monkeypatch):
+    """The fp8 GEMV lowered to Triton IR for an sm_90 GPU, without one: every e4m3 tile is one load with
+    no mask and no fill value (Triton cannot fill e4m3 with a constant, so a masked fp8 load fails to
+    compile), with per-channel and block scales."""
+    import types
+
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    monkeypatch.setattr(registration, "gpu_info_lib",
+                        types.SimpleNamespace(get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
+    modules = []
+    lower_module = registration.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        out = lower_module(*args, **kwargs)
+        modules.append(out.module.operation.get_asm())
+        return out
+
+    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", capture)
+    s = jax.ShapeDtypeStruct
+    for m, scale in ((1, s((512,), jnp.float32)), (20, s((4, 512), jnp.float32))):
+        modules.clear()
+        x, w = s((m, 512), jnp.bfloat16), s((512, 512), jnp.float8_e4m3fn)
+        jax.jit(lambda x, w, scale: gemv(x, w, scale)).trace(x, w, scale).lower(lowering_platforms=("cuda",))
+        loads = [line.split("=", 1)[1] for line in modules[0].splitlines() if "tt.load" in line and "f8E4M3FN" in line]
+        assert len(loads) == 1 and "," not in loads[0].split(":")[0], loads  # one operand: the pointers
+
+
 def test_gemv_supported_shapes_and_config():
     x, w = jnp.zeros((16, 1024), jnp.bfloat16), jnp.zeros((1024, 4096), jnp.bfloat16)
     assert supported(x, w) and supported(jnp.zeros((32, 1024), jnp.bfloat16), w)
