@@ -6,7 +6,9 @@ arrays, as a step's layers are), and the median time per product is reported bes
 read bandwidth measured in this process (``floor.measure_device``):
 
 * ``bf16``: the bf16 weight by the engine's ops (the Pallas GEMV at <= 32 rows, else XLA's GEMM);
-* ``fp8_gemv``: the e4m3 weight and its per-channel scales read by the Pallas GEMV (<= 32 rows);
+* ``fp8_gemv``: the e4m3 weight and its per-channel scales read by the Pallas GEMV (<= 32 rows), and
+  ``fp8_gemv128`` the same with 128 output columns per program (128 bytes of each e4m3 row, as 64 columns
+  are of a bf16 row);
 * ``fp8_xla``: the e4m3 weight converted to bf16 and multiplied by XLA (``quantization.fp8_matmul``: what
   the engine runs for fp8 weights);
 * ``fp8_w8a8``: activations quantized per token and both e4m3 operands multiplied on fp8 tensor cores
@@ -76,6 +78,7 @@ def main(argv=None) -> list[dict]:
     variants = {
         "bf16": gemv_or_xla_matmul,
         "fp8_gemv": lambda x, w: gemv.gemv(x, w.weight, w.scale),
+        "fp8_gemv128": lambda x, w: gemv.gemv(x, w.weight, w.scale, config=gemv.gemv_config(*w.shape, block_n=128)),
         "fp8_xla": lambda x, w: fp8_matmul(x, w, matmul=xla_matmul_unfused_input),
         "fp8_w8a8": lambda x, w: fp8_scaled_matmul(jax.lax.optimization_barrier(x), w),
     }
@@ -89,7 +92,7 @@ def main(argv=None) -> list[dict]:
             x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
             row = dict(product=name, k=k, n=n, m=m)
             for variant, fn in variants.items():
-                if variant == "fp8_gemv" and m > 32:
+                if variant.startswith("fp8_gemv") and m > 32:
                     continue
                 try:
                     row[variant + "_us"] = layers_time(fn, x, w16 if variant == "bf16" else w8, args.repeats) * 1e6
@@ -104,7 +107,7 @@ def main(argv=None) -> list[dict]:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"fp8_gemm_{args.model}.json"), "w") as f:
         json.dump(dict(device=device.name, read_tb_s=device.read_bytes_per_s / 1e12, rows=rows), f, indent=1)
-    cols = ["bf16", "fp8_gemv", "fp8_xla", "fp8_w8a8"]
+    cols = list(variants)
     print(f"\n{'product':8} {'M':>4} {'floor16':>8} {'floor8':>7} " + " ".join(f"{c:>9}" for c in cols) + "   (us)")
     for r in rows:
         vals = " ".join(f"{r.get(c + '_us') or float('nan'):9.1f}" for c in cols)

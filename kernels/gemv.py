@@ -59,14 +59,14 @@ class GemvConfig:
     num_stages: int = 3
 
 
-def gemv_config(k: int, n: int, transpose_w: bool = False) -> GemvConfig:
+def gemv_config(k: int, n: int, transpose_w: bool = False, block_n: int = 64) -> GemvConfig:
     """The configuration for a ``[K, N]`` weight (never a function of ``M``): about 256+ programs.
 
     ``[K, N]`` weights read ``block_n`` contiguous columns per row of a tile (128 B at bf16 and
     ``block_n`` 64); transposed ones read ``block_k`` contiguous depths per row. ``splits`` grows
     until the grid has ~2 programs per SM, as long as each still walks at least 2 ``block_k`` steps.
     """
-    block_n, block_k = 64, 128  # also for [N, K] weights (the tied LM head): as fast there
+    block_k = 128  # block_n 64: also for [N, K] weights (the tied LM head): as fast there
     splits = 1
     col_tiles = -(-n // block_n)
     while col_tiles * splits < 256 and k % (2 * splits * block_k) == 0 and k // (2 * splits) >= 2 * block_k:
