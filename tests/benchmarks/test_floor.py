@@ -65,3 +65,17 @@ def test_floor_table_percentages():
     assert rows["attention"]["pct_of_floor"] == pytest.approx(50)
     assert rows["step"]["pct_of_floor"] == pytest.approx(50)
     assert rows["gemm"]["pct_of_floor"] is None  # no time measured for it
+
+
+def test_moe_layer_floor_counts_each_hit_expert_once():
+    """bench_moe's floor at Qwen3-30B-A3B shapes: the distinct experts' weights once, whatever the rows."""
+    spec = importlib.util.spec_from_file_location("bench_moe", ROOT / "benchmarks" / "bench_moe.py")
+    bench_moe = sys.modules.setdefault("bench_moe", importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(bench_moe)
+    shape = bench_moe.MoeShape(hidden=2048, intermediate=768, experts=128, top_k=8)
+    one = shape.floor(tokens=1, distinct=8, itemsize=2)
+    assert one["gate_up"][0] == 8 * 2048 * 1536 * 2 + 8 * (2048 + 1536) * 2
+    assert one["down"][1] == 2 * 8 * 768 * 2048
+    batch = shape.floor(tokens=256, distinct=128, itemsize=2)
+    assert batch["gate_up"][0] - 256 * 8 * (2048 + 1536) * 2 == 128 * 2048 * 1536 * 2  # all 128 experts, once
+    assert batch["moe"][1] == batch["gate_up"][1] + batch["down"][1] + 2 * 256 * 2048 * 128

@@ -1,0 +1,151 @@
+"""A Qwen3-MoE layer's sparse MLP and its grouped GEMMs, per step size, against their floors.
+
+For each token count ``T`` (``--tokens``: decode batches and prefill chunks) and ``--layers`` separate
+layers' weights at Qwen3-30B-A3B shapes (random bf16; tokens routed by a random router, so about as many
+distinct experts are hit as real routing hits), this times, median of ``--repeats``:
+
+* ``moe``: the whole sparse MLP (``models/moe.sparse_moe`` with the engine's ops for this device: router,
+  sort, gather, both grouped GEMMs, the weighting and the slots' sum);
+* ``gate_up`` and ``down``: each grouped GEMM alone (``ops.grouped_matmul``) over rows already sorted by
+  expert, with the same group sizes.
+
+Each is set against its floor on the device measured in the same process (``floor.measure_device``):
+the bytes of the distinct experts the routing hits (each read once) plus the activations, and the FLOPs
+of the ``T k`` rows; achieved GB/s and TFLOP/s are those bytes and FLOPs over the time. The MoE layer's
+share of a step is its time times the model's MoE layers over the step time ``bench_latency`` or
+``bench_throughput`` reports.
+
+    python benchmarks/bench_moe.py --out $OUT                          # GPU, Qwen3-30B-A3B shapes
+    python benchmarks/bench_moe.py --tiny --tokens 1,16 --out /tmp/m   # CPU: the tiny MoE shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.floor import Device, measure_device  # noqa: E402
+from jaxpaged.models.moe import route, sort_by_expert, sparse_moe  # noqa: E402
+from jaxpaged.models.ops import get_model_ops  # noqa: E402
+from jaxpaged.workloads import QWEN3_30B_A3B  # noqa: E402
+
+TINY = dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeShape:
+    hidden: int
+    intermediate: int
+    experts: int
+    top_k: int
+
+    def expert_bytes(self, itemsize: int) -> tuple[int, int]:
+        """One expert's ``(gate_up, down)`` weight bytes."""
+        return self.hidden * 2 * self.intermediate * itemsize, self.intermediate * self.hidden * itemsize
+
+    def floor(self, tokens: int, distinct: int, itemsize: int) -> dict[str, tuple[float, float]]:
+        """``name -> (bytes, flops)`` that must move and be done: each hit expert's weights once, the
+        gathered rows in and the products out once; ``2 T k K N`` FLOPs per grouped GEMM."""
+        h, i, rows = self.hidden, self.intermediate, tokens * self.top_k
+        gu_w, down_w = self.expert_bytes(itemsize)
+        gate_up = (distinct * gu_w + rows * (h + 2 * i) * itemsize, 2.0 * rows * h * 2 * i)
+        down = (distinct * down_w + rows * (i + h) * itemsize, 2.0 * rows * i * h)
+        router = h * self.experts * itemsize + tokens * h * itemsize
+        moe = (gate_up[0] + down[0] + router, gate_up[1] + down[1] + 2.0 * tokens * h * self.experts)
+        return dict(moe=moe, gate_up=gate_up, down=down)
+
+
+def median_seconds(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(shape: MoeShape, tokens: int, layers: int, repeats: int, device: Device, dtype=jnp.bfloat16,
+            seed: int = 0) -> dict:
+    """One row of the table: times per layer, floors and achieved rates for ``tokens`` tokens."""
+    ops = get_model_ops()
+    keys = iter(jax.random.split(jax.random.key(seed), 3 * layers + 2))
+    normal = lambda shape_, scale=0.02: (jax.random.normal(next(keys), shape_, jnp.float32) * scale).astype(dtype)  # noqa: E731
+    h, i, e, k = shape.hidden, shape.intermediate, shape.experts, shape.top_k
+    weights = [(normal((h, e)), normal((e, h, 2 * i)), normal((e, i, h))) for _ in range(layers)]
+    x = normal((tokens, h), 1.0)
+    _, experts = route(ops.matmul(x, weights[0][0]).astype(jnp.float32), k, True)
+    order, group_sizes = sort_by_expert(experts, 0, e)
+    distinct = int(jnp.count_nonzero(group_sizes))
+    rows_x = x[order // k]
+    rows_i = normal((tokens * k, i), 1.0)
+
+    def over_layers(product):
+        def run(*args):
+            acc = jnp.zeros((), jnp.float32)
+            for w in weights:
+                acc = acc + product(w, *args)[:1, :1].astype(jnp.float32).sum()
+            return acc
+        return jax.jit(run)
+
+    times = dict(
+        moe=median_seconds(over_layers(lambda w, x: sparse_moe(x, *w, top_k=k, norm_topk_prob=True, ops=ops)), x,
+                           repeats=repeats),
+        gate_up=median_seconds(over_layers(lambda w, r, g: ops.grouped_matmul(r, w[1], g)), rows_x, group_sizes,
+                               repeats=repeats),
+        down=median_seconds(over_layers(lambda w, r, g: ops.grouped_matmul(r, w[2], g)), rows_i, group_sizes,
+                            repeats=repeats),
+    )
+    row = dict(tokens=tokens, distinct_experts=distinct)
+    for name, (num_bytes, flops) in shape.floor(tokens, distinct, jnp.dtype(dtype).itemsize).items():
+        seconds = times[name] / layers
+        row[name] = dict(us=seconds * 1e6, floor_us=device.seconds(num_bytes, flops) * 1e6,
+                         gb_s=num_bytes / seconds / 1e9, tflop_s=flops / seconds / 1e12)
+        row[name]["pct_of_floor"] = 100 * row[name]["floor_us"] / row[name]["us"]
+    return row
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", default="1,8,64,256,2048,8192", help="tokens per step (decode batch or chunk)")
+    ap.add_argument("--layers", type=int, default=4, help="separate layers' weights per timed function")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--tiny", action="store_true", help="the tiny MoE shapes (a CPU run)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    cfg = TINY if args.tiny else QWEN3_30B_A3B
+    shape = MoeShape(cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"], cfg["num_experts_per_tok"])
+    device = measure_device(**(dict(read_bytes=8 << 20, matmul_size=256, repeats=3) if args.tiny else {}))
+    print(f"{device.name}: read {device.read_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
+          f"{device.matmul_flops_per_s / 1e12:.0f} TFLOP/s; {shape}", flush=True)
+    rows = []
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        rows.append(measure(shape, tokens, args.layers, args.repeats, device))
+        print(json.dumps(rows[-1]), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_moe.json"), "w") as f:
+        json.dump(dict(device=device.name, read_tb_s=device.read_bytes_per_s / 1e12,
+                       matmul_tflop_s=device.matmul_flops_per_s / 1e12, shape=dataclasses.asdict(shape), rows=rows),
+                  f, indent=1)
+    print(f"\n{'T':>5} {'experts':>7} " + " ".join(f"{n + ' us':>10} {'floor':>7} {'%':>4} {'GB/s':>6} {'TF/s':>5}"
+                                              for n in ("moe", "gate_up", "down")))
+    for r in rows:
+        print(f"{r['tokens']:5d} {r['distinct_experts']:7d} " + " ".join(
+            f"{r[n]['us']:10.1f} {r[n]['floor_us']:7.1f} {r[n]['pct_of_floor']:4.0f} {r[n]['gb_s']:6.0f} "
+            f"{r[n]['tflop_s']:5.1f}" for n in ("moe", "gate_up", "down")))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
