@@ -21,6 +21,10 @@ then follow a cached prefix (the step of a turn in a conversation), and TTFT is 
   step slowed by other requests' prefill chunks shows in the tail. A request of ``n`` tokens gives
   ``n - 1`` gaps, one per decode step it took part in. TPOT: per request,
   ``(finished_time - first_token_time) / (tokens - 1)``.
+* ITL floor: the decode step's floor (``benchmarks/floor.py``: its weights read once, a Qwen3-MoE layer's
+  ``k`` experts a token, and the batch's KV at its mean context) on the read bandwidth measured in this
+  process after the runs, and the ITL p50 as a percentage of it (``--no-floor`` skips it). fp8 weights
+  count one byte a weight, the bf16 LM head too: a lower bound.
 
 Backends compared (``--backend triton,mosaic``): an engine each in this process, compiled first, then
 measured in turn run by run on the same prompts, each row with its TTFT and ITL p50 as a ratio to the
@@ -52,6 +56,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.floor import measure_device, step_floor  # noqa: E402
 from jaxpaged.engine.metrics import percentile  # noqa: E402
 from jaxpaged.engine.heap import freeze_long_lived_heap  # noqa: E402
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -157,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "a step then pads its rows to min(tokens, 256), and steps of <= 2x that many tokens "
                          "run attention's decode configuration (a 32-token prompt alone: decode tiles at 256, "
                          "prefill tiles at 1)")
+    ap.add_argument("--no-floor", action="store_true", help="skip the ITL floor (measures the read bandwidth)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     if args.max_num_seqs is not None and args.max_num_seqs < max(int(x) for x in args.batches.split(",")):
@@ -245,6 +251,17 @@ def main(argv: list[str] | None = None) -> dict:
                 agreement.setdefault(name, []).extend(a == b for a, b in pairs)
 
     engine = engines[backends[0]]
+    if not args.no_floor:
+        on_gpu = jax.default_backend() == "gpu"
+        device = measure_device(*((4 << 30, 8192) if on_gpu else (64 << 20, 512)))
+        weight_dtype = "float8_e4m3fn" if args.quantization else params.dtype
+        for r in rows:
+            ctx = args.prefix_len + r["prompt_len"] + args.max_tokens // 2
+            f = step_floor(params.config, device, num_tokens=r["batch"], context_lens=[ctx] * r["batch"],
+                           kv_dtype=engine.kv_dtype, block_size=bs, weight_dtype=weight_dtype)
+            r["itl_floor_ms"] = f.seconds * 1e3
+            r["itl_pct_of_floor"] = None if not r["itl_p50_ms"] else 100 * r["itl_floor_ms"] / r["itl_p50_ms"]
+        print(f"floor: {device.name}, read {device.read_bytes_per_s / 1e12:.2f} TB/s (measured after the runs)")
     result = dict(model=args.model, device=str(jax.devices()[0]), jax=jax.__version__,
                   backend=engine.runner.attention_backend, args=vars(args), setup_s=setup_s,
                   max_num_seqs=engine.config.max_num_seqs,
@@ -267,8 +284,16 @@ def main(argv: list[str] | None = None) -> dict:
           f"compile {result['compile_s_total']:.1f} s total ({result['compiled_shapes']} shapes), setup {setup_s:.1f} s")
     print(f"{'backend ' if several else ''}{'batch':>5s} {'prompt':>6s} {'TTFT p50':>9s} {'TTFT p90':>9s} "
           f"{'ITL p50':>8s} {'ITL p90':>8s} {'TPOT p50':>9s} {'out tok/s':>9s} {'compile s':>9s}"
+          f"{'' if args.no_floor else ' ITL floor  % floor'}"
           f"{'  TTFT / ITL p50 vs ' + result['backend'] if several else ''}")
     base = {(r["batch"], r["prompt_len"]): r for r in rows if r["backend"] == result["backend"]}
+
+    def floor_cols(r: dict) -> str:
+        if args.no_floor:
+            return ""
+        pct = "-" if r["itl_pct_of_floor"] is None else f"{r['itl_pct_of_floor']:.0f}"
+        return f" {f2(r['itl_floor_ms']):>9s} {pct:>8s}"
+
     ratio = lambda a, b: "-" if a is None or not b else f"{a / b:.2f}"  # noqa: E731
     for r in rows:
         warn = "  (recompiled while measuring)" if r["recompiles_while_measuring"] else ""
@@ -277,7 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['backend'] + ' ' if several else ''}{r['batch']:5d} {r['prompt_len']:6d} "
               f"{f2(r['ttft_p50_ms']):>9s} {f2(r['ttft_p90_ms']):>9s} {f2(r['itl_p50_ms']):>8s} "
               f"{f2(r['itl_p90_ms']):>8s} {f2(r['tpot_p50_ms']):>9s} {r['out_tok_per_s']:9.0f} "
-              f"{r['compile_s']:9.1f}{vs if several else ''}{warn}")
+              f"{r['compile_s']:9.1f}{floor_cols(r)}{vs if several else ''}{warn}")
     for name, frac in result.get("greedy_agreement", {}).items():
         print(f"greedy tokens equal to {result['backend']}'s: {name} {frac:.1%} of requests")
     print("(times in ms; TTFT includes queueing behind the other requests of the batch)")
