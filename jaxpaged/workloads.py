@@ -128,8 +128,8 @@ _BENCHMARK_SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen2.5-7b": QWEN2_5_7B, "qwen3-
 def benchmark_params(model: str, quantization: str | None = None) -> ModelParams:
     """The benchmarks' ``--model``: ``qwen3-0.6b``, ``qwen2.5-7b`` or ``qwen3-30b-a3b`` (full-size shapes,
     random bf16 weights) or ``tiny`` (the packaged tiny checkpoint, for CPU runs). ``quantization="fp8"``:
-    the linear weights quantized at load (per output channel), as ``LLM(path, quantization="fp8")`` does
-    (not for the MoE model, whose experts have no fp8 path)."""
+    the linear weights (and a MoE model's experts) quantized at load (per output channel), as
+    ``LLM(path, quantization="fp8")`` does."""
     if model in _BENCHMARK_SHAPES:
         return random_model(_BENCHMARK_SHAPES[model], quantization=quantization)
     if model == "tiny":

@@ -93,32 +93,34 @@ def _stack_transposed(ts: list[np.ndarray]) -> np.ndarray:
     return np.stack([t.T for t in ts])
 
 
-def moe_rules(cfg: QwenConfig, n: int) -> list[WeightRule]:
+def moe_rules(cfg: QwenConfig, n: int, quant: Fp8Config | None = None) -> list[WeightRule]:
     """Layer ``n``'s mixture of experts, from Hugging Face's per-expert tensors (as published:
-    ``mlp.gate.weight [E, H]``, ``mlp.experts.<e>.{gate,up,down}_proj.weight``)."""
+    ``mlp.gate.weight [E, H]``, ``mlp.experts.<e>.{gate,up,down}_proj.weight``, and in an fp8 checkpoint
+    each expert projection's ``weight_scale_inv``; the router is never quantized)."""
     h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     p = f"model.layers.{n}.mlp."
     gate_up = tuple(src for x in range(e) for src in ((p + f"experts.{x}.gate_proj.weight", (i, h)),
                                                        (p + f"experts.{x}.up_proj.weight", (i, h))))
     down = tuple((p + f"experts.{x}.down_proj.weight", (h, i)) for x in range(e))
     return [WeightRule(("layers", n, "mlp", "gate"), ((p + "gate.weight", (e, h)),), _transpose),
-            WeightRule(("layers", n, "mlp", "experts_gate_up"), gate_up, _stack_gate_up, experts=2),
-            WeightRule(("layers", n, "mlp", "experts_down"), down, _stack_transposed, experts=1)]
+            *linear_rules(("layers", n, "mlp", "experts_gate_up"), gate_up, _stack_gate_up, quant, experts=2),
+            *linear_rules(("layers", n, "mlp", "experts_down"), down, _stack_transposed, quant, experts=1)]
 
 
 def linear_rules(path: tuple[str | int, ...], sources: tuple[tuple[str, tuple[int, int]], ...],
-                 combine: Callable[[list[np.ndarray]], np.ndarray], quant: Fp8Config | None) -> list[WeightRule]:
-    """A projection's rules: its weight, and from an fp8 checkpoint (block scales) its e4m3 weight as
-    stored and the ``_block_scale`` built from each source's ``weight_scale_inv``, expanded to its rows
-    and then combined as the weights are."""
+                 combine: Callable[[list[np.ndarray]], np.ndarray], quant: Fp8Config | None,
+                 experts: int = 0) -> list[WeightRule]:
+    """A projection's rules (``experts``: stacked experts, that many sources each): its weight, and from
+    an fp8 checkpoint (block scales) its e4m3 weight as stored and the ``_block_scale`` built from each
+    source's ``weight_scale_inv``, expanded to its rows and then combined as the weights are."""
     if quant is None or quant.weight_block_size is None:
-        return [WeightRule(path, sources, combine, linear=True)]
+        return [WeightRule(path, sources, combine, linear=True, experts=experts)]
     bo, bi = quant.weight_block_size
     scales = tuple((name.removesuffix("weight") + "weight_scale_inv", (-(-out // bo), -(-inp // bi)))
                    for name, (out, inp) in sources)
-    return [WeightRule(path, sources, combine, storage="float8_e4m3fn"),
+    return [WeightRule(path, sources, combine, storage="float8_e4m3fn", experts=experts),
             WeightRule(path[:-1] + (path[-1] + BLOCK_SCALE,), scales, combine, storage="float32", block=(bo, bi),
-                       scaled=tuple(shape for _, shape in sources))]
+                       scaled=tuple(shape for _, shape in sources), experts=experts)]
 
 
 def name_table(cfg: QwenConfig, quant: Fp8Config | None = None) -> list[WeightRule]:
@@ -143,7 +145,7 @@ def name_table(cfg: QwenConfig, quant: Fp8Config | None = None) -> list[WeightRu
             *linear_rules(("layers", n, "attn", "o_proj"), ((a + "o_proj.weight", (h, q)),), _transpose, quant),
         ]
         if cfg.is_moe_layer(n):
-            rules += moe_rules(cfg, n)
+            rules += moe_rules(cfg, n, quant)
         else:
             rules += [
                 *linear_rules(("layers", n, "mlp", "gate_up_proj"),

@@ -34,10 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import QwenConfig
-
-
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> nnx.Param:
-    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * 0.02).astype(dtype))
+from .quantization import Fp8Config, Fp8Weight, fp8_grouped_matmul, init_linear, linear_weight
 
 
 def pairwise_sum(x: jax.Array) -> jax.Array:
@@ -78,19 +75,27 @@ def sort_by_expert(experts: jax.Array, first: jax.Array | int, num_local: int) -
     return order, group_sizes
 
 
-def sparse_moe(x: jax.Array, router: jax.Array, experts_gate_up: jax.Array, experts_down: jax.Array, *,
-               top_k: int, norm_topk_prob: bool, ops: Any) -> jax.Array:
+def expert_product(x: jax.Array, w: jax.Array | Fp8Weight, group_sizes: jax.Array, ops: Any) -> jax.Array:
+    """One grouped expert GEMM by ``ops.grouped_matmul``; fp8 experts (:class:`Fp8Weight`) through
+    :func:`quantization.fp8_grouped_matmul` around it."""
+    if isinstance(w, Fp8Weight):
+        return fp8_grouped_matmul(x, w, group_sizes, grouped_matmul=ops.grouped_matmul)
+    return ops.grouped_matmul(x, w, group_sizes)
+
+
+def sparse_moe(x: jax.Array, router: jax.Array, experts_gate_up: jax.Array | Fp8Weight,
+               experts_down: jax.Array | Fp8Weight, *, top_k: int, norm_topk_prob: bool, ops: Any) -> jax.Array:
     """``x [T, H]`` -> this device's experts' share of the MoE output ``[T, H]`` (the whole output on one
     device; summed over devices by ``ops.all_reduce`` under expert parallelism). ``router [H, E]``,
-    ``experts_gate_up [E_local, H, 2 I]``, ``experts_down [E_local, I, H]``; ``ops``: the model's
-    ``ModelOps`` (``matmul``, ``grouped_matmul``, ``expert_shard``)."""
+    ``experts_gate_up [E_local, H, 2 I]``, ``experts_down [E_local, I, H]`` (arrays, or fp8 experts with
+    their scales); ``ops``: the model's ``ModelOps`` (``matmul``, ``grouped_matmul``, ``expert_shard``)."""
     t, h = x.shape
     num_local = experts_gate_up.shape[0]
     weights, experts = route(ops.matmul(x, router).astype(jnp.float32), top_k, norm_topk_prob)
     order, group_sizes = sort_by_expert(experts, ops.expert_shard() * num_local, num_local)
     tokens = order // top_k  # [T k]: the token of each sorted pair
-    gate, up = jnp.split(ops.grouped_matmul(x[tokens], experts_gate_up, group_sizes), 2, axis=-1)
-    y = ops.grouped_matmul(jax.nn.silu(gate) * up, experts_down, group_sizes)  # [T k, H]
+    gate, up = jnp.split(expert_product(x[tokens], experts_gate_up, group_sizes, ops), 2, axis=-1)
+    y = expert_product(jax.nn.silu(gate) * up, experts_down, group_sizes, ops)  # [T k, H]
     y = jax.lax.optimization_barrier(y * weights.astype(x.dtype).reshape(-1)[order][:, None])
     slots = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(t, top_k, h)
     out = slots[:, 0]
@@ -101,18 +106,20 @@ def sparse_moe(x: jax.Array, router: jax.Array, experts_gate_up: jax.Array, expe
 
 class SparseMoeBlock(nnx.Module):
     """The MoE MLP of one layer: ``gate [H, E]`` (the router, Hugging Face's name), ``experts_gate_up
-    [E_local, H, 2 I]``, ``experts_down [E_local, I, H]``."""
+    [E_local, H, 2 I]``, ``experts_down [E_local, I, H]``; with ``quant`` the experts in fp8, their scales
+    beside them (``models/quantization.py``), the router in ``dtype``."""
 
-    def __init__(self, cfg: QwenConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: QwenConfig, dtype: jnp.dtype, rngs: nnx.Rngs, quant: Fp8Config | None = None):
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_local_experts
-        self.gate = _normal(rngs, (h, cfg.num_experts), dtype)
-        self.experts_gate_up = _normal(rngs, (e, h, 2 * i), dtype)
-        self.experts_down = _normal(rngs, (e, i, h), dtype)
+        init_linear(self, "gate", rngs, (h, cfg.num_experts), dtype, None)
+        init_linear(self, "experts_gate_up", rngs, (e, h, 2 * i), dtype, quant)
+        init_linear(self, "experts_down", rngs, (e, i, h), dtype, quant)
 
     def __call__(self, x: jax.Array, ops: Any) -> jax.Array:
-        out = sparse_moe(x, self.gate[...], self.experts_gate_up[...], self.experts_down[...], top_k=self.top_k,
+        out = sparse_moe(x, self.gate[...], linear_weight(self, "experts_gate_up", x.dtype),
+                         linear_weight(self, "experts_down", x.dtype), top_k=self.top_k,
                          norm_topk_prob=self.norm_topk_prob, ops=ops)
         if ops.matmul_parts is not None:  # handed to the next norm as a finished product (one part)
             return out[None]

@@ -13,8 +13,10 @@ their scale beside it: ``<name>_scale f32[N]`` (per output channel) or ``<name>_
 N]`` (one per ``g`` rows of each column, ``g = gcd(block_in, K)``: the checkpoint's blocks expanded along
 the output, so fused q/k/v or gate/up and column splits are concatenations and slices of columns, as
 the weights are). Different names for the two layouts: tensor parallelism splits them differently
-(``models/sharding.py``) and a compiled step is specific to them. Embeddings, the LM head, norms and
-biases stay in the model's dtype (as vLLM).
+(``models/sharding.py``) and a compiled step is specific to them. A Qwen3-MoE layer's stacked experts
+(``EXPERT_NAMES``, ``[E, in, out]``) are stored alike, one scale array per expert stacked in front
+(``f32[E, N]`` or ``f32[E, K / g, N]``), and multiplied by :func:`fp8_grouped_matmul`. Embeddings, the
+LM head, norms, biases and a MoE layer's router stay in the model's dtype (as vLLM).
 
 The model hands its ops an :class:`Fp8Weight` (``linear_weight``) where it would hand a matrix; the ops
 multiply it by :func:`fp8_matmul` around whichever array matmul they use. That is the point where an fp8
@@ -33,6 +35,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxpaged.config import QUANTIZATIONS
 
@@ -41,6 +44,7 @@ from .config import CheckpointError
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+EXPERT_NAMES = ("experts_gate_up", "experts_down")  # [E, in, out]: a MoE layer's stacked experts
 SCALE, BLOCK_SCALE = "_scale", "_block_scale"  # suffixes of a linear weight's scale parameter
 
 
@@ -55,12 +59,12 @@ class Fp8Config:
     def scale_suffix(self) -> str:
         return SCALE if self.weight_block_size is None else BLOCK_SCALE
 
-    def scale_shape(self, shape: tuple[int, int]) -> tuple[int, ...]:
-        """The scale parameter's shape for a weight ``[K, N]``."""
-        k, n = shape
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The scale parameter's shape for a weight ``[K, N]`` (or stacked experts' ``[E, K, N]``)."""
+        *lead, k, n = shape
         if self.weight_block_size is None:
-            return (n,)
-        return (k // math.gcd(self.weight_block_size[1], k), n)
+            return (*lead, n)
+        return (*lead, k // math.gcd(self.weight_block_size[1], k), n)
 
 
 def from_quantization_config(raw: Any, source: str = "config.json") -> Fp8Config | None:
@@ -106,7 +110,8 @@ class Fp8Weight:
     """A linear weight ``[K, N]`` stored as e4m3 with scales; ``dtype`` is the model's (the product's).
 
     ``weight f8e4m3[K, N]``; ``scale f32[N]`` (per output channel) or ``f32[K / g, N]`` (rows
-    ``[i g, (i + 1) g)`` of column ``n`` scaled by ``scale[i, n]``). The real value is ``weight * scale``."""
+    ``[i g, (i + 1) g)`` of column ``n`` scaled by ``scale[i, n]``). The real value is ``weight * scale``.
+    Stacked experts: ``weight [E, K, N]`` with ``scale [E, N]`` or ``[E, K / g, N]``, one of each per expert."""
 
     weight: jax.Array
     scale: jax.Array
@@ -115,6 +120,21 @@ class Fp8Weight:
     @property
     def shape(self) -> tuple[int, ...]:
         return self.weight.shape
+
+
+def init_linear(module: Any, name: str, rngs: Any, shape: tuple[int, ...], dtype, quant: Fp8Config | None) -> None:
+    """A random linear weight ``[in, out]`` (or stacked experts' ``[E, in, out]``) as ``module.<name>``
+    (normal * 0.02): in ``dtype``, or (``quant``) e4m3 with its scale beside it (block scales start equal
+    along each column)."""
+    w = jax.random.normal(rngs.params(), shape, jnp.float32) * 0.02
+    if quant is None:
+        setattr(module, name, nnx.Param(w.astype(dtype)))
+        return
+    weight, scale = quantize_per_channel(w)
+    if quant.weight_block_size is not None:
+        scale = jnp.expand_dims(scale, -2)
+    setattr(module, name, nnx.Param(weight))
+    setattr(module, name + quant.scale_suffix, nnx.Param(jnp.broadcast_to(scale, quant.scale_shape(shape))))
 
 
 def linear_weight(module: Any, name: str, dtype) -> jax.Array | Fp8Weight:
@@ -131,11 +151,12 @@ def linear_weight(module: Any, name: str, dtype) -> jax.Array | Fp8Weight:
 
 def quantize_per_channel(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``w [K, N]`` -> ``(f8e4m3[K, N], scale f32[N])`` with ``scale = amax / 448`` over each column
-    (1 for an all-zero column), rounding to nearest; ``weight * scale`` approximates ``w``."""
+    (1 for an all-zero column), rounding to nearest; ``weight * scale`` approximates ``w``. Stacked
+    experts ``[E, K, N]``: each expert's columns alike, ``scale f32[E, N]``."""
     wf = w.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(wf), axis=0)
+    amax = jnp.max(jnp.abs(wf), axis=-2, keepdims=True)
     scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    return jnp.clip(wf / scale, -FP8_MAX, FP8_MAX).astype(FP8), scale
+    return jnp.clip(wf / scale, -FP8_MAX, FP8_MAX).astype(FP8), jnp.squeeze(scale, -2)
 
 
 @functools.cache
@@ -161,13 +182,14 @@ def expand_block_scale(scale_inv: np.ndarray, out_dim: int, in_dim: int, block: 
 
 
 def dequantize(w: Fp8Weight, dtype=jnp.float32) -> jax.Array:
-    """``w``'s real values ``[K, N]`` (computed in fp32, rounded once to ``dtype``)."""
+    """``w``'s real values ``[K, N]`` (or ``[E, K, N]``; computed in fp32, rounded once to ``dtype``)."""
     wf = w.weight.astype(jnp.float32)
-    if w.scale.ndim == 1:
-        return (wf * w.scale).astype(dtype)
-    k, n = w.shape
-    blocks = w.scale.shape[0]
-    return (wf.reshape(blocks, k // blocks, n) * w.scale[:, None, :]).reshape(k, n).astype(dtype)
+    if w.scale.ndim == w.weight.ndim - 1:  # per output channel
+        return (wf * jnp.expand_dims(w.scale, -2)).astype(dtype)
+    *lead, k, n = w.shape
+    blocks = w.scale.shape[-2]
+    per_block = wf.reshape(*lead, blocks, k // blocks, n) * jnp.expand_dims(w.scale, -2)
+    return per_block.reshape(w.shape).astype(dtype)
 
 
 def fp8_matmul(x: jax.Array, w: Fp8Weight, *, matmul: Callable[..., jax.Array], transpose_w: bool = False,
@@ -186,6 +208,23 @@ def fp8_matmul(x: jax.Array, w: Fp8Weight, *, matmul: Callable[..., jax.Array], 
         y = matmul(x, w.weight.astype(w.dtype), out_dtype=jnp.float32) * w.scale
         return y.astype(out_dtype or x.dtype)
     return matmul(x, dequantize(w, w.dtype), out_dtype=out_dtype)
+
+
+def fp8_grouped_matmul(x: jax.Array, w: Fp8Weight, group_sizes: jax.Array, *, grouped_matmul: Callable[..., jax.Array],
+                       out_dtype=None) -> jax.Array:
+    """A MoE layer's expert product with fp8 experts: ``x [M, K]`` (rows sorted by expert, ``group_sizes``
+    of them per expert) times ``w [E, K, N]`` by ``grouped_matmul`` (the ops' grouped GEMM), in ``w.dtype``'s
+    operands with fp32 accumulation, returned in ``out_dtype`` (default ``x``'s).
+
+    As :func:`fp8_matmul` for one matrix: per output channel, the e4m3 experts are multiplied as they are
+    and each row of the fp32 product scaled by its expert's column scales (exact); block scales are
+    dequantized into the experts first. Rows past the groups (another device's experts) stay zero."""
+    if w.scale.ndim == 2:
+        y = grouped_matmul(x, w.weight.astype(w.dtype), group_sizes, out_dtype=jnp.float32)
+        ends = jnp.cumsum(group_sizes)
+        expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(x.shape[0]), side="right"), w.shape[0] - 1)
+        return (y * w.scale[expert]).astype(out_dtype or x.dtype)
+    return grouped_matmul(x, dequantize(w, w.dtype), group_sizes, out_dtype=out_dtype)
 
 
 def quantize_per_token(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -227,7 +266,7 @@ def quantize_linears(pure: dict, place: Callable[[tuple, jax.Array], tuple[Any, 
     for key, value in pure.items():
         if isinstance(value, dict):
             out[key] = quantize_linears(value, place and (lambda path, w, key=key: place((key,) + path, w)))
-        elif key in LINEAR_NAMES:
+        elif key in LINEAR_NAMES or key in EXPERT_NAMES:
             out[key], out[key + SCALE] = quantizer(None if place is None else place((key,), value))(value)
         else:
             out[key] = value

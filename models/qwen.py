@@ -32,7 +32,7 @@ from ..kernels.matmul import dot_precision
 from ..kernels.metadata import AttentionMetadata
 from .config import QwenConfig
 from .moe import SparseMoeBlock
-from .quantization import Fp8Config, Fp8Weight, fp8_matmul, linear_weight, quantize_per_channel
+from .quantization import Fp8Config, Fp8Weight, fp8_matmul, init_linear, linear_weight
 
 KVPool = jax.Array  # [L, num_blocks, block_size, 2, Hkv, D]: keys at [..., 0, :, :], values at [..., 1, :, :]
 AttentionFn = Callable[..., jax.Array]  # (q, kv_pool, layer, cu_q_lens, kv_lens, block_tables) -> out
@@ -41,18 +41,6 @@ WriteKVFn = Callable[..., jax.Array]  # (kv_pool, layer, k, v, slot_mapping) -> 
 
 def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, std: float = 0.02) -> nnx.Param:
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype))
-
-
-def _init_linear(module: nnx.Module, name: str, rngs: nnx.Rngs, shape: tuple[int, int], dtype: jnp.dtype,
-                 quant: Fp8Config | None) -> None:
-    """A linear layer's weight ``[in, out]`` as ``module.<name>``: in ``dtype``, or (``quant``) e4m3 with
-    its scale beside it (``models/quantization.py``; block scales start equal along each column)."""
-    if quant is None:
-        setattr(module, name, _init(rngs, shape, dtype))
-        return
-    weight, scale = quantize_per_channel(jax.random.normal(rngs.params(), shape, jnp.float32) * 0.02)
-    setattr(module, name, nnx.Param(weight))
-    setattr(module, name + quant.scale_suffix, nnx.Param(jnp.broadcast_to(scale, quant.scale_shape(shape))))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -223,10 +211,10 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: QwenConfig, dtype: jnp.dtype, rngs: nnx.Rngs, quant: Fp8Config | None = None):
         self.cfg = cfg
-        _init_linear(self, "qkv_proj", rngs, (cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), dtype, quant)
+        init_linear(self, "qkv_proj", rngs, (cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), dtype, quant)
         self.qkv_bias = (nnx.Param(jnp.zeros((cfg.q_size + 2 * cfg.kv_size,), dtype))
                          if cfg.attention_bias else None)
-        _init_linear(self, "o_proj", rngs, (cfg.q_size, cfg.hidden_size), dtype, quant)
+        init_linear(self, "o_proj", rngs, (cfg.q_size, cfg.hidden_size), dtype, quant)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
@@ -265,8 +253,8 @@ class MLP(nnx.Module):
     """SiLU-gated MLP with gate and up fused: ``[H, 2I]`` then ``[I, H]``."""
 
     def __init__(self, cfg: QwenConfig, dtype: jnp.dtype, rngs: nnx.Rngs, quant: Fp8Config | None = None):
-        _init_linear(self, "gate_up_proj", rngs, (cfg.hidden_size, 2 * cfg.intermediate_size), dtype, quant)
-        _init_linear(self, "down_proj", rngs, (cfg.intermediate_size, cfg.hidden_size), dtype, quant)
+        init_linear(self, "gate_up_proj", rngs, (cfg.hidden_size, 2 * cfg.intermediate_size), dtype, quant)
+        init_linear(self, "down_proj", rngs, (cfg.intermediate_size, cfg.hidden_size), dtype, quant)
 
     def __call__(self, x: jax.Array, ops: ModelOps = DEFAULT_OPS) -> jax.Array:
         gate_up, down = linear_weight(self, "gate_up_proj", x.dtype), linear_weight(self, "down_proj", x.dtype)
@@ -282,7 +270,7 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.attn = Attention(cfg, dtype, rngs, quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = SparseMoeBlock(cfg, dtype, rngs) if moe else MLP(cfg, dtype, rngs, quant)
+        self.mlp = SparseMoeBlock(cfg, dtype, rngs, quant) if moe else MLP(cfg, dtype, rngs, quant)
 
     def __call__(self, x, positions, kv_pool, layer, meta, attention_fn, write_kv_fn,
                  ops: ModelOps = DEFAULT_OPS, pending: jax.Array | None = None):
@@ -316,16 +304,12 @@ def decoder_layer(graphdef: nnx.GraphDef, state: nnx.State, x, positions, kv_poo
 class Qwen(nnx.Module):
     """The decoder: embed -> layers -> final norm; ``compute_logits`` applies the (tied) LM head.
 
-    ``quantization``: the linear layers' weights in fp8 (``models/quantization.py``); embeddings, LM
-    head, norms and biases stay in ``dtype``, the dtype of the activations. Not for Qwen3-MoE: its
-    experts have no fp8 path (refused with a ``ValueError``)."""
+    ``quantization``: the linear layers' and a MoE layer's experts' weights in fp8
+    (``models/quantization.py``); embeddings, LM head, norms, biases and routers stay in ``dtype``, the
+    dtype of the activations."""
 
     def __init__(self, cfg: QwenConfig, dtype: str | jnp.dtype = "float32", *, rngs: nnx.Rngs,
                  quantization: Fp8Config | None = None):
-        if quantization is not None and cfg.num_experts:
-            raise ValueError(f"fp8 weights (quantization='fp8', or an fp8 checkpoint) are not supported for "
-                             f"{cfg.model_type!r} (Qwen3-MoE): its expert weights have no fp8 path; load it in "
-                             "bfloat16 or float32")
         dtype = jnp.dtype(dtype)
         self.cfg = cfg
         self.embed_tokens = _init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)

@@ -67,11 +67,15 @@ PARAM_SPECS = {
     "o_proj" + SCALE: P(),
     "gate_up_proj" + SCALE: P(TP_AXIS),
     "down_proj" + SCALE: P(),
+    "experts_gate_up" + SCALE: P(TP_AXIS, None),  # [E, N]: with their experts
+    "experts_down" + SCALE: P(TP_AXIS, None),
     # an fp8 checkpoint's block scales [K / g, N]: split as their weights are
     "qkv_proj" + BLOCK_SCALE: P(None, TP_AXIS),
     "o_proj" + BLOCK_SCALE: P(TP_AXIS, None),
     "gate_up_proj" + BLOCK_SCALE: P(None, TP_AXIS),
     "down_proj" + BLOCK_SCALE: P(TP_AXIS, None),
+    "experts_gate_up" + BLOCK_SCALE: P(TP_AXIS, None, None),  # [E, K / g, N]: with their experts
+    "experts_down" + BLOCK_SCALE: P(TP_AXIS, None, None),
 }
 
 

@@ -21,15 +21,18 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, EngineConfig, LLMEngine, SamplingParams
+from jaxpaged.kernels.grouped_matmul import grouped_matmul, grouped_matmul_fixed_tile, grouped_matmul_reference
+from jaxpaged.llm import run_to_completion
 from jaxpaged.models.checkpoint import load_params
+from jaxpaged.models.convert import read_hf_tensors
 from jaxpaged.models.config import CheckpointError
 from jaxpaged.models.kv_pool import init_kv_pool
 from jaxpaged.models.quantization import (FP8_MAX, Fp8Config, Fp8Weight, accepting_fp8, dequantize,
-                                          expand_block_scale, fp8_matmul, fp8_scaled_matmul,
+                                          expand_block_scale, fp8_grouped_matmul, fp8_matmul, fp8_scaled_matmul,
                                           from_quantization_config, quantize_per_channel, quantize_per_token)
 from jaxpaged.models.ops import fused_add_rms_norm, fused_qkv, gemv_or_xla_matmul, matmul_parts, silu_mul_matmul_parts
 from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps, xla_matmul
-from jaxpaged.models.safetensors_io import read_safetensors, write_safetensors
+from jaxpaged.models.safetensors_io import write_safetensors
 from jaxpaged.models.tiny import tiny_checkpoint_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the model checks' helpers
@@ -69,9 +72,10 @@ def dequantize_blocks(q: np.ndarray, scale_inv: np.ndarray, block: tuple[int, in
 
 
 def copy_checkpoint(src: Path, dest: Path, tensors: dict, quantization_config: dict | None) -> Path:
+    """``src``'s config and tokenizer files at ``dest`` with ``tensors`` as one ``model.safetensors``."""
     dest.mkdir()
     for f in src.iterdir():
-        if f.suffix != ".safetensors":
+        if f.suffix not in (".safetensors", ".npz") and f.name != "model.safetensors.index.json":
             shutil.copy(f, dest / f.name)
     write_safetensors(dest / "model.safetensors", tensors)
     if quantization_config is not None:
@@ -85,8 +89,8 @@ def write_fp8_checkpoint(src: Path, dest: Path, block: tuple[int, int] = BLOCK) 
     """``src`` as Qwen's FP8 format at ``dest`` (``block``: Qwen's 128 x 128), and at ``dest``-dequantized the
     same model in float32 with the weights numpy dequantizes from it (the reference)."""
     fp8, ref = {}, {}
-    for name, t in read_safetensors(src / "model.safetensors").items():
-        if name.endswith(".weight") and name.split(".")[-2] in LINEAR:
+    for name, t in read_hf_tensors(src).items():
+        if name.endswith(".weight") and name.split(".")[-2] in LINEAR:  # a MoE layer's experts too, not its router
             q, scale = quantize_blocks(np.asarray(t), block)
             fp8[name], fp8[name[:-len("weight")] + "weight_scale_inv"] = q, scale
             ref[name] = dequantize_blocks(q, scale, block)
@@ -262,3 +266,104 @@ def test_gpu_ops_take_fp8_weights(bf16_fp8):
                    silu_mul_matmul_parts=functools.partial(silu_mul_matmul_parts, interpret=True),
                    add_rms_norm=functools.partial(fused_add_rms_norm, interpret=True))
     assert rel_err(logits(bf16_fp8, PROMPT[:1], gpu), logits(bf16_fp8, PROMPT[:1])) < 1e-2
+
+
+# ---- Qwen3-MoE: fp8 experts -----------------------------------------------------------------------
+MOE = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3_moe"
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_fp8_grouped_matmul_matches_the_dequantized_experts(per_channel):
+    """Rows sorted by expert, an expert with no rows and two rows past the groups (another device's
+    experts): each row is its expert's dequantized product; rows past the groups stay zero. The same
+    through ``ragged_dot``, its dense reference and the fixed-tile kernel (interpret mode)."""
+    rng = np.random.default_rng(3)
+    e, k, n, sizes = 4, 32, 24, [3, 0, 4, 2]
+    m = sum(sizes) + 2
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    if per_channel:
+        w = Fp8Weight(*quantize_per_channel(jnp.asarray(rng.standard_normal((e, k, n)), jnp.float32)), jnp.float32)
+        assert w.scale.shape == (e, n)
+    else:
+        q = jnp.asarray(rng.standard_normal((e, k, n)) * 100, jnp.float8_e4m3fn)
+        w = Fp8Weight(q, jnp.asarray(rng.uniform(0.001, 0.01, (e, 4, n)), jnp.float32), jnp.float32)
+    real = np.asarray(dequantize(w))
+    want = np.zeros((m, n), np.float32)
+    row = 0
+    for g, size in enumerate(sizes):
+        want[row:row + size] = np.asarray(x[row:row + size]) @ real[g]
+        row += size
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    for gm in (grouped_matmul, grouped_matmul_reference,
+               functools.partial(grouped_matmul_fixed_tile, interpret=True)):
+        got = np.asarray(fp8_grouped_matmul(x, w, group_sizes, grouped_matmul=gm))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert not got[-2:].any()
+
+
+@pytest.fixture(scope="module")
+def moe_fp8_checkpoint(tmp_path_factory) -> tuple[Path, Path]:
+    """The 6-expert top-4 fixture in Qwen's FP8 format with 8 x 8 blocks (several scales per expert)."""
+    return write_fp8_checkpoint(MOE / "e6_k4_norm", tmp_path_factory.mktemp("moe-fp8") / "moe-fp8", (8, 8))
+
+
+def test_moe_fp8_checkpoint_matches_numpy_dequantized_reference(moe_fp8_checkpoint):
+    """Qwen3-MoE's FP8 format (every expert's projections e4m3 with block scales, the router as it was)
+    loads as it is and computes what the numpy-dequantized float32 model computes, through the engine
+    too (chunked prefill, preemption, a prefix-cache hit): the same greedy tokens."""
+    fp8_path, ref_path = moe_fp8_checkpoint
+    params = load_params(fp8_path, "float32", use_cache=False)
+    mlp = params.state["layers"][0]["mlp"]
+    assert mlp["experts_gate_up"][...].dtype == jnp.float8_e4m3fn and mlp["gate"][...].dtype == jnp.float32
+    assert mlp["experts_gate_up_block_scale"][...].shape == (6, 4, 32)  # H = 32 in blocks of 8
+    assert mlp["experts_down_block_scale"][...].shape == (6, 2, 32)  # moe_intermediate_size 16
+    ref = load_params(ref_path, "float32", use_cache=False)
+    assert rel_err(logits(params, PROMPT[:12]), logits(ref, PROMPT[:12])) < 1e-6
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(1, 128, n)] for i, n in enumerate((30, 9, 21))]
+    prompts.append(prompts[0][:24] + [5, 6])
+    config = EngineConfig(kv_cache_dtype="float32", block_size=8, num_blocks=12, max_model_len=64,
+                          max_num_batched_tokens=16, max_num_seqs=4, attention_backend="reference",
+                          compilation_cache=False)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for name, p in (("fp8", params), ("ref", ref)):
+        engine = LLMEngine(p, config)
+        outs[name] = run_to_completion(engine, prompts, greedy)
+        assert engine.stats()["preemptions"] > 0 and outs[name][3].num_cached_tokens == 24
+    assert [o.outputs[0].token_ids for o in outs["fp8"]] == [o.outputs[0].token_ids for o in outs["ref"]]
+
+
+def test_moe_quantized_at_load_within_the_bound_and_half_the_bytes():
+    """``quantization="fp8"`` on a bf16 Qwen3-MoE load: the experts per expert and output channel
+    (``[E, N]`` scales), the router kept; logits within the documented bound of the bf16 model's."""
+    base = load_params(MOE / "e4_k2_norm", "bfloat16", use_cache=False)
+    fp8 = load_params(MOE / "e4_k2_norm", "bfloat16", use_cache=False, quantization="fp8")
+    moe_layer = next(i for i, layer in enumerate(fp8.state["layers"].values()) if "experts_down" in layer["mlp"])
+    mlp = fp8.state["layers"][moe_layer]["mlp"]
+    assert mlp["experts_gate_up_scale"][...].shape == (4, 32) and mlp["gate"][...].dtype == jnp.bfloat16
+    w = mlp["experts_down"][...]
+    assert w.dtype == jnp.float8_e4m3fn
+    assert rel_err(logits(fp8, PROMPT[:12]), logits(base, PROMPT[:12])) < FP8_LOGITS_BOUND
+    experts = sum(fp8.state["layers"][moe_layer]["mlp"][k][...].nbytes
+                  for k in ("experts_gate_up", "experts_gate_up_scale", "experts_down", "experts_down_scale"))
+    base_experts = sum(base.state["layers"][moe_layer]["mlp"][k][...].nbytes for k in ("experts_gate_up", "experts_down"))
+    assert experts / base_experts <= (1 + 4 / 16) / 2  # a byte a weight, 4 a column of 16 or 32 rows
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices (the suite forces 4 CPU devices without a GPU)")
+def test_moe_fp8_experts_split_with_their_scales(moe_fp8_checkpoint):
+    """``tensor_parallel_size=2``: each device holds whole experts with their scales (block scales from the
+    checkpoint, per-channel ones quantized at load), so each shard's dequantized experts are that shard of
+    the unsplit model's."""
+    for path, quantization, suffix in ((moe_fp8_checkpoint[0], None, "_block_scale"),
+                                       (MOE / "e6_k4_norm", "fp8", "_scale")):
+        split = load_params(path, "float32", use_cache=False, tensor_parallel_size=2, quantization=quantization)
+        whole = load_params(path, "float32", use_cache=False, quantization=quantization)
+        for name in ("experts_gate_up", "experts_down"):
+            w, scale = (split.state["layers"][1]["mlp"][name + k][...] for k in ("", suffix))
+            per_shard = jax.shard_map(lambda w, s: dequantize(Fp8Weight(w, s, jnp.float32)), mesh=split.mesh,
+                                      in_specs=(w.sharding.spec, scale.sharding.spec), out_specs=w.sharding.spec)
+            assert w.sharding.spec[0] == scale.sharding.spec[0] == "tp" and len(scale.sharding.device_set) == 2
+            m = whole.state["layers"][1]["mlp"]
+            np.testing.assert_array_equal(per_shard(w, scale), dequantize(Fp8Weight(m[name][...], m[name + suffix][...],
+                                                                                    jnp.float32)))

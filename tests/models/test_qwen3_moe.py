@@ -1,6 +1,7 @@
 """Qwen3-MoE: greedy tokens equal to Hugging Face transformers' (float32, recorded fixtures) through the engine with
 prefix caching, chunked prefill and preemption, on one device and with the experts split over 4 devices;
-the MoE layer against a loop over experts; its config; batch invariance; fp8 refused.
+the MoE layer against a loop over experts; its config; batch invariance (fp8 experts:
+``tests/models/test_fp8_weights.py``).
 
 The tiny checkpoints under ``tests/fixtures/qwen3_moe/`` were written by transformers
 (``tests/fixtures/make_hf_moe_reference.py``): 4 experts top-2 renormalised with a dense layer in
@@ -125,11 +126,6 @@ def test_config_fields_and_bounds():
                           ({"num_local_experts": None}, "num_experts")):
         with pytest.raises(CheckpointError, match=field):
             QwenConfig.from_dict(raw | change)
-
-
-def test_fp8_refused_for_experts():
-    with pytest.raises(ValueError, match="not supported for 'qwen3_moe'"):
-        load_params(FIXTURES / "e4_k2_norm", "float32", use_cache=False, quantization="fp8")
 
 
 def expert_loop(x, router, gate_up, down, top_k, norm):
