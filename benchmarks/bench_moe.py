@@ -7,7 +7,9 @@ distinct experts are hit as real routing hits), this times, median of ``--repeat
 * ``moe``: the whole sparse MLP (``models/moe.sparse_moe`` with the engine's ops for this device: router,
   sort, gather, both grouped GEMMs, the weighting and the slots' sum);
 * ``gate_up`` and ``down``: each grouped GEMM alone (``ops.grouped_matmul``) over rows already sorted by
-  expert, with the same group sizes.
+  expert, with the same group sizes;
+* ``moe_fp8``: the sparse MLP with the experts in fp8 (per expert and output channel, as
+  ``quantization="fp8"`` stores them; ``quantization.fp8_grouped_matmul``), its floor at a byte a weight.
 
 Each is set against its floor on the device measured in the same process (``floor.measure_device``):
 the bytes of the distinct experts the routing hits (each read once) plus the activations, and the FLOPs
@@ -38,8 +40,10 @@ import numpy as np  # noqa: E402
 from benchmarks.floor import Device, measure_device  # noqa: E402
 from jaxpaged.models.moe import route, sort_by_expert, sparse_moe  # noqa: E402
 from jaxpaged.models.ops import get_model_ops  # noqa: E402
+from jaxpaged.models.quantization import Fp8Weight, quantize_per_channel  # noqa: E402
 from jaxpaged.workloads import QWEN3_30B_A3B  # noqa: E402
 
+NAMES = ("moe", "gate_up", "down", "moe_fp8")
 TINY = dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
 
 
@@ -54,11 +58,13 @@ class MoeShape:
         """One expert's ``(gate_up, down)`` weight bytes."""
         return self.hidden * 2 * self.intermediate * itemsize, self.intermediate * self.hidden * itemsize
 
-    def floor(self, tokens: int, distinct: int, itemsize: int) -> dict[str, tuple[float, float]]:
-        """``name -> (bytes, flops)`` that must move and be done: each hit expert's weights once, the
-        gathered rows in and the products out once; ``2 T k K N`` FLOPs per grouped GEMM."""
+    def floor(self, tokens: int, distinct: int, itemsize: int, weight_itemsize: int | None = None
+              ) -> dict[str, tuple[float, float]]:
+        """``name -> (bytes, flops)`` that must move and be done: each hit expert's weights once (at
+        ``weight_itemsize`` bytes, default ``itemsize``), the gathered rows in and the products out once;
+        ``2 T k K N`` FLOPs per grouped GEMM."""
         h, i, rows = self.hidden, self.intermediate, tokens * self.top_k
-        gu_w, down_w = self.expert_bytes(itemsize)
+        gu_w, down_w = self.expert_bytes(weight_itemsize or itemsize)
         gate_up = (distinct * gu_w + rows * (h + 2 * i) * itemsize, 2.0 * rows * h * 2 * i)
         down = (distinct * down_w + rows * (i + h) * itemsize, 2.0 * rows * i * h)
         router = h * self.experts * itemsize + tokens * h * itemsize
@@ -99,16 +105,23 @@ def measure(shape: MoeShape, tokens: int, layers: int, repeats: int, device: Dev
             return acc
         return jax.jit(run)
 
+    moe = lambda w, x: sparse_moe(x, *w, top_k=k, norm_topk_prob=True, ops=ops)  # noqa: E731
     times = dict(
-        moe=median_seconds(over_layers(lambda w, x: sparse_moe(x, *w, top_k=k, norm_topk_prob=True, ops=ops)), x,
-                           repeats=repeats),
+        moe=median_seconds(over_layers(moe), x, repeats=repeats),
         gate_up=median_seconds(over_layers(lambda w, r, g: ops.grouped_matmul(r, w[1], g)), rows_x, group_sizes,
                                repeats=repeats),
         down=median_seconds(over_layers(lambda w, r, g: ops.grouped_matmul(r, w[2], g)), rows_i, group_sizes,
                             repeats=repeats),
     )
+    bf16_weights = weights
+    weights = [(r, Fp8Weight(*quantize_per_channel(gu), jnp.dtype(dtype)), Fp8Weight(*quantize_per_channel(d), jnp.dtype(dtype)))
+               for r, gu, d in bf16_weights]
+    del bf16_weights
+    times["moe_fp8"] = median_seconds(over_layers(moe), x, repeats=repeats)
+    floors = shape.floor(tokens, distinct, jnp.dtype(dtype).itemsize)
+    floors["moe_fp8"] = shape.floor(tokens, distinct, jnp.dtype(dtype).itemsize, weight_itemsize=1)["moe"]
     row = dict(tokens=tokens, distinct_experts=distinct)
-    for name, (num_bytes, flops) in shape.floor(tokens, distinct, jnp.dtype(dtype).itemsize).items():
+    for name, (num_bytes, flops) in floors.items():
         seconds = times[name] / layers
         row[name] = dict(us=seconds * 1e6, floor_us=device.seconds(num_bytes, flops) * 1e6,
                          gb_s=num_bytes / seconds / 1e9, tflop_s=flops / seconds / 1e12)
@@ -139,11 +152,11 @@ def main(argv=None) -> list[dict]:
                        matmul_tflop_s=device.matmul_flops_per_s / 1e12, shape=dataclasses.asdict(shape), rows=rows),
                   f, indent=1)
     print(f"\n{'T':>5} {'experts':>7} " + " ".join(f"{n + ' us':>10} {'floor':>7} {'%':>4} {'GB/s':>6} {'TF/s':>5}"
-                                              for n in ("moe", "gate_up", "down")))
+                                              for n in NAMES))
     for r in rows:
         print(f"{r['tokens']:5d} {r['distinct_experts']:7d} " + " ".join(
             f"{r[n]['us']:10.1f} {r[n]['floor_us']:7.1f} {r[n]['pct_of_floor']:4.0f} {r[n]['gb_s']:6.0f} "
-            f"{r[n]['tflop_s']:5.1f}" for n in ("moe", "gate_up", "down")))
+            f"{r[n]['tflop_s']:5.1f}" for n in NAMES))
     return rows
 
 
