@@ -66,6 +66,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
         self.policy = make_policy(scheduling_policy)
+        self.sit_out: set[int] = set()  # ids of constrained sequences the engine holds out of the next step
         # Constrained sequences whose matcher refused their token (the engine ends their requests).
         self.grammar_failures: list[tuple[Sequence, str]] = []
 
@@ -95,8 +96,8 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            if seq.structured is not None and seq.token_ids[-1] == PLACEHOLDER:
-                i += 1  # its token mask needs the token in flight: it sits this step out
+            if seq.structured is not None and (seq.token_ids[-1] == PLACEHOLDER or id(seq) in self.sit_out):
+                i += 1  # its token mask needs the token in flight (or it is in the other cohort): it sits out
                 continue
             uncomputed = len(seq.token_ids) - seq.num_computed_tokens
             n = uncomputed if uncomputed < budget else budget

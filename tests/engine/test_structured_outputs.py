@@ -163,3 +163,22 @@ def test_constrained_rows_sit_out_a_step_unless_they_are_most_of_the_batch(llm):
     free = [so(temperature=1.0, seed=s, max_tokens=24, ignore_eos=True) for s in range(3)]
     steps, lengths = steps_for([so(temperature=1.0, seed=9, max_tokens=24, structured_outputs=letters)] + free)
     assert lengths == [24] * 4 and 24 + 12 - 3 <= steps <= 24 + 12 + 3, steps
+
+
+def test_constrained_cohorts_alternate_instead_of_waiting(llm, monkeypatch):
+    """``StepTuning.constrained_cohorts``: four constrained rows wait for their tokens once, then run as two
+    cohorts of two that alternate, so each row gets a token every other step (about twice the steps of
+    waiting every step) and every output still matches its constraint."""
+    import dataclasses
+
+    engine = llm.engine
+    monkeypatch.setattr(engine.runner, "tuning", dataclasses.replace(engine.runner.tuning, constrained_cohorts=True))
+    letters = StructuredOutputsParams(regex="[a-z]{400}")
+    before = engine.metrics.total_steps
+    outs = llm.generate(["Go:"] * 4, [so(temperature=1.0, seed=s, max_tokens=24, structured_outputs=letters)
+                                      for s in range(4)], use_tqdm=False)
+    steps = engine.metrics.total_steps - before
+    assert [len(o.outputs[0].token_ids) for o in outs] == [24] * 4
+    assert all(re.fullmatch("[a-z]+", o.outputs[0].text) for o in outs)
+    assert 2 * 24 - 3 <= steps <= 2 * 24 + 3, steps
+    assert not engine.scheduler.sit_out

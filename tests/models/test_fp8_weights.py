@@ -30,8 +30,9 @@ from jaxpaged.models.kv_pool import init_kv_pool
 from jaxpaged.models.quantization import (FP8_MAX, Fp8Config, Fp8Weight, accepting_fp8, dequantize,
                                           expand_block_scale, fp8_grouped_matmul, fp8_matmul, fp8_scaled_matmul,
                                           from_quantization_config, quantize_per_channel, quantize_per_token)
-from jaxpaged.models.ops import fused_add_rms_norm, fused_qkv, gemv_or_xla_matmul, matmul_parts, silu_mul_matmul_parts
-from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps, xla_matmul
+from jaxpaged.models.ops import (fused_add_rms_norm, fused_qkv, gemv_or_xla_matmul, matmul_parts, silu_mul_matmul_parts,
+                                 w8a8_or_xla_matmul)
+from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps, xla_matmul, xla_matmul_unfused_input
 from jaxpaged.models.safetensors_io import write_safetensors
 from jaxpaged.models.tiny import tiny_checkpoint_path
 
@@ -266,6 +267,34 @@ def test_gpu_ops_take_fp8_weights(bf16_fp8):
                    silu_mul_matmul_parts=functools.partial(silu_mul_matmul_parts, interpret=True),
                    add_rms_norm=functools.partial(fused_add_rms_norm, interpret=True))
     assert rel_err(logits(bf16_fp8, PROMPT[:1], gpu), logits(bf16_fp8, PROMPT[:1])) < 1e-2
+
+
+def gpu_ops(fp8_gemv: bool, fp8_w8a8: bool) -> ModelOps:
+    """The GPU's op set as ``get_model_ops(False, fp8_gemv, fp8_w8a8)`` builds it, in interpret mode."""
+    base = w8a8_or_xla_matmul if fp8_w8a8 else xla_matmul_unfused_input
+    kw = dict(interpret=True, xla_matmul=base, fp8_gemv=fp8_gemv)
+    return ModelOps(matmul=functools.partial(gemv_or_xla_matmul, **kw), qkv_epilogue=functools.partial(fused_qkv, **kw),
+                    matmul_parts=functools.partial(matmul_parts, **kw),
+                    silu_mul_matmul_parts=functools.partial(silu_mul_matmul_parts, **kw),
+                    add_rms_norm=functools.partial(fused_add_rms_norm, interpret=True))
+
+
+def test_fp8_gemv_and_w8a8_ops_compute_what_xla_computes(bf16_fp8):
+    """``StepTuning.fp8_gemv``: a decode step's four products read the e4m3 weights in the GEMV (every one of
+    them: the jaxpr has a GEMV for each) and give XLA's logits; ``fp8_w8a8``: a 24-token prefill's products
+    on fp8 operands (activations quantized per token) within the fp8 bound of XLA's dequantizing GEMM."""
+    import jax.extend  # noqa: F401  (jaxpr printing)
+
+    ops = gpu_ops(fp8_gemv=True, fp8_w8a8=False)
+    step = build_chunk_step([(PROMPT[:1], 0, list(range(4)))], 8, width=4)
+    pool = init_kv_pool(bf16_fp8.config, 8, 8, jnp.bfloat16)
+    jaxpr = str(jax.make_jaxpr(lambda st, pool: forward_all_logits(
+        bf16_fp8.graphdef, st, pool, step.token_ids, step.positions, step.meta, ops=ops))(bf16_fp8.state, pool))
+    assert jaxpr.count("gemv_fp8") >= 4, jaxpr.count("gemv_fp8")
+    assert rel_err(logits(bf16_fp8, PROMPT[:1], ops), logits(bf16_fp8, PROMPT[:1])) < 1e-2
+    w8a8 = gpu_ops(fp8_gemv=False, fp8_w8a8=True)
+    prefill = logits(bf16_fp8, PROMPT, w8a8)
+    assert 0 < rel_err(prefill, logits(bf16_fp8, PROMPT)) < FP8_LOGITS_BOUND  # (measured: 0.109)
 
 
 # ---- Qwen3-MoE: fp8 experts -----------------------------------------------------------------------
