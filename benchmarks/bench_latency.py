@@ -26,9 +26,10 @@ then follow a cached prefix (the step of a turn in a conversation), and TTFT is 
   process after the runs, and the ITL p50 as a percentage of it (``--no-floor`` skips it). fp8 weights
   count one byte a weight, the bf16 LM head too: a lower bound.
 
-Backends compared (``--backend triton,mosaic``): an engine each in this process, compiled first, then
-measured in turn run by run on the same prompts, each row with its TTFT and ITL p50 as a ratio to the
-first backend's, and the share of requests whose greedy tokens equal the first backend's. Before each
+Variants compared (``--backend triton,mosaic``, ``--quantization none,fp8``, ``--fp8-kernels xla,gemv``: an
+engine for each backend, weights and fp8 kernel set) in this process, compiled first, then measured in turn
+run by run on the same prompts, each row with its TTFT and ITL p50 as a ratio to the first variant's, and
+the share of requests whose greedy tokens equal the first variant's. Before each
 of its runs an engine settles (``LLMEngine.settle``: one throwaway request, its traces undone), so what
 the other engine's run left (a CUDA graph to re-record where a buffer moved, cold caches) is not timed.
 Process to process, batch-1 ITL of one configuration moves by up to a quarter, more than the differences
@@ -39,7 +40,8 @@ measured; runs in turn in one process share whatever causes that.
     python benchmarks/bench_latency.py --backend mosaic,triton --kv-cache-dtype fp8 --batches 1 --prompts 32,256 \
         --prefix-len 4096 --max-num-seqs 256 --max-tokens 16 --out $OUT
     python benchmarks/bench_latency.py --model tiny --batches 1,2 --prompts 8,24 --max-tokens 4 --out /tmp/l
-    python benchmarks/bench_latency.py --model qwen2.5-7b --quantization fp8 --batches 1 --prompts 32 --out $OUT
+    python benchmarks/bench_latency.py --model qwen2.5-7b --quantization none,fp8 --fp8-kernels xla,gemv \
+        --batches 1 --prompts 32 --out $OUT
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from benchmarks.floor import measure_device, step_floor  # noqa: E402
 from jaxpaged.engine.metrics import percentile  # noqa: E402
 from jaxpaged.engine.heap import freeze_long_lived_heap  # noqa: E402
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from jaxpaged.engine.tuning import FP8_KERNELS, StepTuning, with_fp8_kernels  # noqa: E402
 from jaxpaged.workloads import BENCHMARK_MODELS, benchmark_params  # noqa: E402
 
 MODELS = BENCHMARK_MODELS
@@ -149,7 +152,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prefix-len", type=int, default=0,
                     help="tokens of a shared prefix cached before each run (0: none; module docstring)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig(kv_cache_dtype=...): auto, fp8, ...")
-    ap.add_argument("--quantization", default=None, help="fp8: the weights quantized at load (EngineConfig(quantization=...))")
+    ap.add_argument("--quantization", default=None,
+                    help="fp8: the weights quantized at load (EngineConfig(quantization=...)); a comma list "
+                         "(none,fp8) compares them in turn in this process")
+    ap.add_argument("--fp8-kernels", default="xla",
+                    help=f"fp8 weights' products, a comma list of {', '.join(FP8_KERNELS)} (an engine each; "
+                         "jaxpaged/engine/tuning.py)")
     ap.add_argument("--block-size", type=int, default=None, help="default: the engine's (16; 64 for fp8 KV)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--backend", default="auto",
@@ -168,16 +176,20 @@ def main(argv: list[str] | None = None) -> dict:
     if args.max_num_seqs is not None and args.max_num_seqs < max(int(x) for x in args.batches.split(",")):
         raise SystemExit(f"--max-num-seqs {args.max_num_seqs} is smaller than the largest batch")
     backends = args.backend.split(",")
-    several = len(backends) > 1
     if len(set(backends)) != len(backends):
         raise SystemExit(f"--backend names a backend twice: {args.backend}")
+    quantizations = [None if q == "none" else q for q in (args.quantization or "none").split(",")]
+    fp8_kernels = args.fp8_kernels.split(",")
+    variants = [(b, q, k) for b in backends for q in quantizations for k in (fp8_kernels if q else [None])]
+    several = len(variants) > 1
     batches = [int(x) for x in args.batches.split(",")]
     prompt_lens = [int(x) for x in args.prompts.split(",")]
 
     os.makedirs(args.out, exist_ok=True)
     t_load = time.perf_counter()
-    params = load_params(args.model, args.quantization)
-    config = EngineConfig(block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
+    weights = {q: load_params(args.model, q) for q in quantizations}
+    params = weights[quantizations[0]]
+    config = EngineConfig(block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype)
     bs = config.resolved_block_size(params.config.head_dim)
     longest = args.prefix_len + max(prompt_lens) + args.max_tokens
     max_model_len = -(-longest // bs) * bs
@@ -188,10 +200,18 @@ def main(argv: list[str] | None = None) -> dict:
                           max_num_seqs=args.max_num_seqs or max(batches),
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=max_model_len, async_scheduling=args.async_scheduling)
-    engines = {b: LLMEngine(params, dataclasses.replace(config, attention_backend=b)) for b in backends}
-    names = [e.runner.attention_backend for e in engines.values()]  # as resolved ("auto" -> what it picked)
-    if len(set(names)) != len(names):
-        raise SystemExit(f"--backend {args.backend} resolves to {','.join(names)}: name each backend once")
+    engines, quantization_of = {}, {}
+    for b, q, k in variants:
+        tuning = with_fp8_kernels(StepTuning.default(), k) if q else None
+        engine = LLMEngine(weights[q], dataclasses.replace(config, attention_backend=b, quantization=q), tuning=tuning)
+        label = engine.runner.attention_backend  # as resolved ("auto" -> what it picked)
+        if len(quantizations) > 1 or q:
+            label += f" {q} {k}" if q else f" {jax.numpy.dtype(weights[q].dtype).name}"
+        if label in engines:
+            raise SystemExit(f"--backend {args.backend} resolves to {label} twice: name each backend once")
+        engines[label], quantization_of[label] = engine, q
+    names = list(engines)
+    first_name = names[0]
     setup_s = time.perf_counter() - t_load
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rng = np.random.default_rng(0)
@@ -235,27 +255,28 @@ def main(argv: list[str] | None = None) -> dict:
                     runs[name].append(run_batch(engine, prompts, sp))
             for name, engine in engines.items():
                 f = first[name]
-                row = dict(batch=batch, prompt_len=length, backend=engine.runner.attention_backend,
+                row = dict(batch=batch, prompt_len=length, variant=name, backend=engine.runner.attention_backend,
+                           quantization=quantization_of[name],
                            compile_s=f["compile_s"], new_shapes=f["new_shapes"], first_run_s=f["first_run_s"],
                            recompiles_while_measuring=engine.runner.num_compiled_executables - f["executables"],
                            **summarise(runs[name]), raw=runs[name])
                 rows.append(row)
                 cached = f", {row['cached_per_request']:.0f} cached tokens a request" if args.prefix_len else ""
-                print(f"{row['backend'] + ': ' if several else ''}batch {batch:3d} prompt {length:5d}: "
+                print(f"{name + ': ' if several else ''}batch {batch:3d} prompt {length:5d}: "
                       f"TTFT p50 {row['ttft_p50_ms']:.2f} ms, "
                       f"ITL p50 {row['itl_p50_ms'] if row['itl_p50_ms'] is not None else float('nan'):.2f} ms "
                       f"(compile {row['compile_s']:.1f} s, {row['new_shapes']} shapes{cached})", flush=True)
-            ref = runs[backends[0]]
-            for name in backends[1:]:  # greedy tokens equal to the first backend's, request by request
+            ref = runs[first_name]
+            for name in names[1:]:  # greedy tokens equal to the first variant's, request by request
                 pairs = [(a, b) for ra, rb in zip(ref, runs[name]) for a, b in zip(ra["token_ids"], rb["token_ids"])]
                 agreement.setdefault(name, []).extend(a == b for a, b in pairs)
 
-    engine = engines[backends[0]]
+    engine = engines[first_name]
     if not args.no_floor:
         on_gpu = jax.default_backend() == "gpu"
         device = measure_device(*((4 << 30, 8192) if on_gpu else (64 << 20, 512)))
-        weight_dtype = "float8_e4m3fn" if args.quantization else params.dtype
         for r in rows:
+            weight_dtype = "float8_e4m3fn" if r["quantization"] else params.dtype
             ctx = args.prefix_len + r["prompt_len"] + args.max_tokens // 2
             f = step_floor(params.config, device, num_tokens=r["batch"], context_lens=[ctx] * r["batch"],
                            kv_dtype=engine.kv_dtype, block_size=bs, weight_dtype=weight_dtype)
@@ -268,8 +289,8 @@ def main(argv: list[str] | None = None) -> dict:
                   compile_s_total=sum(e.runner.compile_seconds for e in engines.values()),
                   compiled_shapes=sum(e.runner.num_compiled_shapes for e in engines.values()), rows=rows)
     if several:
-        result["backends"] = names
-        result["greedy_agreement"] = {names[backends.index(n)]: sum(v) / len(v) for n, v in agreement.items()}
+        result["variants"] = names
+        result["greedy_agreement"] = {n: sum(v) / len(v) for n, v in agreement.items()}
     with open(os.path.join(args.out, "latency.json"), "w") as f:  # (runs without the per-token lists: megabytes)
         saved = [dict(r, raw=[{k: v for k, v in run.items() if k not in ("token_ids", "itl", "tpot")} for run in r["raw"]])
                  for r in rows]
@@ -277,16 +298,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     f2 = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     in_turn = " (in turn, on the same prompts)" if several else ""
-    print(f"\nlatency: model {args.model}, {result['device']}, backend {'/'.join(names)}{in_turn}, greedy, "
+    print(f"\nlatency: model {args.model}, {result['device']}, {' / '.join(names)}{in_turn}, greedy, "
           f"KV {jax.numpy.dtype(engine.kv_dtype).name}, block {bs}, max_num_seqs {engine.config.max_num_seqs}"
           f"{f', prompts after a cached {args.prefix_len}-token prefix' if args.prefix_len else ''}, "
           f"{args.max_tokens} output tokens, runs per row: {[r['runs'] for r in rows]}; "
           f"compile {result['compile_s_total']:.1f} s total ({result['compiled_shapes']} shapes), setup {setup_s:.1f} s")
-    print(f"{'backend ' if several else ''}{'batch':>5s} {'prompt':>6s} {'TTFT p50':>9s} {'TTFT p90':>9s} "
+    width = max(map(len, names)) + 1
+    print(f"{'variant'.ljust(width) if several else ''}{'batch':>5s} {'prompt':>6s} {'TTFT p50':>9s} {'TTFT p90':>9s} "
           f"{'ITL p50':>8s} {'ITL p90':>8s} {'TPOT p50':>9s} {'out tok/s':>9s} {'compile s':>9s}"
           f"{'' if args.no_floor else ' ITL floor  % floor'}"
-          f"{'  TTFT / ITL p50 vs ' + result['backend'] if several else ''}")
-    base = {(r["batch"], r["prompt_len"]): r for r in rows if r["backend"] == result["backend"]}
+          f"{'  TTFT / ITL p50 vs ' + first_name if several else ''}")
+    base = {(r["batch"], r["prompt_len"]): r for r in rows if r["variant"] == first_name}
 
     def floor_cols(r: dict) -> str:
         if args.no_floor:
@@ -299,12 +321,12 @@ def main(argv: list[str] | None = None) -> dict:
         warn = "  (recompiled while measuring)" if r["recompiles_while_measuring"] else ""
         b = base[(r["batch"], r["prompt_len"])]
         vs = f"  {ratio(r['ttft_p50_ms'], b['ttft_p50_ms'])} / {ratio(r['itl_p50_ms'], b['itl_p50_ms'])}"
-        print(f"{r['backend'] + ' ' if several else ''}{r['batch']:5d} {r['prompt_len']:6d} "
+        print(f"{r['variant'].ljust(width) if several else ''}{r['batch']:5d} {r['prompt_len']:6d} "
               f"{f2(r['ttft_p50_ms']):>9s} {f2(r['ttft_p90_ms']):>9s} {f2(r['itl_p50_ms']):>8s} "
               f"{f2(r['itl_p90_ms']):>8s} {f2(r['tpot_p50_ms']):>9s} {r['out_tok_per_s']:9.0f} "
               f"{r['compile_s']:9.1f}{floor_cols(r)}{vs if several else ''}{warn}")
     for name, frac in result.get("greedy_agreement", {}).items():
-        print(f"greedy tokens equal to {result['backend']}'s: {name} {frac:.1%} of requests")
+        print(f"greedy tokens equal to {first_name}'s: {name} {frac:.1%} of requests")
     print("(times in ms; TTFT includes queueing behind the other requests of the batch)")
     return result
 

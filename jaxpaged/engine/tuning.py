@@ -61,3 +61,17 @@ class StepTuning:
         if jax.default_backend() == "gpu":
             return cls(min_token_bucket=1, step_executables=2, cublas_max_tokens=0 if batch_invariant else 512)
         return cls(min_token_bucket=16, step_executables=1, cublas_max_tokens=0)
+
+
+FP8_KERNELS = ("xla", "gemv", "w8a8", "gemv+w8a8")  # what a benchmark may ask of fp8 weights' products
+
+
+def with_fp8_kernels(tuning: StepTuning, kernels: str) -> StepTuning:
+    """``tuning`` with fp8 weights' products on ``kernels`` (one of ``FP8_KERNELS``): ``xla`` is XLA's GEMM
+    over the converted weight throughout, ``gemv`` the GEMV reading e4m3 at <= 32 rows, ``w8a8`` fp8 tensor
+    cores above that."""
+    if kernels not in FP8_KERNELS:
+        raise ValueError(f"fp8 kernels must be one of {FP8_KERNELS}, got {kernels!r}")
+    parts = kernels.split("+")
+    return dataclasses.replace(tuning, fp8_gemv="gemv" in parts, fp8_w8a8="w8a8" in parts)
+
