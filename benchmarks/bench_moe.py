@@ -8,6 +8,8 @@ distinct experts are hit as real routing hits), this times, median of ``--repeat
   sort, gather, both grouped GEMMs, the weighting and the slots' sum);
 * ``gate_up`` and ``down``: each grouped GEMM alone (``ops.grouped_matmul``) over rows already sorted by
   expert, with the same group sizes;
+* ``gate_up_tiled``: the gate/up GEMM by the fixed-tile Pallas grouped kernel (``batch_invariant``'s; on a
+  GPU only), against ``ragged_dot``'s;
 * ``moe_fp8``: the sparse MLP with the experts in fp8 (per expert and output channel, as
   ``quantization="fp8"`` stores them; ``quantization.fp8_grouped_matmul``), its floor at a byte a weight.
 
@@ -38,12 +40,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.floor import Device, measure_device  # noqa: E402
+from jaxpaged.kernels.grouped_matmul import grouped_matmul_fixed_tile  # noqa: E402
 from jaxpaged.models.moe import route, sort_by_expert, sparse_moe  # noqa: E402
 from jaxpaged.models.ops import get_model_ops  # noqa: E402
 from jaxpaged.models.quantization import Fp8Weight, quantize_per_channel  # noqa: E402
 from jaxpaged.workloads import QWEN3_30B_A3B  # noqa: E402
 
-NAMES = ("moe", "gate_up", "down", "moe_fp8")
+NAMES = ("moe", "gate_up", "down", "gate_up_tiled", "moe_fp8")
 TINY = dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
 
 
@@ -113,6 +116,9 @@ def measure(shape: MoeShape, tokens: int, layers: int, repeats: int, device: Dev
         down=median_seconds(over_layers(lambda w, r, g: ops.grouped_matmul(r, w[2], g)), rows_i, group_sizes,
                             repeats=repeats),
     )
+    if jax.default_backend() == "gpu":
+        times["gate_up_tiled"] = median_seconds(over_layers(lambda w, r, g: grouped_matmul_fixed_tile(r, w[1], g)),
+                                                rows_x, group_sizes, repeats=repeats)
     bf16_weights = weights
     weights = [(r, Fp8Weight(*quantize_per_channel(gu), jnp.dtype(dtype)), Fp8Weight(*quantize_per_channel(d), jnp.dtype(dtype)))
                for r, gu, d in bf16_weights]
@@ -120,6 +126,8 @@ def measure(shape: MoeShape, tokens: int, layers: int, repeats: int, device: Dev
     times["moe_fp8"] = median_seconds(over_layers(moe), x, repeats=repeats)
     floors = shape.floor(tokens, distinct, jnp.dtype(dtype).itemsize)
     floors["moe_fp8"] = shape.floor(tokens, distinct, jnp.dtype(dtype).itemsize, weight_itemsize=1)["moe"]
+    if "gate_up_tiled" in times:
+        floors["gate_up_tiled"] = floors["gate_up"]
     row = dict(tokens=tokens, distinct_experts=distinct)
     for name, (num_bytes, flops) in floors.items():
         seconds = times[name] / layers
@@ -151,12 +159,13 @@ def main(argv=None) -> list[dict]:
         json.dump(dict(device=device.name, read_tb_s=device.read_bytes_per_s / 1e12,
                        matmul_tflop_s=device.matmul_flops_per_s / 1e12, shape=dataclasses.asdict(shape), rows=rows),
                   f, indent=1)
-    print(f"\n{'T':>5} {'experts':>7} " + " ".join(f"{n + ' us':>10} {'floor':>7} {'%':>4} {'GB/s':>6} {'TF/s':>5}"
-                                              for n in NAMES))
+    names = [n for n in NAMES if n in rows[0]]
+    print(f"\n{'T':>5} {'experts':>7} " + " ".join(f"{n + ' us':>16} {'floor':>7} {'%':>4} {'GB/s':>6} {'TF/s':>5}"
+                                              for n in names))
     for r in rows:
         print(f"{r['tokens']:5d} {r['distinct_experts']:7d} " + " ".join(
-            f"{r[n]['us']:10.1f} {r[n]['floor_us']:7.1f} {r[n]['pct_of_floor']:4.0f} {r[n]['gb_s']:6.0f} "
-            f"{r[n]['tflop_s']:5.1f}" for n in NAMES))
+            f"{r[n]['us']:16.1f} {r[n]['floor_us']:7.1f} {r[n]['pct_of_floor']:4.0f} {r[n]['gb_s']:6.0f} "
+            f"{r[n]['tflop_s']:5.1f}" for n in NAMES if n in r))
     return rows
 
 
