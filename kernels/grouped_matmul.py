@@ -12,7 +12,9 @@ Three implementations, one contract:
     on the other rows, for ``batch_invariant`` (docs/NUMERICS.md): the tiling of ``kernels/matmul.py``
     (fixed ``block_m x block_n`` tiles, all of ``K`` in ``block_k`` steps in order, no split-K); a row tile
     that spans several groups runs one pass per group it meets and keeps, for each row, the pass of its
-    own group, so a row is computed by the same instructions on the same values whatever shares its tile;
+    own group, so a row is computed by the same instructions on the same values whatever shares its tile.
+    It also reads e4m3 weights with their scales (fp8 experts): each tile converted to ``x``'s dtype in
+    registers (exact), so only the experts a step's rows meet are read, at a byte a weight;
   * :func:`grouped_matmul_reference`: a dense loop over the groups, for tests.
 """
 
@@ -62,9 +64,43 @@ def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
     return out.astype(out_dtype or x.dtype)
 
 
-def _grouped_kernel(starts_ref, ends_ref, x_ref, w_ref, o_ref, *, cfg: MatmulConfig, precision):
+FP8 = jnp.float8_e4m3fn
+
+
+def fp8_config(k: int, n: int, dtype) -> MatmulConfig | None:
+    """The fixed-tile configuration for e4m3 weights ``[G, K, N]``: ``matmul_config``'s tiles, narrowed
+    to divide ``K`` and ``N`` (the weight tiles load without masks: Triton cannot fill an e4m3 tile with a
+    constant), or None where that leaves less than 16 (Triton's smallest dot)."""
+    cfg = matmul_config(k, n, dtype)
+    block_n, block_k = min(cfg.block_n, n & -n), min(cfg.block_k, k & -k)
+    if min(block_n, block_k) < 16:
+        return None
+    return MatmulConfig(block_m=cfg.block_m, block_n=block_n, block_k=block_k, num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages)
+
+
+def fp8_supported(x: jax.Array, w: jax.Array, scale: jax.Array, config: MatmulConfig | None = None) -> bool:
+    """Whether :func:`grouped_matmul_fixed_tile` reads the e4m3 ``w [G, K, N]`` with ``scale f32[G, N]`` (per
+    output channel) or ``f32[G, K / g, N]`` (``g`` rows a scale, a multiple of ``block_k``) itself."""
+    if w.ndim != 3 or w.dtype != FP8 or scale.dtype != jnp.float32 or x.ndim != 2:
+        return False
+    g, k, n = w.shape
+    cfg = config or fp8_config(k, n, x.dtype)
+    if cfg is None or k % cfg.block_k or n % cfg.block_n:
+        return False
+    if scale.shape == (g, n):
+        return True
+    return scale.ndim == 3 and scale.shape[::2] == (g, n) and k % scale.shape[1] == 0 and (
+        (k // scale.shape[1]) % cfg.block_k == 0)
+
+
+def _grouped_kernel(starts_ref, ends_ref, x_ref, w_ref, *refs, cfg: MatmulConfig, precision, scale_rows: int):
     """One ``block_m x block_n`` output tile: for each group whose rows meet the tile (a loop with
-    dynamic bounds), all of ``K`` in ``block_k`` steps in order; each row keeps its own group's result."""
+    dynamic bounds), all of ``K`` in ``block_k`` steps in order; each row keeps its own group's result.
+    ``scale_rows``: 0 for a weight in ``x``'s dtype; else e4m3 weight tiles (loaded whole, converted)
+    and ``scale [Gp, scale_rows, N]``: one row multiplies the group's finished product, several multiply
+    each ``block_k`` step's."""
+    *scale_ref, o_ref = refs
     m, k = x_ref.shape
     n = w_ref.shape[2]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -87,12 +123,20 @@ def _grouped_kernel(starts_ref, ends_ref, x_ref, w_ref, o_ref, *, cfg: MatmulCon
             ks = step * bk + depth
             k_ok = ks < k
             x = plgpu.load(x_ref.at[rows[:, None], ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0)
-            w = plgpu.load(w_ref.at[g, ks[:, None], cols[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0)
-            return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=precision,
-                                         preferred_element_type=jnp.float32)
+            if scale_rows:  # whole tiles (fp8_supported): no mask, no fill value
+                w = plgpu.load(w_ref.at[g, ks[:, None], cols[None, :]]).astype(x.dtype)
+            else:
+                w = plgpu.load(w_ref.at[g, ks[:, None], cols[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0)
+            part = lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=precision,
+                                   preferred_element_type=jnp.float32)
+            if scale_rows > 1:  # this step's depths share one scale row
+                part = part * plgpu.load(scale_ref[0].at[g, (step * bk) // (k // scale_rows), cols])[None, :]
+            return acc + part
 
         # An empty group (no rows) runs no step; its pass keeps nothing either way.
         acc = lax.fori_loop(0, jnp.where(end > start, steps, 0), body, jnp.zeros((bm, bn), jnp.float32))
+        if scale_rows == 1:
+            acc = acc * plgpu.load(scale_ref[0].at[g, 0, cols])[None, :]
         return jnp.where(mine[:, None], acc, out)
 
     out = lax.fori_loop(first, last, group, jnp.zeros((bm, bn), jnp.float32))
@@ -100,17 +144,23 @@ def _grouped_kernel(starts_ref, ends_ref, x_ref, w_ref, o_ref, *, cfg: MatmulCon
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
-def grouped_matmul_fixed_tile(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dtype=None,
-                              config: MatmulConfig | None = None, interpret: bool = False) -> jax.Array:
+def grouped_matmul_fixed_tile(x: jax.Array, w: jax.Array, group_sizes: jax.Array, scale: jax.Array | None = None, *,
+                              out_dtype=None, config: MatmulConfig | None = None, interpret: bool = False) -> jax.Array:
     """:func:`grouped_matmul` by the fixed-tile Pallas kernel: each row's result is independent of the
     number of rows and of the other rows' groups (``batch_invariant``). ``config`` defaults to
     ``matmul_config`` of one group's weight (never a function of ``M``); ``interpret``: Pallas interpret
-    mode (CPU)."""
+    mode (CPU). An e4m3 ``w`` with its ``scale`` (``fp8_supported``): the real weight is ``w x scale``."""
     _validate(x, w, group_sizes)
-    if x.dtype != w.dtype:
-        raise ValueError(f"x and w dtypes differ: {x.dtype} vs {w.dtype}")
     g, k, n = w.shape
-    cfg = config or matmul_config(k, n, x.dtype)
+    if scale is not None:
+        if not fp8_supported(x, w, scale, config):
+            raise ValueError(f"the fixed-tile kernel cannot read an e4m3 weight {w.shape} {w.dtype} with scale "
+                             f"{scale.shape} {scale.dtype} ({config}): see fp8_supported")
+        cfg = config or fp8_config(k, n, x.dtype)
+    elif x.dtype != w.dtype:
+        raise ValueError(f"x and w dtypes differ: {x.dtype} vs {w.dtype}")
+    else:
+        cfg = config or matmul_config(k, n, x.dtype)
     m = x.shape[0]
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if m == 0:
@@ -121,12 +171,16 @@ def grouped_matmul_fixed_tile(x: jax.Array, w: jax.Array, group_sizes: jax.Array
     starts = ends - group_sizes.astype(jnp.int32)
     starts = jnp.full((gp,), m, jnp.int32).at[:g].set(jnp.minimum(starts, m))
     ends = jnp.full((gp,), m, jnp.int32).at[:g].set(jnp.minimum(ends, m))
-    kernel = functools.partial(_grouped_kernel, cfg=cfg, precision=kernel_dot_precision(x.dtype))
+    scale_rows = 0 if scale is None else 1 if scale.ndim == 2 else scale.shape[1]
+    operands = (starts, ends, x, w)
+    if scale is not None:  # [Gp, R, N], padding groups' scales never read
+        operands += (jnp.zeros((gp, scale_rows, n), jnp.float32).at[:g].set(scale.reshape(g, scale_rows, n)),)
+    kernel = functools.partial(_grouped_kernel, cfg=cfg, precision=kernel_dot_precision(x.dtype), scale_rows=scale_rows)
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(m, cfg.block_m), pl.cdiv(n, cfg.block_n)),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
-        name=f"fixed_tile_grouped_matmul_m{cfg.block_m}_n{cfg.block_n}_k{cfg.block_k}",
-    )(starts, ends, x, w)
+        name=f"fixed_tile_grouped_matmul{'_fp8' if scale_rows else ''}_m{cfg.block_m}_n{cfg.block_n}_k{cfg.block_k}",
+    )(*operands)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import QwenConfig
-from .quantization import Fp8Config, Fp8Weight, fp8_grouped_matmul, init_linear, linear_weight
+from .quantization import Fp8Config, Fp8Weight, init_linear, linear_weight
 
 
 def pairwise_sum(x: jax.Array) -> jax.Array:
@@ -75,14 +75,6 @@ def sort_by_expert(experts: jax.Array, first: jax.Array | int, num_local: int) -
     return order, group_sizes
 
 
-def expert_product(x: jax.Array, w: jax.Array | Fp8Weight, group_sizes: jax.Array, ops: Any) -> jax.Array:
-    """One grouped expert GEMM by ``ops.grouped_matmul``; fp8 experts (:class:`Fp8Weight`) through
-    :func:`quantization.fp8_grouped_matmul` around it."""
-    if isinstance(w, Fp8Weight):
-        return fp8_grouped_matmul(x, w, group_sizes, grouped_matmul=ops.grouped_matmul)
-    return ops.grouped_matmul(x, w, group_sizes)
-
-
 def sparse_moe(x: jax.Array, router: jax.Array, experts_gate_up: jax.Array | Fp8Weight,
                experts_down: jax.Array | Fp8Weight, *, top_k: int, norm_topk_prob: bool, ops: Any) -> jax.Array:
     """``x [T, H]`` -> this device's experts' share of the MoE output ``[T, H]`` (the whole output on one
@@ -94,8 +86,8 @@ def sparse_moe(x: jax.Array, router: jax.Array, experts_gate_up: jax.Array | Fp8
     weights, experts = route(ops.matmul(x, router).astype(jnp.float32), top_k, norm_topk_prob)
     order, group_sizes = sort_by_expert(experts, ops.expert_shard() * num_local, num_local)
     tokens = order // top_k  # [T k]: the token of each sorted pair
-    gate, up = jnp.split(expert_product(x[tokens], experts_gate_up, group_sizes, ops), 2, axis=-1)
-    y = expert_product(jax.nn.silu(gate) * up, experts_down, group_sizes, ops)  # [T k, H]
+    gate, up = jnp.split(ops.grouped_matmul(x[tokens], experts_gate_up, group_sizes), 2, axis=-1)
+    y = ops.grouped_matmul(jax.nn.silu(gate) * up, experts_down, group_sizes)  # [T k, H]
     y = jax.lax.optimization_barrier(y * weights.astype(x.dtype).reshape(-1)[order][:, None])
     slots = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(t, top_k, h)
     out = slots[:, 0]

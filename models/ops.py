@@ -19,7 +19,7 @@ import jax
 
 from jaxpaged.kernels import add_rms_norm, gemv, grouped_matmul, matmul, qkv_epilogue, rms_norm
 from jaxpaged.kernels.kv_write import triton_addressable, write_kv
-from jaxpaged.models.quantization import Fp8Weight, accepting_fp8, fp8_scaled_matmul
+from jaxpaged.models.quantization import Fp8Weight, accepting_fp8, fp8_grouped_matmul, fp8_scaled_matmul
 from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps, qkv_epilogue_ops, rope_cos_sin, rotary, xla_matmul_unfused_input
 
 
@@ -76,6 +76,23 @@ def w8a8_or_xla_matmul(x: jax.Array, w, *, transpose_w: bool = False, out_dtype=
     if isinstance(w, Fp8Weight) and w.scale.ndim == 1 and not transpose_w:
         return fp8_scaled_matmul(jax.lax.optimization_barrier(x), w, out_dtype=out_dtype)
     return xla_matmul_unfused_input(x, w, transpose_w=transpose_w, out_dtype=out_dtype)
+
+
+def fp8_tiled_or_grouped(x: jax.Array, w, group_sizes: jax.Array, *, grouped=grouped_matmul.grouped_matmul,
+                         any_rows: bool = False, interpret: bool = False, out_dtype=None) -> jax.Array:
+    """``ops.grouped_matmul`` on a GPU and with ``batch_invariant``: ``grouped`` for experts in the model
+    dtype; fp8 experts (:class:`Fp8Weight`) read as e4m3 by the fixed-tile kernel, which reads only the
+    experts the rows meet, at a byte a weight (``grouped_matmul.fp8_supported`` shapes), where the step has
+    at most a row tile's worth of rows an expert (decode-sized steps; ``any_rows``: every step, as
+    ``batch_invariant`` needs one path whatever the batch); else the experts converted whole in front of
+    ``grouped`` (``quantization.fp8_grouped_matmul``), which a prefill-sized step amortises."""
+    if not isinstance(w, Fp8Weight):
+        return grouped(x, w, group_sizes, out_dtype=out_dtype)
+    cfg = grouped_matmul.fp8_config(w.shape[1], w.shape[2], x.dtype)
+    if grouped_matmul.fp8_supported(x, w.weight, w.scale) and (any_rows or x.shape[0] <= w.shape[0] * cfg.block_m):
+        return grouped_matmul.grouped_matmul_fixed_tile(x, w.weight, group_sizes, w.scale, out_dtype=out_dtype,
+                                                        interpret=interpret)
+    return fp8_grouped_matmul(x, w, group_sizes, grouped_matmul=grouped, out_dtype=out_dtype)
 
 
 def gemv_or_xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=None,
@@ -161,8 +178,9 @@ def get_model_ops(batch_invariant: bool = False, fp8_gemv: bool = False, fp8_w8a
         return ModelOps(matmul=accepting_fp8(functools.partial(matmul.matmul, interpret=interpret)),
                         rms_norm=functools.partial(rms_norm.rms_norm, interpret=interpret),
                         rotary=functools.partial(rotary, separate_products=True),
-                        grouped_matmul=functools.partial(grouped_matmul.grouped_matmul_fixed_tile,
-                                                         interpret=interpret))
+                        grouped_matmul=functools.partial(
+                            fp8_tiled_or_grouped, any_rows=True, interpret=interpret,
+                            grouped=functools.partial(grouped_matmul.grouped_matmul_fixed_tile, interpret=interpret)))
     if not _on_gpu():
         return DEFAULT_OPS
     base = w8a8_or_xla_matmul if fp8_w8a8 else xla_matmul_unfused_input
@@ -171,4 +189,4 @@ def get_model_ops(batch_invariant: bool = False, fp8_gemv: bool = False, fp8_w8a
         qkv_epilogue=functools.partial(fused_qkv, xla_matmul=base, fp8_gemv=fp8_gemv),
         matmul_parts=functools.partial(matmul_parts, xla_matmul=base, fp8_gemv=fp8_gemv),
         silu_mul_matmul_parts=functools.partial(silu_mul_matmul_parts, xla_matmul=base, fp8_gemv=fp8_gemv),
-        add_rms_norm=fused_add_rms_norm)
+        add_rms_norm=fused_add_rms_norm, grouped_matmul=fp8_tiled_or_grouped)

@@ -227,6 +227,18 @@ def fp8_grouped_matmul(x: jax.Array, w: Fp8Weight, group_sizes: jax.Array, *, gr
     return grouped_matmul(x, dequantize(w, w.dtype), group_sizes, out_dtype=out_dtype)
 
 
+def accepting_fp8_grouped(grouped_matmul: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """A grouped GEMM ``(x, w, group_sizes)`` that also takes fp8 experts (:class:`Fp8Weight`), by
+    :func:`fp8_grouped_matmul` around it."""
+
+    def wrapped(x, w, group_sizes, **kwargs):
+        if isinstance(w, Fp8Weight):
+            return fp8_grouped_matmul(x, w, group_sizes, grouped_matmul=grouped_matmul, **kwargs)
+        return grouped_matmul(x, w, group_sizes, **kwargs)
+
+    return wrapped
+
+
 def quantize_per_token(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Activations ``x [M, K]`` -> ``(f8e4m3[M, K], scale f32[M])`` with ``scale = amax / 448`` over each
     row (1 for an all-zero row): each token's own scale, so a row's values never depend on the batch."""

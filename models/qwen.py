@@ -32,7 +32,7 @@ from ..kernels.matmul import dot_precision
 from ..kernels.metadata import AttentionMetadata
 from .config import QwenConfig
 from .moe import SparseMoeBlock
-from .quantization import Fp8Config, Fp8Weight, fp8_matmul, init_linear, linear_weight
+from .quantization import Fp8Config, Fp8Weight, accepting_fp8_grouped, fp8_matmul, init_linear, linear_weight
 
 KVPool = jax.Array  # [L, num_blocks, block_size, 2, Hkv, D]: keys at [..., 0, :, :], values at [..., 1, :, :]
 AttentionFn = Callable[..., jax.Array]  # (q, kv_pool, layer, cu_q_lens, kv_lens, block_tables) -> out
@@ -128,7 +128,7 @@ class ModelOps:
     ``tp`` axis index; a MoE layer's output then goes through ``all_reduce`` too).
 
     grouped_matmul: ``(x [M, K], w [G, K, N], group_sizes i32[G]) -> [M, N]`` (a MoE layer's expert GEMMs,
-    rows sorted by expert: ``kernels/grouped_matmul.py``).
+    rows sorted by expert: ``kernels/grouped_matmul.py``; ``w`` may be fp8 experts, an ``Fp8Weight``).
 
     qkv_epilogue: ``None`` (the steps above, then ``write_kv_fn``), or one function for the whole
     stretch from the qkv matmul to the KV write: ``(x [T, H], w_qkv, bias | None, q_norm | None,
@@ -153,7 +153,7 @@ class ModelOps:
     all_reduce: Callable[..., jax.Array] = no_collective
     gather_vocab: Callable[..., jax.Array] = no_collective
     expert_shard: Callable[[], jax.Array | int] = only_expert_shard
-    grouped_matmul: Callable[..., jax.Array] = grouped_matmul
+    grouped_matmul: Callable[..., jax.Array] = accepting_fp8_grouped(grouped_matmul)
     qkv_epilogue: Callable[..., tuple[jax.Array, jax.Array]] | None = None
     matmul_parts: Callable[..., jax.Array] | None = None
     silu_mul_matmul_parts: Callable[..., jax.Array] | None = None

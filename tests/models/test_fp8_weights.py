@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, EngineConfig, LLMEngine, SamplingParams
-from jaxpaged.kernels.grouped_matmul import grouped_matmul, grouped_matmul_fixed_tile, grouped_matmul_reference
+from jaxpaged.kernels.grouped_matmul import (fp8_supported, grouped_matmul, grouped_matmul_fixed_tile,
+                                             grouped_matmul_reference)
+from jaxpaged.kernels.matmul import MatmulConfig
 from jaxpaged.llm import run_to_completion
 from jaxpaged.models.checkpoint import load_params
 from jaxpaged.models.convert import read_hf_tensors
@@ -30,8 +32,8 @@ from jaxpaged.models.kv_pool import init_kv_pool
 from jaxpaged.models.quantization import (FP8_MAX, Fp8Config, Fp8Weight, accepting_fp8, dequantize,
                                           expand_block_scale, fp8_grouped_matmul, fp8_matmul, fp8_scaled_matmul,
                                           from_quantization_config, quantize_per_channel, quantize_per_token)
-from jaxpaged.models.ops import (fused_add_rms_norm, fused_qkv, gemv_or_xla_matmul, matmul_parts, silu_mul_matmul_parts,
-                                 w8a8_or_xla_matmul)
+from jaxpaged.models.ops import (fp8_tiled_or_grouped, fused_add_rms_norm, fused_qkv, gemv_or_xla_matmul, matmul_parts,
+                                 silu_mul_matmul_parts, w8a8_or_xla_matmul)
 from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps, xla_matmul, xla_matmul_unfused_input
 from jaxpaged.models.safetensors_io import write_safetensors
 from jaxpaged.models.tiny import tiny_checkpoint_path
@@ -305,9 +307,12 @@ MOE = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3_moe"
 def test_fp8_grouped_matmul_matches_the_dequantized_experts(per_channel):
     """Rows sorted by expert, an expert with no rows and two rows past the groups (another device's
     experts): each row is its expert's dequantized product; rows past the groups stay zero. The same
-    through ``ragged_dot``, its dense reference and the fixed-tile kernel (interpret mode)."""
+    through ``ragged_dot``, its dense reference and the fixed-tile kernel (interpret mode) of the
+    converted experts, and through the fixed-tile kernel reading the e4m3 tiles and scales itself (per
+    channel after the depth loop; block scales of 16 rows, one per 16-deep step); and the op a GPU's
+    step uses picks that kernel for a decode-sized step, the converted experts for a larger one."""
     rng = np.random.default_rng(3)
-    e, k, n, sizes = 4, 32, 24, [3, 0, 4, 2]
+    e, k, n, sizes = 4, 64, 32, [3, 0, 4, 2]
     m = sum(sizes) + 2
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
     if per_channel:
@@ -315,7 +320,7 @@ def test_fp8_grouped_matmul_matches_the_dequantized_experts(per_channel):
         assert w.scale.shape == (e, n)
     else:
         q = jnp.asarray(rng.standard_normal((e, k, n)) * 100, jnp.float8_e4m3fn)
-        w = Fp8Weight(q, jnp.asarray(rng.uniform(0.001, 0.01, (e, 4, n)), jnp.float32), jnp.float32)
+        w = Fp8Weight(q, jnp.asarray(rng.uniform(0.001, 0.01, (e, 4, n)), jnp.float32), jnp.float32)  # 16 rows a scale
     real = np.asarray(dequantize(w))
     want = np.zeros((m, n), np.float32)
     row = 0
@@ -328,6 +333,21 @@ def test_fp8_grouped_matmul_matches_the_dequantized_experts(per_channel):
         got = np.asarray(fp8_grouped_matmul(x, w, group_sizes, grouped_matmul=gm))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         assert not got[-2:].any()
+    small = MatmulConfig(block_m=16, block_n=16, block_k=16)
+    assert fp8_supported(x, w.weight, w.scale, small)
+    got = np.asarray(grouped_matmul_fixed_tile(x, w.weight, group_sizes, w.scale, config=small, interpret=True))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not got[-2:].any()
+    assert not fp8_supported(x, w.weight, w.scale, MatmulConfig(block_m=16, block_n=16, block_k=32)) or per_channel
+    assert not fp8_supported(x, w.weight[:, :, :24], w.scale[..., :24], small)  # a partial column tile
+
+    def kernels(rows):  # which path the GPU's op takes for a step of ``rows`` rows (traced, not run)
+        xs = jax.ShapeDtypeStruct((rows, k), jnp.float32)
+        return str(jax.make_jaxpr(lambda x: fp8_tiled_or_grouped(x, w, group_sizes))(xs))
+
+    # (the float32 default tiles step 32 deep: 16-row block scales are then converted instead)
+    assert ("fixed_tile_grouped_matmul_fp8" in kernels(16)) == per_channel != ("ragged_dot" in kernels(16))
+    assert "fixed_tile_grouped_matmul_fp8" not in kernels(4 * 64 + 1) and "ragged_dot" in kernels(4 * 64 + 1)
 
 
 @pytest.fixture(scope="module")
@@ -396,3 +416,56 @@ def test_moe_fp8_experts_split_with_their_scales(moe_fp8_checkpoint):
             m = whole.state["layers"][1]["mlp"]
             np.testing.assert_array_equal(per_shard(w, scale), dequantize(Fp8Weight(m[name][...], m[name + suffix][...],
                                                                                     jnp.float32)))
+
+
+def test_fp8_grouped_kernel_lowers_for_hopper_with_unmasked_weight_loads(monkeypatch):
+    """The fixed-tile grouped kernel over e4m3 experts (Qwen3-30B-A3B's gate/up, 4 of its experts) lowered to
+    Triton IR for an sm_90 GPU, without one: each e4m3 tile is one load without mask or fill value, per
+    channel and with 128-row block scales."""
+    import types
+
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    monkeypatch.setattr(registration, "gpu_info_lib",
+                        types.SimpleNamespace(get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
+    modules = []
+    lower_module = registration.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        out = lower_module(*args, **kwargs)
+        modules.append(out.module.operation.get_asm())
+        return out
+
+    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", capture)
+    s = jax.ShapeDtypeStruct
+    x, w, sizes = s((64, 2048), jnp.bfloat16), s((4, 2048, 1536), jnp.float8_e4m3fn), s((4,), jnp.int32)
+    for scale in (s((4, 1536), jnp.float32), s((4, 16, 1536), jnp.float32)):
+        modules.clear()
+        jax.jit(grouped_matmul_fixed_tile).trace(x, w, sizes, scale).lower(lowering_platforms=("cuda",))
+        loads = [line for line in modules[0].splitlines() if "tt.load" in line and "f8E4M3FN" in line]
+        # (printed generically inside the group loop: one pointer operand, no mask, no other)
+        assert len(loads) == 1 and "operandSegmentSizes = array<i32: 1, 0, 0>" in loads[0], loads
+
+
+def test_moe_layer_with_fp8_experts_is_batch_invariant():
+    """``batch_invariant`` ops over fp8 experts (the fixed-tile kernel reading e4m3, interpret mode): a
+    token's MoE output is bitwise the same alone, in a batch of 20 and reversed, and within the e4m3 error of
+    the bf16 experts' output."""
+    from jaxpaged.models.moe import sparse_moe
+    from jaxpaged.models.ops import get_model_ops
+
+    rng = np.random.default_rng(1)
+    t, h, i, e, k = 20, 32, 16, 6, 4
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    router = jnp.asarray(rng.standard_normal((h, e)) * 0.3, jnp.bfloat16)
+    gate_up = jnp.asarray(rng.standard_normal((e, h, 2 * i)) * 0.3, jnp.bfloat16)
+    down = jnp.asarray(rng.standard_normal((e, i, h)) * 0.3, jnp.bfloat16)
+    fp8 = [Fp8Weight(*quantize_per_channel(w), jnp.dtype(jnp.bfloat16)) for w in (gate_up, down)]
+    ops = get_model_ops(batch_invariant=True)
+    moe = jax.jit(lambda rows, ws: sparse_moe(rows, router, *ws, top_k=k, norm_topk_prob=True, ops=ops))
+    jaxpr = str(jax.make_jaxpr(lambda rows: sparse_moe(rows, router, *fp8, top_k=k, norm_topk_prob=True, ops=ops))(x))
+    assert "fixed_tile_grouped_matmul_fp8" in jaxpr and "bf16[6,32,32] = convert_element_type" not in jaxpr  # never whole
+    batch = np.asarray(moe(x, fp8).astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(moe(x[7:8], fp8).astype(jnp.float32))[0], batch[7])
+    np.testing.assert_array_equal(np.asarray(moe(x[::-1], fp8).astype(jnp.float32))[::-1], batch)
+    assert rel_err(batch, np.asarray(moe(x, (gate_up, down)).astype(jnp.float32))) < 0.1
