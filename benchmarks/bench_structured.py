@@ -14,17 +14,13 @@ cost), else a synthetic byte-level BPE tokenizer as large as the model's vocabul
 every token a string of letters, so its masks cost what a real vocabulary's do, within a factor), else,
 for ``--model tiny``, the tiny checkpoint's.
 
-``--compare-cohorts``: each constrained fraction again with ``StepTuning.constrained_cohorts`` (constrained
-rows in two cohorts that alternate instead of steps that wait for their tokens), on the same engine.
-
-    python benchmarks/bench_structured.py --compare-cohorts --out $OUT    # GPU: qwen3-0.6b, 256 requests
+    python benchmarks/bench_structured.py --out $OUT                      # GPU: qwen3-0.6b, 256 requests
     python benchmarks/bench_structured.py --model tiny --num-seqs 8 --out /tmp/s     # CPU, seconds
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import os
@@ -102,8 +98,6 @@ def main() -> None:
     ap.add_argument("--max-input-len", type=int, default=None, help="default 1024; 128 for tiny")
     ap.add_argument("--max-output-len", type=int, default=None, help="default 1024; 128 for tiny")
     ap.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: see the module docstring)")
-    ap.add_argument("--compare-cohorts", action="store_true",
-                    help="each fraction above 0 again with StepTuning.constrained_cohorts (same engine)")
     args = ap.parse_args()
     tiny = args.model == "tiny"
     n = args.num_seqs or (16 if tiny else 256)
@@ -162,12 +156,7 @@ def main() -> None:
                                       args.max_output_len or (128 if tiny else 1024))
     prompts = [[t % vocab for t in p] for p in prompts]
     base = None
-    plain = engine.runner.tuning
-    runs = [(float(x), False) for x in args.fractions.split(",")]
-    runs += [(f, True) for f, _ in runs if f > 0 and args.compare_cohorts]
-    for f, cohorts in runs:
-        # Scheduling only (the compiled steps are the same): constrained rows in two alternating cohorts.
-        engine.runner.tuning = dataclasses.replace(plain, constrained_cohorts=cohorts)
+    for f in [float(x) for x in args.fractions.split(",")]:
         mine = [SamplingParams(temperature=sp.temperature, ignore_eos=True, max_tokens=sp.max_tokens,
                                structured_outputs=StructuredOutputsParams(json=SCHEMA) if c else None)
                 for sp, c in zip(sps, structured(f, n))]
@@ -181,9 +170,8 @@ def main() -> None:
                "finish_reasons": {r: sum(o.outputs[0].finish_reason == r for o in outs) for r in ("stop", "length", "error")}}
         base = base or run["tok_per_s"]
         run["vs_unconstrained"] = run["tok_per_s"] / base
-        result["runs"][f"{f}{' cohorts' if cohorts else ''}"] = run
-        print(f"fraction {f}{', cohorts' if cohorts else ''}: {json.dumps(run)}", flush=True)
-    engine.runner.tuning = plain
+        result["runs"][str(f)] = run
+        print(f"fraction {f}: {json.dumps(run)}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_structured.json"), "w") as fh:
         json.dump(result, fh, indent=2)

@@ -380,9 +380,9 @@ class LLMEngine:
             outputs += self._check_compiling()
         if self._in_flight is not None and self._num_feature_requests and self._constrained_majority_waits():
             outputs += self._make_outputs(self._resolve(self._in_flight))  # their tokens first: a sync step
-            if self.runner.tuning.constrained_cohorts:  # every other one sits this step out: two cohorts
-                constrained = [seq for seq in self.scheduler.running if seq.structured is not None]
-                self.scheduler.sit_out = {id(seq) for seq in constrained[1::2]}
+            # Every other constrained row sits this step out: from here on two cohorts alternate.
+            constrained = [seq for seq in self.scheduler.running if seq.structured is not None]
+            self.scheduler.sit_out = {id(seq) for seq in constrained[1::2]}
         scheduled = self.scheduler.schedule()
         self.scheduler.sit_out = set()
         if self.kv_transfers is not None:  # offloads of evicted blocks, reloads of host hits: before the step
@@ -429,17 +429,14 @@ class LLMEngine:
         return outputs
 
     def _constrained_majority_waits(self) -> bool:
-        """Whether at least half the running sequences are constrained ones whose token is in flight: this
-        step then waits for that token (as with sync scheduling) instead of leaving them out of it. A
-        constrained sequence sits a step out while other work fills the batch (the device never waits);
-        where that would leave out most of the batch, waiting costs less (docs/DECISIONS.md). With
-        ``StepTuning.constrained_cohorts`` only where more than three quarters are: two cohorts of half
-        the constrained rows each then alternate without waiting."""
+        """Whether more than three quarters of the running sequences are constrained ones whose token is in
+        flight. A constrained sequence sits a step out while other work fills the batch (the device never
+        waits); where that would leave out most of the batch, this step waits for those tokens instead (as
+        with sync scheduling), and half the constrained rows then sit it out, so from then on two cohorts
+        of them alternate, each one's masks computed while the other's step runs (docs/DECISIONS.md)."""
         running = self.scheduler.running
         waiting = sum(1 for seq in running if seq.structured is not None and seq.token_ids[-1] == PLACEHOLDER)
-        if self.runner.tuning.constrained_cohorts:
-            return waiting > 0 and 4 * waiting > 3 * len(running)
-        return waiting > 0 and 2 * waiting >= len(running)
+        return waiting > 0 and 4 * waiting > 3 * len(running)
 
     def _check_compiling(self) -> list[RequestOutput]:
         """Ends the queued requests whose grammar failed to compile (``finish_reason == "error"``); forgets

@@ -20,7 +20,8 @@ Structured outputs (``seq.structured``): a sequence waits in the queue while its
 requests behind it go meanwhile); its matcher takes each token when it arrives (``resolve``) and the
 sequence ends ("stop") when the grammar is complete. Its next token mask needs that token, so with async
 scheduling a constrained sequence whose token is still in flight sits out one step (it decodes every
-other step while the batch keeps running; docs/DECISIONS.md).
+other step while the batch keeps running), as does one the engine puts in the other cohort
+(``sit_out``; docs/DECISIONS.md).
 """
 
 from __future__ import annotations

@@ -32,10 +32,6 @@ class StepTuning:
       measures it faster (docs/DECISIONS.md, "fp8 weights").
     fp8_w8a8: fp8 weights' products of more rows (per-channel scales) on fp8 tensor cores, activations
       quantized per token (``quantization.fp8_scaled_matmul``). Off until measured, as ``fp8_gemv``.
-    constrained_cohorts: with async scheduling, where constrained rows would make the step wait for
-      their tokens, half of them sit the next step out, so from then on the constrained rows run in two
-      cohorts that alternate (each one's masks computed while the other's step runs) instead of every
-      step waiting (docs/DECISIONS.md, "Structured outputs"). Off until a GPU measures it faster.
     """
 
     min_token_bucket: int
@@ -44,7 +40,6 @@ class StepTuning:
     copies_max_tokens: int = 32
     fp8_gemv: bool = False
     fp8_w8a8: bool = False
-    constrained_cohorts: bool = False
 
     def __post_init__(self) -> None:
         m = self.min_token_bucket

@@ -28,7 +28,7 @@ def test_profile_step_tiny(tmp_path, capsys):
     assert result["steady"]["prefill_steps"] >= 1
     # The command line's StepTuning over the CPU's defaults (bucket 16, no cuBLAS).
     assert result["tuning"] == dict(min_token_bucket=16, step_executables=3, cublas_max_tokens=0,
-                                    copies_max_tokens=64, fp8_gemv=False, fp8_w8a8=False, constrained_cohorts=False)
+                                    copies_max_tokens=64, fp8_gemv=False, fp8_w8a8=False)
     # Three copies used in turn for the 16-token decode steps (bucket 16 on the CPU): two more executables.
     assert result["compiled_executables"] >= result["compiled_shapes"] + 2
     assert len(result["untraced"]["wall_s"]) == 3 and result["untraced"]["wall_median_s"] > 0

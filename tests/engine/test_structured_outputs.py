@@ -143,8 +143,9 @@ def test_unconstrained_requests_keep_their_tokens(backend):
 
 def test_constrained_rows_sit_out_a_step_unless_they_are_most_of_the_batch(llm):
     """Async scheduling: a constrained row whose token is in flight sits the step out while unconstrained work
-    fills the batch (it decodes every other step); when constrained rows are at least half of the batch the
-    step waits for their tokens instead, so each gets a token every step."""
+    fills the batch (it decodes every other step); when constrained rows are most of the batch the step
+    waits for their tokens once, then they run as two cohorts that alternate (each row a token every other
+    step, no more waiting)."""
     engine = llm.engine
     assert engine.config.async_scheduling
     letters = StructuredOutputsParams(regex="[a-z]{400}")  # longer than 24 tokens can write
@@ -154,31 +155,13 @@ def test_constrained_rows_sit_out_a_step_unless_they_are_most_of_the_batch(llm):
         outs = llm.generate(["Go:"] * len(sps), sps, use_tqdm=False)
         return engine.metrics.total_steps - before, [len(o.outputs[0].token_ids) for o in outs]
 
-    # Constrained rows only: every step waits for their tokens (sync), one token a row a step.
+    # Constrained rows only: one wait, then two cohorts of two that alternate: about twice the steps.
     steps, lengths = steps_for([so(temperature=1.0, seed=s, max_tokens=24, structured_outputs=letters)
                                 for s in range(4)])
-    assert lengths == [24] * 4 and steps <= 24 + 3, steps
+    assert lengths == [24] * 4 and 2 * 24 - 3 <= steps <= 2 * 24 + 3, steps
+    assert not engine.scheduler.sit_out
     # One constrained row among three unconstrained ones: it sits out every other step while they run (~12
     # tokens in their 24 steps), then, alone, gets a token every step (12 more).
     free = [so(temperature=1.0, seed=s, max_tokens=24, ignore_eos=True) for s in range(3)]
     steps, lengths = steps_for([so(temperature=1.0, seed=9, max_tokens=24, structured_outputs=letters)] + free)
     assert lengths == [24] * 4 and 24 + 12 - 3 <= steps <= 24 + 12 + 3, steps
-
-
-def test_constrained_cohorts_alternate_instead_of_waiting(llm, monkeypatch):
-    """``StepTuning.constrained_cohorts``: four constrained rows wait for their tokens once, then run as two
-    cohorts of two that alternate, so each row gets a token every other step (about twice the steps of
-    waiting every step) and every output still matches its constraint."""
-    import dataclasses
-
-    engine = llm.engine
-    monkeypatch.setattr(engine.runner, "tuning", dataclasses.replace(engine.runner.tuning, constrained_cohorts=True))
-    letters = StructuredOutputsParams(regex="[a-z]{400}")
-    before = engine.metrics.total_steps
-    outs = llm.generate(["Go:"] * 4, [so(temperature=1.0, seed=s, max_tokens=24, structured_outputs=letters)
-                                      for s in range(4)], use_tqdm=False)
-    steps = engine.metrics.total_steps - before
-    assert [len(o.outputs[0].token_ids) for o in outs] == [24] * 4
-    assert all(re.fullmatch("[a-z]+", o.outputs[0].text) for o in outs)
-    assert 2 * 24 - 3 <= steps <= 2 * 24 + 3, steps
-    assert not engine.scheduler.sit_out
