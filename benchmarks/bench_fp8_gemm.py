@@ -6,13 +6,11 @@ arrays, as a step's layers are), and the median time per product is reported bes
 read bandwidth measured in this process (``floor.measure_device``):
 
 * ``bf16``: the bf16 weight by the engine's ops (the Pallas GEMV at <= 32 rows, else XLA's GEMM);
-* ``fp8_gemv``: the e4m3 weight and its per-channel scales read by the Pallas GEMV (<= 32 rows), and
-  ``fp8_gemv128`` the same with 128 output columns per program (128 bytes of each e4m3 row, as 64 columns
-  are of a bf16 row);
 * ``fp8_xla``: the e4m3 weight converted to bf16 and multiplied by XLA (``quantization.fp8_matmul``: what
-  the engine runs for fp8 weights);
-* ``fp8_w8a8``: activations quantized per token and both e4m3 operands multiplied on fp8 tensor cores
-  by XLA (``quantization.fp8_scaled_matmul``).
+  the engine runs for fp8 weights).
+
+A GEMV reading the e4m3 tiles itself and W8A8 on fp8 tensor cores were measured here and deleted
+(docs/DECISIONS.md, "fp8 weights").
 
     python benchmarks/bench_fp8_gemm.py --model qwen2.5-7b --out $OUT     # GPU
 """
@@ -34,9 +32,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.floor import gemm_shapes, measure_device  # noqa: E402
-from jaxpaged.kernels import gemv  # noqa: E402
 from jaxpaged.models.ops import gemv_or_xla_matmul  # noqa: E402
-from jaxpaged.models.quantization import Fp8Weight, fp8_matmul, fp8_scaled_matmul, quantize_per_channel  # noqa: E402
+from jaxpaged.models.quantization import Fp8Weight, fp8_matmul, quantize_per_channel  # noqa: E402
 from jaxpaged.models.qwen import xla_matmul_unfused_input  # noqa: E402
 from jaxpaged.workloads import EXPERIMENT_MODELS  # noqa: E402
 
@@ -77,10 +74,7 @@ def main(argv=None) -> list[dict]:
     rng = np.random.default_rng(0)
     variants = {
         "bf16": gemv_or_xla_matmul,
-        "fp8_gemv": lambda x, w: gemv.gemv(x, w.weight, w.scale),
-        "fp8_gemv128": lambda x, w: gemv.gemv(x, w.weight, w.scale, config=gemv.gemv_config(*w.shape, block_n=128)),
         "fp8_xla": lambda x, w: fp8_matmul(x, w, matmul=xla_matmul_unfused_input),
-        "fp8_w8a8": lambda x, w: fp8_scaled_matmul(jax.lax.optimization_barrier(x), w),
     }
     rows = []
     for name, (k, n, _) in gemm_shapes(cfg).items():
@@ -92,8 +86,6 @@ def main(argv=None) -> list[dict]:
             x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
             row = dict(product=name, k=k, n=n, m=m)
             for variant, fn in variants.items():
-                if variant.startswith("fp8_gemv") and m > 32:
-                    continue
                 try:
                     row[variant + "_us"] = layers_time(fn, x, w16 if variant == "bf16" else w8, args.repeats) * 1e6
                 except Exception as e:  # a variant that does not lower here: reported, the others still run

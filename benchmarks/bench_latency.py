@@ -26,8 +26,8 @@ then follow a cached prefix (the step of a turn in a conversation), and TTFT is 
   process after the runs, and the ITL p50 as a percentage of it (``--no-floor`` skips it). fp8 weights
   count one byte a weight, the bf16 LM head too: a lower bound.
 
-Variants compared (``--backend triton,mosaic``, ``--quantization none,fp8``, ``--fp8-kernels xla,gemv``: an
-engine for each backend, weights and fp8 kernel set) in this process, compiled first, then measured in turn
+Variants compared (``--backend triton,mosaic``, ``--quantization none,fp8``: an engine for each backend and
+weights) in this process, compiled first, then measured in turn
 run by run on the same prompts, each row with its TTFT and ITL p50 as a ratio to the first variant's, and
 the share of requests whose greedy tokens equal the first variant's. Before each
 of its runs an engine settles (``LLMEngine.settle``: one throwaway request, its traces undone), so what
@@ -40,8 +40,7 @@ measured; runs in turn in one process share whatever causes that.
     python benchmarks/bench_latency.py --backend mosaic,triton --kv-cache-dtype fp8 --batches 1 --prompts 32,256 \
         --prefix-len 4096 --max-num-seqs 256 --max-tokens 16 --out $OUT
     python benchmarks/bench_latency.py --model tiny --batches 1,2 --prompts 8,24 --max-tokens 4 --out /tmp/l
-    python benchmarks/bench_latency.py --model qwen2.5-7b --quantization none,fp8 --fp8-kernels xla,gemv \
-        --batches 1 --prompts 32 --out $OUT
+    python benchmarks/bench_latency.py --model qwen2.5-7b --quantization none,fp8 --batches 1 --prompts 32 --out $OUT
 """
 
 from __future__ import annotations
@@ -62,7 +61,6 @@ from benchmarks.floor import measure_device, step_floor  # noqa: E402
 from jaxpaged.engine.metrics import percentile  # noqa: E402
 from jaxpaged.engine.heap import freeze_long_lived_heap  # noqa: E402
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from jaxpaged.engine.tuning import FP8_KERNELS, StepTuning, with_fp8_kernels  # noqa: E402
 from jaxpaged.workloads import BENCHMARK_MODELS, benchmark_params  # noqa: E402
 
 MODELS = BENCHMARK_MODELS
@@ -155,9 +153,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quantization", default=None,
                     help="fp8: the weights quantized at load (EngineConfig(quantization=...)); a comma list "
                          "(none,fp8) compares them in turn in this process")
-    ap.add_argument("--fp8-kernels", default="xla",
-                    help=f"fp8 weights' products, a comma list of {', '.join(FP8_KERNELS)} (an engine each; "
-                         "jaxpaged/engine/tuning.py)")
     ap.add_argument("--block-size", type=int, default=None, help="default: the engine's (16; 64 for fp8 KV)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--backend", default="auto",
@@ -179,8 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     if len(set(backends)) != len(backends):
         raise SystemExit(f"--backend names a backend twice: {args.backend}")
     quantizations = [None if q == "none" else q for q in (args.quantization or "none").split(",")]
-    fp8_kernels = args.fp8_kernels.split(",")
-    variants = [(b, q, k) for b in backends for q in quantizations for k in (fp8_kernels if q else [None])]
+    variants = [(b, q) for b in backends for q in quantizations]
     several = len(variants) > 1
     batches = [int(x) for x in args.batches.split(",")]
     prompt_lens = [int(x) for x in args.prompts.split(",")]
@@ -201,12 +195,11 @@ def main(argv: list[str] | None = None) -> dict:
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=max_model_len, async_scheduling=args.async_scheduling)
     engines, quantization_of = {}, {}
-    for b, q, k in variants:
-        tuning = with_fp8_kernels(StepTuning.default(), k) if q else None
-        engine = LLMEngine(weights[q], dataclasses.replace(config, attention_backend=b, quantization=q), tuning=tuning)
+    for b, q in variants:
+        engine = LLMEngine(weights[q], dataclasses.replace(config, attention_backend=b, quantization=q))
         label = engine.runner.attention_backend  # as resolved ("auto" -> what it picked)
         if len(quantizations) > 1 or q:
-            label += f" {q} {k}" if q else f" {jax.numpy.dtype(weights[q].dtype).name}"
+            label += f" {q or jax.numpy.dtype(weights[q].dtype).name}"
         if label in engines:
             raise SystemExit(f"--backend {args.backend} resolves to {label} twice: name each backend once")
         engines[label], quantization_of[label] = engine, q

@@ -19,11 +19,9 @@ padding, same sampling) on the first ``--hf-requests`` requests, and jaxpaged on
     python benchmarks/bench_throughput.py --model qwen2.5-7b --quantization fp8 --hf-requests 0 --out $OUT
 
 ``--quantization fp8``: the random weights' linear layers quantized at load (per output channel), as
-``LLM(path, quantization="fp8")`` does with a bf16 checkpoint. ``--compare-fp8 xla,gemv+w8a8``: after the
-run (bf16 weights), the same workload again in this process on the weights quantized at load, once per
-kernel set for their products (``jaxpaged.engine.tuning.FP8_KERNELS``: ``xla`` XLA's GEMM over the
-converted weight, what the engine runs; ``gemv`` the GEMV reading e4m3 at <= 32 rows; ``w8a8`` fp8 tensor
-cores above that), each against the bf16 run and its own floor (the bf16 weights are freed first).
+``LLM(path, quantization="fp8")`` does with a bf16 checkpoint. ``--compare-fp8``: after the run (bf16
+weights), the same workload again in this process on the weights quantized at load, against the bf16 run
+and its own floor (the bf16 weights are freed first).
 
 ``--trace``: the full workload runs under ``jax.profiler`` and the script adds where the run's GPU time
 went (busy seconds against the wall, kernels grouped by name with their total seconds); its tok/s then
@@ -45,7 +43,6 @@ from pathlib import Path
 import jax
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
-from jaxpaged.engine.tuning import FP8_KERNELS, StepTuning, with_fp8_kernels
 from jaxpaged.llm import run_to_completion
 import floor
 from jaxpaged.workloads import QWEN2_5_0_5B, QWEN2_5_7B, QWEN3_0_6B, QWEN3_30B_A3B, nano_vllm_workload, random_model
@@ -94,13 +91,12 @@ def workload(args, vocab_size: int) -> tuple[list[list[int]], list[SamplingParam
     return prompts, sps
 
 
-def run_ours(params, prompts, sps, args, tuning=None):
+def run_ours(params, prompts, sps, args):
     """One run of the workload on a fresh engine: warm-up (every bucket compiled), one tiny request,
     then the timed run. ``args`` needs the engine's sizes (``block_size``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``backend``, ``async_scheduling``; ``max_model_len`` 2048 and
     ``batch_invariant`` off unless given) and may ask for a trace (``trace_dir``) or traced step windows
-    (``trace_windows``, ``window_trace_root``). ``tuning``: the engine's ``StepTuning`` (default: the
-    device's)."""
+    (``trace_windows``, ``window_trace_root``)."""
     config = EngineConfig(block_size=args.block_size, max_model_len=getattr(args, "max_model_len", 2048),
                           max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.backend,
@@ -108,7 +104,7 @@ def run_ours(params, prompts, sps, args, tuning=None):
                           batch_invariant=getattr(args, "batch_invariant", False),
                           kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                           quantization=getattr(args, "quantization", None))
-    engine = LLMEngine(params, config, tuning=tuning)
+    engine = LLMEngine(params, config)
     compile_s = engine.warmup(use_tqdm=False)
     run_to_completion(engine, [prompts[0][:16]], SamplingParams(max_tokens=4))  # one tiny real request
     engine.metrics.host_seconds = engine.metrics.device_seconds = 0.0
@@ -331,9 +327,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig(kv_cache_dtype=...): auto, fp8, ...")
     ap.add_argument("--quantization", default=None, help="fp8: the weights quantized at load (EngineConfig(quantization=...))")
     ap.add_argument("--compare-async", action="store_true", help="also run the full workload the other way")
-    ap.add_argument("--compare-fp8", default=None, metavar="KERNELS",
-                    help="then the workload on fp8 weights, once per kernel set (comma list of "
-                         f"{', '.join(FP8_KERNELS)}): see the module docstring")
+    ap.add_argument("--compare-fp8", action="store_true",
+                    help="then the workload again on the weights quantized to fp8 at load (module docstring)")
     ap.add_argument("--trace-steps", default=None,
                     help="a:b[,c:d...]: after the untraced run, run the workload again tracing engine steps [a, b) "
                          "and print their GPU busy time per step against the untraced run's wall per step")
@@ -403,12 +398,10 @@ def main(argv: list[str] | None = None) -> dict:
         gc.collect()
         params = load_model(args.model, args.dtype, "fp8")
         fp8_args = argparse.Namespace(**{**vars(args), "quantization": "fp8"})
-        for kernels in args.compare_fp8.split(","):
-            tuning = with_fp8_kernels(StepTuning.default(args.batch_invariant), kernels)
-            run = result[f"ours_fp8_{kernels}"] = run_ours(params, prompts, sps, fp8_args, tuning)
-            if not args.no_floor:
-                run["floor"] = workload_floor(params, prompts, run)
-            print(f"ours full (fp8 weights, {kernels}):", json.dumps(brief(run)), flush=True)
+        run = result["ours_fp8"] = run_ours(params, prompts, sps, fp8_args)
+        if not args.no_floor:
+            run["floor"] = workload_floor(params, prompts, run)
+        print("ours full (fp8 weights):", json.dumps(brief(run)), flush=True)
     n = args.hf_requests
     if n:
         result["ours_subset"] = run_ours(params, prompts[:n], sps[:n], args)
@@ -420,10 +413,9 @@ def main(argv: list[str] | None = None) -> dict:
     with open(os.path.join(args.out, "throughput.json"), "w") as f:
         json.dump(result, f, indent=2)
     print(f"\n{'run':36s} {'requests':>8s} {'out tokens':>10s} {'seconds':>8s} {'tok/s':>9s}")
-    fp8_rows = tuple((f"ours_fp8_{k}", f"jaxpaged, fp8 weights, {k}", args.num_seqs)
-                     for k in (args.compare_fp8.split(",") if args.compare_fp8 else ()))
     for key, label, count in (("ours_full", "jaxpaged", args.num_seqs),
-                              ("ours_full_other", "jaxpaged, other scheduling", args.num_seqs), *fp8_rows,
+                              ("ours_full_other", "jaxpaged, other scheduling", args.num_seqs),
+                              ("ours_fp8", "jaxpaged, fp8 weights", args.num_seqs),
                               ("ours_subset", "jaxpaged (subset)", n),
                               ("hf_subset", "HF generate (subset)", n)):
         if key in result:

@@ -18,12 +18,6 @@ columns and the reduction depth ``K`` so that every shape gets a few hundred pro
 ``w`` is ``[K, N]``, or ``[N, K]`` with ``transpose_w`` (the tied LM head reads the embedding
 ``[V, H]`` as it is). Only bf16/fp16 operands: a float32 model keeps XLA's IEEE dot
 (``kernels.matmul.dot_precision``), whose numerics the float32 guarantees are written against.
-
-fp8 weights (``w`` float8_e4m3fn ``[K, N]`` with ``scale``): the kernel reads the e4m3 bytes (half
-the bf16 weight's), converts each tile to ``x``'s dtype (exact: every e4m3 value is a bf16 value) and
-scales in fp32: ``scale f32[N]`` (per output channel) multiplies each program's accumulated columns
-once before they are stored; ``scale f32[K / g, N]`` (a scale per ``g`` rows of each column, ``g`` a
-multiple of ``block_k``) multiplies each ``block_k``-deep product before it is accumulated.
 """
 
 from __future__ import annotations
@@ -59,14 +53,14 @@ class GemvConfig:
     num_stages: int = 3
 
 
-def gemv_config(k: int, n: int, transpose_w: bool = False, block_n: int = 64) -> GemvConfig:
+def gemv_config(k: int, n: int, transpose_w: bool = False) -> GemvConfig:
     """The configuration for a ``[K, N]`` weight (never a function of ``M``): about 256+ programs.
 
     ``[K, N]`` weights read ``block_n`` contiguous columns per row of a tile (128 B at bf16 and
     ``block_n`` 64); transposed ones read ``block_k`` contiguous depths per row. ``splits`` grows
     until the grid has ~2 programs per SM, as long as each still walks at least 2 ``block_k`` steps.
     """
-    block_k = 128  # block_n 64: also for [N, K] weights (the tied LM head): as fast there
+    block_n, block_k = 64, 128  # also for [N, K] weights (the tied LM head): as fast there
     splits = 1
     col_tiles = -(-n // block_n)
     while col_tiles * splits < 256 and k % (2 * splits * block_k) == 0 and k // (2 * splits) >= 2 * block_k:
@@ -74,38 +68,19 @@ def gemv_config(k: int, n: int, transpose_w: bool = False, block_n: int = 64) ->
     return GemvConfig(block_n=block_n, block_k=block_k, splits=splits)
 
 
-FP8 = jnp.float8_e4m3fn
-
-
-def supported(x: jax.Array, w: jax.Array, transpose_w: bool = False, config: GemvConfig | None = None,
-              scale: jax.Array | None = None) -> bool:
-    """True when :func:`gemv` can compute ``x @ w``: 2-D, ``M <= 32``, ``K`` a multiple of the
-    configuration's ``splits * block_k``, and either the same 16-bit float dtype, or a 16-bit ``x``
-    with an e4m3 ``[K, N]`` weight (``N`` a multiple of ``block_n``) and its ``scale`` (``f32[N]``, or
-    ``f32[K / g, N]`` with ``g`` a multiple of ``block_k``)."""
-    if x.ndim != 2 or w.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float16):
-        return False
-    if scale is None:
-        if x.dtype != w.dtype:
-            return False
-    elif w.dtype != FP8 or transpose_w or scale.dtype != jnp.float32 or scale.shape[-1] != w.shape[1]:
+def supported(x: jax.Array, w: jax.Array, transpose_w: bool = False, config: GemvConfig | None = None) -> bool:
+    """True when :func:`gemv` can compute ``x @ w``: 2-D, same 16-bit float dtype, ``M <= 32``, and
+    ``K`` a multiple of the configuration's ``splits * block_k``."""
+    if x.ndim != 2 or w.ndim != 2 or x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float16):
         return False
     k, n = (w.shape[1], w.shape[0]) if transpose_w else w.shape
     if x.shape[1] != k or not 0 < x.shape[0] <= ROWS:
         return False
     cfg = config or gemv_config(k, n, transpose_w)
-    if scale is not None and n % cfg.block_n:
-        return False
-    if scale is not None and scale.ndim == 2 and (k % scale.shape[0] or (k // scale.shape[0]) % cfg.block_k):
-        return False
-    if scale is not None and scale.ndim not in (1, 2):
-        return False
     return k % (cfg.splits * cfg.block_k) == 0
 
 
-def _gemv_kernel(x_ref, w_ref, *refs, cfg: GemvConfig, transpose_w: bool, scale_rows: int):
-    """``scale_rows``: 0 without a scale (16-bit weight), 1 for ``f32[N]``, else ``K / g`` for block scales."""
-    s_ref, o_ref = refs if scale_rows else (None, refs[0])
+def _gemv_kernel(x_ref, w_ref, o_ref, *, cfg: GemvConfig, transpose_w: bool):
     m, k = x_ref.shape
     n = w_ref.shape[0] if transpose_w else w_ref.shape[1]
     bn, bk = cfg.block_n, cfg.block_k
@@ -126,62 +101,45 @@ def _gemv_kernel(x_ref, w_ref, *refs, cfg: GemvConfig, transpose_w: bool, scale_
             w = plgpu.load(w_ref.at[cols[:, None], ks[None, :]], mask=col_ok[:, None], other=0)
             dims = (((1,), (1,)), ((), ()))
         else:
-            if scale_rows:  # N is a multiple of block_n (``supported``): Triton cannot fill fp8 with 0
-                w = plgpu.load(w_ref.at[ks[:, None], cols[None, :]])
-            else:
-                w = plgpu.load(w_ref.at[ks[:, None], cols[None, :]], mask=col_ok[None, :], other=0)
+            w = plgpu.load(w_ref.at[ks[:, None], cols[None, :]], mask=col_ok[None, :], other=0)
             dims = (((1,), (0,)), ((), ()))
-        if w.dtype != x.dtype:  # e4m3 -> bf16/fp16: exact
-            w = w.astype(x.dtype)
-        prod = lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
-        if scale_rows > 1:  # this depth tile's row of block scales
-            row = (k0 + step * bk) // (k // scale_rows)
-            prod = prod * plgpu.load(s_ref.at[row, cols], mask=col_ok, other=0)[None, :]
-        return acc + prod
+        return acc + lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
 
     acc = lax.fori_loop(0, depth_per_split // bk, body, jnp.zeros((tile, bn), jnp.float32))
-    if scale_rows == 1:
-        acc = acc * plgpu.load(s_ref.at[cols], mask=col_ok, other=0)[None, :]
     out_rows = split * m + rows
     plgpu.store(o_ref.at[out_rows[:, None], cols[None, :]], acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @functools.partial(jax.jit, static_argnames=("transpose_w", "config", "interpret"))
-def gemv_partials(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, transpose_w: bool = False,
-                  config: GemvConfig | None = None, interpret: bool = False) -> jax.Array:
-    """The split-K partial products ``f32[splits, M, N]`` of ``x [M, K] @ w`` (``M <= 32``; an e4m3
-    ``w`` times ``scale``): their sum in order 0, 1, ... is the product. For a consumer that adds them
-    itself (``kernels/qkv_epilogue``)."""
+def gemv_partials(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, config: GemvConfig | None = None,
+                  interpret: bool = False) -> jax.Array:
+    """The split-K partial products ``f32[splits, M, N]`` of ``x [M, K] @ w`` (``M <= 32``): their sum
+    in order 0, 1, ... is the product. For a consumer that adds them itself (``kernels/qkv_epilogue``)."""
     k, n = (w.shape[1], w.shape[0]) if transpose_w else w.shape
     cfg = config or gemv_config(k, n, transpose_w)
-    if not supported(x, w, transpose_w, cfg, scale):
+    if not supported(x, w, transpose_w, cfg):
         raise ValueError(f"gemv cannot compute x {x.shape} {x.dtype} @ w {w.shape} {w.dtype} "
-                         f"(transpose_w={transpose_w}, {cfg}, scale "
-                         f"{None if scale is None else (scale.shape, scale.dtype)}): needs M <= {ROWS}, "
-                         f"bf16/fp16 operands or an e4m3 weight with f32 scales, K a multiple of splits*block_k")
+                         f"(transpose_w={transpose_w}, {cfg}): needs M <= {ROWS}, bf16/fp16 operands, "
+                         f"K a multiple of splits*block_k")
     m = x.shape[0]
-    scale_rows = 0 if scale is None else 1 if scale.ndim == 1 else scale.shape[0]
-    operands = (x, w) if scale is None else (x, w, scale)
     partials = pl.pallas_call(
-        functools.partial(_gemv_kernel, cfg=cfg, transpose_w=transpose_w, scale_rows=scale_rows),
+        functools.partial(_gemv_kernel, cfg=cfg, transpose_w=transpose_w),
         grid=(pl.cdiv(n, cfg.block_n), cfg.splits),
         out_shape=jax.ShapeDtypeStruct((cfg.splits * m, n), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
-        name=f"gemv{'_fp8' if scale_rows else ''}_n{cfg.block_n}_k{cfg.block_k}_s{cfg.splits}"
-             f"_w{cfg.num_warps}_p{cfg.num_stages}",
-    )(*operands)
+        name=f"gemv_n{cfg.block_n}_k{cfg.block_k}_s{cfg.splits}_w{cfg.num_warps}_p{cfg.num_stages}",
+    )(x, w)
     return partials.reshape(cfg.splits, m, n)
 
 
 @functools.partial(jax.jit, static_argnames=("transpose_w", "out_dtype", "config", "interpret"))
-def gemv(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, transpose_w: bool = False, out_dtype=None,
+def gemv(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=None,
          config: GemvConfig | None = None, interpret: bool = False) -> jax.Array:
     """``x [M, K] @ w`` -> ``[M, N]`` in ``out_dtype`` (default ``x.dtype``) for ``M <= 32``; fp32
-    accumulation, one rounding at the end. ``w [K, N]`` or ``[N, K]`` (``transpose_w``); an e4m3
-    ``w [K, N]`` with its ``scale`` (module docstring). ``config`` defaults to :func:`gemv_config`;
-    ``interpret``: Pallas interpret mode (CPU)."""
-    partials = gemv_partials(x, w, scale, transpose_w=transpose_w, config=config, interpret=interpret)
+    accumulation, one rounding at the end. ``w [K, N]`` or ``[N, K]`` (``transpose_w``).
+    ``config`` defaults to :func:`gemv_config`; ``interpret``: Pallas interpret mode (CPU)."""
+    partials = gemv_partials(x, w, transpose_w=transpose_w, config=config, interpret=interpret)
     return sum_partials(partials, out_dtype or x.dtype)
 
 

@@ -19,7 +19,7 @@ import jax
 
 from jaxpaged.kernels import add_rms_norm, gemv, grouped_matmul, matmul, qkv_epilogue, rms_norm
 from jaxpaged.kernels.kv_write import triton_addressable, write_kv
-from jaxpaged.models.quantization import Fp8Weight, accepting_fp8, fp8_grouped_matmul, fp8_scaled_matmul
+from jaxpaged.models.quantization import Fp8Weight, accepting_fp8, fp8_grouped_matmul
 from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps, qkv_epilogue_ops, rope_cos_sin, rotary, xla_matmul_unfused_input
 
 
@@ -54,28 +54,11 @@ def prepare_triton_lowering() -> None:
     sys.modules.setdefault("jaxlib.mlir.dialects.tt", triton.dialect)
 
 
-def gemv_reads(x: jax.Array, w, transpose_w: bool = False, fp8_gemv: bool = False) -> bool:
+def gemv_reads(x: jax.Array, w, transpose_w: bool = False) -> bool:
     """Whether the Pallas GEMV computes ``x @ w`` (``gemv.supported``). An fp8 weight (:class:`Fp8Weight`)
-    goes to XLA's GEMM, whose operand fusion reads the e4m3 bytes and converts them as it loads, unless
-    ``fp8_gemv`` (``StepTuning.fp8_gemv``): then the GEMV reads the e4m3 tiles and their scales itself
-    (``gemv.gemv(x, w, scale)``; docs/DECISIONS.md, "fp8 weights")."""
-    if isinstance(w, Fp8Weight):
-        return fp8_gemv and gemv.supported(x, w.weight, transpose_w, scale=w.scale)
-    return gemv.supported(x, w, transpose_w)
-
-
-def _gemv_operands(w) -> tuple:
-    """``(weight, scale)`` for the GEMV: an :class:`Fp8Weight`'s e4m3 bytes and scales, else ``(w, None)``."""
-    return (w.weight, w.scale) if isinstance(w, Fp8Weight) else (w, None)
-
-
-def w8a8_or_xla_matmul(x: jax.Array, w, *, transpose_w: bool = False, out_dtype=None) -> jax.Array:
-    """``xla_matmul_unfused_input``, except that an fp8 weight with per-channel scales is multiplied on fp8
-    tensor cores with per-token activation scales (W8A8: ``quantization.fp8_scaled_matmul``;
-    ``StepTuning.fp8_w8a8``). Block-scaled weights keep the dequantizing GEMM."""
-    if isinstance(w, Fp8Weight) and w.scale.ndim == 1 and not transpose_w:
-        return fp8_scaled_matmul(jax.lax.optimization_barrier(x), w, out_dtype=out_dtype)
-    return xla_matmul_unfused_input(x, w, transpose_w=transpose_w, out_dtype=out_dtype)
+    goes to XLA's GEMM, whose operand fusion reads the e4m3 bytes and converts them as it loads (a GEMV
+    reading e4m3 itself was slower: docs/DECISIONS.md, "fp8 weights")."""
+    return not isinstance(w, Fp8Weight) and gemv.supported(x, w, transpose_w)
 
 
 def fp8_tiled_or_grouped(x: jax.Array, w, group_sizes: jax.Array, *, grouped=grouped_matmul.grouped_matmul,
@@ -96,31 +79,30 @@ def fp8_tiled_or_grouped(x: jax.Array, w, group_sizes: jax.Array, *, grouped=gro
 
 
 def gemv_or_xla_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=None,
-                       interpret: bool = False, xla_matmul=xla_matmul_unfused_input, fp8_gemv: bool = False) -> jax.Array:
+                       interpret: bool = False, xla_matmul=xla_matmul_unfused_input) -> jax.Array:
     """``x @ w`` by the Pallas GEMV when it supports the operands (``gemv.supported``: at most 32 rows,
-    bf16/fp16; e4m3 with ``fp8_gemv``), else by XLA. Chosen at trace time from static shapes: each
-    compiled step has one path."""
-    if gemv_reads(x, w, transpose_w, fp8_gemv):
-        return gemv.gemv(x, *_gemv_operands(w), transpose_w=transpose_w, out_dtype=out_dtype, interpret=interpret)
+    bf16/fp16), else by XLA. Chosen at trace time from static shapes: each compiled step has one path."""
+    if gemv_reads(x, w, transpose_w):
+        return gemv.gemv(x, w, transpose_w=transpose_w, out_dtype=out_dtype, interpret=interpret)
     return xla_matmul(x, w, transpose_w=transpose_w, out_dtype=out_dtype)
 
 
 def matmul_parts(x: jax.Array, w: jax.Array, *, interpret: bool = False,
-                 xla_matmul=xla_matmul_unfused_input, fp8_gemv: bool = False) -> jax.Array:
+                 xla_matmul=xla_matmul_unfused_input) -> jax.Array:
     """``ModelOps.matmul_parts``: the GEMV's split-K partials ``f32[S, M, N]`` when it supports the
     operands, else XLA's product as ``[1, M, N]``."""
-    if gemv_reads(x, w, fp8_gemv=fp8_gemv):
-        return gemv.gemv_partials(x, *_gemv_operands(w), interpret=interpret)
+    if gemv_reads(x, w):
+        return gemv.gemv_partials(x, w, interpret=interpret)
     return xla_matmul(x, w)[None]
 
 
 def silu_mul_matmul_parts(gate_up: jax.Array, w: jax.Array, *, interpret: bool = False,
-                          xla_matmul=xla_matmul_unfused_input, fp8_gemv: bool = False) -> jax.Array:
+                          xla_matmul=xla_matmul_unfused_input) -> jax.Array:
     """``ModelOps.silu_mul_matmul_parts``: ``silu(gate) * up @ w`` from the gate/up product's partials
     ``[P, M, 2I]``: the partials' sum and the activation in one XLA fusion, then :func:`matmul_parts` (a
     GEMV that formed the activation itself, per depth tile, was slower: docs/DECISIONS.md)."""
     gate, up = jax.numpy.split(gemv.sum_partials(gate_up, w.dtype), 2, axis=-1)
-    return matmul_parts(jax.nn.silu(gate) * up, w, interpret=interpret, xla_matmul=xla_matmul, fp8_gemv=fp8_gemv)
+    return matmul_parts(jax.nn.silu(gate) * up, w, interpret=interpret, xla_matmul=xla_matmul)
 
 
 def fused_add_rms_norm(parts: jax.Array, residual: jax.Array, weight: jax.Array, eps: float, *,
@@ -137,8 +119,7 @@ def fused_add_rms_norm(parts: jax.Array, residual: jax.Array, weight: jax.Array,
 
 def fused_qkv(x: jax.Array, w: jax.Array, bias, q_norm, k_norm, positions: jax.Array, kv_pool: jax.Array,
               layer: int, slot_mapping: jax.Array, *, eps: float, theta: float,
-              interpret: bool = False, xla_matmul=xla_matmul_unfused_input,
-              fp8_gemv: bool = False) -> tuple[jax.Array, jax.Array]:
+              interpret: bool = False, xla_matmul=xla_matmul_unfused_input) -> tuple[jax.Array, jax.Array]:
     """The model's ``ModelOps.qkv_epilogue``: the qkv projection (the GEMV's unsummed partials when it
     applies, else XLA's product), then :func:`qkv_epilogue.qkv_epilogue` (bias, q/k
     norm, RoPE, KV write in one kernel). ``x [T, H]`` -> ``(q [T, Hq, D], kv_pool)``."""
@@ -148,8 +129,8 @@ def fused_qkv(x: jax.Array, w: jax.Array, bias, q_norm, k_norm, positions: jax.A
     if head_dim & (head_dim - 1) or not triton_addressable(kv_pool):
         return qkv_epilogue_ops(xla_matmul(x, w), bias, q_norm, k_norm, positions, kv_pool, layer, slot_mapping,
                                 eps=eps, theta=theta, ops=DEFAULT_OPS, write_kv_fn=write_kv)
-    if gemv_reads(x, w, fp8_gemv=fp8_gemv):
-        parts = gemv.gemv_partials(x, *_gemv_operands(w), interpret=interpret)
+    if gemv_reads(x, w):
+        parts = gemv.gemv_partials(x, w, interpret=interpret)
     else:
         parts = xla_matmul(x, w)[None]
     # The same cos/sin in every layer of a step: XLA computes them once (common-subexpression elimination).
@@ -159,7 +140,7 @@ def fused_qkv(x: jax.Array, w: jax.Array, bias, q_norm, k_norm, positions: jax.A
 
 
 @functools.cache
-def get_model_ops(batch_invariant: bool = False, fp8_gemv: bool = False, fp8_w8a8: bool = False) -> ModelOps:
+def get_model_ops(batch_invariant: bool = False) -> ModelOps:
     """The model's row-wise ops for this process's device.
 
     ``batch_invariant``: the fixed-tile Pallas matmul, grouped matmul (a MoE layer's experts) and row-kernel
@@ -168,9 +149,7 @@ def get_model_ops(batch_invariant: bool = False, fp8_gemv: bool = False, fp8_w8a
     docs/DECISIONS.md): matmuls of at most 32 rows with 16-bit weights by the split-K Pallas GEMV, the
     stretch from the qkv projection to the KV write as one kernel, the residual add and RMSNorm summing
     the GEMV's partials in one kernel, and XLA's GEMMs with an optimisation barrier on their input (a
-    producer fused into the GEMM made it slower at decode sizes). ``fp8_gemv`` and ``fp8_w8a8``
-    (``StepTuning``): fp8 weights' products read by the GEMV, and above 32 rows on fp8 tensor cores,
-    instead of XLA's dequantizing GEMM (a GPU's; ignored with ``batch_invariant``)."""
+    producer fused into the GEMM made it slower at decode sizes)."""
     if _on_gpu():
         prepare_triton_lowering()
     if batch_invariant:
@@ -183,10 +162,10 @@ def get_model_ops(batch_invariant: bool = False, fp8_gemv: bool = False, fp8_w8a
                             grouped=functools.partial(grouped_matmul.grouped_matmul_fixed_tile, interpret=interpret)))
     if not _on_gpu():
         return DEFAULT_OPS
-    base = w8a8_or_xla_matmul if fp8_w8a8 else xla_matmul_unfused_input
+    base = xla_matmul_unfused_input
     return dataclasses.replace(
-        DEFAULT_OPS, matmul=functools.partial(gemv_or_xla_matmul, xla_matmul=base, fp8_gemv=fp8_gemv),
-        qkv_epilogue=functools.partial(fused_qkv, xla_matmul=base, fp8_gemv=fp8_gemv),
-        matmul_parts=functools.partial(matmul_parts, xla_matmul=base, fp8_gemv=fp8_gemv),
-        silu_mul_matmul_parts=functools.partial(silu_mul_matmul_parts, xla_matmul=base, fp8_gemv=fp8_gemv),
+        DEFAULT_OPS, matmul=functools.partial(gemv_or_xla_matmul, xla_matmul=base),
+        qkv_epilogue=functools.partial(fused_qkv, xla_matmul=base),
+        matmul_parts=functools.partial(matmul_parts, xla_matmul=base),
+        silu_mul_matmul_parts=functools.partial(silu_mul_matmul_parts, xla_matmul=base),
         add_rms_norm=fused_add_rms_norm, grouped_matmul=fp8_tiled_or_grouped)

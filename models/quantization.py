@@ -239,26 +239,6 @@ def accepting_fp8_grouped(grouped_matmul: Callable[..., jax.Array]) -> Callable[
     return wrapped
 
 
-def quantize_per_token(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Activations ``x [M, K]`` -> ``(f8e4m3[M, K], scale f32[M])`` with ``scale = amax / 448`` over each
-    row (1 for an all-zero row): each token's own scale, so a row's values never depend on the batch."""
-    xf = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=1)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    return jnp.clip(xf / scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8), scale
-
-
-def fp8_scaled_matmul(x: jax.Array, w: Fp8Weight, *, out_dtype=None) -> jax.Array:
-    """``x [M, K] @ w`` on fp8 tensor cores (W8A8): ``x`` quantized per token (:func:`quantize_per_token`),
-    the e4m3 operands multiplied with fp32 accumulation, the product scaled by the row's and the
-    column's scales. Per-output-channel weights only (block scales vary along ``K``)."""
-    if w.scale.ndim != 1:
-        raise ValueError("fp8_scaled_matmul takes per-channel scales; block-scaled weights are dequantized")
-    xq, sx = quantize_per_token(x)
-    y = jax.lax.dot_general(xq, w.weight, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return (y * sx[:, None] * w.scale).astype(out_dtype or x.dtype)
-
-
 def accepting_fp8(matmul: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     """``matmul`` that also takes an :class:`Fp8Weight` (by :func:`fp8_matmul` around it)."""
 

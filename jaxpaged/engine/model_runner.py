@@ -143,7 +143,7 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         self.mesh = mesh
         self._replicated = None  # the mesh's replicated sharding, made on first use
-        ops = get_model_ops(batch_invariant, tuning.fp8_gemv, tuning.fp8_w8a8)
+        ops = get_model_ops(batch_invariant)
         if mesh is not None:
             from ..models.sharding import tp_model_ops
 

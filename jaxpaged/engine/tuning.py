@@ -27,19 +27,12 @@ class StepTuning:
       steps made the whole workload slower). 512 on a GPU, 0 on a CPU and with ``batch_invariant``
       (whose matmuls are Pallas kernels).
     copies_max_tokens: the largest padded step that uses every copy (``step_executables``).
-    fp8_gemv: fp8 weights' products of at most 32 rows read by the split-K GEMV (e4m3 tiles and their
-      scales, ``kernels/gemv.py``) instead of XLA's GEMM over the converted weight. Off until a GPU
-      measures it faster (docs/DECISIONS.md, "fp8 weights").
-    fp8_w8a8: fp8 weights' products of more rows (per-channel scales) on fp8 tensor cores, activations
-      quantized per token (``quantization.fp8_scaled_matmul``). Off until measured, as ``fp8_gemv``.
     """
 
     min_token_bucket: int
     step_executables: int
     cublas_max_tokens: int
     copies_max_tokens: int = 32
-    fp8_gemv: bool = False
-    fp8_w8a8: bool = False
 
     def __post_init__(self) -> None:
         m = self.min_token_bucket
@@ -56,17 +49,4 @@ class StepTuning:
         if jax.default_backend() == "gpu":
             return cls(min_token_bucket=1, step_executables=2, cublas_max_tokens=0 if batch_invariant else 512)
         return cls(min_token_bucket=16, step_executables=1, cublas_max_tokens=0)
-
-
-FP8_KERNELS = ("xla", "gemv", "w8a8", "gemv+w8a8")  # what a benchmark may ask of fp8 weights' products
-
-
-def with_fp8_kernels(tuning: StepTuning, kernels: str) -> StepTuning:
-    """``tuning`` with fp8 weights' products on ``kernels`` (one of ``FP8_KERNELS``): ``xla`` is XLA's GEMM
-    over the converted weight throughout, ``gemv`` the GEMV reading e4m3 at <= 32 rows, ``w8a8`` fp8 tensor
-    cores above that."""
-    if kernels not in FP8_KERNELS:
-        raise ValueError(f"fp8 kernels must be one of {FP8_KERNELS}, got {kernels!r}")
-    parts = kernels.split("+")
-    return dataclasses.replace(tuning, fp8_gemv="gemv" in parts, fp8_w8a8="w8a8" in parts)
 

@@ -28,7 +28,7 @@ def test_profile_step_tiny(tmp_path, capsys):
     assert result["steady"]["prefill_steps"] >= 1
     # The command line's StepTuning over the CPU's defaults (bucket 16, no cuBLAS).
     assert result["tuning"] == dict(min_token_bucket=16, step_executables=3, cublas_max_tokens=0,
-                                    copies_max_tokens=64, fp8_gemv=False, fp8_w8a8=False)
+                                    copies_max_tokens=64)
     # Three copies used in turn for the 16-token decode steps (bucket 16 on the CPU): two more executables.
     assert result["compiled_executables"] >= result["compiled_shapes"] + 2
     assert len(result["untraced"]["wall_s"]) == 3 and result["untraced"]["wall_median_s"] > 0
@@ -98,7 +98,7 @@ def test_bench_latency_backends_in_turn(tmp_path, capsys):
     """Two backends in one process: a row each per configuration, measured on the same prompts run by
     run, their greedy tokens compared request by request (the reference and the Triton kernel agree on the
     tiny float32 model), and the same backend named twice refused. Weights compared alike: float32 and
-    fp8 with two kernel sets, three engines."""
+    fp8, two engines."""
     mod = load("bench_latency")
     result = mod.main(["--model", "tiny", "--backend", "reference,triton", "--batches", "2", "--prompts", "8",
                        "--max-tokens", "3", "--repeats", "2", "--out", str(tmp_path)])
@@ -112,12 +112,11 @@ def test_bench_latency_backends_in_turn(tmp_path, capsys):
     assert "TTFT / ITL p50 vs reference" in out and "greedy tokens equal to reference's: triton 100.0%" in out
     with pytest.raises(SystemExit, match="twice"):
         mod.main(["--model", "tiny", "--backend", "triton,triton", "--out", str(tmp_path)])
-    result = mod.main(["--model", "tiny", "--backend", "reference", "--quantization", "none,fp8", "--fp8-kernels",
-                       "xla,gemv", "--batches", "1", "--prompts", "8", "--max-tokens", "3", "--repeats", "2",
-                       "--no-floor", "--out", str(tmp_path)])
-    assert result["variants"] == ["reference float32", "reference fp8 xla", "reference fp8 gemv"]
-    assert [r["quantization"] for r in result["rows"]] == [None, "fp8", "fp8"]
-    assert set(result["greedy_agreement"]) == {"reference fp8 xla", "reference fp8 gemv"}
+    result = mod.main(["--model", "tiny", "--backend", "reference", "--quantization", "none,fp8", "--batches", "1",
+                       "--prompts", "8", "--max-tokens", "3", "--repeats", "2", "--no-floor", "--out", str(tmp_path)])
+    assert result["variants"] == ["reference float32", "reference fp8"]
+    assert [r["quantization"] for r in result["rows"]] == [None, "fp8"]
+    assert set(result["greedy_agreement"]) == {"reference fp8"}
 
 
 def test_bench_latency_tokens_equal_llm_generate():

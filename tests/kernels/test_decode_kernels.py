@@ -48,58 +48,6 @@ def test_gemv_matches_fp32_product(m, k, n, splits, transpose_w):
     np.testing.assert_array_equal(np.asarray(total.astype(jnp.bfloat16), np.float32), np.asarray(out, np.float32))
 
 
-@pytest.mark.parametrize("m,k,n,splits,groups", [(1, 256, 96, 2, 0), (5, 512, 64, 2, 4), (20, 256, 128, 1, 2)])
-def test_gemv_reads_fp8_weights_with_their_scales(m, k, n, splits, groups):
-    """An e4m3 weight with per-channel (``groups`` 0) or per-``K/groups``-rows block scales: the
-    partials sum to the numpy dequantize-then-multiply product, NaN never leaks from masked columns."""
-    rng = np.random.default_rng(k + n + groups)
-    x = rand(rng, (m, k), jnp.bfloat16)
-    w = rand(rng, (k, n), jnp.float8_e4m3fn, scale=8.0)
-    scale = jnp.asarray(rng.uniform(0.01, 0.1, (groups, n) if groups else (n,)), jnp.float32)
-    wf = np.asarray(w, np.float32).reshape(max(groups, 1), -1, n) * np.asarray(scale).reshape(max(groups, 1), 1, n)
-    ref = np.asarray(x, np.float32) @ wf.reshape(k, n)
-    cfg = GemvConfig(block_n=32, block_k=64, splits=splits)
-    assert supported(x, w, config=cfg, scale=scale)
-    parts = gemv_partials(x, w, scale, config=cfg, interpret=True)
-    assert parts.shape == (splits, m, n) and np.isfinite(np.asarray(parts)).all()
-    np.testing.assert_allclose(np.asarray(parts).sum(0), ref, rtol=1e-4, atol=1e-3)
-    out = gemv(x, w, scale, config=cfg, interpret=True)
-    np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=1e-2, atol=0.05)
-    # Not for the GEMV: a scale per fewer rows than a depth tile, a transposed fp8 weight, no scale.
-    assert not supported(x, w, config=cfg, scale=jnp.ones((k // 32, n), jnp.float32))
-    assert not supported(x, w.T, transpose_w=True, config=cfg, scale=scale)
-    assert not supported(x, w, config=cfg)
-    assert not supported(x, w[:, :n - 8], config=cfg, scale=scale[..., :n - 8])  # a partial column tile
-
-
-def test_fp8_gemv_lowers_for_hopper_with_unmasked_weight_loads(monkeypatch):
-    """The fp8 GEMV lowered to Triton IR for an sm_90 GPU, without one: every e4m3 tile is one load with
-    no mask and no fill value (Triton cannot fill e4m3 with a constant, so a masked fp8 load fails to
-    compile), with per-channel and block scales."""
-    import types
-
-    from jax._src.pallas.triton import pallas_call_registration as registration
-
-    monkeypatch.setattr(registration, "gpu_info_lib",
-                        types.SimpleNamespace(get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
-    modules = []
-    lower_module = registration.lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        out = lower_module(*args, **kwargs)
-        modules.append(out.module.operation.get_asm())
-        return out
-
-    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", capture)
-    s = jax.ShapeDtypeStruct
-    for m, scale in ((1, s((512,), jnp.float32)), (20, s((4, 512), jnp.float32))):
-        modules.clear()
-        x, w = s((m, 512), jnp.bfloat16), s((512, 512), jnp.float8_e4m3fn)
-        jax.jit(lambda x, w, scale: gemv(x, w, scale)).trace(x, w, scale).lower(lowering_platforms=("cuda",))
-        loads = [line.split("=", 1)[1] for line in modules[0].splitlines() if "tt.load" in line and "f8E4M3FN" in line]
-        assert len(loads) == 1 and "," not in loads[0].split(":")[0], loads  # one operand: the pointers
-
-
 def test_gemv_supported_shapes_and_config():
     x, w = jnp.zeros((16, 1024), jnp.bfloat16), jnp.zeros((1024, 4096), jnp.bfloat16)
     assert supported(x, w) and supported(jnp.zeros((32, 1024), jnp.bfloat16), w)

@@ -30,11 +30,11 @@ from jaxpaged.models.convert import read_hf_tensors
 from jaxpaged.models.config import CheckpointError
 from jaxpaged.models.kv_pool import init_kv_pool
 from jaxpaged.models.quantization import (FP8_MAX, Fp8Config, Fp8Weight, accepting_fp8, dequantize,
-                                          expand_block_scale, fp8_grouped_matmul, fp8_matmul, fp8_scaled_matmul,
-                                          from_quantization_config, quantize_per_channel, quantize_per_token)
+                                          expand_block_scale, fp8_grouped_matmul, fp8_matmul,
+                                          from_quantization_config, quantize_per_channel)
 from jaxpaged.models.ops import (fp8_tiled_or_grouped, fused_add_rms_norm, fused_qkv, gemv_or_xla_matmul, matmul_parts,
-                                 silu_mul_matmul_parts, w8a8_or_xla_matmul)
-from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps, xla_matmul, xla_matmul_unfused_input
+                                 silu_mul_matmul_parts)
+from jaxpaged.models.qwen import DEFAULT_OPS, ModelOps, xla_matmul
 from jaxpaged.models.safetensors_io import write_safetensors
 from jaxpaged.models.tiny import tiny_checkpoint_path
 
@@ -181,23 +181,6 @@ def test_per_channel_quantization_error_is_half_an_e4m3_step():
     assert rel_err(np.asarray(plain(x, fp8)), np.asarray(xla_matmul(x, deq))) < 1e-6
 
 
-def test_w8a8_product_quantizes_each_token_alone():
-    """W8A8 (``fp8_scaled_matmul``): each activation row within half an e4m3 step of its own scale, the
-    product equal to the numpy product of the two dequantized operands, a row's result independent of
-    the other rows; block-scaled weights refused."""
-    x = jax.random.normal(jax.random.key(2), (6, 128), jnp.float32) * jnp.asarray([1e-3, 0.1, 1, 10, 300, 0])[:, None]
-    xq, sx = quantize_per_token(x)
-    assert bool(jnp.all(jnp.abs(xq.astype(jnp.float32) * sx[:, None] - x) <= 2.0 ** -4 * jnp.abs(x) + 2.0 ** -10 * sx[:, None]))
-    assert float(sx[5]) == 1.0  # an all-zero row
-    w = Fp8Weight(*quantize_per_channel(jax.random.normal(jax.random.key(3), (128, 64), jnp.float32)), jnp.float32)
-    want = (np.asarray(xq, np.float32) * np.asarray(sx)[:, None]) @ np.asarray(dequantize(w))
-    got = np.asarray(fp8_scaled_matmul(x, w))
-    assert rel_err(got, want) < 1e-5
-    np.testing.assert_array_equal(np.asarray(fp8_scaled_matmul(x[2:4], w)), got[2:4])
-    with pytest.raises(ValueError, match="per-channel"):
-        fp8_scaled_matmul(x, Fp8Weight(w.weight, jnp.ones((2, 64), jnp.float32), jnp.float32))
-
-
 def test_block_scale_expansion_handles_partial_blocks():
     scale_inv = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)  # out 130 (2 blocks), in 200 (2 blocks)
     e = expand_block_scale(scale_inv, 130, 200, BLOCK)
@@ -261,7 +244,7 @@ def test_fp8_checkpoint_splits_its_block_scales_with_its_weights(fp8_checkpoint,
 
 def test_gpu_ops_take_fp8_weights(bf16_fp8):
     """The GPU's op set (GEMV, qkv epilogue, add + RMSNorm: interpret mode) takes fp8 weights where it takes
-    bf16 ones (through XLA's dequantizing matmul: no GEMV reads fp8 yet) and computes what XLA's ops
+    bf16 ones (through XLA's dequantizing matmul: the GEMV reads no fp8) and computes what XLA's ops
     compute, on a decode step."""
     gpu = ModelOps(matmul=functools.partial(gemv_or_xla_matmul, interpret=True),
                    qkv_epilogue=functools.partial(fused_qkv, interpret=True),
@@ -269,34 +252,6 @@ def test_gpu_ops_take_fp8_weights(bf16_fp8):
                    silu_mul_matmul_parts=functools.partial(silu_mul_matmul_parts, interpret=True),
                    add_rms_norm=functools.partial(fused_add_rms_norm, interpret=True))
     assert rel_err(logits(bf16_fp8, PROMPT[:1], gpu), logits(bf16_fp8, PROMPT[:1])) < 1e-2
-
-
-def gpu_ops(fp8_gemv: bool, fp8_w8a8: bool) -> ModelOps:
-    """The GPU's op set as ``get_model_ops(False, fp8_gemv, fp8_w8a8)`` builds it, in interpret mode."""
-    base = w8a8_or_xla_matmul if fp8_w8a8 else xla_matmul_unfused_input
-    kw = dict(interpret=True, xla_matmul=base, fp8_gemv=fp8_gemv)
-    return ModelOps(matmul=functools.partial(gemv_or_xla_matmul, **kw), qkv_epilogue=functools.partial(fused_qkv, **kw),
-                    matmul_parts=functools.partial(matmul_parts, **kw),
-                    silu_mul_matmul_parts=functools.partial(silu_mul_matmul_parts, **kw),
-                    add_rms_norm=functools.partial(fused_add_rms_norm, interpret=True))
-
-
-def test_fp8_gemv_and_w8a8_ops_compute_what_xla_computes(bf16_fp8):
-    """``StepTuning.fp8_gemv``: a decode step's four products read the e4m3 weights in the GEMV (every one of
-    them: the jaxpr has a GEMV for each) and give XLA's logits; ``fp8_w8a8``: a 24-token prefill's products
-    on fp8 operands (activations quantized per token) within the fp8 bound of XLA's dequantizing GEMM."""
-    import jax.extend  # noqa: F401  (jaxpr printing)
-
-    ops = gpu_ops(fp8_gemv=True, fp8_w8a8=False)
-    step = build_chunk_step([(PROMPT[:1], 0, list(range(4)))], 8, width=4)
-    pool = init_kv_pool(bf16_fp8.config, 8, 8, jnp.bfloat16)
-    jaxpr = str(jax.make_jaxpr(lambda st, pool: forward_all_logits(
-        bf16_fp8.graphdef, st, pool, step.token_ids, step.positions, step.meta, ops=ops))(bf16_fp8.state, pool))
-    assert jaxpr.count("gemv_fp8") >= 4, jaxpr.count("gemv_fp8")
-    assert rel_err(logits(bf16_fp8, PROMPT[:1], ops), logits(bf16_fp8, PROMPT[:1])) < 1e-2
-    w8a8 = gpu_ops(fp8_gemv=False, fp8_w8a8=True)
-    prefill = logits(bf16_fp8, PROMPT, w8a8)
-    assert 0 < rel_err(prefill, logits(bf16_fp8, PROMPT)) < FP8_LOGITS_BOUND  # (measured: 0.109)
 
 
 # ---- Qwen3-MoE: fp8 experts -----------------------------------------------------------------------
