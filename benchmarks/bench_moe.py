@@ -100,30 +100,29 @@ def measure(shape: MoeShape, tokens: int, layers: int, repeats: int, device: Dev
     rows_x = x[order // k]
     rows_i = normal((tokens * k, i), 1.0)
 
-    def over_layers(product):
-        def run(*args):
+    def over_layers(product, layer_weights, *args) -> float:
+        """Median seconds of ``product`` over every layer's weights, passed as arguments (closed over,
+        XLA would take them as constants of the program)."""
+        def run(layer_weights, *args):
             acc = jnp.zeros((), jnp.float32)
-            for w in weights:
+            for w in layer_weights:
                 acc = acc + product(w, *args)[:1, :1].astype(jnp.float32).sum()
             return acc
-        return jax.jit(run)
+        return median_seconds(jax.jit(run), layer_weights, *args, repeats=repeats)
 
     moe = lambda w, x: sparse_moe(x, *w, top_k=k, norm_topk_prob=True, ops=ops)  # noqa: E731
     times = dict(
-        moe=median_seconds(over_layers(moe), x, repeats=repeats),
-        gate_up=median_seconds(over_layers(lambda w, r, g: ops.grouped_matmul(r, w[1], g)), rows_x, group_sizes,
-                               repeats=repeats),
-        down=median_seconds(over_layers(lambda w, r, g: ops.grouped_matmul(r, w[2], g)), rows_i, group_sizes,
-                            repeats=repeats),
+        moe=over_layers(moe, weights, x),
+        gate_up=over_layers(lambda w, r, g: ops.grouped_matmul(r, w[1], g), weights, rows_x, group_sizes),
+        down=over_layers(lambda w, r, g: ops.grouped_matmul(r, w[2], g), weights, rows_i, group_sizes),
     )
     if jax.default_backend() == "gpu":
-        times["gate_up_tiled"] = median_seconds(over_layers(lambda w, r, g: grouped_matmul_fixed_tile(r, w[1], g)),
-                                                rows_x, group_sizes, repeats=repeats)
-    bf16_weights = weights
-    weights = [(r, Fp8Weight(*quantize_per_channel(gu), jnp.dtype(dtype)), Fp8Weight(*quantize_per_channel(d), jnp.dtype(dtype)))
-               for r, gu, d in bf16_weights]
-    del bf16_weights
-    times["moe_fp8"] = median_seconds(over_layers(moe), x, repeats=repeats)
+        times["gate_up_tiled"] = over_layers(lambda w, r, g: grouped_matmul_fixed_tile(r, w[1], g), weights, rows_x,
+                                             group_sizes)
+    fp8 = [(r, Fp8Weight(*quantize_per_channel(gu), jnp.dtype(dtype)), Fp8Weight(*quantize_per_channel(d), jnp.dtype(dtype)))
+           for r, gu, d in weights]
+    del weights
+    times["moe_fp8"] = over_layers(moe, fp8, x)
     floors = shape.floor(tokens, distinct, jnp.dtype(dtype).itemsize)
     floors["moe_fp8"] = shape.floor(tokens, distinct, jnp.dtype(dtype).itemsize, weight_itemsize=1)["moe"]
     if "gate_up_tiled" in times:
