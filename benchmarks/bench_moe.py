@@ -29,9 +29,7 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -39,7 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.floor import Device, measure_device  # noqa: E402
+from benchmarks.floor import Device, measure_device, median_seconds  # noqa: E402
 from jaxpaged.kernels.grouped_matmul import grouped_matmul_fixed_tile  # noqa: E402
 from jaxpaged.models.moe import route, sort_by_expert, sparse_moe  # noqa: E402
 from jaxpaged.models.ops import get_model_ops  # noqa: E402
@@ -73,16 +71,6 @@ class MoeShape:
         router = h * self.experts * itemsize + tokens * h * itemsize
         moe = (gate_up[0] + down[0] + router, gate_up[1] + down[1] + 2.0 * tokens * h * self.experts)
         return dict(moe=moe, gate_up=gate_up, down=down)
-
-
-def median_seconds(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure(shape: MoeShape, tokens: int, layers: int, repeats: int, device: Device, dtype=jnp.bfloat16,

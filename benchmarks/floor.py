@@ -60,8 +60,9 @@ class Device:
         return max(num_bytes / self.read_bytes_per_s, flops / self.matmul_flops_per_s)
 
 
-def _median_seconds(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm
+def median_seconds(fn, *args, repeats: int) -> float:
+    """Median wall seconds of ``fn(*args)`` over ``repeats`` runs, after one run that compiles and warms."""
+    jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -77,11 +78,11 @@ def measure_device(read_bytes: int = 4 << 30, matmul_size: int = 8192, repeats: 
     a CPU."""
     x = jnp.ones((read_bytes // 2 // 8192, 8192), jnp.bfloat16)
     readers = (lambda a: jnp.sum(a, dtype=jnp.float32), lambda a: jnp.max(a, axis=1), lambda a: jnp.max(a, axis=0))
-    read_s = min(_median_seconds(jax.jit(f), x, repeats=repeats) for f in readers)
+    read_s = min(median_seconds(jax.jit(f), x, repeats=repeats) for f in readers)
     del x
     n = matmul_size
     a = jnp.ones((n, n), jnp.bfloat16)
-    mm_s = _median_seconds(jax.jit(lambda p, q: p @ q), a, a, repeats=max(3, repeats // 2))
+    mm_s = median_seconds(jax.jit(lambda p, q: p @ q), a, a, repeats=max(3, repeats // 2))
     return Device(read_bytes_per_s=(read_bytes // 2 // 8192) * 8192 * 2 / read_s, matmul_flops_per_s=2 * n**3 / mm_s,
                   name=jax.devices()[0].device_kind)
 

@@ -35,6 +35,28 @@ import gc  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture
+def sm90_triton_modules(monkeypatch) -> list[str]:
+    """The Triton IR (text) of every Pallas-Triton kernel lowered while the test runs, lowered for an sm_90
+    GPU without one: ``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`` fills the list."""
+    import types
+
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    monkeypatch.setattr(registration, "gpu_info_lib",
+                        types.SimpleNamespace(get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
+    modules: list[str] = []
+    lower_module = registration.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        out = lower_module(*args, **kwargs)
+        modules.append(out.module.operation.get_asm())
+        return out
+
+    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", capture)
+    return modules
+
+
 @pytest.fixture(autouse=True)
 def _unfrozen_heap():
     """``LLMEngine.warmup()`` freezes the heap (``jaxpaged.engine.heap``): each test starts and ends unfrozen, so one

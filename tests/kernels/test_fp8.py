@@ -273,30 +273,16 @@ def test_the_kv_write_of_a_pool_the_triton_kernels_cannot_address_is_xla_s(gib, 
     assert ("scatter" in str(jaxpr)) != fused
 
 
-def test_triton_lowering_addresses_fp8_pools_up_to_4_gib_with_32_bit_offsets(monkeypatch):
+def test_triton_lowering_addresses_fp8_pools_up_to_4_gib_with_32_bit_offsets(monkeypatch, sm90_triton_modules):
     """Why ``models/kv_pool`` keeps a one-byte pool out of 2-4 GiB: jax's Pallas-Triton lowering picks
     64-bit offsets only for an array of more than 2**32 bytes, so in a 3 GiB fp8 pool (1.5 x 2**31
     elements) every pointer is a 32-bit offset, which Triton sign-extends. The attention kernel is
     lowered for an sm_90 GPU here, without one (no pool is allocated), once its own refusal of such a
     pool (``kv_write.check_triton_addressable``) is checked and then stepped around to see what it guards
     against."""
-    import types
-
-    from jax._src.pallas.triton import pallas_call_registration as registration
-
     from jaxpaged.kernels import paged_attention as module
 
-    monkeypatch.setattr(registration, "gpu_info_lib",
-                        types.SimpleNamespace(get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
-    modules = []
-    lower_module = registration.lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        out = lower_module(*args, **kwargs)
-        modules.append(out.module.operation.get_asm())
-        return out
-
-    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", capture)
+    modules = sm90_triton_modules
     s, w = jax.ShapeDtypeStruct, 8
     args = [s((4, 4, 128), jnp.bfloat16), None, s((), jnp.int32), s((5,), jnp.int32), s((4,), jnp.int32),
             s((4, w), jnp.int32)]

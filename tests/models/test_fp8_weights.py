@@ -373,25 +373,11 @@ def test_moe_fp8_experts_split_with_their_scales(moe_fp8_checkpoint):
                                                                                     jnp.float32)))
 
 
-def test_fp8_grouped_kernel_lowers_for_hopper_with_unmasked_weight_loads(monkeypatch):
+def test_fp8_grouped_kernel_lowers_for_hopper_with_unmasked_weight_loads(sm90_triton_modules):
     """The fixed-tile grouped kernel over e4m3 experts (Qwen3-30B-A3B's gate/up, 4 of its experts) lowered to
     Triton IR for an sm_90 GPU, without one: each e4m3 tile is one load without mask or fill value, per
     channel and with 128-row block scales."""
-    import types
-
-    from jax._src.pallas.triton import pallas_call_registration as registration
-
-    monkeypatch.setattr(registration, "gpu_info_lib",
-                        types.SimpleNamespace(get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
-    modules = []
-    lower_module = registration.lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        out = lower_module(*args, **kwargs)
-        modules.append(out.module.operation.get_asm())
-        return out
-
-    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", capture)
+    modules = sm90_triton_modules
     s = jax.ShapeDtypeStruct
     x, w, sizes = s((64, 2048), jnp.bfloat16), s((4, 2048, 1536), jnp.float8_e4m3fn), s((4,), jnp.int32)
     for scale in (s((4, 1536), jnp.float32), s((4, 16, 1536), jnp.float32)):
