@@ -173,8 +173,9 @@ def grouped_matmul_fixed_tile(x: jax.Array, w: jax.Array, group_sizes: jax.Array
     ends = jnp.full((gp,), m, jnp.int32).at[:g].set(jnp.minimum(ends, m))
     scale_rows = 0 if scale is None else 1 if scale.ndim == 2 else scale.shape[1]
     operands = (starts, ends, x, w)
-    if scale is not None:  # [Gp, R, N], padding groups' scales never read
-        operands += (jnp.zeros((gp, scale_rows, n), jnp.float32).at[:g].set(scale.reshape(g, scale_rows, n)),)
+    if scale is not None:  # [Gp, R, N]: a padding group a tile visits loads a row (ones), multiplying zeros
+        scale = scale.reshape(g, scale_rows, n)
+        operands += (scale if gp == g else jnp.pad(scale, ((0, gp - g), (0, 0), (0, 0)), constant_values=1.0),)
     kernel = functools.partial(_grouped_kernel, cfg=cfg, precision=kernel_dot_precision(x.dtype), scale_rows=scale_rows)
     return pl.pallas_call(
         kernel,

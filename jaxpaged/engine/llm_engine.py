@@ -382,9 +382,9 @@ class LLMEngine:
             outputs += self._make_outputs(self._resolve(self._in_flight))  # their tokens first: a sync step
             # Every other constrained row sits this step out: from here on two cohorts alternate.
             constrained = [seq for seq in self.scheduler.running if seq.structured is not None]
-            self.scheduler.sit_out = {id(seq) for seq in constrained[1::2]}
-        scheduled = self.scheduler.schedule()
-        self.scheduler.sit_out = set()
+            scheduled = self.scheduler.schedule(sit_out=frozenset(map(id, constrained[1::2])))
+        else:
+            scheduled = self.scheduler.schedule()
         if self.kv_transfers is not None:  # offloads of evicted blocks, reloads of host hits: before the step
             transfers = self.kv.take_transfers()
             if transfers:

@@ -21,7 +21,7 @@ requests behind it go meanwhile); its matcher takes each token when it arrives (
 sequence ends ("stop") when the grammar is complete. Its next token mask needs that token, so with async
 scheduling a constrained sequence whose token is still in flight sits out one step (it decodes every
 other step while the batch keeps running), as does one the engine puts in the other cohort
-(``sit_out``; docs/DECISIONS.md).
+(``schedule(sit_out=...)``; docs/DECISIONS.md).
 """
 
 from __future__ import annotations
@@ -67,7 +67,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
         self.policy = make_policy(scheduling_policy)
-        self.sit_out: set[int] = set()  # ids of constrained sequences the engine holds out of the next step
         # Constrained sequences whose matcher refused their token (the engine ends their requests).
         self.grammar_failures: list[tuple[Sequence, str]] = []
 
@@ -87,8 +86,9 @@ class Scheduler:
         self.counters.preemptions += 1
         self.policy.requeue(seq)
 
-    def schedule(self) -> ScheduledBatch:
-        """Picks this step's work; allocates the blocks it needs (preempting if it must)."""
+    def schedule(self, sit_out: frozenset[int] = frozenset()) -> ScheduledBatch:
+        """Picks this step's work; allocates the blocks it needs (preempting if it must). ``sit_out``: the
+        ``id``s of constrained sequences the engine holds out of this step (the other cohort)."""
         budget = self.max_num_batched_tokens
         scheduled: ScheduledBatch = []
         preempted = False
@@ -97,7 +97,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            if seq.structured is not None and (seq.token_ids[-1] == PLACEHOLDER or id(seq) in self.sit_out):
+            if seq.structured is not None and (seq.token_ids[-1] == PLACEHOLDER or id(seq) in sit_out):
                 i += 1  # its token mask needs the token in flight (or it is in the other cohort): it sits out
                 continue
             uncomputed = len(seq.token_ids) - seq.num_computed_tokens
