@@ -45,7 +45,8 @@ import jax
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.llm import run_to_completion
 import floor
-from jaxpaged.workloads import QWEN2_5_0_5B, QWEN2_5_7B, QWEN3_0_6B, QWEN3_30B_A3B, nano_vllm_workload, random_model
+from jaxpaged.workloads import (QWEN2_5_0_5B, QWEN2_5_7B, QWEN3_0_6B, QWEN3_30B_A3B, nano_vllm_workload, params_bytes,
+                                random_model)
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
@@ -131,7 +132,8 @@ def run_ours(params, prompts, sps, args):
                 total_compile_s=st["compile_seconds"], ttft_p50=ttft[len(ttft) // 2], ttft_max=ttft[-1],
                 backend=st["attention_backend"], host_s=st["host_seconds"], device_wait_s=st["device_wait_seconds"],
                 traced=bool(trace_dir or windows), step_end_s=[t - t0 for t in step_times],
-                kv_dtype=str(engine.kv_pool.dtype), block_size=engine.config.block_size, output_lens=out_lens)
+                kv_dtype=str(engine.kv_pool.dtype), block_size=engine.config.block_size, output_lens=out_lens,
+                weights_gib=params_bytes(params) / 2**30)
 
 
 def brief(run: dict) -> dict:
@@ -412,7 +414,7 @@ def main(argv: list[str] | None = None) -> dict:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "throughput.json"), "w") as f:
         json.dump(result, f, indent=2)
-    print(f"\n{'run':36s} {'requests':>8s} {'out tokens':>10s} {'seconds':>8s} {'tok/s':>9s}")
+    print(f"\n{'run':36s} {'requests':>8s} {'out tokens':>10s} {'seconds':>8s} {'tok/s':>9s} {'weights GiB':>11s}")
     for key, label, count in (("ours_full", "jaxpaged", args.num_seqs),
                               ("ours_full_other", "jaxpaged, other scheduling", args.num_seqs),
                               ("ours_fp8", "jaxpaged, fp8 weights", args.num_seqs),
@@ -422,7 +424,8 @@ def main(argv: list[str] | None = None) -> dict:
             r = result[key]
             vs = f"  {r['tok_per_s'] / result['ours_full']['tok_per_s']:.2f}x" if key.startswith("ours_fp8") else ""
             floor_pct = f", {r['floor']['pct_of_floor']:.0f}% of its floor" if "floor" in r else ""
-            print(f"{label:36s} {count:8d} {r['output_tokens']:10d} {r['seconds']:8.2f} {r['tok_per_s']:9.0f}"
+            gib = f"{r['weights_gib']:11.2f}" if "weights_gib" in r else f"{'':11s}"
+            print(f"{label:36s} {count:8d} {r['output_tokens']:10d} {r['seconds']:8.2f} {r['tok_per_s']:9.0f} {gib}"
                   f"{vs}{floor_pct}")
     r = result["ours_full"]
     print(f"compile (warm-up, {r['compiled_shapes']} shapes): {r['warmup_compile_s']:.1f} s; steps {r['steps']}; "
