@@ -134,7 +134,8 @@ def _grouped_kernel(starts_ref, ends_ref, x_ref, w_ref, *refs, cfg: MatmulConfig
             return acc + part
 
         # An empty group (no rows) runs no step; its pass keeps nothing either way.
-        acc = lax.fori_loop(0, jnp.where(end > start, steps, 0), body, jnp.zeros((bm, bn), jnp.float32))
+        # An int32 product: ``jnp.where`` over two Python ints lowered to an i1 bound that Triton refuses.
+        acc = lax.fori_loop(0, steps * (end > start).astype(jnp.int32), body, jnp.zeros((bm, bn), jnp.float32))
         if scale_rows == 1:
             acc = acc * plgpu.load(scale_ref[0].at[g, 0, cols])[None, :]
         return jnp.where(mine[:, None], acc, out)

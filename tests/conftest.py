@@ -38,7 +38,8 @@ import pytest  # noqa: E402
 @pytest.fixture
 def sm90_triton_modules(monkeypatch) -> list[str]:
     """The Triton IR (text) of every Pallas-Triton kernel lowered while the test runs, lowered for an sm_90
-    GPU without one: ``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`` fills the list."""
+    GPU without one: ``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`` fills the list. Each
+    module passes MLIR's verifier first, as the GPU's Triton compiler would check it."""
     import types
 
     from jax._src.pallas.triton import pallas_call_registration as registration
@@ -50,6 +51,7 @@ def sm90_triton_modules(monkeypatch) -> list[str]:
 
     def capture(*args, **kwargs):
         out = lower_module(*args, **kwargs)
+        out.module.operation.verify()  # raises MLIRError naming the op
         modules.append(out.module.operation.get_asm())
         return out
 
