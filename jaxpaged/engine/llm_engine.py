@@ -43,7 +43,7 @@ from ..models.attention_backends import choose_attention_backend, resolve_backen
 from ..models.sharding import params_tp
 from ..sampling import RequestOutputKind, SamplingParams
 from ..sampling import grammar
-from ..sampling.features import SamplerFeatures, prompt_logprob_positions
+from ..sampling.features import SamplerFeatures, build_row_inputs, padding_row_inputs, prompt_logprob_positions
 from ..sampling.sampler import SAMPLING_MODES
 from .executable_cache import ExecutableCache, cache_key
 from .heap import freeze_long_lived_heap
@@ -378,13 +378,7 @@ class LLMEngine:
         outputs = [o for o in map(self._outputs.make_output, aborted) if o is not None]
         if self._compiling:
             outputs += self._check_compiling()
-        if self._in_flight is not None and self._num_feature_requests and self._constrained_majority_waits():
-            outputs += self._make_outputs(self._resolve(self._in_flight))  # their tokens first: a sync step
-            # Every other constrained row sits this step out: from here on two cohorts alternate.
-            constrained = [seq for seq in self.scheduler.running if seq.structured is not None]
-            scheduled = self.scheduler.schedule(sit_out=frozenset(map(id, constrained[1::2])))
-        else:
-            scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule()
         if self.kv_transfers is not None:  # offloads of evicted blocks, reloads of host hits: before the step
             transfers = self.kv.take_transfers()
             if transfers:
@@ -411,14 +405,22 @@ class LLMEngine:
         tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs, self._prev_tokens,
                                                 self._take_free_tokens())
         tokens, aux = tokens if isinstance(tokens, tuple) else (tokens, None)  # (a logprobs variant: aux arrays)
-        if self.token_readback == "jax":
+        constrained = inputs.features.constrained
+        if self.token_readback == "jax" and not constrained:
             tokens.copy_to_host_async()  # the read-back starts as soon as the step ends, not when asked
         if self.kv_transfers is not None:  # the evicted blocks to the host, while the device runs the step
             self.kv_transfers.finish_offloads()
         prompt_rows = prompt_logprob_positions(scheduled) if inputs.features.prompt_logprobs >= 0 else []
         if self.config.async_scheduling:  # the previous step's tokens (ready, or nearly), then book this one
             outputs += self._make_outputs(self._resolve(self._in_flight))
+        broken: list[tuple[RequestState, BaseException]] = []
+        if constrained:  # every token the step read is known now: the masks, while the step runs
+            tokens, aux, broken = self._resample_constrained(scheduled, inputs, tokens, aux)
+            if self.token_readback == "jax":
+                tokens.copy_to_host_async()
         step = InFlight(self.scheduler.advance(scheduled), tokens, aux, prompt_rows)
+        for state, err in broken:  # (after the booking: their tokens in flight are dropped)
+            outputs += self._fail_requests([state], err)
         if self.config.async_scheduling:
             self._in_flight, self._prev_tokens = step, tokens
             self._pending_rows = {seq: row for row, seq, _ in step.samples}
@@ -428,15 +430,35 @@ class LLMEngine:
         self._record_step(scheduled, num_decode, inputs, t0, t1)
         return outputs
 
-    def _constrained_majority_waits(self) -> bool:
-        """Whether more than three quarters of the running sequences are constrained ones whose token is in
-        flight. A constrained sequence sits a step out while other work fills the batch (the device never
-        waits); where that would leave out most of the batch, this step waits for those tokens instead (as
-        with sync scheduling), and half the constrained rows then sit it out, so from then on two cohorts
-        of them alternate, each one's masks computed while the other's step runs (docs/DECISIONS.md)."""
-        running = self.scheduler.running
-        waiting = sum(1 for seq in running if seq.structured is not None and seq.token_ids[-1] == PLACEHOLDER)
-        return waiting > 0 and 4 * waiting > 3 * len(running)
+    def _resample_constrained(self, scheduled: ScheduledBatch, inputs, tokens: jax.Array, aux: dict):
+        """A ``constrained`` step's constrained rows sampled again under their token masks
+        (``features.resample_rows``), launched behind the step: ``(tokens, aux, broken)``, ``broken``
+        the ``(request, error)`` of each matcher that failed (its row keeps the step's token; the caller
+        ends the request). Sequences that ended on the previous step's token are left out."""
+        logits = aux.pop("logits")
+        picked = [(row, seq, n) for row, (seq, n) in enumerate(scheduled)
+                  if seq.structured is not None and not seq.is_finished]
+        cfg = self.params.config
+        build = lambda rows: build_row_inputs(rows, inputs, tokens.shape[0], cfg.eos_token_id, cfg.vocab_size)
+        broken = []
+        try:
+            row_inputs = build(picked) if picked else None
+        except Exception as err:  # noqa: BLE001  (a matcher failed: find whose, alone)
+            keep = []
+            for p in picked:
+                try:
+                    build([p])
+                    keep.append(p)
+                except Exception as own:  # noqa: BLE001
+                    broken.append((p[1].parent, own))
+            if not broken:
+                raise err
+            row_inputs = build(keep) if keep else None
+        if row_inputs is not None:
+            tokens, logprobs = self.runner.resample_rows(tokens, logits, row_inputs, aux.get("logprobs"))
+            if logprobs is not None:
+                aux["logprobs"] = logprobs
+        return tokens, aux, broken
 
     def _check_compiling(self) -> list[RequestOutput]:
         """Ends the queued requests whose grammar failed to compile (``finish_reason == "error"``); forgets
@@ -658,6 +680,8 @@ class LLMEngine:
                     self._free_tokens.append(self._prev_tokens)
                     self._prev_tokens = tokens
             jax.block_until_ready(self._prev_tokens)  # (nothing ran if every shape was compiled before)
+            if self.warms_up_structured_outputs:
+                self._warmup_resample()
             if self.kv_transfers is not None:
                 self._measure_reload_cost(compiled)
             self.settle()
@@ -668,6 +692,19 @@ class LLMEngine:
         self.warmup_profile = dict(self.runner.last_precompile, run_seconds=time.perf_counter() - t_run,
                                    total_seconds=time.perf_counter() - t0)
         return self.warmup_profile["total_seconds"]
+
+    def _warmup_resample(self) -> None:
+        """Runs structured outputs' second program (``ModelRunner.resample_rows``, token masks only) once
+        for each sequence bucket and sampler variant of the constrained steps ``warmup`` compiles, so the
+        first constrained request compiles nothing."""
+        features = SamplerFeatures(bitmask_width=grammar.bitmask_width(self.params.config.vocab_size))
+        rows = self._prev_tokens.shape[0]
+        shapes = {(i.logits_indices.shape[0], i.sampling_mode) for i in self._warmup_steps() if i.features.constrained}
+        for s_pad, mode in sorted(shapes):
+            logits = jnp.zeros((s_pad, self.params.config.vocab_size), jnp.float32)
+            tokens, _ = self.runner.resample_rows(self.runner.token_buffer(rows), logits,
+                                                  padding_row_inputs(s_pad, rows, mode, features))
+            jax.block_until_ready(tokens)
 
     def _measure_reload_cost(self, compiled) -> None:
         """Times the host tier's copies and the largest prefill step (all padding: its matmuls, which is
@@ -723,7 +760,7 @@ class LLMEngine:
         # installed (on a CPU, where compiling is slow and nothing is served, it compiles on first use).
         variants = [SamplerFeatures()]
         if self.warms_up_structured_outputs:
-            variants.append(SamplerFeatures(bitmask_width=grammar.bitmask_width(self.params.config.vocab_size)))
+            variants.append(SamplerFeatures(constrained=True))
         return [padding_step_inputs(t_pad, min(t_pad, s_max), self._table_width or self._max_width, mode, uniform,
                                     features)
                 for t_pad in sizes for mode in SAMPLING_MODES for uniform in (False, True) for features in variants

@@ -27,7 +27,7 @@ from ..kernels.kv_write import write_kv
 from ..models.attention_backends import get_attention_fn, resolve_backend
 from ..models.ops import get_model_ops
 from ..models.qwen import DEFAULT_OPS, KVPool, ModelOps
-from ..sampling.features import sample_step
+from ..sampling.features import RowInputs, resample_rows, sample_step
 from .executable_cache import clone, compile_step
 from .step_inputs import StepInputs, pack, to_step_memory, unpack
 from .tuning import StepTuning
@@ -168,6 +168,10 @@ class ModelRunner:
         # buffer buys nothing there, and there ``np.asarray`` may return a view of the buffer itself
         # (cached on the array), which a donated buffer would overwrite under its reader.
         self.donate_spare_tokens = jax.default_backend() == "gpu"
+        # Structured outputs' second program (``features.resample_rows``): the step's tokens and
+        # logprobs donated where the spare token buffer is.
+        self._resample = jax.jit(functools.partial(resample_rows, batch_invariant=batch_invariant),
+                                 donate_argnums=(0, 3) if self.donate_spare_tokens else ())
 
     def make_jitted(self, treedef, compiler_options: dict | None = None) -> Callable:
         """The step jitted over flat weight leaves: ``(leaves, kv_pool, packed, prev_tokens, spare_tokens,
@@ -251,6 +255,16 @@ class ModelRunner:
                 self._shapes_seen.add(shape_key)
                 return tokens, kv_pool
             return jitted(leaves, kv_pool, packed, prev_tokens, spare_tokens, layout)
+
+    def resample_rows(self, tokens: jax.Array, logits: jax.Array, rows: RowInputs,
+                      logprobs: dict | None = None) -> tuple[jax.Array, dict | None]:
+        """Structured outputs: a ``constrained`` step's rows ``rows`` sampled again from its ``logits``
+        under their token masks (``features.resample_rows``); returns the step's tokens and logprobs
+        with those rows replaced (the originals donated on a GPU). Compiled on first use per shape."""
+        if self.mesh is not None:
+            rows = jax.tree.map(self._replicate, rows)
+        with self._partitioner():
+            return self._resample(tokens, logits, rows, logprobs)
 
     @staticmethod
     def _base_key(layout, prev_tokens, kv_pool, cublas: bool) -> tuple:

@@ -18,10 +18,8 @@ text (``stop_on_string``), and withdrawn (``abort``: "abort", or "error" for a r
 
 Structured outputs (``seq.structured``): a sequence waits in the queue while its grammar compiles (the
 requests behind it go meanwhile); its matcher takes each token when it arrives (``resolve``) and the
-sequence ends ("stop") when the grammar is complete. Its next token mask needs that token, so with async
-scheduling a constrained sequence whose token is still in flight sits out one step (it decodes every
-other step while the batch keeps running), as does one the engine puts in the other cohort
-(``schedule(sit_out=...)``; docs/DECISIONS.md).
+sequence ends ("stop") when the grammar is complete. It is scheduled like any other: its token mask is
+applied after the step is launched (``sampling/features.py``), so its token may still be in flight.
 """
 
 from __future__ import annotations
@@ -86,9 +84,8 @@ class Scheduler:
         self.counters.preemptions += 1
         self.policy.requeue(seq)
 
-    def schedule(self, sit_out: frozenset[int] = frozenset()) -> ScheduledBatch:
-        """Picks this step's work; allocates the blocks it needs (preempting if it must). ``sit_out``: the
-        ``id``s of constrained sequences the engine holds out of this step (the other cohort)."""
+    def schedule(self) -> ScheduledBatch:
+        """Picks this step's work; allocates the blocks it needs (preempting if it must)."""
         budget = self.max_num_batched_tokens
         scheduled: ScheduledBatch = []
         preempted = False
@@ -97,9 +94,6 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            if seq.structured is not None and (seq.token_ids[-1] == PLACEHOLDER or id(seq) in sit_out):
-                i += 1  # its token mask needs the token in flight (or it is in the other cohort): it sits out
-                continue
             uncomputed = len(seq.token_ids) - seq.num_computed_tokens
             n = uncomputed if uncomputed < budget else budget
             if n < uncomputed and not chunked:
@@ -127,8 +121,8 @@ class Scheduler:
         i = 0  # under fcfs always 0: the head of the queue or nobody
         while not preempted and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            if seq.structured is not None and (not seq.structured.ready or seq.token_ids[-1] == PLACEHOLDER):
-                i += 1  # its grammar is compiling (or its token in flight): the requests behind it go first
+            if seq.structured is not None and not seq.structured.ready:
+                i += 1  # its grammar is compiling: the requests behind it go first
                 continue
             if not self.kv.can_admit(seq):
                 break

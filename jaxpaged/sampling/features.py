@@ -13,7 +13,15 @@ Inputs (``FeatureInputs``, all 32-bit, packed with the rest of the step; ``S`` p
   ignore_eos, and stop_token_ids; -1 padding); prompt_indices, prompt_targets i32[P] (a prompt token's
   index in the step and the prompt token that follows it, for prompt_logprobs); bitmask i32[S, W] (the
   tokens each row may sample, structured outputs: ``bitmask.py``; -1, all allowed, in other rows).
-Outputs (``aux`` dict): "logprobs" and "prompt_logprobs", each ``logprobs.token_logprobs``' dict.
+Outputs (``aux`` dict): "logprobs" and "prompt_logprobs", each ``logprobs.token_logprobs``' dict;
+"logits" (f32[S, V], the raw logits) in a step with constrained rows.
+
+Structured outputs sample in a second program (vLLM's split of ``execute_model`` and ``sample_tokens``):
+a row's token mask needs the token the previous step sampled for it, which with async scheduling is
+still on the device when the step is launched. So the step (``constrained``) samples every row as usual
+and also returns its logits; once the host has the previous tokens and the masks (computed while the
+step runs), :func:`resample_rows` samples the constrained rows again from those logits under their masks
+and writes their tokens over the step's. Nobody waits and every row decodes every step.
 """
 
 from __future__ import annotations
@@ -45,7 +53,8 @@ class SamplerFeatures:
     history_width: int = 0  # H
     num_stop_ids: int = 0  # K
     num_prompt_positions: int = 0  # P
-    bitmask_width: int = 0  # W = ceil(V / 32) when some row is constrained (structured outputs), else 0
+    bitmask_width: int = 0  # W = ceil(V / 32): token masks (``resample_rows``' inputs), else 0
+    constrained: bool = False  # some row is constrained: the step returns its raw logits (aux["logits"])
 
     def __bool__(self) -> bool:
         return self != NO_FEATURES
@@ -101,11 +110,13 @@ def prompt_logprob_positions(scheduled) -> list[tuple[int, object, int]]:
     return out
 
 
-def build_feature_inputs(scheduled, s_pad: int, cu_q_lens: np.ndarray, eos_token_ids=(),
-                         vocab_size: int = 0) -> tuple[SamplerFeatures, FeatureInputs | None]:
-    """Host side: the features ``scheduled`` needs and their padded numpy inputs. A sequence with a
-    structured output (``seq.structured``, ``grammar.StructuredState``) gets its matcher's token mask
-    (``vocab_size``: the model's, the mask's width); a matcher that fails raises here."""
+def build_feature_inputs(scheduled, s_pad: int, cu_q_lens: np.ndarray | None, eos_token_ids=(),
+                         vocab_size: int = 0, masks: bool = False) -> tuple[SamplerFeatures, FeatureInputs | None]:
+    """Host side: the features ``scheduled`` needs and their padded numpy inputs. A step with a
+    structured output (``seq.structured``, ``grammar.StructuredState``) is ``constrained`` (it returns
+    its logits). ``masks``: the inputs of :func:`resample_rows` instead, ``scheduled`` being the
+    constrained rows: each gets its matcher's token mask (``vocab_size``: the model's, the mask's
+    width; a matcher that fails raises here), and no prompt logprobs (``cu_q_lens`` unused)."""
     if not any(s.sampling_params._device_features for s, _ in scheduled):  # the default step: one pass
         return NO_FEATURES, None
     seqs = [s for s, _ in scheduled]
@@ -114,7 +125,7 @@ def build_feature_inputs(scheduled, s_pad: int, cu_q_lens: np.ndarray, eos_token
     pen_rows = [i for i, sp in enumerate(sps) if sp.uses_penalties]
     stop_lists = [[] if sp.min_tokens == 0 else (list(() if sp.ignore_eos else eos_token_ids)
                                                  + list(sp.stop_token_ids or ())) for sp in sps]
-    plp = prompt_logprob_positions(scheduled)
+    plp = [] if masks else prompt_logprob_positions(scheduled)
     lps = [sp.logprobs for sp in sps if sp.logprobs is not None]
     plps = [sp.prompt_logprobs for sp in sps if sp.prompt_logprobs is not None]
     constrained = [i for i, s in enumerate(seqs) if s.structured is not None]
@@ -125,12 +136,13 @@ def build_feature_inputs(scheduled, s_pad: int, cu_q_lens: np.ndarray, eos_token
         history_width=next_pow2(max(len(seqs[i].token_ids) for i in pen_rows), 16) if pen_rows else 0,
         num_stop_ids=next_pow2(max(map(len, stop_lists)), 4) if any(stop_lists) else 0,
         num_prompt_positions=next_pow2(len(plp), 16) if plp else 0,
-        bitmask_width=-(-vocab_size // 32) if constrained else 0)
+        bitmask_width=-(-vocab_size // 32) if constrained and masks else 0,
+        constrained=bool(constrained) and not masks)
     arrays = {name: np.zeros(shape, dtype) for name, shape, dtype in features.fields(s_pad)}
     arrays["repetition_penalty"][:] = 1.0
     arrays["history"][:] = -1
     arrays["stop_ids"][:] = -1
-    if constrained:
+    if features.bitmask_width:
         arrays["bitmask"][:] = -1
         fill_bitmasks([(seqs[i].structured.matcher, i) for i in constrained], arrays["bitmask"])
     arrays["presence_penalty"][:n] = [sp.presence_penalty for sp in sps]
@@ -164,13 +176,27 @@ def sample_step(hidden: jax.Array, compute_logits: Callable[[jax.Array], jax.Arr
     if not f:
         return sample(logits, inputs.temperature, inputs.top_k, inputs.top_p, inputs.seeds, inputs.counters,
                       inputs.sampling_mode, batch_invariant=batch_invariant), {}
+    current = token_ids[inputs.logits_indices]  # the token each row's logits follow (placeholder resolved)
+    tokens, aux = _sample_features(logits, current, inputs, batch_invariant)
+    if f.prompt_logprobs >= 0:
+        prompt_logits = compute_logits(hidden[x.prompt_indices])  # [P, V]
+        aux["prompt_logprobs"] = token_logprobs(prompt_logits, x.prompt_targets, f.prompt_logprobs, batch_invariant)
+    if f.constrained:
+        aux["logits"] = logits
+    return tokens, aux
+
+
+def _sample_features(logits: jax.Array, current: jax.Array, inputs, batch_invariant: bool) -> tuple[jax.Array, dict]:
+    """``logits f32[S, V]`` through the features of ``inputs.features`` (token masks first, as vLLM:
+    penalties and filters see the masked logits), then sampled: ``(tokens, aux)`` with the sampled
+    tokens' logprobs (of the raw logits) where asked. ``current``: the token each row's logits follow."""
+    f, x = inputs.features, inputs.extras
     processed = logits.astype(jnp.float32)
-    if f.bitmask_width:  # structured outputs: first, as vLLM (penalties and filters see the masked logits)
+    if f.bitmask_width:
         processed = apply_token_bitmask(processed, x.bitmask)
     if f.penalties:
         rows = jnp.arange(x.history.shape[0])
         last = jnp.maximum(x.history_len - 1, 0)
-        current = token_ids[inputs.logits_indices]  # the token each row's logits follow (placeholder resolved)
         history = x.history.at[rows, last].set(jnp.where(x.history_len > 0, current, x.history[rows, last]))
         processed = apply_penalties(processed, history, x.num_prompt, x.presence_penalty, x.frequency_penalty,
                                     x.repetition_penalty)
@@ -181,7 +207,69 @@ def sample_step(hidden: jax.Array, compute_logits: Callable[[jax.Array], jax.Arr
     aux = {}
     if f.logprobs >= 0:
         aux["logprobs"] = token_logprobs(logits, tokens, f.logprobs, batch_invariant)
-    if f.prompt_logprobs >= 0:
-        prompt_logits = compute_logits(hidden[x.prompt_indices])  # [P, V]
-        aux["prompt_logprobs"] = token_logprobs(prompt_logits, x.prompt_targets, f.prompt_logprobs, batch_invariant)
     return tokens, aux
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowInputs:
+    """:func:`resample_rows`' inputs (``C`` padded rows): rows i32[C], each one's row in the step (``R``,
+    past every row, in padding); current i32[C], the token its logits follow; the sampler's per-row
+    inputs as ``StepInputs``' (temperature, top_k, top_p, seeds, counters); the features' (``bitmask``
+    set). ``sampling_mode`` and ``features`` are static."""
+
+    rows: jax.Array
+    current: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seeds: jax.Array
+    counters: jax.Array
+    extras: FeatureInputs
+    sampling_mode: str = dataclasses.field(default="random", metadata=dict(static=True))
+    features: SamplerFeatures = dataclasses.field(default=NO_FEATURES, metadata=dict(static=True))
+
+
+def build_row_inputs(picked, inputs, num_rows: int, eos_token_ids=(), vocab_size: int = 0) -> RowInputs:
+    """Host side: :func:`resample_rows`' inputs for ``picked``, ``(row, seq, n)`` of a ``constrained`` step
+    (``inputs``: its host ``StepInputs``; ``num_rows``: its token buffer's rows, the padding rows' index),
+    once the tokens the step read are known: the masks need them. A matcher that fails raises here."""
+    s_pad = inputs.logits_indices.shape[0]
+    features, extras = build_feature_inputs([(seq, n) for _, seq, n in picked], s_pad, None, eos_token_ids,
+                                            vocab_size, masks=True)
+    idx = np.array([row for row, _, _ in picked], np.int64)
+    c = len(picked)
+
+    def take(a: np.ndarray, fill) -> np.ndarray:
+        out = np.full(s_pad, fill, a.dtype)
+        out[:c] = a[idx]
+        return out
+
+    rows = np.full(s_pad, num_rows, np.int32)
+    rows[:c] = idx
+    current = np.zeros(s_pad, np.int32)
+    current[:c] = [seq.token_ids[seq.num_computed_tokens + n - 1] for _, seq, n in picked]
+    return RowInputs(rows, current, take(inputs.temperature, 0), take(inputs.top_k, 0), take(inputs.top_p, 1),
+                     take(inputs.seeds, 0), take(inputs.counters, 0), extras, inputs.sampling_mode, features)
+
+
+def padding_row_inputs(s_pad: int, num_rows: int, mode: str, features: SamplerFeatures) -> RowInputs:
+    """:func:`resample_rows`' inputs with no real row (ahead-of-time compilation)."""
+    z = np.zeros(s_pad, np.int32)
+    return RowInputs(np.full(s_pad, num_rows, np.int32), z, np.zeros(s_pad, np.float32), z, np.ones(s_pad, np.float32),
+                     np.zeros(s_pad, np.uint32), z, features.padding_inputs(s_pad), mode, features)
+
+
+def resample_rows(tokens: jax.Array, logits: jax.Array, x: RowInputs, logprobs: dict | None = None,
+                  batch_invariant: bool = False) -> tuple[jax.Array, dict | None]:
+    """Device side, structured outputs' second program: the rows ``x.rows`` of a ``constrained`` step
+    sampled again from its raw ``logits f32[S, V]`` under their token masks, written over ``tokens i32[R]``
+    (the step's output) and, where asked, over its ``logprobs`` (``token_logprobs``' dict, rows of the
+    step). A row draws the same noise as in the step (its seed and counter), so its token is the one the
+    step would have sampled from the masked logits."""
+    picked = logits[jnp.minimum(x.rows, logits.shape[0] - 1)]
+    new, aux = _sample_features(picked, x.current, x, batch_invariant)
+    tokens = tokens.at[x.rows].set(new, mode="drop")
+    if logprobs is not None and "logprobs" in aux:
+        logprobs = {k: v.at[x.rows].set(aux["logprobs"][k], mode="drop") for k, v in logprobs.items()}
+    return tokens, logprobs
