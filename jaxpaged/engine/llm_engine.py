@@ -677,6 +677,7 @@ class LLMEngine:
                 for _ in range(WARMUP_RUNS * self.runner.num_copies(inputs.token_ids.shape[0])):
                     tokens, self.kv_pool = self.runner.step(self.params.state, self.kv_pool, inputs,
                                                             self._prev_tokens, self._take_free_tokens())
+                    tokens = tokens[0] if isinstance(tokens, tuple) else tokens  # (a constrained step's logits)
                     self._free_tokens.append(self._prev_tokens)
                     self._prev_tokens = tokens
             jax.block_until_ready(self._prev_tokens)  # (nothing ran if every shape was compiled before)
@@ -711,7 +712,7 @@ class LLMEngine:
         most of what recomputing a block costs) and tells the KV manager when a reload beats
         recomputing (``kv.host_tier.ReloadCost``)."""
         self.kv_pool = self.kv_transfers.measure(self.kv_pool)
-        inputs = max((i for i, turn in compiled if not turn and not i.uniform_decode),
+        inputs = max((i for i, turn in compiled if not turn and not i.uniform_decode and not i.features),
                      key=lambda i: i.token_ids.shape[0])
         times = []
         for _ in range(3):

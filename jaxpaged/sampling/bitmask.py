@@ -1,4 +1,4 @@
-"""Structured outputs on the device: a packed token bitmask applied to the logits inside the jitted step.
+"""Structured outputs on the device: a packed token bitmask applied to the logits (``features.resample_rows``).
 
 ``bitmask i32[S, W]`` (``W = ceil(V / 32)``): bit ``j % 32`` of word ``j // 32`` of row ``s`` is set when
 token ``j`` may be sampled in row ``s`` (llguidance's layout, ``grammar.py``). Rows without a constraint
