@@ -10,11 +10,11 @@ Three implementations, one contract:
   * :func:`grouped_matmul`: ``jax.lax.ragged_dot``, XLA's grouped GEMM (the default);
   * :func:`grouped_matmul_fixed_tile`: a Pallas kernel (Triton lowering) whose row results never depend
     on the other rows, for ``batch_invariant`` (docs/NUMERICS.md): the tiling of ``kernels/matmul.py``
-    (fixed ``block_m x block_n`` tiles, all of ``K`` in ``block_k`` steps in order, no split-K); a row tile
-    that spans several groups runs one pass per group it meets and keeps, for each row, the pass of its
-    own group, so a row is computed by the same instructions on the same values whatever shares its tile.
-    It also reads e4m3 weights with their scales (fp8 experts): each tile converted to ``x``'s dtype in
-    registers (exact), so only the experts a step's rows meet are read, at a byte a weight;
+    (fixed ``block_m x block_n`` tiles, all of ``K`` in ``block_k`` steps in order, no split-K) over row
+    tiles of one group each (``row_tiles``: a group's rows from its first, in ``block_m`` tiles), so a
+    decode step's few rows an expert run in parallel, one tile an expert, and only the experts the rows
+    meet are read. It also reads e4m3 weights with their scales (fp8 experts): each tile converted to
+    ``x``'s dtype in registers (exact), at a byte a weight;
   * :func:`grouped_matmul_reference`: a dense loop over the groups, for tests.
 """
 
@@ -94,31 +94,26 @@ def fp8_supported(x: jax.Array, w: jax.Array, scale: jax.Array, config: MatmulCo
         (k // scale.shape[1]) % cfg.block_k == 0)
 
 
-def _grouped_kernel(starts_ref, ends_ref, x_ref, w_ref, *refs, cfg: MatmulConfig, precision, scale_rows: int):
-    """One ``block_m x block_n`` output tile: for each group whose rows meet the tile (a loop with
-    dynamic bounds), all of ``K`` in ``block_k`` steps in order; each row keeps its own group's result.
-    ``scale_rows``: 0 for a weight in ``x``'s dtype; else e4m3 weight tiles (loaded whole, converted)
-    and ``scale [Gp, scale_rows, N]``: one row multiplies the group's finished product, several multiply
-    each ``block_k`` step's."""
+def _grouped_kernel(group_ref, lo_ref, hi_ref, x_ref, w_ref, *refs, cfg: MatmulConfig, precision, scale_rows: int):
+    """One ``block_m x block_n`` output tile of rows of one group (``group_ref``, ``lo_ref``, ``hi_ref``:
+    each row tile's group and rows ``[lo, hi)``; a tile with no rows does nothing): all of ``K`` in
+    ``block_k`` steps in order, times that group's weight only. ``scale_rows``: 0 for a weight in ``x``'s
+    dtype; else e4m3 weight tiles (loaded whole, converted) and ``scale [G, scale_rows, N]``: one row
+    multiplies the finished product, several multiply each ``block_k`` step's."""
     *scale_ref, o_ref = refs
-    m, k = x_ref.shape
+    k = x_ref.shape[1]
     n = w_ref.shape[2]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    lo = pl.program_id(0) * bm
+    tile = pl.program_id(0)
+    g, lo, hi = group_ref[tile], lo_ref[tile], hi_ref[tile]
     rows = lo + lax.broadcasted_iota(jnp.int32, (bm,), 0)
     cols = pl.program_id(1) * bn + lax.broadcasted_iota(jnp.int32, (bn,), 0)
-    row_ok = rows < m
+    row_ok = rows < hi
     col_ok = cols < n
     depth = lax.broadcasted_iota(jnp.int32, (bk,), 0)
-    starts, ends = starts_ref[...], ends_ref[...]  # [Gp]: nondecreasing; padding groups are empty
-    first = jnp.sum((ends <= lo).astype(jnp.int32))  # groups wholly before this tile
-    last = jnp.sum((starts < lo + bm).astype(jnp.int32))  # groups starting before its end (exclusive)
-    steps = pl.cdiv(k, bk)
 
-    def group(g, out):
-        start, end = starts_ref[g], ends_ref[g]
-        mine = (rows >= start) & (rows < end)
-
+    @pl.when(hi > lo)
+    def _():
         def body(step, acc):
             ks = step * bk + depth
             k_ok = ks < k
@@ -133,15 +128,30 @@ def _grouped_kernel(starts_ref, ends_ref, x_ref, w_ref, *refs, cfg: MatmulConfig
                 part = part * plgpu.load(scale_ref[0].at[g, (step * bk) // (k // scale_rows), cols])[None, :]
             return acc + part
 
-        # An empty group (no rows) runs no step; its pass keeps nothing either way.
-        # An int32 product: ``jnp.where`` over two Python ints lowered to an i1 bound that Triton refuses.
-        acc = lax.fori_loop(0, steps * (end > start).astype(jnp.int32), body, jnp.zeros((bm, bn), jnp.float32))
+        acc = lax.fori_loop(0, pl.cdiv(k, bk), body, jnp.zeros((bm, bn), jnp.float32))
         if scale_rows == 1:
             acc = acc * plgpu.load(scale_ref[0].at[g, 0, cols])[None, :]
-        return jnp.where(mine[:, None], acc, out)
+        plgpu.store(o_ref.at[rows[:, None], cols[None, :]], acc.astype(o_ref.dtype),
+                    mask=row_ok[:, None] & col_ok[None, :])
 
-    out = lax.fori_loop(first, last, group, jnp.zeros((bm, bn), jnp.float32))
-    plgpu.store(o_ref.at[rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+def row_tiles(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(group, lo, hi)``, each ``i32[cdiv(m, block_m) + G]``: the row tiles of rows sorted by group, each
+    tile ``block_m`` rows ``[lo, hi)`` of one group (a group of ``r`` rows has ``cdiv(r, block_m)`` tiles;
+    rows past ``m`` are cut). The tiles past the last have ``lo == hi`` (no rows). A static count: at most
+    ``cdiv(m, block_m)`` full tiles and one partial tile a group."""
+    g = group_sizes.shape[0]
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    counts = (ends - starts + block_m - 1) // block_m
+    tile_ends = jnp.cumsum(counts)
+    t = jnp.arange(pl.cdiv(m, block_m) + g, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right").astype(jnp.int32), g - 1)
+    lo = starts[group] + (t - (tile_ends[group] - counts[group])) * block_m
+    valid = t < tile_ends[-1]
+    lo = jnp.where(valid, lo, m)
+    hi = jnp.where(valid, jnp.minimum(lo + block_m, ends[group]), m)
+    return group, lo, hi
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
@@ -166,23 +176,17 @@ def grouped_matmul_fixed_tile(x: jax.Array, w: jax.Array, group_sizes: jax.Array
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
-    # Group bounds padded to a power of two (Triton's vector shapes); padding groups start and end at M.
-    gp = max(16, 1 << (g - 1).bit_length())
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    starts = ends - group_sizes.astype(jnp.int32)
-    starts = jnp.full((gp,), m, jnp.int32).at[:g].set(jnp.minimum(starts, m))
-    ends = jnp.full((gp,), m, jnp.int32).at[:g].set(jnp.minimum(ends, m))
+    group, lo, hi = row_tiles(group_sizes, m, cfg.block_m)
     scale_rows = 0 if scale is None else 1 if scale.ndim == 2 else scale.shape[1]
-    operands = (starts, ends, x, w)
-    if scale is not None:  # [Gp, R, N]: a padding group a tile visits loads a row (ones), multiplying zeros
-        scale = scale.reshape(g, scale_rows, n)
-        operands += (scale if gp == g else jnp.pad(scale, ((0, gp - g), (0, 0), (0, 0)), constant_values=1.0),)
+    operands = (group, lo, hi, x, w) + (() if scale is None else (scale.reshape(g, scale_rows, n),))
     kernel = functools.partial(_grouped_kernel, cfg=cfg, precision=kernel_dot_precision(x.dtype), scale_rows=scale_rows)
-    return pl.pallas_call(
+    out = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(m, cfg.block_m), pl.cdiv(n, cfg.block_n)),
+        grid=(group.shape[0], pl.cdiv(n, cfg.block_n)),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"fixed_tile_grouped_matmul{'_fp8' if scale_rows else ''}_m{cfg.block_m}_n{cfg.block_n}_k{cfg.block_k}",
     )(*operands)
+    # Rows past the groups belong to no tile: zeros (the kernel never writes them).
+    return jnp.where((jnp.arange(m) < jnp.sum(group_sizes))[:, None], out, 0).astype(out_dtype)

@@ -61,18 +61,17 @@ def gemv_reads(x: jax.Array, w, transpose_w: bool = False) -> bool:
     return not isinstance(w, Fp8Weight) and gemv.supported(x, w, transpose_w)
 
 
-def fp8_tiled_or_grouped(x: jax.Array, w, group_sizes: jax.Array, *, grouped=grouped_matmul.grouped_matmul,
-                         any_rows: bool = False, interpret: bool = False, out_dtype=None) -> jax.Array:
-    """``ops.grouped_matmul`` on a GPU and with ``batch_invariant``: ``grouped`` for experts in the model
-    dtype; fp8 experts (:class:`Fp8Weight`) read as e4m3 by the fixed-tile kernel, which reads only the
-    experts the rows meet, at a byte a weight (``grouped_matmul.fp8_supported`` shapes), where the step has
-    at most a row tile's worth of rows an expert (decode-sized steps; ``any_rows``: every step, as
-    ``batch_invariant`` needs one path whatever the batch); else the experts converted whole in front of
-    ``grouped`` (``quantization.fp8_grouped_matmul``), which a prefill-sized step amortises."""
+def fp8_tiled_or_grouped(x: jax.Array, w, group_sizes: jax.Array, *,
+                         grouped=grouped_matmul.grouped_matmul_fixed_tile, interpret: bool = False,
+                         out_dtype=None) -> jax.Array:
+    """``ops.grouped_matmul`` on a GPU and with ``batch_invariant``: ``grouped`` (the fixed-tile kernel)
+    for experts in the model dtype; fp8 experts (:class:`Fp8Weight`) read as e4m3 by the fixed-tile
+    kernel, which reads only the experts the rows meet, at a byte a weight, where their shapes allow
+    (``grouped_matmul.fp8_supported``); else converted whole in front of ``grouped``
+    (``quantization.fp8_grouped_matmul``)."""
     if not isinstance(w, Fp8Weight):
         return grouped(x, w, group_sizes, out_dtype=out_dtype)
-    cfg = grouped_matmul.fp8_config(w.shape[1], w.shape[2], x.dtype)
-    if grouped_matmul.fp8_supported(x, w.weight, w.scale) and (any_rows or x.shape[0] <= w.shape[0] * cfg.block_m):
+    if grouped_matmul.fp8_supported(x, w.weight, w.scale):
         return grouped_matmul.grouped_matmul_fixed_tile(x, w.weight, group_sizes, w.scale, out_dtype=out_dtype,
                                                         interpret=interpret)
     return fp8_grouped_matmul(x, w, group_sizes, grouped_matmul=grouped, out_dtype=out_dtype)
@@ -149,7 +148,9 @@ def get_model_ops(batch_invariant: bool = False) -> ModelOps:
     docs/DECISIONS.md): matmuls of at most 32 rows with 16-bit weights by the split-K Pallas GEMV, the
     stretch from the qkv projection to the KV write as one kernel, the residual add and RMSNorm summing
     the GEMV's partials in one kernel, and XLA's GEMMs with an optimisation barrier on their input (a
-    producer fused into the GEMM made it slower at decode sizes)."""
+    producer fused into the GEMM made it slower at decode sizes); a MoE layer's experts by the fixed-tile
+    grouped kernel at every step size, e4m3 experts read as they are (XLA's ``ragged_dot`` reads every
+    expert whatever the rows meet, and ran out of memory at 2,048 tokens of Qwen3-30B-A3B)."""
     if _on_gpu():
         prepare_triton_lowering()
     if batch_invariant:
@@ -158,7 +159,7 @@ def get_model_ops(batch_invariant: bool = False) -> ModelOps:
                         rms_norm=functools.partial(rms_norm.rms_norm, interpret=interpret),
                         rotary=functools.partial(rotary, separate_products=True),
                         grouped_matmul=functools.partial(
-                            fp8_tiled_or_grouped, any_rows=True, interpret=interpret,
+                            fp8_tiled_or_grouped, interpret=interpret,
                             grouped=functools.partial(grouped_matmul.grouped_matmul_fixed_tile, interpret=interpret)))
     if not _on_gpu():
         return DEFAULT_OPS
