@@ -265,7 +265,7 @@ def test_fp8_grouped_matmul_matches_the_dequantized_experts(per_channel):
     through ``ragged_dot``, its dense reference and the fixed-tile kernel (interpret mode) of the
     converted experts, and through the fixed-tile kernel reading the e4m3 tiles and scales itself (per
     channel after the depth loop; block scales of 16 rows, one per 16-deep step); and the op a GPU's
-    step uses picks that kernel for a decode-sized step, the converted experts for a larger one."""
+    step uses reads the e4m3 tiles at every step size where the tiles allow."""
     rng = np.random.default_rng(3)
     e, k, n, sizes = 4, 64, 32, [3, 0, 4, 2]
     m = sum(sizes) + 2
@@ -300,9 +300,11 @@ def test_fp8_grouped_matmul_matches_the_dequantized_experts(per_channel):
         xs = jax.ShapeDtypeStruct((rows, k), jnp.float32)
         return str(jax.make_jaxpr(lambda x: fp8_tiled_or_grouped(x, w, group_sizes))(xs))
 
-    # (the float32 default tiles step 32 deep: 16-row block scales are then converted instead)
-    assert ("fixed_tile_grouped_matmul_fp8" in kernels(16)) == per_channel != ("ragged_dot" in kernels(16))
-    assert "fixed_tile_grouped_matmul_fp8" not in kernels(4 * 64 + 1) and "ragged_dot" in kernels(4 * 64 + 1)
+    # The e4m3 tiles read as they are at every step size; the float32 default tiles step 32 deep, so 16-row
+    # block scales are converted whole instead, in front of the same kernel.
+    for rows in (16, 4 * 64 + 1):
+        assert ("fixed_tile_grouped_matmul_fp8" in kernels(rows)) == per_channel, rows
+        assert "fixed_tile_grouped_matmul_m" in kernels(rows) and "ragged_dot" not in kernels(rows)
 
 
 @pytest.fixture(scope="module")
