@@ -304,7 +304,7 @@ def test_fp8_grouped_matmul_matches_the_dequantized_experts(per_channel):
     # block scales are converted whole instead, in front of the same kernel.
     for rows in (16, 4 * 64 + 1):
         assert ("fixed_tile_grouped_matmul_fp8" in kernels(rows)) == per_channel, rows
-        assert "fixed_tile_grouped_matmul_m" in kernels(rows) and "ragged_dot" not in kernels(rows)
+        assert "fixed_tile_grouped_matmul" in kernels(rows) and "ragged_dot" not in kernels(rows)
 
 
 @pytest.fixture(scope="module")
