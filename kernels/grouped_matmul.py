@@ -7,7 +7,7 @@ zeros. ``w [G, K, N]`` holds one weight per group. The result is ``[M, N]`` with
 split into groups is data: no shape depends on the routing, so a step compiles once per bucket.
 
 Three implementations, one contract:
-  * :func:`grouped_matmul`: ``jax.lax.ragged_dot``, XLA's grouped GEMM (the default);
+  * :func:`grouped_matmul`: ``jax.lax.ragged_dot``, XLA's grouped GEMM (a CPU's; on a GPU it reads every group's weight);
   * :func:`grouped_matmul_fixed_tile`: a Pallas kernel (Triton lowering) whose row results never depend
     on the other rows, for ``batch_invariant`` (docs/NUMERICS.md): the tiling of ``kernels/matmul.py``
     (fixed ``block_m x block_n`` tiles, all of ``K`` in ``block_k`` steps in order, no split-K) over row
