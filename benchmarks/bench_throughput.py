@@ -11,7 +11,7 @@ experts, 8 a token, ~61 GB of bf16 weights) (random weights of those shapes, ``-
 default; a GPU) or ``tiny`` (the packaged tiny Qwen3 checkpoint, float32: 16
 requests of at most 128 + 128 tokens by default, which runs in seconds on a CPU).
 
-Baseline in the same run (on a GPU, not for ``tiny``): Hugging Face ``generate`` (static batch, left
+Baseline, back to back in the same process (on a GPU, not for ``tiny``): Hugging Face ``generate`` (static batch, left
 padding, same sampling) on the first ``--hf-requests`` requests, and jaxpaged on the same subset.
 
     python benchmarks/bench_throughput.py --out $OUT [--model qwen2.5-7b] [--hf-requests 32]

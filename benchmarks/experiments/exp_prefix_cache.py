@@ -9,7 +9,7 @@ requests run with prefix caching on and off, in two arrival patterns:
 - ``batch``: all requests arrive together. Requests admitted in the same step as the first cannot hit
   (its blocks enter the cache only once they are computed), the rest can: wall time, prefill tokens.
 
-Compile time stays out of the timings: before each timed run, the same run is rehearsed untimed on a
+Compile time stays out of the timings: before each timed run, its workload is rehearsed untimed on a
 scratch engine of the same configuration (after ``LLMEngine.warmup()`` on the Pallas backend), and
 each timed run starts on a fresh engine with an empty cache. Greedy outputs must be identical with
 caching on and off where that is guaranteed (float32, or ``--batch-invariant``: asserted); in default
