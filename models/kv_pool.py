@@ -30,7 +30,6 @@ from jax.sharding import NamedSharding
 
 from ..config import EngineConfig
 from ..kernels.fp8 import is_fp8, scale_rows
-from ..kernels.kv_write import I32_OFFSET_ELEMENTS, I64_OFFSET_BYTES
 from ..kernels.shapes import compute_capability
 from .checkpoint import ModelParams
 from .config import QwenConfig
@@ -124,60 +123,28 @@ def free_device_memory(device) -> int | None:
     return None
 
 
-def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dtype: str,
-              triton_attention: bool = True) -> int:
+def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dtype: str) -> int:
     """Blocks in the pool: ``num_blocks`` if given; on a GPU ``memory_fraction`` of the free device
     memory (with tensor parallelism: of the device with the least free memory, per device's share of a
     block), at most ``GPU_POOL_CAP_SEQUENCES`` times what ``max_num_seqs`` full-length sequences need;
     on a CPU ``CPU_POOL_FRACTION`` of the available host memory, at most ``CPU_POOL_CAP_BYTES``
-    and at most what ``min(max_num_seqs, 16)`` full-length sequences need. Where the Pallas-Triton
-    attention kernel reads the pool (``triton_attention``), a one-byte (fp8) pool of 2-4 GiB a device is
-    moved out of that range (:func:`addressable_blocks`) and a ``num_blocks`` in it is an error; the Mosaic
-    GPU kernels and XLA address a pool of any size."""
+    and at most what ``min(max_num_seqs, 16)`` full-length sequences need. Every kernel addresses a pool
+    of any size (``kernels/kv_write.py``: the Pallas-Triton kernels' offsets are widened past 2**31)."""
+    if config.num_blocks is not None:
+        return config.num_blocks
     bs = config.resolved_block_size(params.config.head_dim)
     block_bytes = block_bytes_per_device(params, bs, dtype)
-    # The element size the Triton kernel's addressing depends on (0: no such kernel reads the pool).
-    itemsize = jnp.dtype(dtype).itemsize if triton_attention else 0
-    if config.num_blocks is not None:
-        lo, hi = addressable_block_range(block_bytes, itemsize)
-        if lo < config.num_blocks < hi:
-            raise ValueError(
-                f"num_blocks={config.num_blocks} gives a {dtype} pool of "
-                f"{config.num_blocks * block_bytes / 2**30:.2f} GiB per device, which the Pallas-Triton attention "
-                f"kernel cannot address (32-bit offsets between 2 and 4 GiB of one-byte elements): use "
-                f"num_blocks <= {lo} or >= {hi}, or attention_backend='mosaic' (Hopper)")
-        return config.num_blocks
     devices = [jax.devices()[0]] if params.mesh is None else \
         [d for d in params.mesh.devices.flat if d.process_index == jax.process_index()]
     frees = [free_device_memory(d) for d in devices]
     blocks_per_seq = math.ceil(max_model_len / bs)
     if all(f is not None for f in frees):
         by_memory = int(min(frees) * config.memory_fraction // block_bytes)
-        return addressable_blocks(min(by_memory, GPU_POOL_CAP_SEQUENCES * config.max_num_seqs * blocks_per_seq),
-                                  by_memory, block_bytes, itemsize)
+        return min(by_memory, GPU_POOL_CAP_SEQUENCES * config.max_num_seqs * blocks_per_seq)
     enough = blocks_per_seq * min(config.max_num_seqs, 16)
     host = available_host_memory()
     budget = CPU_POOL_CAP_BYTES if host is None else min(int(host * CPU_POOL_FRACTION), CPU_POOL_CAP_BYTES)
-    by_memory = budget // block_bytes
-    return max(1, addressable_blocks(min(enough, by_memory), by_memory, block_bytes, itemsize))
-
-
-def addressable_block_range(block_bytes: int, itemsize: int) -> tuple[int, int]:
-    """``(lo, hi)``: block counts strictly between them make a pool the Pallas-Triton kernels cannot
-    address (one-byte elements, more than 2**31 of them, at most 2**32 bytes: ``kv_write.pallas_addressable``);
-    none for wider elements (or ``itemsize`` 0: no such kernel reads the pool)."""
-    if itemsize != 1:
-        return 0, 1
-    return I32_OFFSET_ELEMENTS // block_bytes, I64_OFFSET_BYTES // block_bytes + 1
-
-
-def addressable_blocks(wanted: int, most: int, block_bytes: int, itemsize: int) -> int:
-    """``wanted`` blocks, moved out of the unaddressable range: up past 4 GiB where ``most`` (what the
-    memory allows) permits, else down to 2**31 elements."""
-    lo, hi = addressable_block_range(block_bytes, itemsize)
-    if not lo < wanted < hi:
-        return wanted
-    return hi if hi <= most else lo
+    return max(1, min(enough, budget // block_bytes))
 
 
 def check_holds_one_sequence(num_blocks: int, bs: int, max_model_len: int) -> None:

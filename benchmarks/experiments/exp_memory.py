@@ -39,7 +39,6 @@ import jax
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.llm import run_to_completion
-from jaxpaged.models.kv_pool import addressable_blocks
 from jaxpaged.workloads import EXPERIMENT_MODELS, device_memory, experiment_params, params_bytes
 
 GiB = 2**30
@@ -64,8 +63,7 @@ def run(params, policy: str, prompts, sps, args, *, num_blocks: int | None = Non
     if policy == "paged fp8":
         kv_cache_dtype = "fp8"  # one byte an element, plus a scale row a block (jaxpaged/kernels/fp8.py)
         block_bytes = params.config.kv_bytes_per_token(1) * (bs + 1)
-        # (as many as fit; fewer where that would make a 2-4 GiB one-byte pool: see models/kv_pool.py)
-        num_blocks = addressable_blocks(pool_bytes // block_bytes, pool_bytes // block_bytes, block_bytes, 1)
+        num_blocks = pool_bytes // block_bytes  # as many as fit
     cfg = EngineConfig(block_size=bs, num_blocks=num_blocks or args.num_blocks,
                        max_model_len=max_model_len or args.max_model_len, max_num_seqs=max_num_seqs,
                        reservation=policy.split()[0], enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype,

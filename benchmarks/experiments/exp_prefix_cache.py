@@ -54,7 +54,6 @@ import jaxpaged
 from jaxpaged.engine.metrics import percentile
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.models.attention_backends import KERNEL_BACKENDS
-from jaxpaged.models.kv_pool import addressable_blocks
 from jaxpaged.llm import run_to_completion
 from jaxpaged.workloads import EXPERIMENT_MODELS, experiment_params, output_divergence, outputs_guaranteed_identical
 
@@ -363,8 +362,7 @@ def prefix_capacity(params, args) -> dict:
             num_blocks = int(0.6 * count * prefix_blocks) + args.max_model_len // bs
         else:  # the same bytes: one byte an element plus a scale row a block (jaxpaged/kernels/fp8.py)
             block_bytes = params.config.kv_bytes_per_token(1) * (bs + 1)
-            fit = rows[0]["kv_pool_bytes"] // block_bytes
-            num_blocks = addressable_blocks(fit, fit, block_bytes, 1)  # (never a 2-4 GiB one-byte pool)
+            num_blocks = rows[0]["kv_pool_bytes"] // block_bytes
         cfg = dataclasses.replace(config_for(params, args, True), num_blocks=num_blocks,
                                   kv_cache_dtype=kv_cache_dtype)
         engine = LLMEngine(params, cfg)

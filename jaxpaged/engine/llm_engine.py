@@ -112,8 +112,7 @@ class LLMEngine:
                                            cfg.head_dim, config.block_size, params.dtype, params_tp(params))
         check_kv_dtype(config.kv_cache_dtype, self.kv_dtype, config.block_size, cfg.head_dim)
         self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)
-        self.num_blocks = size_pool(params, config, self.max_model_len, self.kv_dtype,
-                                    triton_attention=backend.name == "triton")
+        self.num_blocks = size_pool(params, config, self.max_model_len, self.kv_dtype)
         # Over several processes the pool is one array on all of them: the size every process can hold.
         self.num_blocks = agreed_min(self.num_blocks)
         if config.max_model_len is None and self.num_blocks * config.block_size < self.max_model_len:

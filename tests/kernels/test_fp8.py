@@ -257,10 +257,10 @@ def test_fused_qkv_epilogue_writes_what_write_kv_writes(family, t):
     assert not np.all(np.isnan(got[1]))
 
 
-@pytest.mark.parametrize("gib, fused", [(1, True), (3, False), (4.5, True)])
-def test_the_kv_write_of_a_pool_the_triton_kernels_cannot_address_is_xla_s(gib, fused):
-    """``models.ops.fused_qkv`` runs the fused epilogue kernel (Triton) where it can address the pool, and
-    XLA's ops (whose scatter addresses any pool) over a 2-4 GiB fp8 pool: traced only, nothing allocated."""
+@pytest.mark.parametrize("gib, fused", [(1, True), (3, True), (4.5, True)])
+def test_the_fused_kv_write_takes_fp8_pools_of_any_size(gib, fused):
+    """``models.ops.fused_qkv`` runs the fused epilogue kernel (Triton) over fp8 pools below 2, between 2
+    and 4 and above 4 GiB (``kv_write.widen_triton_offsets``), not XLA's ops: traced only, nothing allocated."""
     from jaxpaged.models.ops import fused_qkv
 
     hq, hkv, d, t = 16, 8, 128, 4
@@ -273,32 +273,29 @@ def test_the_kv_write_of_a_pool_the_triton_kernels_cannot_address_is_xla_s(gib, 
     assert ("scatter" in str(jaxpr)) != fused
 
 
-def test_triton_lowering_addresses_fp8_pools_up_to_4_gib_with_32_bit_offsets(monkeypatch, sm90_triton_modules):
-    """Why ``models/kv_pool`` keeps a one-byte pool out of 2-4 GiB: jax's Pallas-Triton lowering picks
-    64-bit offsets only for an array of more than 2**32 bytes, so in a 3 GiB fp8 pool (1.5 x 2**31
-    elements) every pointer is a 32-bit offset, which Triton sign-extends. The attention kernel is
-    lowered for an sm_90 GPU here, without one (no pool is allocated), once its own refusal of such a
-    pool (``kv_write.check_triton_addressable``) is checked and then stepped around to see what it guards
-    against."""
-    from jaxpaged.kernels import paged_attention as module
+def test_triton_lowering_addresses_fp8_pools_of_any_size(sm90_triton_modules):
+    """jax's Pallas-Triton lowering picks 64-bit offsets only for an array of more than 2**32 bytes, so a
+    3 GiB fp8 pool (1.5 x 2**31 elements) would get 32-bit offsets, which Triton sign-extends: its second
+    half addressed below its start. ``kv_write.widen_triton_offsets`` makes it pick 64-bit offsets past
+    2**31 elements: the attention kernel, lowered for an sm_90 GPU here without one (no pool is
+    allocated), addresses a 1 GiB pool with 32-bit offsets and pools of 3 and 4.5 GiB with 64-bit ones."""
+    from jaxpaged.kernels import kv_write, paged_attention as module
 
+    assert kv_write.WIDE_OFFSETS and kv_write.pallas_addressable(3 << 30, 1)
     modules = sm90_triton_modules
     s, w = jax.ShapeDtypeStruct, 8
     args = [s((4, 4, 128), jnp.bfloat16), None, s((), jnp.int32), s((5,), jnp.int32), s((4,), jnp.int32),
             s((4, w), jnp.int32)]
     pool = lambda gib: s((28, int(gib * 2**30 // (28 * 65 * 2 * 2 * 128)), 65, 2, 2, 128), jnp.float8_e4m3fn)  # noqa: E731
-    with pytest.raises(ValueError, match="cannot be addressed by the Pallas-Triton kernels"):
-        jax.jit(module.paged_attention).trace(*args[:1], pool(3), *args[2:])
-    monkeypatch.setattr(module, "check_triton_addressable", lambda kv_pool: None)
     offset_bits = {}
-    for gib in (3, 4.5):
+    for gib in (1, 3, 4.5):
         args[1] = pool(gib)  # 28 layers, 2 KV heads, head_dim 128
         modules.clear()
         jax.jit(module.paged_attention).trace(*args).lower(lowering_platforms=("cuda",))
         pointers = [line for line in modules[0].splitlines() if "tt.addptr" in line and "f8E4M3FN" in line]
         assert pointers  # the pool's K, V and scale loads
         offset_bits[gib] = {64 if "xi64>" in line or ": i64" in line else 32 for line in pointers}
-    assert offset_bits == {3: {32}, 4.5: {64}}, offset_bits
+    assert offset_bits == {1: {32}, 3: {64}, 4.5: {64}}, offset_bits
 
 
 # The Mosaic GPU kernels over fp8 pools (their CPU interpreter): one pool block a KV tile (64 slots, the fp8

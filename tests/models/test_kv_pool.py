@@ -60,45 +60,14 @@ def test_an_fp8_pool_holds_about_twice_the_tokens_in_the_same_memory(monkeypatch
 FP8_BLOCK_BYTES = QWEN3_06B.kv_bytes_per_token(1) * 65  # Qwen3-0.6B, fp8, a block of 64 slots + its scale row
 
 
-@pytest.mark.parametrize("free_gib, moved_up", [(100, True), (4, False)])
-def test_an_fp8_pool_is_never_between_2_and_4_gib(monkeypatch, free_gib, moved_up):
-    """16 sequences of 1,024 tokens: the cap (4 x 16 x 16 blocks) would make a 3.55 GiB fp8 pool, whose
-    elements past 2**31 the GPU kernels address with negative 32-bit offsets. It grows past 4 GiB where
-    memory allows, else shrinks to 2**31 elements."""
-    monkeypatch.setattr(pool_size, "free_device_memory", lambda d: free_gib << 30)
-    params = types.SimpleNamespace(config=QWEN3_06B, mesh=None)
-    config = EngineConfig(max_model_len=1024, max_num_seqs=16, kv_cache_dtype="fp8")
-    assert 2**31 < 4 * 16 * 16 * FP8_BLOCK_BYTES <= 2**32  # what the cap alone gives
-    blocks = pool_size.size_pool(params, config, 1024, "float8_e4m3fn")
-    if moved_up:
-        assert blocks * FP8_BLOCK_BYTES > 2**32 >= (blocks - 1) * FP8_BLOCK_BYTES
-    else:
-        assert blocks * FP8_BLOCK_BYTES <= 2**31 < (blocks + 1) * FP8_BLOCK_BYTES
-    # A bf16 pool is addressable at any size: left as the cap or the memory makes it.
-    by_memory = int((free_gib << 30) * 0.9 // (QWEN3_06B.kv_bytes_per_token(2) * 16))
-    bf16 = pool_size.size_pool(params, EngineConfig(max_model_len=1024, max_num_seqs=16), 1024, "bfloat16")
-    assert bf16 == min(4 * 16 * 64, by_memory)
-
-
-def test_num_blocks_that_make_an_unaddressable_fp8_pool_are_an_error():
-    params = types.SimpleNamespace(config=QWEN3_06B, mesh=None)
-    lo, hi = pool_size.addressable_block_range(FP8_BLOCK_BYTES, 1)
-    for n in (lo + 1, 900, hi - 1):
-        with pytest.raises(ValueError, match=rf"num_blocks={n} .*use num_blocks <= {lo} or >= {hi}"):
-            pool_size.size_pool(params, EngineConfig(num_blocks=n, kv_cache_dtype="fp8"), 1024, "float8_e4m3fn")
-    for n in (1, lo, hi):
-        assert pool_size.size_pool(params, EngineConfig(num_blocks=n, kv_cache_dtype="fp8"), 1024, "float8_e4m3fn") == n
-    assert pool_size.size_pool(params, EngineConfig(num_blocks=900), 1024, "bfloat16") == 900
-
-
-def test_an_fp8_pool_of_any_size_where_no_triton_kernel_reads_it(monkeypatch):
-    """The Mosaic GPU attention kernels (TMA: 64-bit addresses) and XLA's scatter, which writes the KV where
-    the Triton epilogue cannot, address any pool: neither a given num_blocks nor the sized pool moves."""
-    params = types.SimpleNamespace(config=QWEN3_06B, mesh=None)
-    lo, hi = pool_size.addressable_block_range(FP8_BLOCK_BYTES, 1)
-    config = EngineConfig(num_blocks=lo + 100, kv_cache_dtype="fp8")
-    assert pool_size.size_pool(params, config, 1024, "float8_e4m3fn", triton_attention=False) == lo + 100
+def test_an_fp8_pool_of_2_to_4_gib_is_sized_like_any_other(monkeypatch):
+    """16 sequences of 1,024 tokens: the cap (4 x 16 x 16 blocks) makes a 3.55 GiB fp8 pool, more than
+    2**31 one-byte elements, which the kernels address with 64-bit offsets (``kv_write.widen_triton_offsets``):
+    the cap is kept, and a ``num_blocks`` in that range is taken as given."""
     monkeypatch.setattr(pool_size, "free_device_memory", lambda d: 100 << 30)
+    params = types.SimpleNamespace(config=QWEN3_06B, mesh=None)
     config = EngineConfig(max_model_len=1024, max_num_seqs=16, kv_cache_dtype="fp8")
-    blocks = pool_size.size_pool(params, config, 1024, "float8_e4m3fn", triton_attention=False)
-    assert blocks == 4 * 16 * 16 and lo < blocks < hi  # the cap, inside 2-4 GiB
+    assert 2**31 < 4 * 16 * 16 * FP8_BLOCK_BYTES <= 2**32
+    assert pool_size.size_pool(params, config, 1024, "float8_e4m3fn") == 4 * 16 * 16
+    n = 2**31 // FP8_BLOCK_BYTES + 100
+    assert pool_size.size_pool(params, EngineConfig(num_blocks=n, kv_cache_dtype="fp8"), 1024, "float8_e4m3fn") == n
