@@ -414,7 +414,10 @@ class LLMEngine:
             outputs += self._make_outputs(self._resolve(self._in_flight))
         broken: list[tuple[RequestState, BaseException]] = []
         if constrained:  # every token the step read is known now: the masks, while the step runs
-            tokens, aux, broken = self._resample_constrained(scheduled, inputs, tokens, aux)
+            try:
+                tokens, aux, broken = self._resample_constrained(scheduled, inputs, tokens, aux)
+            except Exception as err:  # noqa: BLE001  (the step's failure, without losing the outputs made above)
+                return outputs + self._fail_step(err)
             if self.token_readback == "jax":
                 tokens.copy_to_host_async()
         step = InFlight(self.scheduler.advance(scheduled), tokens, aux, prompt_rows)
@@ -433,10 +436,12 @@ class LLMEngine:
         """A ``constrained`` step's constrained rows sampled again under their token masks
         (``features.resample_rows``), launched behind the step: ``(tokens, aux, broken)``, ``broken``
         the ``(request, error)`` of each matcher that failed (its row keeps the step's token; the caller
-        ends the request). Sequences that ended on the previous step's token are left out."""
+        ends the request). Left out: sequences that ended on the previous step's token, and prefill chunks
+        short of their prompt's end (their token is dropped)."""
         logits = aux.pop("logits")
         picked = [(row, seq, n) for row, (seq, n) in enumerate(scheduled)
-                  if seq.structured is not None and not seq.is_finished]
+                  if seq.structured is not None and not seq.is_finished
+                  and seq.num_computed_tokens + n == len(seq.token_ids)]
         cfg = self.params.config
         build = lambda rows: build_row_inputs(rows, inputs, tokens.shape[0], cfg.eos_token_id, cfg.vocab_size)
         broken = []
@@ -700,8 +705,8 @@ class LLMEngine:
         features = SamplerFeatures(bitmask_width=grammar.bitmask_width(self.params.config.vocab_size))
         rows = self._prev_tokens.shape[0]
         shapes = {(i.logits_indices.shape[0], i.sampling_mode) for i in self._warmup_steps() if i.features.constrained}
-        for s_pad, mode in sorted(shapes):
-            logits = jnp.zeros((s_pad, self.params.config.vocab_size), jnp.float32)
+        for s_pad, mode in sorted(shapes):  # (logits committed where a step's outputs are: the same executable)
+            logits = self.runner.committed(np.zeros((s_pad, self.params.config.vocab_size), np.float32))
             tokens, _ = self.runner.resample_rows(self.runner.token_buffer(rows), logits,
                                                   padding_row_inputs(s_pad, rows, mode, features))
             jax.block_until_ready(tokens)

@@ -275,10 +275,13 @@ class ModelRunner:
     def token_buffer(self, rows: int) -> jax.Array:
         """A zeroed ``i32[rows]`` token buffer committed where the step's outputs live (the first device,
         or replicated over the mesh), so fresh buffers and fed-back outputs select one executable."""
-        zeros = np.zeros(rows, np.int32)
+        return self.committed(np.zeros(rows, np.int32))
+
+    def committed(self, x: np.ndarray) -> jax.Array:
+        """``x`` committed where the step's outputs live (the first device, or replicated over the mesh)."""
         if self.mesh is not None:
-            return self._replicate(zeros)
-        return jax.device_put(zeros, jax.local_devices()[0])
+            return self._replicate(x)
+        return jax.device_put(x, jax.local_devices()[0])
 
     def preload(self, kv_pool, steps: list[StepInputs], prev_tokens) -> None:
         """Starts reading from ``executable_cache``, in threads, the executables ``precompile`` will want

@@ -237,6 +237,8 @@ def build_row_inputs(picked, inputs, num_rows: int, eos_token_ids=(), vocab_size
     s_pad = inputs.logits_indices.shape[0]
     features, extras = build_feature_inputs([(seq, n) for _, seq, n in picked], s_pad, None, eos_token_ids,
                                             vocab_size, masks=True)
+    if features.logprobs >= 0:  # as many top logprobs as the step's, which these rows are written over
+        features = dataclasses.replace(features, logprobs=inputs.features.logprobs)
     idx = np.array([row for row, _, _ in picked], np.int64)
     c = len(picked)
 

@@ -124,16 +124,58 @@ def test_logprobs_are_those_of_the_masked_samples(llm):
     token the output has, at every position, beside an unconstrained request's."""
     outs = llm.generate(["Pick:", "Free:"], [
         so(temperature=1.0, seed=2, logprobs=2, structured_outputs=StructuredOutputsParams(regex=REGEX)),
-        so(temperature=1.0, seed=2, logprobs=2, max_tokens=8, ignore_eos=True)], use_tqdm=False)
-    for out in outs:
+        so(temperature=1.0, seed=2, logprobs=4, max_tokens=8, ignore_eos=True)], use_tqdm=False)
+    for out, k in zip(outs, (2, 4)):  # (the step's top-k is the wider one)
         c = out.outputs[0]
-        assert len(c.logprobs) == len(c.token_ids)
+        assert len(c.logprobs) == len(c.token_ids) and all(len(lps) in (k, k + 1) for lps in c.logprobs)
         for token, lps in zip(c.token_ids, c.logprobs):
             # the sampled token's own (logprob, rank) agree with the top ones': distinct ranks in logprob order
             ranked = sorted(lps.values(), key=lambda lp: lp.rank)
             assert token in lps and len({lp.rank for lp in ranked}) == len(ranked), (token, lps)
             assert all(a.logprob > b.logprob for a, b in zip(ranked, ranked[1:])), (token, lps)
     assert re.fullmatch(REGEX, outs[0].outputs[0].text)
+
+
+def test_a_failing_second_program_loses_no_finished_output(llm, monkeypatch):
+    """The masked rows' program fails in the step that read back the token a request stops on: the step
+    fails (the requests it held end with an error), and the request that stopped still gets its output."""
+    engine = llm.engine
+    # "short" stops on its second greedy token, found when that token is read back (not when it is booked)
+    first, second = llm.generate([[5, 6]], so(temperature=0.0, max_tokens=2, ignore_eos=True),
+                                 use_tqdm=False)[0].outputs[0].token_ids
+    assert first != second
+    real = engine.runner.resample_rows
+
+    def failing(*args, **kwargs):
+        if "short" not in engine._requests:  # its output was made this step, before this launch
+            raise RuntimeError("second program failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "resample_rows", failing)
+    engine.add_request([7, 8], so(temperature=1.0, seed=1, structured_outputs=StructuredOutputsParams(
+        regex="[a-z]{40}")), request_id="constrained")
+    engine._requests["constrained"].seqs[0].structured.grammar.result()  # compiled: both requests run together
+    engine.add_request([5, 6], so(temperature=0.0, stop_token_ids=[second]), request_id="short")
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o.outputs[0].finish_reason) for o in engine.step() if o.finished)
+    assert finished == {"short": "stop", "constrained": "error"}, finished
+
+
+def test_the_warm_up_compiles_the_second_program_a_request_uses(monkeypatch):
+    from jaxpaged import LLMEngine
+    from jaxpaged.llm import run_to_completion
+
+    monkeypatch.setattr(LLMEngine, "warms_up_structured_outputs", property(lambda self: True))  # (a GPU's)
+    path = tiny_checkpoint_path("qwen3")
+    eng = LLMEngine(jaxpaged.load_params(path, "float32"), EngineConfig(
+        max_model_len=64, num_blocks=16, max_num_seqs=8, max_num_batched_tokens=32), tokenizer=jaxpaged.load_tokenizer(path))
+    eng._warmup_resample()  # (a GPU's warm-up runs it after the steps; here alone)
+    compiled = eng.runner._resample._cache_size()
+    assert compiled > 0
+    out = run_to_completion(eng, [[5, 6, 7]], so(temperature=1.0, seed=1, structured_outputs=StructuredOutputsParams(
+        choice=CHOICES)))[0].outputs[0]
+    assert out.text in CHOICES and eng.runner._resample._cache_size() == compiled
 
 
 def test_functional_generate():
