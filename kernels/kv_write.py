@@ -37,18 +37,20 @@ Layer = int | jax.Array  # a pool layer: a Python int, or an i32[] operand (one 
 # jax's Pallas-Triton lowering addresses an array with 32-bit offsets unless it is larger than 2**32
 # *bytes*, and Triton sign-extends them: an array of more than 2**31 elements and at most 2**32 bytes
 # (one-byte elements: an fp8 pool of 2-4 GiB) would be read and written outside itself past element 2**31.
-# ``widen_triton_offsets`` (run when this module is imported) makes the lowering use 64-bit offsets for
-# every array of more than 2**31 - 1 elements, as it does past 2**32 bytes, so a pool of any size is
-# addressed. Mosaic GPU kernels (TMA descriptors, 64-bit addresses) and XLA's scatter address any pool.
+# ``widen_triton_offsets`` (run the first time a kernel is traced over such a pool, before it is lowered)
+# makes the lowering use 64-bit offsets for every array of more than 2**31 - 1 elements, as it does past
+# 2**32 bytes, so a pool of any size is addressed. Mosaic GPU kernels (TMA descriptors, 64-bit addresses)
+# and XLA's scatter address any pool.
 I32_OFFSET_ELEMENTS, I64_OFFSET_BYTES = 2**31, 2**32
 
 
+@functools.cache
 def widen_triton_offsets() -> bool:
     """Makes jax's Pallas-Triton lowering pick 64-bit offsets for an array of more than 2**31 - 1 elements
-    (it picks them by bytes: see above). The array's shape is what decides; its dtype is reported to the
-    offset computation as a four-byte one only where that changes the choice. Returns whether the
-    lowering could be taken (False on a jax without that private function: the kernels then refuse the
-    arrays they cannot address, ``check_triton_addressable``)."""
+    (it picks them by bytes: see above), once per process. The array's shape is what decides; its dtype is
+    reported to the offset computation as a four-byte one only where that changes the choice. Returns
+    whether the lowering could be taken (False on a jax without that private function: the kernels then
+    refuse the arrays they cannot address, ``check_triton_addressable``)."""
     try:
         from jax._src import core as jax_core
         from jax._src.pallas.triton import lowering
@@ -57,8 +59,6 @@ def widen_triton_offsets() -> bool:
     compute = getattr(lowering, "_compute_offsets_from_indices", None)
     if compute is None:
         return False
-    if getattr(compute, "widened", False):
-        return True
 
     def widened(block_info, nd_indexer):
         full = block_info.full_shape_dtype
@@ -67,18 +67,16 @@ def widen_triton_offsets() -> bool:
             block_info = dataclasses.replace(block_info, full_shape_dtype=jax_core.ShapedArray(full.shape, jnp.float32))
         return compute(block_info, nd_indexer)
 
-    widened.widened = True
     lowering._compute_offsets_from_indices = widened
     return True
 
 
-WIDE_OFFSETS = widen_triton_offsets()
-
-
 def pallas_addressable(num_bytes: int, itemsize: int) -> bool:
     """Whether the Pallas-Triton kernels can address an array of ``num_bytes`` bytes of ``itemsize``-byte
-    elements: any size where the lowering was widened (``WIDE_OFFSETS``)."""
-    return WIDE_OFFSETS or num_bytes // itemsize <= I32_OFFSET_ELEMENTS or num_bytes > I64_OFFSET_BYTES
+    elements: any size, once the lowering is widened (done here for the first array that needs it)."""
+    if num_bytes // itemsize <= I32_OFFSET_ELEMENTS or num_bytes > I64_OFFSET_BYTES:
+        return True
+    return widen_triton_offsets()
 
 
 def triton_addressable(kv_pool: jax.Array) -> bool:

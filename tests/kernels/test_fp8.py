@@ -281,7 +281,7 @@ def test_triton_lowering_addresses_fp8_pools_of_any_size(sm90_triton_modules):
     allocated), addresses a 1 GiB pool with 32-bit offsets and pools of 3 and 4.5 GiB with 64-bit ones."""
     from jaxpaged.kernels import kv_write, paged_attention as module
 
-    assert kv_write.WIDE_OFFSETS and kv_write.pallas_addressable(3 << 30, 1)
+    assert kv_write.pallas_addressable(3 << 30, 1) and kv_write.widen_triton_offsets()
     modules = sm90_triton_modules
     s, w = jax.ShapeDtypeStruct, 8
     args = [s((4, 4, 128), jnp.bfloat16), None, s((), jnp.int32), s((5,), jnp.int32), s((4,), jnp.int32),
