@@ -189,4 +189,4 @@ def grouped_matmul_fixed_tile(x: jax.Array, w: jax.Array, group_sizes: jax.Array
         name=f"fixed_tile_grouped_matmul{'_fp8' if scale_rows else ''}_m{cfg.block_m}_n{cfg.block_n}_k{cfg.block_k}",
     )(*operands)
     # Rows past the groups belong to no tile: zeros (the kernel never writes them).
-    return jnp.where((jnp.arange(m) < jnp.sum(group_sizes))[:, None], out, 0).astype(out_dtype)
+    return jnp.where((jnp.arange(m) < jnp.sum(group_sizes))[:, None], out, jnp.zeros((), out_dtype))

@@ -390,19 +390,15 @@ def test_fp8_grouped_kernel_lowers_for_hopper_with_unmasked_weight_loads(sm90_tr
         assert len(loads) == 1 and "," not in loads[0].split("tt.load")[1].split(":")[0], loads
 
 
-def test_moe_layer_with_fp8_experts_is_batch_invariant():
+def test_moe_layer_with_fp8_experts_is_batch_invariant(random_moe_layer):
     """``batch_invariant`` ops over fp8 experts (the fixed-tile kernel reading e4m3, interpret mode): a
     token's MoE output is bitwise the same alone, in a batch of 20 and reversed, and within the e4m3 error of
     the bf16 experts' output."""
     from jaxpaged.models.moe import sparse_moe
     from jaxpaged.models.ops import get_model_ops
 
-    rng = np.random.default_rng(1)
-    t, h, i, e, k = 20, 32, 16, 6, 4
-    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-    router = jnp.asarray(rng.standard_normal((h, e)) * 0.3, jnp.bfloat16)
-    gate_up = jnp.asarray(rng.standard_normal((e, h, 2 * i)) * 0.3, jnp.bfloat16)
-    down = jnp.asarray(rng.standard_normal((e, i, h)) * 0.3, jnp.bfloat16)
+    x, router, gate_up, down = random_moe_layer(1, 20, 32, 16, 6, jnp.bfloat16, 0.3)
+    k = 4
     fp8 = [Fp8Weight(*quantize_per_channel(w), jnp.dtype(jnp.bfloat16)) for w in (gate_up, down)]
     ops = get_model_ops(batch_invariant=True)
     moe = jax.jit(lambda rows, ws: sparse_moe(rows, router, *ws, top_k=k, norm_topk_prob=True, ops=ops))

@@ -148,16 +148,12 @@ def expert_loop(x, router, gate_up, down, top_k, norm):
 
 
 @pytest.mark.parametrize("norm", [True, False])
-def test_moe_layer_matches_expert_loop(norm):
+def test_moe_layer_matches_expert_loop(norm, random_moe_layer):
     """3 tokens, top-2 of 8 experts: at least 2 experts get no token. The layer with ``ragged_dot`` and with
     the dense loop reference equals the loop over experts; and split over 2 expert shards, the shards'
     partial outputs sum to it (expert parallelism's arithmetic, on one device)."""
-    rng = np.random.default_rng(0)
     t, h, i, e, k = 3, 16, 8, 8, 2
-    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
-    router = jnp.asarray(rng.standard_normal((h, e)) * 0.5, jnp.float32)
-    gate_up = jnp.asarray(rng.standard_normal((e, h, 2 * i)) * 0.3, jnp.float32)
-    down = jnp.asarray(rng.standard_normal((e, i, h)) * 0.3, jnp.float32)
+    x, router, gate_up, down = random_moe_layer(0, t, h, i, e, jnp.float32, 0.5)
     want, top, weights = expert_loop(x, router, gate_up, down, k, norm)
     assert len(set(top.ravel())) < e
     got_w, got_e = route(x @ router, k, norm)
@@ -171,15 +167,11 @@ def test_moe_layer_matches_expert_loop(norm):
     np.testing.assert_allclose(np.asarray(parts[0] + parts[1]), want, rtol=1e-5, atol=1e-5)
 
 
-def test_moe_layer_batch_invariant():
+def test_moe_layer_batch_invariant(random_moe_layer):
     """With ``batch_invariant`` ops (the fixed-tile matmul and grouped matmul, interpret mode) a token's MoE
     output is bitwise the same alone, in a batch of 20 and at another place in another batch."""
-    rng = np.random.default_rng(1)
-    t, h, i, e, k = 20, 32, 16, 6, 4
-    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-    router = jnp.asarray(rng.standard_normal((h, e)) * 0.3, jnp.bfloat16)
-    gate_up = jnp.asarray(rng.standard_normal((e, h, 2 * i)) * 0.3, jnp.bfloat16)
-    down = jnp.asarray(rng.standard_normal((e, i, h)) * 0.3, jnp.bfloat16)
+    x, router, gate_up, down = random_moe_layer(1, 20, 32, 16, 6, jnp.bfloat16, 0.3)
+    k = 4
     ops = get_model_ops(batch_invariant=True)
     moe = jax.jit(lambda rows: sparse_moe(rows, router, gate_up, down, top_k=k, norm_topk_prob=True, ops=ops))
     batch = np.asarray(moe(x).astype(jnp.float32))
