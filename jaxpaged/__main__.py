@@ -133,7 +133,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="N", help="KV pool size in blocks (default: sized from --gpu-memory-utilization; "
                                      "on a CPU from a capped share of host memory)")
     g.add_argument("--gpu-memory-utilization", type=_fraction, default=e.memory_fraction, metavar="F",
-                   help="share of the device memory left after the weights that the KV pool takes")
+                   help="share of the device memory the engine holds, weights and KV pool together")
     g.add_argument("--max-num-seqs", type=_positive_int, default=e.max_num_seqs, metavar="N",
                    help="sequences in one step (the decode batch)")
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=e.max_num_batched_tokens, metavar="N",

@@ -119,12 +119,13 @@ class EngineConfig:
     block_size: tokens per KV block (a power of two); ``None``: 16, or with an fp8 ``kv_cache_dtype``
       64 (at most the head dim): its attention reads 64-slot tiles, fastest when a tile is one block
       (docs/DECISIONS.md). The engine's ``config`` holds the resolved size.
-    num_blocks: KV pool size in blocks; ``None`` sizes it from ``memory_fraction`` of the device
-      memory left after the weights, at most 4 x what ``max_num_seqs`` sequences of ``max_model_len``
+    num_blocks: KV pool size in blocks; ``None`` sizes it from what ``memory_fraction`` of the device
+      memory leaves after the weights, at most 4 x what ``max_num_seqs`` sequences of ``max_model_len``
       tokens need (a small model on a large GPU gets a pool it can use, not all memory). On a CPU: a quarter of the available host memory, at most 4 GiB,
       and at most what ``min(max_num_seqs, 16)`` sequences of ``max_model_len`` tokens need
       (``models/kv_pool.py``).
-    memory_fraction: share of the free device memory the pool takes when ``num_blocks`` is None.
+    memory_fraction: share of the device's memory the engine holds, weights and pool together (vLLM's
+      ``gpu_memory_utilization``); the rest is the steps' and the compiler's working memory.
     max_num_seqs: sequences in one step (the decode batch size).
     max_num_batched_tokens: new tokens in one step (the prefill budget; long prompts are chunked).
     max_model_len: prompt + generated tokens per request; ``None`` = the model's

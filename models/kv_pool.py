@@ -114,19 +114,21 @@ def available_host_memory() -> int | None:
         return None
 
 
-def free_device_memory(device) -> int | None:
-    """Bytes the engine may still take on ``device`` (XLA's allocator limit minus what it holds), or
-    ``None`` where the device keeps no such statistics (a CPU)."""
+def free_device_memory(device, memory_fraction: float = 1.0) -> int | None:
+    """Bytes the engine may still take on ``device``: ``memory_fraction`` of XLA's allocator limit minus
+    what it already holds (the weights), as vLLM's ``gpu_memory_utilization`` counts; ``None`` where the
+    device keeps no such statistics (a CPU). The rest of the device stays free for the steps' working
+    memory and the compiler's autotuning, whatever the size of the weights."""
     stats = device.memory_stats()
     if stats and "bytes_limit" in stats:
-        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        return int(stats["bytes_limit"] * memory_fraction) - stats.get("bytes_in_use", 0)
     return None
 
 
 def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dtype: str) -> int:
-    """Blocks in the pool: ``num_blocks`` if given; on a GPU ``memory_fraction`` of the free device
-    memory (with tensor parallelism: of the device with the least free memory, per device's share of a
-    block), at most ``GPU_POOL_CAP_SEQUENCES`` times what ``max_num_seqs`` full-length sequences need;
+    """Blocks in the pool: ``num_blocks`` if given; on a GPU what ``free_device_memory`` leaves within
+    ``memory_fraction`` of the device (with tensor parallelism: on the device with the least, per
+    device's share of a block), at most ``GPU_POOL_CAP_SEQUENCES`` times what ``max_num_seqs`` full-length sequences need;
     on a CPU ``CPU_POOL_FRACTION`` of the available host memory, at most ``CPU_POOL_CAP_BYTES``
     and at most what ``min(max_num_seqs, 16)`` full-length sequences need. Every kernel addresses a pool
     of any size (``kernels/kv_write.py``: the Pallas-Triton kernels' offsets are widened past 2**31)."""
@@ -136,10 +138,10 @@ def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dty
     block_bytes = block_bytes_per_device(params, bs, dtype)
     devices = [jax.devices()[0]] if params.mesh is None else \
         [d for d in params.mesh.devices.flat if d.process_index == jax.process_index()]
-    frees = [free_device_memory(d) for d in devices]
+    frees = [free_device_memory(d, config.memory_fraction) for d in devices]
     blocks_per_seq = math.ceil(max_model_len / bs)
     if all(f is not None for f in frees):
-        by_memory = int(min(frees) * config.memory_fraction // block_bytes)
+        by_memory = max(0, min(frees)) // block_bytes
         return min(by_memory, GPU_POOL_CAP_SEQUENCES * config.max_num_seqs * blocks_per_seq)
     enough = blocks_per_seq * min(config.max_num_seqs, 16)
     host = available_host_memory()

@@ -22,20 +22,23 @@ def _device(platform, stats):
     return types.SimpleNamespace(platform=platform, memory_stats=lambda: stats)
 
 
-def test_free_memory_is_the_allocator_limit_minus_its_use():
-    assert pool_size.free_device_memory(_device("gpu", {"bytes_limit": 100, "bytes_in_use": 30})) == 70
+def test_free_memory_is_the_share_of_the_allocator_limit_minus_its_use():
+    gpu = _device("gpu", {"bytes_limit": 100, "bytes_in_use": 30})
+    assert pool_size.free_device_memory(gpu) == 70
+    assert pool_size.free_device_memory(gpu, 0.9) == 60  # large weights keep the 10% working room
+    assert pool_size.free_device_memory(_device("gpu", {"bytes_limit": 100, "bytes_in_use": 95}), 0.9) == -5
     assert pool_size.free_device_memory(_device("cpu", None)) is None
 
 
 @pytest.mark.parametrize("cfg, max_len, capped", [(TINY, 128, True), (QWEN3_06B, 4096, False)])
 def test_gpu_pool_takes_free_memory_up_to_what_its_sequences_can_use(monkeypatch, cfg, max_len, capped):
     gib = 1 << 30
-    monkeypatch.setattr(pool_size, "free_device_memory", lambda d: 100 * gib)  # an H200 after the weights
+    monkeypatch.setattr(pool_size, "free_device_memory", lambda d, fraction: 100 * gib)  # an H200 after the weights
     params = types.SimpleNamespace(config=cfg, mesh=None)
     config = EngineConfig(max_model_len=max_len)
     blocks = pool_size.size_pool(params, config, max_len, "bfloat16")
     bs = config.resolved_block_size(cfg.head_dim)
-    by_memory = int(100 * gib * config.memory_fraction // (cfg.kv_bytes_per_token(2) * bs))
+    by_memory = 100 * gib // (cfg.kv_bytes_per_token(2) * bs)
     cap = pool_size.GPU_POOL_CAP_SEQUENCES * config.max_num_seqs * (max_len // bs)
     assert blocks == (cap if capped else by_memory)
     assert blocks == min(by_memory, cap)
@@ -47,13 +50,13 @@ def test_gpu_pool_takes_free_memory_up_to_what_its_sequences_can_use(monkeypatch
 def test_an_fp8_pool_holds_about_twice_the_tokens_in_the_same_memory(monkeypatch):
     """Qwen3-0.6B on 100 GiB free, each pool at its default block size: an fp8 pool (one byte an
     element plus a scale row a block of 64) holds 2 * 64/65 times the tokens of a bf16 pool (blocks of 16)."""
-    monkeypatch.setattr(pool_size, "free_device_memory", lambda d: 100 << 30)
+    monkeypatch.setattr(pool_size, "free_device_memory", lambda d, fraction: 100 << 30)
     params = types.SimpleNamespace(config=QWEN3_06B, mesh=None)
     config = EngineConfig(max_model_len=4096, kv_cache_dtype="fp8")
     bf16 = pool_size.size_pool(params, EngineConfig(max_model_len=4096), 4096, "bfloat16")
     fp8 = pool_size.size_pool(params, config, 4096, config.resolved_kv_cache_dtype("bfloat16"))
     assert config.resolved_kv_cache_dtype("bfloat16") == "float8_e4m3fn"
-    assert fp8 == int((100 << 30) * 0.9 // (QWEN3_06B.kv_bytes_per_token(1) * 65))
+    assert fp8 == (100 << 30) // (QWEN3_06B.kv_bytes_per_token(1) * 65)
     assert abs(fp8 * 64 / (bf16 * 16) - 2 * 64 / 65) < 1e-4
 
 
@@ -64,7 +67,7 @@ def test_an_fp8_pool_of_2_to_4_gib_is_sized_like_any_other(monkeypatch):
     """16 sequences of 1,024 tokens: the cap (4 x 16 x 16 blocks) makes a 3.55 GiB fp8 pool, more than
     2**31 one-byte elements, which the kernels address with 64-bit offsets (``kv_write.widen_triton_offsets``):
     the cap is kept, and a ``num_blocks`` in that range is taken as given."""
-    monkeypatch.setattr(pool_size, "free_device_memory", lambda d: 100 << 30)
+    monkeypatch.setattr(pool_size, "free_device_memory", lambda d, fraction: 100 << 30)
     params = types.SimpleNamespace(config=QWEN3_06B, mesh=None)
     config = EngineConfig(max_model_len=1024, max_num_seqs=16, kv_cache_dtype="fp8")
     assert 2**31 < 4 * 16 * 16 * FP8_BLOCK_BYTES <= 2**32
