@@ -165,7 +165,11 @@ def main() -> None:
         outs = run_to_completion(engine, prompts, mine)
         seconds = time.perf_counter() - t
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        run = {"constrained": sum(structured(f, n)), "output_tokens": tokens, "seconds": seconds,
+        grammar = grammars.submit(StructuredOutputsParams(json=SCHEMA)).result()
+        rejected = sum(not all(m.accept(t) for t in o.outputs[0].token_ids)
+                       for o, c, m in ((o, c, grammar.matcher()) for o, c in zip(outs, structured(f, n))) if c)
+        run = {"constrained": sum(structured(f, n)), "rejected_by_grammar": rejected, "output_tokens": tokens,
+               "seconds": seconds,
                "tok_per_s": tokens / seconds, "steps": engine.metrics.total_steps - steps,
                "finish_reasons": {r: sum(o.outputs[0].finish_reason == r for o in outs) for r in ("stop", "length", "error")}}
         base = base or run["tok_per_s"]
@@ -175,9 +179,10 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_structured.json"), "w") as fh:
         json.dump(result, fh, indent=2)
-    print(f"\n{'constrained':24s} {'requests':>8s} {'tok/s':>9s} {'vs 0%':>6s} {'steps':>6s}")
+    print(f"\n{'constrained':24s} {'requests':>8s} {'invalid':>8s} {'tok/s':>9s} {'vs 0%':>6s} {'steps':>6s}")
     for name, run in result["runs"].items():
-        print(f"{name:24s} {run['constrained']:8d} {run['tok_per_s']:9.0f} {run['vs_unconstrained']:6.2f} {run['steps']:6d}")
+        print(f"{name:24s} {run['constrained']:8d} {run['rejected_by_grammar']:8d} {run['tok_per_s']:9.0f} "
+              f"{run['vs_unconstrained']:6.2f} {run['steps']:6d}")
     print(f"grammar compile (first, 10-field schema): {compile_times['json_10_fields']['first_s'] * 1e3:.1f} ms; "
           f"TTFT of a lone request: unconstrained {ttft['unconstrained'] * 1e3:.1f} ms, new schema "
           f"{ttft['new_schema'] * 1e3:.1f} ms, cached schema {ttft['cached_schema'] * 1e3:.1f} ms")
