@@ -7,9 +7,12 @@ from typing import TYPE_CHECKING
 # JAX's GPU client takes 75% of the GPU's memory on its first allocation by default, and mapping that
 # arena is a cost every start pays, even for a model whose weights and pool need a few MiB. The engine sizes
 # its pool from the allocator's limit either way (``models/kv_pool.py``), so it grows the arena as it needs
-# instead; effective only when set before JAX starts its GPU client, and a user's own setting wins
-# (docs/DECISIONS.md).
+# instead. The limit itself stays 75% of the device unless raised: 95% lets ``memory_fraction`` (vLLM's
+# ``gpu_memory_utilization``) mean a share of nearly the whole device, so weights of 60 GB still leave a
+# pool and working memory on an 80 GB card; the rest is CUDA's own (context, libraries' workspaces).
+# Effective only when set before JAX starts its GPU client; a user's own settings win (docs/DECISIONS.md).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
 # The public names and the modules that define them, imported on first use (PEP 562): `import jaxpaged`
 # and `python -m jaxpaged --help` do not load JAX until a name that needs it is used.
