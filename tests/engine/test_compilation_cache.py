@@ -77,14 +77,18 @@ def test_second_process_loads_every_step_and_survives_a_damaged_entry(tmp_path):
     assert all(not p.exists() or p.read_bytes() != b"not an executable" for p in steps)
 
 
-def test_importing_jaxpaged_turns_off_gpu_preallocation_unless_the_user_set_it():
+def test_importing_jaxpaged_sets_gpu_memory_growth_and_limit_unless_the_user_set_them():
     """JAX's GPU client maps 75% of the GPU's memory at its first allocation (1.7 s of every start on the
-    H200); importing jaxpaged asks it to grow instead, and leaves a user's own choice alone."""
-    code = "import os, jaxpaged; print(os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'])"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_PREALLOCATE"}
-    procs = {expected: subprocess.Popen([sys.executable, "-c", code], env=own, stdout=subprocess.PIPE,
+    H200) and caps its allocator there; importing jaxpaged asks it to grow instead, up to 95% of the
+    device, and leaves a user's own choices alone."""
+    code = ("import os, jaxpaged; print(os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'], "
+            "os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])")
+    names = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+    env = {k: v for k, v in os.environ.items() if k not in names}
+    own = {**env, "XLA_PYTHON_CLIENT_PREALLOCATE": "true", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    procs = {expected: subprocess.Popen([sys.executable, "-c", code], env=e, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True)  # (both at once)
-             for expected, own in (("false", env), ("true", {**env, "XLA_PYTHON_CLIENT_PREALLOCATE": "true"}))}
+             for expected, e in (("false 0.95", env), ("true 0.5", own))}
     for expected, proc in procs.items():
         out, err = proc.communicate(timeout=120)
         assert out.strip() == expected, err[-2000:]
