@@ -11,7 +11,10 @@ distinct experts are hit as real routing hits), this times, median of ``--repeat
 * ``gate_up_ragged``: the gate/up GEMM by XLA's ``jax.lax.ragged_dot`` (on a GPU only, against the
   engine's fixed-tile kernel; a size it runs out of memory at is reported as such);
 * ``moe_fp8``: the sparse MLP with the experts in fp8 (per expert and output channel, as
-  ``quantization="fp8"`` stores them), its floor at a byte a weight.
+  ``quantization="fp8"`` stores them), its floor at a byte a weight;
+* ``gate_up@BMxBNxBKxWxS`` and ``down@...`` for each tile configuration in ``--configs``: the
+  fixed-tile kernel with that ``MatmulConfig`` (block_m, block_n, block_k, num_warps, num_stages), to
+  choose its tiles by measurement.
 
 Each is set against its floor on the device measured in the same process (``floor.measure_device``):
 the bytes of the distinct experts the routing hits (each read once) plus the activations, and the FLOPs
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -39,12 +43,13 @@ import numpy as np  # noqa: E402
 
 from benchmarks.floor import Device, measure_device, median_seconds  # noqa: E402
 from jaxpaged.kernels.grouped_matmul import grouped_matmul as ragged_dot  # noqa: E402
+from jaxpaged.kernels.grouped_matmul import grouped_matmul_fixed_tile  # noqa: E402
+from jaxpaged.kernels.matmul import MatmulConfig  # noqa: E402
 from jaxpaged.models.moe import route, sort_by_expert, sparse_moe  # noqa: E402
 from jaxpaged.models.ops import get_model_ops  # noqa: E402
 from jaxpaged.models.quantization import Fp8Weight, quantize_per_channel  # noqa: E402
 from jaxpaged.workloads import QWEN3_30B_A3B  # noqa: E402
 
-NAMES = ("moe", "gate_up", "down", "gate_up_ragged", "moe_fp8")
 TINY = dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
 
 
@@ -73,8 +78,17 @@ class MoeShape:
         return dict(moe=moe, gate_up=gate_up, down=down)
 
 
+def parse_configs(text: str) -> list[MatmulConfig]:
+    """``"64x128x64x4x3,16x64x128x4x3"`` -> tile configurations (block_m x block_n x block_k x warps x stages)."""
+    return [MatmulConfig(*(int(v) for v in c.split("x"))) for c in text.split(",") if c]
+
+
+def config_name(cfg: MatmulConfig) -> str:
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}x{cfg.num_warps}x{cfg.num_stages}"
+
+
 def measure(shape: MoeShape, tokens: int, layers: int, repeats: int, device: Device, dtype=jnp.bfloat16,
-            seed: int = 0) -> dict:
+            seed: int = 0, configs: tuple[MatmulConfig, ...] = (), ragged_max_tokens: int = 512) -> dict:
     """One row of the table: times per layer, floors and achieved rates for ``tokens`` tokens."""
     ops = get_model_ops()
     keys = iter(jax.random.split(jax.random.key(seed), 3 * layers + 2))
@@ -104,7 +118,12 @@ def measure(shape: MoeShape, tokens: int, layers: int, repeats: int, device: Dev
         gate_up=over_layers(lambda w, r, g: ops.grouped_matmul(r, w[1], g), weights, rows_x, group_sizes),
         down=over_layers(lambda w, r, g: ops.grouped_matmul(r, w[2], g), weights, rows_i, group_sizes),
     )
-    if jax.default_backend() == "gpu":
+    on_gpu = jax.default_backend() == "gpu"
+    for cfg in configs:  # interpret mode off the GPU
+        tiled = functools.partial(grouped_matmul_fixed_tile, config=cfg, interpret=not on_gpu)
+        times[f"gate_up@{config_name(cfg)}"] = over_layers(lambda w, r, g: tiled(r, w[1], g), weights, rows_x, group_sizes)
+        times[f"down@{config_name(cfg)}"] = over_layers(lambda w, r, g: tiled(r, w[2], g), weights, rows_i, group_sizes)
+    if on_gpu and tokens <= ragged_max_tokens:
         try:
             times["gate_up_ragged"] = over_layers(lambda w, r, g: ragged_dot(r, w[1], g), weights, rows_x, group_sizes)
         except jax.errors.JaxRuntimeError as err:
@@ -117,8 +136,9 @@ def measure(shape: MoeShape, tokens: int, layers: int, repeats: int, device: Dev
     times["moe_fp8"] = over_layers(moe, fp8, x)
     floors = shape.floor(tokens, distinct, jnp.dtype(dtype).itemsize)
     floors["moe_fp8"] = shape.floor(tokens, distinct, jnp.dtype(dtype).itemsize, weight_itemsize=1)["moe"]
-    if "gate_up_ragged" in times:
-        floors["gate_up_ragged"] = floors["gate_up"]
+    for name in times:
+        if name.startswith(("gate_up_ragged", "gate_up@", "down@")):
+            floors[name] = floors[name.split("@")[0].removesuffix("_ragged")]
     row = dict(tokens=tokens, distinct_experts=distinct)
     for name, (num_bytes, flops) in floors.items():
         seconds = times[name] / layers
@@ -134,6 +154,10 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--layers", type=int, default=4, help="separate layers' weights per timed function")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--tiny", action="store_true", help="the tiny MoE shapes (a CPU run)")
+    ap.add_argument("--configs", default="", help="fixed-tile configurations to time beside the default, "
+                                                  "e.g. 16x64x128x4x3,64x128x64x4x3: block_m x block_n x block_k x warps x stages")
+    ap.add_argument("--ragged-max-tokens", type=int, default=512,
+                    help="time ragged_dot up to this many tokens (it needed a 32 GiB temporary at 2,048)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     cfg = TINY if args.tiny else QWEN3_30B_A3B
@@ -143,20 +167,21 @@ def main(argv=None) -> list[dict]:
           f"{device.matmul_flops_per_s / 1e12:.0f} TFLOP/s; {shape}", flush=True)
     rows = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
-        rows.append(measure(shape, tokens, args.layers, args.repeats, device))
+        rows.append(measure(shape, tokens, args.layers, args.repeats, device, configs=tuple(parse_configs(args.configs)),
+                            ragged_max_tokens=args.ragged_max_tokens))
         print(json.dumps(rows[-1]), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_moe.json"), "w") as f:
         json.dump(dict(device=device.name, read_tb_s=device.read_bytes_per_s / 1e12,
                        matmul_tflop_s=device.matmul_flops_per_s / 1e12, shape=dataclasses.asdict(shape), rows=rows),
                   f, indent=1)
-    names = [n for n in NAMES if n in rows[0]]
-    print(f"\n{'T':>5} {'experts':>7} " + " ".join(f"{n + ' us':>16} {'floor':>7} {'%':>4} {'GB/s':>6} {'TF/s':>5}"
-                                              for n in names))
+    names = list(dict.fromkeys(n for r in rows for n in r if isinstance(r[n], dict)))
+    print(f"\n{'T':>5} {'experts':>7} {'':24} {'us':>9} {'floor':>7} {'%':>4} {'GB/s':>6} {'TF/s':>5}")
     for r in rows:
-        print(f"{r['tokens']:5d} {r['distinct_experts']:7d} " + " ".join(
-            f"{r[n]['us']:16.1f} {r[n]['floor_us']:7.1f} {r[n]['pct_of_floor']:4.0f} {r[n]['gb_s']:6.0f} "
-            f"{r[n]['tflop_s']:5.1f}" for n in NAMES if n in r))
+        for n in names:
+            if n in r:
+                print(f"{r['tokens']:5d} {r['distinct_experts']:7d} {n:24} {r[n]['us']:9.1f} {r[n]['floor_us']:7.1f} "
+                      f"{r[n]['pct_of_floor']:4.0f} {r[n]['gb_s']:6.0f} {r[n]['tflop_s']:5.1f}")
     return rows
 
 

@@ -79,3 +79,18 @@ def test_moe_layer_floor_counts_each_hit_expert_once():
     batch = shape.floor(tokens=256, distinct=128, itemsize=2)
     assert batch["gate_up"][0] - 256 * 8 * (2048 + 1536) * 2 == 128 * 2048 * 1536 * 2  # all 128 experts, once
     assert batch["moe"][1] == batch["gate_up"][1] + batch["down"][1] + 2 * 256 * 2048 * 128
+
+
+def test_moe_tile_configurations_are_timed_against_their_products_floors(tmp_path):
+    """``bench_moe --configs``: each fixed-tile configuration times both grouped GEMMs, each against the
+    floor of the product it computes (the tiny shapes, interpret mode)."""
+    spec = importlib.util.spec_from_file_location("bench_moe", ROOT / "benchmarks" / "bench_moe.py")
+    bench_moe = sys.modules.setdefault("bench_moe", importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(bench_moe)
+    cfg = bench_moe.parse_configs("16x32x16x4x2")[0]
+    assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == (16, 32, 16, 4, 2)
+    (row,) = bench_moe.main(["--tiny", "--tokens", "4", "--repeats", "1", "--layers", "1",
+                             "--configs", "16x32x16x4x2", "--out", str(tmp_path)])
+    for product in ("gate_up", "down"):
+        timed = row[f"{product}@16x32x16x4x2"]
+        assert timed["floor_us"] == row[product]["floor_us"] and timed["us"] > 0
