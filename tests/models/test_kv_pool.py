@@ -47,6 +47,16 @@ def test_gpu_pool_takes_free_memory_up_to_what_its_sequences_can_use(monkeypatch
     assert pool_size.size_pool(params, EngineConfig(num_blocks=7), max_len, "bfloat16") == 7  # as given
 
 
+def test_weights_past_the_memory_share_leave_no_pool_and_a_clear_error(monkeypatch):
+    """Qwen3-30B-A3B's 57 GiB of weights under a 59 GiB allocator limit at ``memory_fraction=0.9``: no
+    blocks (the step keeps its working memory), and the engine's check names the settings to change."""
+    gpu = _device("gpu", {"bytes_limit": 59 << 30, "bytes_in_use": 57 << 30})
+    monkeypatch.setattr(pool_size.jax, "devices", lambda: [gpu])
+    params = types.SimpleNamespace(config=QWEN3_06B, mesh=None)
+    assert pool_size.size_pool(params, EngineConfig(max_model_len=2048), 2048, "bfloat16") == 0
+    with pytest.raises(ValueError, match="raise num_blocks / memory_fraction"):
+        pool_size.check_holds_one_sequence(0, 16, 2048)
+
 def test_an_fp8_pool_holds_about_twice_the_tokens_in_the_same_memory(monkeypatch):
     """Qwen3-0.6B on 100 GiB free, each pool at its default block size: an fp8 pool (one byte an
     element plus a scale row a block of 64) holds 2 * 64/65 times the tokens of a bf16 pool (blocks of 16)."""
