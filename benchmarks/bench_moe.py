@@ -154,7 +154,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--layers", type=int, default=4, help="separate layers' weights per timed function")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--tiny", action="store_true", help="the tiny MoE shapes (a CPU run)")
-    ap.add_argument("--configs", default="", help="fixed-tile configurations to time beside the default, "
+    ap.add_argument("--configs", default="64x128x64x4x3,16x64x128x4x3", help="fixed-tile configurations to time beside the default, "
                                                   "e.g. 16x64x128x4x3,64x128x64x4x3: block_m x block_n x block_k x warps x stages")
     ap.add_argument("--ragged-max-tokens", type=int, default=512,
                     help="time ragged_dot up to this many tokens (it needed a 32 GiB temporary at 2,048)")

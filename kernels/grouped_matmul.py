@@ -14,7 +14,8 @@ Three implementations, one contract:
     tiles of one group each (``row_tiles``: a group's rows from its first, in ``block_m`` tiles), so a
     decode step's few rows an expert run in parallel, one tile an expert, and only the experts the rows
     meet are read. It also reads e4m3 weights with their scales (fp8 experts): each tile converted to
-    ``x``'s dtype in registers (exact), at a byte a weight;
+    ``x``'s dtype in registers (exact), at a byte a weight. Where batch invariance is not asked
+    (``by_rows``), a decode step's few rows an expert take the GEMV's smaller tile (:func:`tile_config`);
   * :func:`grouped_matmul_reference`: a dense loop over the groups, for tests.
 """
 
@@ -67,11 +68,30 @@ def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
 FP8 = jnp.float8_e4m3fn
 
 
-def fp8_config(k: int, n: int, dtype) -> MatmulConfig | None:
-    """The fixed-tile configuration for e4m3 weights ``[G, K, N]``: ``matmul_config``'s tiles, narrowed
-    to divide ``K`` and ``N`` (the weight tiles load without masks: Triton cannot fill an e4m3 tile with a
-    constant), or None where that leaves less than 16 (Triton's smallest dot)."""
-    cfg = matmul_config(k, n, dtype)
+# The split-K GEMV's tile (``kernels/gemv.py``: 16 rows, 64 columns, 128 depths a step), which reads
+# dense decode weights at their floor: a decode step's few rows an expert get as many programs as the
+# GEMV's, where ``matmul_config``'s 64 x 128 tiles gave 12 column tiles an expert and 64-row tiles of
+# one or two rows.
+FEW_ROWS_TILE = MatmulConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+FEW_ROWS_PER_GROUP = 4  # the most rows per group, on average, that take FEW_ROWS_TILE
+
+
+def tile_config(m: int, g: int, k: int, n: int, dtype, by_rows: bool = False) -> MatmulConfig:
+    """The fixed-tile kernel's configuration for ``m`` rows over ``g`` groups of ``[K, N]`` weights:
+    ``matmul_config`` (never a function of ``M``: ``batch_invariant``), or with ``by_rows`` (results may
+    then depend on the step's size) :data:`FEW_ROWS_TILE` for 16-bit operands where the groups average
+    at most :data:`FEW_ROWS_PER_GROUP` rows (decode steps)."""
+    if by_rows and jnp.dtype(dtype) != jnp.float32 and m <= FEW_ROWS_PER_GROUP * g:
+        return FEW_ROWS_TILE
+    return matmul_config(k, n, dtype)
+
+
+def fp8_config(k: int, n: int, dtype, base: MatmulConfig | None = None) -> MatmulConfig | None:
+    """The fixed-tile configuration for e4m3 weights ``[G, K, N]``: ``base``'s tiles (default
+    ``matmul_config``'s), narrowed to divide ``K`` and ``N`` (the weight tiles load without masks: Triton
+    cannot fill an e4m3 tile with a constant), or None where that leaves less than 16 (Triton's smallest
+    dot)."""
+    cfg = base or matmul_config(k, n, dtype)
     block_n, block_k = min(cfg.block_n, n & -n), min(cfg.block_k, k & -k)
     if min(block_n, block_k) < 16:
         return None
@@ -79,13 +99,15 @@ def fp8_config(k: int, n: int, dtype) -> MatmulConfig | None:
                         num_stages=cfg.num_stages)
 
 
-def fp8_supported(x: jax.Array, w: jax.Array, scale: jax.Array, config: MatmulConfig | None = None) -> bool:
-    """Whether :func:`grouped_matmul_fixed_tile` reads the e4m3 ``w [G, K, N]`` with ``scale f32[G, N]`` (per
-    output channel) or ``f32[G, K / g, N]`` (``g`` rows a scale, a multiple of ``block_k``) itself."""
+def fp8_supported(x: jax.Array, w: jax.Array, scale: jax.Array, config: MatmulConfig | None = None,
+                  by_rows: bool = False) -> bool:
+    """Whether :func:`grouped_matmul_fixed_tile` (with the same ``config`` and ``by_rows``) reads the e4m3
+    ``w [G, K, N]`` with ``scale f32[G, N]`` (per output channel) or ``f32[G, K / g, N]`` (``g`` rows a
+    scale, a multiple of ``block_k``) itself."""
     if w.ndim != 3 or w.dtype != FP8 or scale.dtype != jnp.float32 or x.ndim != 2:
         return False
     g, k, n = w.shape
-    cfg = config or fp8_config(k, n, x.dtype)
+    cfg = config or fp8_config(k, n, x.dtype, tile_config(x.shape[0], g, k, n, x.dtype, by_rows))
     if cfg is None or k % cfg.block_k or n % cfg.block_n:
         return False
     if scale.shape == (g, n):
@@ -154,25 +176,27 @@ def row_tiles(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, 
     return group, lo, hi
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "by_rows", "interpret"))
 def grouped_matmul_fixed_tile(x: jax.Array, w: jax.Array, group_sizes: jax.Array, scale: jax.Array | None = None, *,
-                              out_dtype=None, config: MatmulConfig | None = None, interpret: bool = False) -> jax.Array:
+                              out_dtype=None, config: MatmulConfig | None = None, by_rows: bool = False,
+                              interpret: bool = False) -> jax.Array:
     """:func:`grouped_matmul` by the fixed-tile Pallas kernel: each row's result is independent of the
-    number of rows and of the other rows' groups (``batch_invariant``). ``config`` defaults to
-    ``matmul_config`` of one group's weight (never a function of ``M``); ``interpret``: Pallas interpret
-    mode (CPU). An e4m3 ``w`` with its ``scale`` (``fp8_supported``): the real weight is ``w x scale``."""
+    number of rows and of the other rows' groups (``batch_invariant``) unless ``by_rows``. ``config``
+    defaults to :func:`tile_config` (``matmul_config`` of one group's weight, never a function of ``M``;
+    with ``by_rows`` a tile chosen by the row count); ``interpret``: Pallas interpret mode (CPU). An e4m3
+    ``w`` with its ``scale`` (``fp8_supported``): the real weight is ``w x scale``."""
     _validate(x, w, group_sizes)
     g, k, n = w.shape
+    m = x.shape[0]
     if scale is not None:
-        if not fp8_supported(x, w, scale, config):
+        if not fp8_supported(x, w, scale, config, by_rows):
             raise ValueError(f"the fixed-tile kernel cannot read an e4m3 weight {w.shape} {w.dtype} with scale "
                              f"{scale.shape} {scale.dtype} ({config}): see fp8_supported")
-        cfg = config or fp8_config(k, n, x.dtype)
+        cfg = config or fp8_config(k, n, x.dtype, tile_config(m, g, k, n, x.dtype, by_rows))
     elif x.dtype != w.dtype:
         raise ValueError(f"x and w dtypes differ: {x.dtype} vs {w.dtype}")
     else:
-        cfg = config or matmul_config(k, n, x.dtype)
-    m = x.shape[0]
+        cfg = config or tile_config(m, g, k, n, x.dtype, by_rows)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if m == 0:
         return jnp.zeros((0, n), out_dtype)

@@ -63,17 +63,19 @@ def gemv_reads(x: jax.Array, w, transpose_w: bool = False) -> bool:
 
 def fp8_tiled_or_grouped(x: jax.Array, w, group_sizes: jax.Array, *,
                          grouped=grouped_matmul.grouped_matmul_fixed_tile, interpret: bool = False,
-                         out_dtype=None) -> jax.Array:
+                         by_rows: bool = False, out_dtype=None) -> jax.Array:
     """``ops.grouped_matmul`` on a GPU and with ``batch_invariant``: ``grouped`` (the fixed-tile kernel)
     for experts in the model dtype; fp8 experts (:class:`Fp8Weight`) read as e4m3 by the fixed-tile
     kernel, which reads only the experts the rows meet, at a byte a weight, where their shapes allow
     (``grouped_matmul.fp8_supported``); else converted whole in front of ``grouped``
-    (``quantization.fp8_grouped_matmul``)."""
+    (``quantization.fp8_grouped_matmul``). ``by_rows``: the fixed-tile kernel's tile chosen by the row
+    count (``grouped_matmul.tile_config``: the decode tile for a decode step's few rows an expert), off
+    with ``batch_invariant``."""
     if not isinstance(w, Fp8Weight):
         return grouped(x, w, group_sizes, out_dtype=out_dtype)
-    if grouped_matmul.fp8_supported(x, w.weight, w.scale):
+    if grouped_matmul.fp8_supported(x, w.weight, w.scale, by_rows=by_rows):
         return grouped_matmul.grouped_matmul_fixed_tile(x, w.weight, group_sizes, w.scale, out_dtype=out_dtype,
-                                                        interpret=interpret)
+                                                        by_rows=by_rows, interpret=interpret)
     return fp8_grouped_matmul(x, w, group_sizes, grouped_matmul=grouped, out_dtype=out_dtype)
 
 
@@ -144,13 +146,14 @@ def get_model_ops(batch_invariant: bool = False) -> ModelOps:
 
     ``batch_invariant``: the fixed-tile Pallas matmul, grouped matmul (a MoE layer's experts) and row-kernel
     RMSNorm whose per-row results never depend on the number of rows (interpret mode off the GPU). Otherwise on a CPU XLA's ops
-    (``x @ w``, IEEE fp32 for float32 weights), and on a GPU the decode-path kernels (each measured,
-    docs/DECISIONS.md): matmuls of at most 32 rows with 16-bit weights by the split-K Pallas GEMV, the
+    (``x @ w``, IEEE fp32 for float32 weights), and on a GPU the decode-path kernels (docs/DECISIONS.md
+    gives the measurement behind each): matmuls of at most 32 rows with 16-bit weights by the split-K Pallas GEMV, the
     stretch from the qkv projection to the KV write as one kernel, the residual add and RMSNorm summing
     the GEMV's partials in one kernel, and XLA's GEMMs with an optimisation barrier on their input (a
     producer fused into the GEMM made it slower at decode sizes); a MoE layer's experts by the fixed-tile
-    grouped kernel at every step size, e4m3 experts read as they are (XLA's ``ragged_dot`` reads every
-    expert whatever the rows meet, and ran out of memory at 2,048 tokens of Qwen3-30B-A3B)."""
+    grouped kernel at every step size, its tile chosen by the row count, e4m3 experts read as they are
+    (XLA's ``ragged_dot`` reads every expert whatever the rows meet, and ran out of memory at 2,048
+    tokens of Qwen3-30B-A3B)."""
     if _on_gpu():
         prepare_triton_lowering()
     if batch_invariant:
@@ -169,4 +172,6 @@ def get_model_ops(batch_invariant: bool = False) -> ModelOps:
         qkv_epilogue=functools.partial(fused_qkv, xla_matmul=base),
         matmul_parts=functools.partial(matmul_parts, xla_matmul=base),
         silu_mul_matmul_parts=functools.partial(silu_mul_matmul_parts, xla_matmul=base),
-        add_rms_norm=fused_add_rms_norm, grouped_matmul=fp8_tiled_or_grouped)
+        add_rms_norm=fused_add_rms_norm,
+        grouped_matmul=functools.partial(fp8_tiled_or_grouped, by_rows=True, grouped=functools.partial(
+            grouped_matmul.grouped_matmul_fixed_tile, by_rows=True)))

@@ -70,3 +70,57 @@ def test_bad_operands_name_what_is_wrong():
         grouped_matmul(x[:, :8], w, gs)
     with pytest.raises(ValueError, match="dtypes differ"):
         grouped_matmul_fixed_tile(x.astype(jnp.bfloat16), w, gs, interpret=True)
+
+
+def test_the_tile_follows_the_row_count_only_where_asked():
+    """``by_rows``: the decode tile where the groups average at most FEW_ROWS_PER_GROUP rows (16-bit
+    operands), ``matmul_config`` otherwise; without it always ``matmul_config`` (batch invariance)."""
+    from jaxpaged.kernels.grouped_matmul import FEW_ROWS_PER_GROUP, FEW_ROWS_TILE, tile_config
+    from jaxpaged.kernels.matmul import matmul_config
+
+    default = matmul_config(2048, 1536, jnp.bfloat16)
+    decode_rows = 64 * 8  # Qwen3-30B-A3B: 64 tokens, 8 experts each, over 128 experts
+    assert tile_config(decode_rows, 128, 2048, 1536, jnp.bfloat16, by_rows=True) == FEW_ROWS_TILE
+    assert tile_config(FEW_ROWS_PER_GROUP * 128 + 1, 128, 2048, 1536, jnp.bfloat16, by_rows=True) == default
+    assert tile_config(8, 128, 2048, 1536, jnp.bfloat16) == default
+    assert tile_config(8, 128, 64, 64, jnp.float32, by_rows=True) == matmul_config(64, 64, jnp.float32)
+
+
+@pytest.mark.parametrize("sizes,m", [([0, 1, 0, 2, 0, 3], 8), ([5, 0, 0, 0, 0, 2], 7)])
+def test_the_decode_tile_matches_the_reference(sizes, m):
+    """The decode tile (16 x 64 x 128) over few rows a group, with several column tiles and depth steps,
+    empty groups and rows past the groups: the dense loop's result (interpret mode)."""
+    x, w, gs = operands(m, 256, 192, sizes, jnp.bfloat16, seed=2)
+    got = np.asarray(grouped_matmul_fixed_tile(x, w, gs, by_rows=True, interpret=True), np.float64)
+    ref = np.asarray(grouped_matmul_reference(x, w, gs), np.float64)
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-2
+    assert np.all(got[sum(sizes):] == 0)
+
+
+def test_the_decode_tile_lowers_for_hopper(sm90_triton_modules):
+    """A decode step's gate/up product at Qwen3-30B-A3B shapes (8 tokens x 8 experts over 128 experts) by
+    the decode tile, lowered to Triton IR for an sm_90 GPU (and verified) without one."""
+    s = jax.ShapeDtypeStruct
+    lowered = jax.jit(grouped_matmul_fixed_tile, static_argnames="by_rows").trace(
+        s((64, 2048), jnp.bfloat16), s((128, 2048, 1536), jnp.bfloat16), s((128,), jnp.int32), by_rows=True)
+    lowered.lower(lowering_platforms=("cuda",))
+    (module,) = sm90_triton_modules
+    assert "fixed_tile_grouped_matmul_m16_n64_k128" in module and "tt.dot" in module
+
+
+def test_the_gpu_ops_take_the_decode_tile_for_decode_steps_and_not_when_batch_invariant(monkeypatch):
+    """The ops a GPU gets (traced here, not run): a decode step's experts by the decode tile, a prefill
+    chunk's by ``matmul_config``'s, and with ``batch_invariant`` always ``matmul_config``'s."""
+    from jaxpaged.models import ops
+
+    monkeypatch.setattr(ops, "_on_gpu", lambda: True)
+    monkeypatch.setattr(ops, "prepare_triton_lowering", lambda: None)
+    w, gs = jnp.zeros((128, 256, 128), jnp.bfloat16), jnp.zeros((128,), jnp.int32)
+
+    def kernel(invariant: bool, rows: int) -> str:
+        grouped = ops.get_model_ops.__wrapped__(invariant).grouped_matmul
+        return str(jax.make_jaxpr(lambda x: grouped(x, w, gs))(jax.ShapeDtypeStruct((rows, 256), jnp.bfloat16)))
+
+    assert "grouped_matmul_m16_n64_k128" in kernel(False, 8 * 8)
+    assert "grouped_matmul_m64_n128_k64" in kernel(False, 512 * 8)
+    assert "grouped_matmul_m64_n128_k64" in kernel(True, 8 * 8)

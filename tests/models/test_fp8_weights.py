@@ -390,6 +390,32 @@ def test_fp8_grouped_kernel_lowers_for_hopper_with_unmasked_weight_loads(sm90_tr
         assert len(loads) == 1 and "," not in loads[0].split("tt.load")[1].split(":")[0], loads
 
 
+def test_fp8_experts_through_the_decode_tile(sm90_triton_modules):
+    """``by_rows`` over a decode step's few rows an expert: e4m3 experts (per channel and 128-row block
+    scales) read by the decode tile (16 x 64 x 128) give the dequantized product (interpret mode), and the
+    same call at Qwen3-30B-A3B's gate/up shapes lowers for an sm_90 GPU with that tile."""
+    rng = np.random.default_rng(7)
+    sizes = [2, 0, 3, 1]
+    x = jnp.asarray(rng.standard_normal((8, 256)), jnp.bfloat16)
+    w32 = jnp.asarray(rng.standard_normal((4, 256, 128)), jnp.float32)
+    block = Fp8Weight(jnp.asarray(w32 * 50, jnp.float8_e4m3fn),
+                      jnp.asarray(rng.uniform(0.001, 0.01, (4, 2, 128)), jnp.float32), jnp.bfloat16)
+    for w in (Fp8Weight(*quantize_per_channel(w32), jnp.bfloat16), block):
+        assert fp8_supported(x, w.weight, w.scale, by_rows=True)
+        got = np.asarray(grouped_matmul_fixed_tile(x, w.weight, jnp.asarray(sizes, jnp.int32), w.scale, by_rows=True,
+                                                   interpret=True), np.float64)
+        want = np.asarray(grouped_matmul_reference(x.astype(jnp.float32), dequantize(w).astype(jnp.float32),
+                                                   jnp.asarray(sizes, jnp.int32)), np.float64)
+        assert np.abs(got - want).max() / np.abs(want).max() < 2e-2
+        assert not got[sum(sizes):].any()
+    s = jax.ShapeDtypeStruct
+    jax.jit(grouped_matmul_fixed_tile, static_argnames="by_rows").trace(
+        s((64, 2048), jnp.bfloat16), s((128, 2048, 1536), jnp.float8_e4m3fn), s((128,), jnp.int32),
+        s((128, 16, 1536), jnp.float32), by_rows=True).lower(lowering_platforms=("cuda",))
+    (module,) = sm90_triton_modules
+    assert "fixed_tile_grouped_matmul_fp8_m16_n64_k128" in module
+
+
 def test_moe_layer_with_fp8_experts_is_batch_invariant(random_moe_layer):
     """``batch_invariant`` ops over fp8 experts (the fixed-tile kernel reading e4m3, interpret mode): a
     token's MoE output is bitwise the same alone, in a batch of 20 and reversed, and within the e4m3 error of
