@@ -393,7 +393,7 @@ def test_fp8_grouped_kernel_lowers_for_hopper_with_unmasked_weight_loads(sm90_tr
 def test_fp8_experts_through_the_decode_tile(sm90_triton_modules):
     """``by_rows`` over a decode step's few rows an expert: e4m3 experts (per channel and 128-row block
     scales) read by the decode tile (16 x 64 x 128) give the dequantized product (interpret mode), and the
-    same call at Qwen3-30B-A3B's gate/up shapes lowers for an sm_90 GPU with that tile."""
+    kernel at Qwen3-30B-A3B's gate/up shapes lowers for an sm_90 GPU with that tile."""
     rng = np.random.default_rng(7)
     sizes = [2, 0, 3, 1]
     x = jnp.asarray(rng.standard_normal((8, 256)), jnp.bfloat16)
