@@ -1,6 +1,6 @@
-"""The KV pool's owner (``models/kv_pool.py``). How many blocks a pool gets without ``num_blocks``: a share
-of the free device memory, capped by what the engine's sequences can use, so a small model on a large GPU
-starts with a small pool."""
+"""The KV pool's owner (``models/kv_pool.py``). How many blocks a pool gets without ``num_blocks``: what
+``memory_fraction`` of the device leaves after the weights, capped by what the engine's sequences can use, so
+a small model on a large GPU starts with a small pool."""
 
 from __future__ import annotations
 
