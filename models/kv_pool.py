@@ -151,6 +151,9 @@ def size_pool(params: ModelParams, config: EngineConfig, max_model_len: int, dty
 
 def check_holds_one_sequence(num_blocks: int, bs: int, max_model_len: int) -> None:
     """Raises a ValueError if the pool cannot hold one sequence of ``max_model_len`` tokens."""
+    if num_blocks < 1:
+        raise ValueError("the KV pool got no block: the weights fill the memory_fraction share of the device "
+                         "(EngineConfig.memory_fraction, --gpu-memory-utilization): raise it, or set num_blocks")
     if num_blocks * bs < max_model_len:
         raise ValueError(
             f"the KV pool ({num_blocks} blocks x {bs} tokens = {num_blocks * bs} tokens) cannot hold one "

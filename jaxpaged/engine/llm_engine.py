@@ -115,8 +115,10 @@ class LLMEngine:
         self.num_blocks = size_pool(params, config, self.max_model_len, self.kv_dtype)
         # Over several processes the pool is one array on all of them: the size every process can hold.
         self.num_blocks = agreed_min(self.num_blocks)
-        if config.max_model_len is None and self.num_blocks * config.block_size < self.max_model_len:
-            # The default max_model_len does not fit the pool (a small CPU host): use what fits.
+        if (config.max_model_len is None and 0 < self.num_blocks * config.block_size < self.max_model_len
+                and jax.default_backend() == "cpu"):
+            # The default max_model_len does not fit a small CPU host's pool: use what fits. On a GPU a pool
+            # that small is an error naming the settings (check_holds_one_sequence), as in vLLM.
             self.max_model_len = self.num_blocks * config.block_size
         check_holds_one_sequence(self.num_blocks, config.block_size, self.max_model_len)
         self.bytes_per_token = bytes_per_token_slot(params, config.block_size, self.kv_dtype)  # all devices

@@ -54,8 +54,25 @@ def test_weights_past_the_memory_share_leave_no_pool_and_a_clear_error(monkeypat
     monkeypatch.setattr(pool_size.jax, "devices", lambda: [gpu])
     params = types.SimpleNamespace(config=QWEN3_06B, mesh=None)
     assert pool_size.size_pool(params, EngineConfig(max_model_len=2048), 2048, "bfloat16") == 0
-    with pytest.raises(ValueError, match="raise num_blocks / memory_fraction"):
+    with pytest.raises(ValueError, match="got no block.*memory_fraction"):
         pool_size.check_holds_one_sequence(0, 16, 2048)
+
+
+def test_an_engine_without_a_block_or_with_a_tiny_gpu_pool_is_an_error_naming_the_settings(monkeypatch):
+    """Through the engine, default max_model_len: no block is refused (not shrunk to a 0-token model), and
+    on a GPU a pool below the default max_model_len is refused rather than silently shortened."""
+    from jaxpaged import LLMEngine
+    from jaxpaged.engine import llm_engine
+    from jaxpaged.workloads import benchmark_params
+
+    params = benchmark_params("tiny")
+    monkeypatch.setattr(llm_engine, "size_pool", lambda *a, **k: 0)
+    with pytest.raises(ValueError, match="got no block"):
+        LLMEngine(params, EngineConfig(compilation_cache=False))
+    monkeypatch.setattr(llm_engine, "size_pool", lambda *a, **k: 2)
+    monkeypatch.setattr(llm_engine.jax, "default_backend", lambda: "gpu")
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        LLMEngine(params, EngineConfig(compilation_cache=False))
 
 def test_an_fp8_pool_holds_about_twice_the_tokens_in_the_same_memory(monkeypatch):
     """Qwen3-0.6B on 100 GiB free, each pool at its default block size: an fp8 pool (one byte an
