@@ -234,7 +234,7 @@ def decode_sweep(args, ceiling: float, interpret: bool):
     ctxs = [64] if args.tiny else [int(x) for x in args.ctxs.split(",")]
     hq, hkv, d, bs = (4, 2, 64, 16) if args.tiny else (HQ, HKV, D, 16)
     # The pool is sized for the largest shape that fits: a launch over it needs about its size again
-    # on the device (256 x 32k tokens, 32 GiB, runs on an H200 and not on an 80 GB H100).
+    # on the device (256 x 32k tokens, 32 GiB, needs an allocator limit above ~70 GiB).
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0) if not interpret else 0
     kv_token = hkv * d * 2 * 2
     fits = [(b, c) for b in batches for c in ctxs if not limit or 2.2 * b * c * kv_token < limit]
