@@ -21,6 +21,7 @@ Three implementations, one contract:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -99,21 +100,33 @@ def fp8_config(k: int, n: int, dtype, base: MatmulConfig | None = None) -> Matmu
                         num_stages=cfg.num_stages)
 
 
-def fp8_supported(x: jax.Array, w: jax.Array, scale: jax.Array, config: MatmulConfig | None = None,
-                  by_rows: bool = False) -> bool:
-    """Whether :func:`grouped_matmul_fixed_tile` (with the same ``config`` and ``by_rows``) reads the e4m3
-    ``w [G, K, N]`` with ``scale f32[G, N]`` (per output channel) or ``f32[G, K / g, N]`` (``g`` rows a
-    scale, a multiple of ``block_k``) itself."""
+def fp8_tile(x: jax.Array, w: jax.Array, scale: jax.Array, config: MatmulConfig | None = None,
+             by_rows: bool = False) -> MatmulConfig | None:
+    """The configuration :func:`grouped_matmul_fixed_tile` reads the e4m3 ``w [G, K, N]`` by, with ``scale
+    f32[G, N]`` (per output channel) or ``f32[G, K / g, N]`` (``g`` rows a scale), or None where it cannot:
+    ``config`` as given, else ``fp8_config`` of :func:`tile_config`'s tile with ``block_k`` narrowed to
+    divide ``g`` (each depth step then meets one scale row)."""
     if w.ndim != 3 or w.dtype != FP8 or scale.dtype != jnp.float32 or x.ndim != 2:
-        return False
+        return None
     g, k, n = w.shape
     cfg = config or fp8_config(k, n, x.dtype, tile_config(x.shape[0], g, k, n, x.dtype, by_rows))
     if cfg is None or k % cfg.block_k or n % cfg.block_n:
-        return False
+        return None
     if scale.shape == (g, n):
-        return True
-    return scale.ndim == 3 and scale.shape[::2] == (g, n) and k % scale.shape[1] == 0 and (
-        (k // scale.shape[1]) % cfg.block_k == 0)
+        return cfg
+    if not (scale.ndim == 3 and scale.shape[::2] == (g, n) and k % scale.shape[1] == 0):
+        return None
+    rows = k // scale.shape[1]
+    if config is None and rows % cfg.block_k and rows & -rows >= 16:
+        cfg = dataclasses.replace(cfg, block_k=rows & -rows)
+    return cfg if rows % cfg.block_k == 0 else None
+
+
+def fp8_supported(x: jax.Array, w: jax.Array, scale: jax.Array, config: MatmulConfig | None = None,
+                  by_rows: bool = False) -> bool:
+    """Whether :func:`grouped_matmul_fixed_tile` (with the same ``config`` and ``by_rows``) reads the e4m3
+    ``w`` with its ``scale`` itself (:func:`fp8_tile`)."""
+    return fp8_tile(x, w, scale, config, by_rows) is not None
 
 
 def _grouped_kernel(group_ref, lo_ref, hi_ref, x_ref, w_ref, *refs, cfg: MatmulConfig, precision, scale_rows: int):
@@ -189,10 +202,10 @@ def grouped_matmul_fixed_tile(x: jax.Array, w: jax.Array, group_sizes: jax.Array
     g, k, n = w.shape
     m = x.shape[0]
     if scale is not None:
-        if not fp8_supported(x, w, scale, config, by_rows):
+        cfg = fp8_tile(x, w, scale, config, by_rows)
+        if cfg is None:
             raise ValueError(f"the fixed-tile kernel cannot read an e4m3 weight {w.shape} {w.dtype} with scale "
-                             f"{scale.shape} {scale.dtype} ({config}): see fp8_supported")
-        cfg = config or fp8_config(k, n, x.dtype, tile_config(m, g, k, n, x.dtype, by_rows))
+                             f"{scale.shape} {scale.dtype} ({config}): see fp8_tile")
     elif x.dtype != w.dtype:
         raise ValueError(f"x and w dtypes differ: {x.dtype} vs {w.dtype}")
     else:

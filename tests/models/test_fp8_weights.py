@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, EngineConfig, LLMEngine, SamplingParams
-from jaxpaged.kernels.grouped_matmul import (fp8_supported, grouped_matmul, grouped_matmul_fixed_tile,
+from jaxpaged.kernels.grouped_matmul import (fp8_supported, fp8_tile, grouped_matmul, grouped_matmul_fixed_tile,
                                              grouped_matmul_reference)
 from jaxpaged.kernels.matmul import MatmulConfig
 from jaxpaged.llm import run_to_completion
@@ -300,11 +300,11 @@ def test_fp8_grouped_matmul_matches_the_dequantized_experts(per_channel):
         xs = jax.ShapeDtypeStruct((rows, k), jnp.float32)
         return str(jax.make_jaxpr(lambda x: fp8_tiled_or_grouped(x, w, group_sizes))(xs))
 
-    # The e4m3 tiles read as they are at every step size; the float32 default tiles step 32 deep, so 16-row
-    # block scales are converted whole instead, in front of the same kernel.
+    # The e4m3 tiles read as they are at every step size; the float32 default tiles step 32 deep, so over
+    # 16-row block scales the kernel steps 16 deep (one scale row a step).
     for rows in (16, 4 * 64 + 1):
-        assert ("fixed_tile_grouped_matmul_fp8" in kernels(rows)) == per_channel, rows
-        assert "fixed_tile_grouped_matmul" in kernels(rows) and "ragged_dot" not in kernels(rows)
+        assert "fixed_tile_grouped_matmul_fp8" in kernels(rows) and "ragged_dot" not in kernels(rows), rows
+        assert ("_k32" if per_channel else "_k16") in kernels(rows), rows
 
 
 @pytest.fixture(scope="module")
@@ -391,17 +391,21 @@ def test_fp8_grouped_kernel_lowers_for_hopper_with_unmasked_weight_loads(sm90_tr
 
 
 def test_fp8_experts_through_the_decode_tile(sm90_triton_modules):
-    """``by_rows`` over a decode step's few rows an expert: e4m3 experts (per channel and 128-row block
-    scales) read by the decode tile (16 x 64 x 128) give the dequantized product (interpret mode), and the
-    kernel at Qwen3-30B-A3B's gate/up shapes lowers for an sm_90 GPU with that tile."""
+    """``by_rows`` over a decode step's few rows an expert: e4m3 experts (per channel, 128-row and 64-row
+    block scales) read by the decode tile (16 x 64 x 128, 64 deep over 64-row scales) give the dequantized
+    product (interpret mode), and the kernel at Qwen3-30B-A3B's gate/up shapes lowers for an sm_90 GPU
+    with that tile."""
     rng = np.random.default_rng(7)
     sizes = [2, 0, 3, 1]
     x = jnp.asarray(rng.standard_normal((8, 256)), jnp.bfloat16)
     w32 = jnp.asarray(rng.standard_normal((4, 256, 128)), jnp.float32)
-    block = Fp8Weight(jnp.asarray(w32 * 50, jnp.float8_e4m3fn),
-                      jnp.asarray(rng.uniform(0.001, 0.01, (4, 2, 128)), jnp.float32), jnp.bfloat16)
-    for w in (Fp8Weight(*quantize_per_channel(w32), jnp.bfloat16), block):
-        assert fp8_supported(x, w.weight, w.scale, by_rows=True)
+    block = [Fp8Weight(jnp.asarray(w32 * 50, jnp.float8_e4m3fn),
+                       jnp.asarray(rng.uniform(0.001, 0.01, (4, rows, 128)), jnp.float32), jnp.bfloat16)
+             for rows in (2, 4)]  # 128 and 64 rows a scale: the tile steps 128, then 64 deep
+    for w in [Fp8Weight(*quantize_per_channel(w32), jnp.bfloat16)] + block:
+        cfg = fp8_tile(x, w.weight, w.scale, by_rows=True)
+        assert (cfg.block_m, cfg.block_n, cfg.block_k) == (16, 64, min(128, 256 // w.scale.shape[1]) if w.scale.ndim == 3
+                                                           else 128)
         got = np.asarray(grouped_matmul_fixed_tile(x, w.weight, jnp.asarray(sizes, jnp.int32), w.scale, by_rows=True,
                                                    interpret=True), np.float64)
         want = np.asarray(grouped_matmul_reference(x.astype(jnp.float32), dequantize(w).astype(jnp.float32),
