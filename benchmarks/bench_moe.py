@@ -79,8 +79,15 @@ class MoeShape:
 
 
 def parse_configs(text: str) -> list[MatmulConfig]:
-    """``"64x128x64x4x3,16x64x128x4x3"`` -> tile configurations (block_m x block_n x block_k x warps x stages)."""
-    return [MatmulConfig(*(int(v) for v in c.split("x"))) for c in text.split(",") if c]
+    """``"64x128x64x4x3,16x64x128x4x3"`` -> tile configurations (block_m x block_n x block_k x warps x stages;
+    the blocks powers of two >= 16)."""
+    configs = []
+    for c in filter(None, text.split(",")):
+        values = [int(v) for v in c.split("x")]
+        if len(values) != 5 or any(b < 16 or b & (b - 1) for b in values[:3]):
+            raise SystemExit(f"--configs: bad configuration {c!r} (want BMxBNxBKxWARPSxSTAGES, blocks powers of two >= 16)")
+        configs.append(MatmulConfig(*values))
+    return configs
 
 
 def config_name(cfg: MatmulConfig) -> str:
@@ -165,16 +172,17 @@ def main(argv=None) -> list[dict]:
     device = measure_device(**(dict(read_bytes=8 << 20, matmul_size=256, repeats=3) if args.tiny else {}))
     print(f"{device.name}: read {device.read_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
           f"{device.matmul_flops_per_s / 1e12:.0f} TFLOP/s; {shape}", flush=True)
+    configs = tuple(parse_configs(args.configs))  # a malformed one fails here, before any timing
     rows = []
+    os.makedirs(args.out, exist_ok=True)
     for tokens in [int(t) for t in args.tokens.split(",")]:
-        rows.append(measure(shape, tokens, args.layers, args.repeats, device, configs=tuple(parse_configs(args.configs)),
+        rows.append(measure(shape, tokens, args.layers, args.repeats, device, configs=configs,
                             ragged_max_tokens=args.ragged_max_tokens))
         print(json.dumps(rows[-1]), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_moe.json"), "w") as f:
-        json.dump(dict(device=device.name, read_tb_s=device.read_bytes_per_s / 1e12,
-                       matmul_tflop_s=device.matmul_flops_per_s / 1e12, shape=dataclasses.asdict(shape), rows=rows),
-                  f, indent=1)
+        with open(os.path.join(args.out, "bench_moe.json"), "w") as f:  # after each row: a later one may not finish
+            json.dump(dict(device=device.name, read_tb_s=device.read_bytes_per_s / 1e12,
+                           matmul_tflop_s=device.matmul_flops_per_s / 1e12, shape=dataclasses.asdict(shape), rows=rows),
+                      f, indent=1)
     names = list(dict.fromkeys(n for r in rows for n in r if isinstance(r[n], dict)))
     print(f"\n{'T':>5} {'experts':>7} {'':24} {'us':>9} {'floor':>7} {'%':>4} {'GB/s':>6} {'TF/s':>5}")
     for r in rows:
