@@ -61,21 +61,20 @@ def gemv_reads(x: jax.Array, w, transpose_w: bool = False) -> bool:
     return not isinstance(w, Fp8Weight) and gemv.supported(x, w, transpose_w)
 
 
-def fp8_tiled_or_grouped(x: jax.Array, w, group_sizes: jax.Array, *,
-                         grouped=grouped_matmul.grouped_matmul_fixed_tile, interpret: bool = False,
+def fp8_tiled_or_grouped(x: jax.Array, w, group_sizes: jax.Array, *, interpret: bool = False,
                          by_rows: bool = False, out_dtype=None) -> jax.Array:
-    """``ops.grouped_matmul`` on a GPU and with ``batch_invariant``: ``grouped`` (the fixed-tile kernel)
-    for experts in the model dtype; fp8 experts (:class:`Fp8Weight`) read as e4m3 by the fixed-tile
-    kernel, which reads only the experts the rows meet, at a byte a weight, where their shapes allow
-    (``grouped_matmul.fp8_supported``); else converted whole in front of ``grouped``
-    (``quantization.fp8_grouped_matmul``). ``by_rows``: the fixed-tile kernel's tile chosen by the row
+    """``ops.grouped_matmul`` on a GPU and with ``batch_invariant``: the fixed-tile kernel
+    (``grouped_matmul.grouped_matmul_fixed_tile``) for experts in the model dtype; fp8 experts
+    (:class:`Fp8Weight`) read as e4m3 by the same kernel, which reads only the experts the rows meet, at
+    a byte a weight, where their shapes allow (``grouped_matmul.fp8_supported``); else converted whole in
+    front of it (``quantization.fp8_grouped_matmul``). ``by_rows``: the kernel's tile chosen by the row
     count (``grouped_matmul.tile_config``: the decode tile for a decode step's few rows an expert), off
-    with ``batch_invariant``."""
+    with ``batch_invariant``; ``interpret``: Pallas interpret mode (CPU)."""
+    grouped = functools.partial(grouped_matmul.grouped_matmul_fixed_tile, by_rows=by_rows, interpret=interpret)
     if not isinstance(w, Fp8Weight):
         return grouped(x, w, group_sizes, out_dtype=out_dtype)
     if grouped_matmul.fp8_supported(x, w.weight, w.scale, by_rows=by_rows):
-        return grouped_matmul.grouped_matmul_fixed_tile(x, w.weight, group_sizes, w.scale, out_dtype=out_dtype,
-                                                        by_rows=by_rows, interpret=interpret)
+        return grouped(x, w.weight, group_sizes, w.scale, out_dtype=out_dtype)
     return fp8_grouped_matmul(x, w, group_sizes, grouped_matmul=grouped, out_dtype=out_dtype)
 
 
@@ -161,9 +160,7 @@ def get_model_ops(batch_invariant: bool = False) -> ModelOps:
         return ModelOps(matmul=accepting_fp8(functools.partial(matmul.matmul, interpret=interpret)),
                         rms_norm=functools.partial(rms_norm.rms_norm, interpret=interpret),
                         rotary=functools.partial(rotary, separate_products=True),
-                        grouped_matmul=functools.partial(
-                            fp8_tiled_or_grouped, interpret=interpret,
-                            grouped=functools.partial(grouped_matmul.grouped_matmul_fixed_tile, interpret=interpret)))
+                        grouped_matmul=functools.partial(fp8_tiled_or_grouped, interpret=interpret))
     if not _on_gpu():
         return DEFAULT_OPS
     base = xla_matmul_unfused_input
@@ -173,5 +170,4 @@ def get_model_ops(batch_invariant: bool = False) -> ModelOps:
         matmul_parts=functools.partial(matmul_parts, xla_matmul=base),
         silu_mul_matmul_parts=functools.partial(silu_mul_matmul_parts, xla_matmul=base),
         add_rms_norm=fused_add_rms_norm,
-        grouped_matmul=functools.partial(fp8_tiled_or_grouped, by_rows=True, grouped=functools.partial(
-            grouped_matmul.grouped_matmul_fixed_tile, by_rows=True)))
+        grouped_matmul=functools.partial(fp8_tiled_or_grouped, by_rows=True))
